@@ -1,0 +1,93 @@
+"""Shared pieces of the distributed tests: the model, the data, and the DDP + AdamW reference."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import zeroshard
+from zeroshard.demo.model import GPT, GPTConfig
+
+# A vocabulary no world size divides, a tied embedding, and a frozen layer (see make_model).
+TINY = GPTConfig(vocab_size=61, seq_len=8, d_model=16, n_layer=2, n_head=2, attn_bias=False)
+LR, WD, CLIP = 1e-3, 0.1, 0.05
+
+
+def make_model(seed: int = 0, cfg: GPTConfig = TINY) -> GPT:
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    model.blocks[0].fc.requires_grad_(False)  # a frozen layer
+    return model
+
+
+def global_batch(step: int, rows: int, cfg: GPTConfig = TINY) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    data = torch.randint(0, cfg.vocab_size, (rows, cfg.seq_len + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def rank_micro_batches(step: int, rank: int, world: int, micro: int, accum: int):
+    """The micro batches of ``rank`` at ``step``: the global batch split by rank, then by micro step."""
+    x, y = global_batch(step, micro * accum * world)
+    per_rank = micro * accum
+    xs, ys = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+    return [(xs[m * micro:(m + 1) * micro], ys[m * micro:(m + 1) * micro]) for m in range(accum)]
+
+
+def zero_config(stage: int, micro: int, accum: int, **zero: Any) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
+        "gradient_clipping": CLIP,
+        "steps_per_print": 1000,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000, "allgather_bucket_size": 5000, **zero},
+    }
+
+
+def train_ddp(model: nn.Module, rank: int, world: int, steps: int, micro: int, accum: int):
+    """The reference: DistributedDataParallel + torch.optim.AdamW + clip_grad_norm_."""
+    ddp = DDP(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
+    norms = []
+    for step in range(steps):
+        batches = rank_micro_batches(step, rank, world, micro, accum)
+        for m, (x, y) in enumerate(batches):
+            if m < accum - 1:
+                with ddp.no_sync():
+                    (ddp(x, y) / accum).backward()
+            else:
+                (ddp(x, y) / accum).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return norms
+
+
+def train_zero(model: nn.Module, rank: int, world: int, steps: int, micro: int, accum: int, stage: int,
+               **zero: Any):
+    engine, _, _, _ = zeroshard.initialize(model=model, config=zero_config(stage, micro, accum, **zero))
+    norms = []
+    for step in range(steps):
+        for x, y in rank_micro_batches(step, rank, world, micro, accum):
+            engine.backward(engine(x, y))
+            engine.step()
+        norms.append(engine.get_global_grad_norm())
+    return engine, norms
+
+
+def max_rel_diff(a: nn.Module, b: nn.Module) -> float:
+    """max over parameters of max|a - b| / max|b|: relative to each tensor's scale."""
+    worst = 0.0
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        scale = float(pb.detach().abs().max()) or 1.0
+        worst = max(worst, float((pa.detach() - pb.detach()).abs().max()) / scale)
+    return worst
+
+
+def clone(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model)

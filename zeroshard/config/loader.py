@@ -1,0 +1,221 @@
+"""Turn a DeepSpeed-style JSON file or dict into a validated :class:`ZeroshardConfig`.
+
+Every rule here produces a :class:`ConfigError` that names the dotted key and says what would be
+accepted, so that a typo (``gradient_clipp1ng``) or a wrong type never passes silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Mapping, Union
+
+from .schema import NOT_SUPPORTED_YET, OptimizerConfig, SchedulerConfig, ZeroshardConfig
+from .spec_params import OPTIMIZER_PARAMS, SCHEDULER_PARAMS, ParamSpec
+
+
+class ConfigError(ValueError):
+    """A configuration value zeroshard refuses, with the key that holds it and how to fix it."""
+
+
+def load_config(source: Union[str, os.PathLike, Mapping[str, Any], ZeroshardConfig, None],
+                world_size: int | None = None) -> ZeroshardConfig:
+    """Read, validate and complete a config.
+
+    ``source`` is a path to a JSON file, a dict, an already-built config, or ``None`` (all defaults).
+    With ``world_size``, the three batch-size keys are completed and checked against each other.
+    """
+    if isinstance(source, ZeroshardConfig):
+        config = source
+    else:
+        raw = _read(source)
+        config = _build(ZeroshardConfig, raw, "")
+        _check_params(config)
+    if world_size is not None:
+        config = resolve_batch_sizes(config, world_size)
+    return config
+
+
+def _read(source: Any) -> dict:
+    if source is None:
+        return {}
+    if isinstance(source, Mapping):
+        return dict(source)
+    path = Path(source)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"config file {str(path)!r} is not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a JSON object, not {type(data).__name__}")
+    return data
+
+
+def _dotted(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _unknown_key(path: str, name: str, known: list[str]) -> ConfigError:
+    where = _dotted(path, name)
+    if name in NOT_SUPPORTED_YET.get(path, ()):
+        return ConfigError(f"{where!r} is a DeepSpeed key that zeroshard does not support yet; "
+                           f"remove it from the config")
+    close = difflib.get_close_matches(name, known + list(NOT_SUPPORTED_YET.get(path, ())), n=1, cutoff=0.6)
+    hint = f"; did you mean {_dotted(path, close[0])!r}?" if close else f"; known keys: {', '.join(sorted(known))}"
+    return ConfigError(f"unknown config key {where!r}{hint}")
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path or 'the config'!r} must be a JSON object, got {_show(data)}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for name in data:
+        if name not in fields:
+            raise _unknown_key(path, name, list(fields))
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for name, value in data.items():
+        dotted = _dotted(path, name)
+        converted = _convert(hints[name], value, dotted)
+        check = fields[name].metadata.get("check")
+        problem = check(converted) if check is not None and converted is not None else None
+        if problem:
+            raise ConfigError(f"{dotted!r} = {_show(value)} is not allowed; it must be {problem}")
+        values[name] = converted
+    return cls(**values)
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (str, int, float, bool, type(None))) else type(value).__name__
+
+
+def _convert(hint: Any, value: Any, dotted: str) -> Any:
+    """Check ``value`` against the annotation ``hint`` and return it in the annotated type."""
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return None if value is None else _convert(args[0], value, dotted)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint_text = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{dotted!r} = {_show(value)} is not one of {', '.join(map(str, choices))}{hint_text}")
+        return value
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, dotted)
+    return _scalar(hint, value, dotted)
+
+
+def _scalar(hint: Any, value: Any, dotted: str) -> Any:
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{dotted!r} must be true or false, got {_show(value)}")
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or float(value) != int(value):
+            raise ConfigError(f"{dotted!r} must be an integer, got {_show(value)}")
+        return int(value)
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{dotted!r} must be a number, got {_show(value)}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{dotted!r} must be a string, got {_show(value)}")
+        return value
+    if hint is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{dotted!r} must be a JSON object, got {_show(value)}")
+        return dict(value)
+    raise TypeError(f"config schema uses an unsupported annotation {hint!r} at {dotted}")
+
+
+def _check_params(config: ZeroshardConfig) -> None:
+    if config.optimizer is not None:
+        spec = OPTIMIZER_PARAMS[config.optimizer.type]
+        _check_param_block(config.optimizer.params, spec, "optimizer.params", config.optimizer.type)
+    if config.scheduler is not None:
+        spec = SCHEDULER_PARAMS[config.scheduler.type]
+        _check_param_block(config.scheduler.params, spec, "scheduler.params", config.scheduler.type)
+
+
+def _check_param_block(params: dict, spec: dict[str, ParamSpec], path: str, type_name: str) -> None:
+    for name, value in params.items():
+        if name not in spec:
+            close = difflib.get_close_matches(name, list(spec), n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; {type_name} takes {', '.join(spec)}"
+            raise ConfigError(f"unknown config key {path + '.' + name!r} for {type_name}{hint}")
+        problem = spec[name].problem(value)
+        if problem:
+            raise ConfigError(f"{path + '.' + name!r} = {_show(value)} is not allowed for {type_name}; "
+                              f"it must be {problem}")
+    for name, s in spec.items():
+        if s.required and name not in params:
+            raise ConfigError(f"{path + '.' + name!r} is required for {type_name}")
+
+
+def resolve_batch_sizes(config: ZeroshardConfig, world_size: int) -> ZeroshardConfig:
+    """Derive the missing batch key; refuse inconsistent ones with the formula and the world size.
+
+    ``train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x world_size``.
+    """
+    total = config.train_batch_size
+    micro = config.train_micro_batch_size_per_gpu
+    accum = config.gradient_accumulation_steps
+    formula = ("train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x "
+               f"world_size (world_size is {world_size})")
+    if total is None and micro is None:
+        raise ConfigError("set 'train_batch_size' or 'train_micro_batch_size_per_gpu' (or both); " + formula)
+    if total is not None and micro is not None and accum is not None:
+        if total != micro * accum * world_size:
+            raise ConfigError(f"inconsistent batch sizes: {total} != {micro} x {accum} x {world_size}; "
+                              + formula)
+    elif total is not None and micro is not None:
+        accum, rest = divmod(total, micro * world_size)
+        if rest or accum == 0:
+            raise ConfigError(f"train_batch_size {total} is not a multiple of train_micro_batch_size_per_gpu "
+                              f"{micro} x world_size {world_size}; " + formula)
+    elif total is not None:
+        accum = accum or 1
+        micro, rest = divmod(total, accum * world_size)
+        if rest or micro == 0:
+            raise ConfigError(f"train_batch_size {total} is not a multiple of gradient_accumulation_steps "
+                              f"{accum} x world_size {world_size}; " + formula)
+    else:
+        assert micro is not None
+        accum = accum or 1
+        total = micro * accum * world_size
+    return dataclasses.replace(config, train_batch_size=total, train_micro_batch_size_per_gpu=micro,
+                               gradient_accumulation_steps=accum)
+
+
+def describe_keys() -> list[tuple[str, Any, str]]:
+    """(dotted key, default, doc) for every supported key: the README's table is made from this."""
+    rows: list[tuple[str, Any, str]] = []
+
+    def walk(cls: type, path: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            dotted = _dotted(path, f.name)
+            target = hints[f.name]
+            inner = [a for a in typing.get_args(target) if dataclasses.is_dataclass(a)]
+            if dataclasses.is_dataclass(target) or inner:
+                walk(target if dataclasses.is_dataclass(target) else inner[0], dotted)
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            rows.append((dotted, default, f.metadata.get("doc", "")))
+
+    walk(ZeroshardConfig, "")
+    return rows
+
+
+__all__ = ["ConfigError", "load_config", "resolve_batch_sizes", "describe_keys",
+           "OptimizerConfig", "SchedulerConfig"]

@@ -1,0 +1,142 @@
+"""The typed configuration: one frozen dataclass per JSON block, one docstring line per key.
+
+The DeepSpeed JSON keys are the public surface; these classes are what the rest of zeroshard reads.
+Each field carries a ``doc`` and, where a value has limits, a ``check`` in its metadata; the loader
+(:mod:`zeroshard.config.loader`) walks these classes generically, so adding a key is adding a field.
+
+[Note: defaults]
+Defaults are DeepSpeed's (see ``shared/REFERENCE.md``) with one deliberate exception:
+``zero_optimization.overlap_comm`` defaults to true at every stage.  DeepSpeed turns it on only at
+stage 3, but in zeroshard overlapping costs no extra memory at stages 0-1 and only the buckets in
+flight at stage 2, and without it the engine could not keep up with ``DistributedDataParallel``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Optional
+
+Check = Callable[[Any], Optional[str]]
+
+
+def key(default: Any, doc: str, check: Check | None = None) -> Any:
+    """Declare a config field with its documentation and an optional value check.
+
+    ``check`` returns ``None`` when the value is fine, or a phrase saying what is allowed.
+    """
+    meta = {"doc": doc, "check": check}
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def positive(value: Any) -> str | None:
+    return None if value > 0 else "a number > 0"
+
+
+def non_negative(value: Any) -> str | None:
+    return None if value >= 0 else "a number >= 0"
+
+
+def optional_positive(value: Any) -> str | None:
+    return None if value is None or value > 0 else "a number > 0 (or omit the key)"
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """``optimizer``: which torch optimizer zeroshard builds over each rank's shard."""
+
+    type: Literal["Adam", "AdamW", "SGD"] = key(
+        "AdamW", "Adam, AdamW or SGD. DeepSpeed's Adam is decoupled (AdamW) unless adam_w_mode is false."
+    )
+    params: dict = key({}, "Keyword arguments of the optimizer (validated per type).")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """``scheduler``: a DeepSpeed learning-rate schedule, stepped once per optimizer step."""
+
+    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"] = key(
+        "WarmupLR", "WarmupLR, WarmupDecayLR or WarmupCosineLR."
+    )
+    params: dict = key({}, "Parameters of the schedule (validated per type).")
+
+
+@dataclass(frozen=True)
+class PrecisionBlock:
+    """``fp16`` / ``bf16`` as they arrive from DeepSpeed configs; only ``enabled: false`` is accepted yet."""
+
+    enabled: bool = key(False, "Mixed precision is not supported yet: only false is accepted.",
+                        lambda v: None if v is False else "false (mixed precision is not supported yet)")
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """``zero_optimization``: which training state is sharded and how gradients are communicated."""
+
+    stage: int = key(0, "0: plain data parallel; 1: shard optimizer state; 2: also gradients.",
+                     lambda v: None if v in (0, 1, 2) else "0, 1 or 2 (stage 3 is not supported yet)")
+    reduce_bucket_size: int = key(500_000_000, "Elements per gradient bucket (one collective each).",
+                                  positive)
+    allgather_bucket_size: int = key(500_000_000, "Elements per parameter all-gather after the step.",
+                                     positive)
+    overlap_comm: bool = key(True, "Launch each gradient bucket's collective as soon as it is full.")
+    contiguous_gradients: bool = key(
+        True, "Gradients are copied into contiguous buckets; zeroshard always does this.",
+        lambda v: None if v is True else "true (zeroshard always copies gradients into contiguous buckets)",
+    )
+    reduce_scatter: bool = key(
+        True, "Stages 1-2: reduce-scatter gradients (true) or all-reduce and keep the own shard (false)."
+    )
+
+
+@dataclass(frozen=True)
+class ZeroshardConfig:
+    """The whole training configuration, after validation and batch-size derivation."""
+
+    train_batch_size: Optional[int] = key(None, "Global batch: micro batch x accumulation x world size.",
+                                          optional_positive)
+    train_micro_batch_size_per_gpu: Optional[int] = key(None, "Samples per rank per forward.",
+                                                        optional_positive)
+    gradient_accumulation_steps: Optional[int] = key(None, "Micro steps per optimizer step.",
+                                                     optional_positive)
+    gradient_clipping: float = key(0.0, "Clip the global gradient norm to this value; 0 turns it off.",
+                                   non_negative)
+    steps_per_print: int = key(10, "Log a line of metrics every this many optimizer steps.", positive)
+    seed: Optional[int] = key(None, "Seed torch on every rank in initialize() (same value everywhere).")
+    collective_timeout: float = key(
+        1800.0, "Seconds a collective may wait before the job fails instead of hanging.", positive
+    )
+    optimizer: Optional[OptimizerConfig] = key(None, "The optimizer; or pass one to initialize().")
+    scheduler: Optional[SchedulerConfig] = key(None, "The learning-rate schedule, if any.")
+    zero_optimization: ZeroConfig = key(ZeroConfig(), "ZeRO stage and communication settings.")
+    fp16: PrecisionBlock = key(PrecisionBlock(), "Not supported yet; only enabled: false.")
+    bf16: PrecisionBlock = key(PrecisionBlock(), "Not supported yet; only enabled: false.")
+
+    @property
+    def stage(self) -> int:
+        return self.zero_optimization.stage
+
+
+# DeepSpeed keys that zeroshard knows but does not implement yet: naming one is an explicit error
+# (never silently ignored), keyed by the dotted path of the block that holds them.
+NOT_SUPPORTED_YET: dict[str, tuple[str, ...]] = {
+    "": (
+        "amp", "activation_checkpointing", "communication_data_type", "data_types", "prescale_gradients",
+        "gradient_predivide_factor", "sparse_gradients", "wall_clock_breakdown", "memory_breakdown",
+        "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comms_logger", "elasticity",
+        "pipeline", "checkpoint", "aio", "autotuning", "compression_training", "dump_state",
+        "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "bfloat16",
+    ),
+    "zero_optimization": (
+        "offload_optimizer", "offload_param", "sub_group_size", "round_robin_gradients",
+        "load_from_fp32_weights", "elastic_checkpoint", "cpu_offload", "ignore_unused_parameters",
+        "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
+        "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
+        "stage3_gather_fp16_weights_on_model_save", "zero_hpz_partition_size", "zero_quantized_weights",
+        "zero_quantized_gradients", "mics_shard_size", "use_multi_rank_bucket_allreduce",
+    ),
+    "fp16": ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+             "consecutive_hysteresis", "min_loss_scale", "auto_cast", "fp16_master_weights_and_grads"),
+    "bf16": ("immediate_grad_update",),
+}

@@ -1,0 +1,236 @@
+"""The training engine: forward, backward, step, gradient accumulation, clipping and accounting.
+
+The engine only wires parts together and keeps the step counters; what ZeRO does to gradients and
+parameters lives in the stage's :class:`~zeroshard.sharding.ShardingStrategy`.
+
+[Note: loss scaling for accumulation]
+``engine.backward(loss)`` divides the loss by ``gradient_accumulation_steps`` exactly once, as
+DeepSpeed does, so a script passes the plain per-micro-batch mean loss.  Gradients are averaged over
+ranks by the reduction, so micro batch 4 x accumulation 1 and micro batch 1 x accumulation 4 give
+the same update.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+from .config import ZeroshardConfig
+from .distributed.collectives import Collectives
+from .distributed.world import World
+from .logging import log_rank
+from .memory import model_state_bytes
+from .optim import build_scheduler, clip_, from_config, from_user, global_grad_norm
+from .param_groups import collect_trainable
+from .sharding import STRATEGIES, FlatParameters, plan_buckets
+
+SchedulerSpec = Union[None, LRScheduler, Callable[[Optimizer], LRScheduler]]
+
+
+class Engine:
+    """Wraps a model for ZeRO data-parallel training; use it like DeepSpeed's engine."""
+
+    def __init__(self, model: nn.Module, config: ZeroshardConfig, world: World,
+                 model_parameters: Any = None, optimizer: Any = None,
+                 lr_scheduler: SchedulerSpec = None) -> None:
+        self.module = model.to(world.device)
+        self.config = config
+        self.world = world
+        self.comm = Collectives(world)
+        trainable = collect_trainable(model, model_parameters,
+                                      optimizer if isinstance(optimizer, Optimizer) else None)
+        self.param_names = trainable.names
+        self.frozen_params = trainable.frozen
+        layout = plan_buckets(trainable.params, trainable.names, trainable.group_of,
+                              config.zero_optimization.reduce_bucket_size, world.world_size)
+        self.flat = FlatParameters(layout, trainable.params)
+        self._sync_initial_state()
+        strategy_cls = STRATEGIES[config.stage]
+        self.strategy = strategy_cls(self.flat, trainable.params, self.comm, world, config.zero_optimization)
+        self._chunks = [nn.Parameter(self.strategy.owned_param(b), requires_grad=False) for b in layout.buckets]
+        self.optimizer = self._build_optimizer(optimizer, trainable.group_options)
+        self.lr_scheduler = self._build_scheduler(lr_scheduler)
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.global_samples = 0
+        self._grad_norm: Optional[float] = None
+        self._last_loss: Optional[float] = None
+        self._window_start = time.perf_counter()
+        self.comm.reset_counters()  # the initial broadcast is set-up, not training traffic
+
+    # ------------------------------------------------------------------ construction helpers
+    def _sync_initial_state(self) -> None:
+        """Start every rank from rank 0's parameters and buffers, as DistributedDataParallel does."""
+        with torch.no_grad():
+            self.comm.broadcast(self.flat.data, 0, "init_params")
+            for p in self.frozen_params:
+                self.comm.broadcast(p.data, 0, "init_frozen")
+            for b in self.module.buffers():
+                self.comm.broadcast(b.data, 0, "init_buffers")
+
+    def _optimizer_groups(self, options: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        groups = [{**opts, "params": []} for opts in options]
+        for bucket, chunk in zip(self.flat.layout.buckets, self._chunks):
+            groups[bucket.group_index]["params"].append(chunk)
+        return groups
+
+    def _build_optimizer(self, optimizer: Any, options: list[dict[str, Any]]) -> Optimizer:
+        groups = self._optimizer_groups(options)
+        if isinstance(optimizer, Optimizer):
+            # Keep the user's object (a scheduler may already hold it): swap its tensors for our chunks.
+            if any(len(s) for s in optimizer.state.values()):
+                raise ValueError("initialize(optimizer=...) got an optimizer that has already stepped; "
+                                 "pass a fresh one so that zeroshard can rebuild it over the shards")
+            for target, group in zip(optimizer.param_groups, groups):
+                target["params"] = group["params"]
+            optimizer.state.clear()
+            return optimizer
+        if optimizer is not None:
+            return from_user(optimizer, groups)
+        if self.config.optimizer is None:
+            raise ValueError("no optimizer: add an 'optimizer' block to the config or pass optimizer= to "
+                             "initialize()")
+        return from_config(self.config.optimizer.type, self.config.optimizer.params, groups)
+
+    def _build_scheduler(self, spec: SchedulerSpec) -> Optional[LRScheduler]:
+        if isinstance(spec, LRScheduler):
+            if spec.optimizer is not self.optimizer:
+                raise ValueError("initialize(lr_scheduler=...) got a scheduler built on another optimizer; "
+                                 "build it on the optimizer you pass to initialize(), or pass a callable")
+            return spec
+        if spec is not None:
+            return spec(self.optimizer)
+        if self.config.scheduler is not None:
+            return build_scheduler(self.config.scheduler.type, self.config.scheduler.params, self.optimizer)
+        return None
+
+    # ------------------------------------------------------------------ the training step
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the current micro step is the last one before an optimizer step."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backpropagate ``loss / gradient_accumulation_steps`` and reduce gradients as the stage says."""
+        scaled = loss / self.gradient_accumulation_steps()
+        self.strategy.sync_gradients = self.is_gradient_accumulation_boundary()
+        scaled.backward()
+        self.strategy.finish_backward()
+        self._last_loss = float(loss.detach())
+        return scaled
+
+    def step(self) -> None:
+        """Update the parameters at an accumulation boundary; otherwise only count the micro step."""
+        if self.is_gradient_accumulation_boundary():
+            self._optimizer_step()
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+            if self.global_steps % self.config.steps_per_print == 0:
+                self._log_progress()
+        self.micro_steps += 1
+
+    def _optimizer_step(self) -> None:
+        grads = [self.strategy.owned_grad(b) for b in self.flat.layout.buckets]
+        sharded = self.strategy.grads_are_sharded and self.world.is_distributed
+        self._grad_norm = global_grad_norm(grads, self.comm if sharded else None)
+        if self.config.gradient_clipping > 0:
+            with torch.no_grad():
+                clip_(grads, self._grad_norm, self.config.gradient_clipping)
+        for chunk, grad in zip(self._chunks, grads):
+            chunk.grad = grad
+        self.optimizer.step()
+        for chunk in self._chunks:
+            chunk.grad = None
+        self.strategy.after_step()
+        self.strategy.zero_grad()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+
+    def zero_grad(self) -> None:
+        """Drop gradients accumulated so far. ``step()`` already does this after each update."""
+        self.strategy.zero_grad()
+        for p in self.strategy.params:
+            p.grad = None
+
+    def _log_progress(self) -> None:
+        elapsed = time.perf_counter() - self._window_start
+        samples = self.config.steps_per_print * self.train_batch_size()
+        log_rank(f"step {self.global_steps}: loss {self._last_loss:.4f} lr {self.get_lr()[0]:.3e} "
+                 f"grad_norm {self._grad_norm:.4f} samples/s {samples / max(elapsed, 1e-9):.1f}")
+        self._window_start = time.perf_counter()
+
+    # ------------------------------------------------------------------ DeepSpeed-style accessors
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        self.module.eval()
+        return self
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        """The gradient norm of the last optimizer step, before clipping (same on every rank)."""
+        return self._grad_norm
+
+    def train_batch_size(self) -> int:
+        assert self.config.train_batch_size is not None
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        assert self.config.train_micro_batch_size_per_gpu is not None
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        assert self.config.gradient_accumulation_steps is not None
+        return self.config.gradient_accumulation_steps
+
+    @property
+    def stage(self) -> int:
+        return self.strategy.stage
+
+    # ------------------------------------------------------------------ accounting
+    def memory_breakdown(self) -> dict[str, float]:
+        """Bytes this rank holds, by category (see [Note: what the breakdown counts])."""
+        layout, elem = self.flat.layout, self.flat.data.element_size()
+        grads, grad_padding = self.strategy.grad_bytes()
+        opt_real, opt_padding, opt_other = self._optimizer_bytes()
+        out: dict[str, float] = {
+            "params": layout.numel * elem,
+            "grads": grads,
+            "optimizer": opt_real,
+            "padding": (layout.padded_numel - layout.numel) * elem + grad_padding + opt_padding,
+            "optimizer_other": opt_other,
+            "frozen_params": sum(p.numel() * p.element_size() for p in self.frozen_params),
+            "buffers": sum(b.numel() * b.element_size() for b in self.module.buffers()),
+            "comm_buffers_peak": getattr(self.strategy, "peak_bucket_bytes", 0),
+        }
+        out["model_states"] = out["params"] + out["grads"] + out["optimizer"]
+        out["formula"] = model_state_bytes(self.stage, layout.numel, self.world.world_size).total
+        return out
+
+    def _optimizer_bytes(self) -> tuple[int, int, int]:
+        real = padding = other = 0
+        for bucket, chunk in zip(self.flat.layout.buckets, self._chunks):
+            owned_real = self.strategy.owned_real(bucket)
+            for value in self.optimizer.state.get(chunk, {}).values():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                if value.numel() == chunk.numel():
+                    real += owned_real * value.element_size()
+                    padding += (chunk.numel() - owned_real) * value.element_size()
+                else:
+                    other += value.numel() * value.element_size()
+        return real, padding, other

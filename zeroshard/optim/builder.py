@@ -1,0 +1,35 @@
+"""Build a torch optimizer over the chunks a rank owns: zeroshard wraps torch's optimizers, never rewrites them."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.optim import Optimizer
+
+from ..config.spec_params import OPTIMIZER_PARAMS, resolve
+
+def _foreach_kwargs() -> dict[str, Any]:
+    # foreach runs one kernel over the (few, large) chunks; fused is CUDA-first and not faster on CPU.
+    return {"foreach": True}
+
+
+def from_config(type_name: str, params: dict, groups: Sequence[dict]) -> Optimizer:
+    """An optimizer from the config's ``optimizer`` block.
+
+    DeepSpeed's ``Adam`` applies decoupled weight decay unless ``adam_w_mode`` is false, so it maps to
+    ``torch.optim.AdamW``; with ``adam_w_mode: false`` it maps to ``torch.optim.Adam``.
+    """
+    full = resolve(params, OPTIMIZER_PARAMS[type_name], f"optimizer.params ({type_name})")
+    if type_name == "SGD":
+        return torch.optim.SGD(groups, **full, **_foreach_kwargs())
+    adam_w = full.pop("adam_w_mode", True)
+    full["betas"] = tuple(full["betas"])
+    cls = torch.optim.AdamW if (type_name == "AdamW" or adam_w) else torch.optim.Adam
+    return cls(groups, **full, **_foreach_kwargs())
+
+
+def from_user(factory: Callable[..., Optimizer], groups: Sequence[dict]) -> Optimizer:
+    """An optimizer from a callable passed to ``initialize(optimizer=...)`` (a class or a factory),
+    called with zeroshard's parameter groups (one chunk tensor per bucket)."""
+    return factory(list(groups))

@@ -1,0 +1,51 @@
+"""The flat parameter buffer: every trainable parameter becomes a view into one padded 1D tensor.
+
+Keeping the parameters contiguous lets a bucket be communicated without copies, and lets the
+optimizer work on a handful of large chunks instead of hundreds of small tensors.  The ``Parameter``
+objects themselves stay the user's (only their ``.data`` is rebound), so references held by the
+model, tied weights and hooks all keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .layout import BucketLayout, FlatLayout
+
+
+class FlatParameters:
+    """Owns the padded flat buffer and the views the model's parameters now point into."""
+
+    def __init__(self, layout: FlatLayout, params: Sequence[torch.nn.Parameter]) -> None:
+        first = params[0]
+        for p in params:
+            if p.dtype != first.dtype or p.device != first.device:
+                raise TypeError(
+                    f"all trainable parameters must share one dtype and device (found {first.dtype} on "
+                    f"{first.device} and {p.dtype} on {p.device}); mixed precision is not supported yet"
+                )
+        self.layout = layout
+        self.dtype = first.dtype
+        self.device = first.device
+        self.data = torch.zeros(layout.padded_numel, dtype=self.dtype, device=self.device)  # 1D, padded
+        with torch.no_grad():
+            for bucket in layout.buckets:
+                for slot in bucket.slots:
+                    view = self.slot_view(bucket, slot.offset, slot.numel).view(slot.shape)
+                    view.copy_(params[slot.index].data)
+                    params[slot.index].data = view
+
+    def bucket_view(self, bucket: BucketLayout) -> torch.Tensor:
+        """The whole bucket, padding included (1D, padded_numel)."""
+        return self.data[bucket.offset: bucket.offset + bucket.padded_numel]
+
+    def shard_view(self, bucket: BucketLayout, rank: int) -> torch.Tensor:
+        """Rank's equal chunk of the bucket (1D, shard_numel)."""
+        start, end = bucket.shard_range(rank)
+        return self.data[bucket.offset + start: bucket.offset + end]
+
+    def slot_view(self, bucket: BucketLayout, offset: int, numel: int) -> torch.Tensor:
+        start = bucket.offset + offset
+        return self.data[start: start + numel]

@@ -1,0 +1,33 @@
+"""ZeRO stage 0: plain data parallelism, with bucketed all-reduces overlapped with backward."""
+
+from __future__ import annotations
+
+import torch
+
+from ..distributed.collectives import PendingCollective
+from .full_grads import FullGradientStrategy
+from .layout import BucketLayout
+
+
+class Stage0(FullGradientStrategy):
+    """Every rank holds everything; each gradient bucket is averaged with one all-reduce."""
+
+    stage = 0
+    grads_are_sharded = False
+
+    def launch(self, bucket: BucketLayout, async_op: bool) -> PendingCollective:
+        view = self.grad_bucket(bucket)
+        view.div_(self.world.world_size)
+        return self.comm.all_reduce(view, f"grad_bucket{bucket.index}", async_op=async_op)
+
+    def owned_param(self, bucket: BucketLayout) -> torch.Tensor:
+        return self.flat.bucket_view(bucket)
+
+    def owned_grad(self, bucket: BucketLayout) -> torch.Tensor:
+        return self.grad_bucket(bucket)
+
+    def owned_real(self, bucket: BucketLayout) -> int:
+        return bucket.numel
+
+    def after_step(self) -> None:
+        """Every rank updated the whole buffer identically: nothing to gather."""

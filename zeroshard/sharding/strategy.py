@@ -1,0 +1,177 @@
+"""What every ZeRO stage shares: gradient hooks, buckets launched in order, owned chunks, all-gather.
+
+A stage is a :class:`ShardingStrategy` subclass that says only where ZeRO differs: where gradients
+accumulate, which collective reduces a bucket, which part of the buffer this rank's optimizer owns,
+and whether parameters are gathered after the step.  The engine never branches on a stage number.
+
+[Note: launching buckets in order]
+Collectives must be issued in the same order on every rank.  A bucket is launched only when all of its
+parameters' gradients have arrived *and* every earlier bucket has been launched.  A parameter that got
+no gradient on some rank (unused in that forward) simply holds its bucket back until the end of
+backward, when the remaining buckets are launched in order with zeros in place of the missing
+gradients: every rank issues the same sequence, so nothing hangs and no gradient is wrong.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import ClassVar, Optional, Sequence
+
+import torch
+
+from ..config import ZeroConfig
+from ..distributed.collectives import Collectives, PendingCollective
+from ..distributed.world import World
+from .flat_params import FlatParameters
+from .layout import BucketLayout
+
+
+class BucketState(Enum):
+    FILLING = "filling"  # waiting for gradients of this micro step
+    IN_FLIGHT = "in_flight"  # its collective has been launched
+    REDUCED = "reduced"  # its collective has finished and the result is stored
+
+
+@dataclass
+class BucketProgress:
+    """Per-backward bookkeeping of one bucket."""
+
+    arrived: set[int] = field(default_factory=set)
+    state: BucketState = BucketState.FILLING
+    pending: Optional[PendingCollective] = None
+
+
+class ShardingStrategy(ABC):
+    """Gradient reduction, optimizer ownership and parameter refresh for one ZeRO stage."""
+
+    stage: ClassVar[int]
+    #: whether gradients are communicated at every micro step (stage 2) or only at the boundary
+    reduces_every_micro_step: ClassVar[bool] = False
+    #: whether the grad norm needs a sum across ranks (each rank holds a different part)
+    grads_are_sharded: ClassVar[bool] = True
+
+    def __init__(self, flat: FlatParameters, params: Sequence[torch.nn.Parameter], comm: Collectives,
+                 world: World, zero: ZeroConfig) -> None:
+        self.flat = flat
+        self.layout = flat.layout
+        self.params = list(params)
+        self.comm = comm
+        self.world = world
+        self.zero = zero
+        self.sync_gradients = True  # set by the engine before each backward
+        self._slot_of = self.layout.slot_of()
+        self._progress = [BucketProgress() for _ in self.layout.buckets]
+        self._next_launch = 0
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        self._index_of = {id(p): i for i, p in enumerate(self.params)}
+
+    # ------------------------------------------------------------------ backward
+    def _communicates_now(self) -> bool:
+        return self.reduces_every_micro_step or self.sync_gradients
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: move the gradient into zeroshard's storage, maybe launch."""
+        grad = param.grad
+        param.grad = None
+        index = self._index_of[id(param)]
+        bucket, slot = self._slot_of[index]
+        progress = self._progress[bucket.index]
+        if progress.state is not BucketState.FILLING:
+            raise RuntimeError(
+                f"parameter {slot.name!r} received a second gradient after its bucket was reduced in this "
+                f"backward; this happens with reentrant recomputation, which is not supported yet"
+            )
+        assert grad is not None
+        with torch.no_grad():
+            self.store_grad(bucket, slot.offset, grad.reshape(-1))
+        progress.arrived.add(index)
+        if self._communicates_now():
+            self._launch_in_order(only_complete=True)
+
+    def _launch_in_order(self, only_complete: bool) -> None:
+        buckets = self.layout.buckets
+        while self._next_launch < len(buckets):
+            bucket = buckets[self._next_launch]
+            progress = self._progress[bucket.index]
+            if only_complete and len(progress.arrived) < len(bucket.slots):
+                return
+            with torch.no_grad():
+                progress.pending = self.launch(bucket, async_op=self.zero.overlap_comm)
+            progress.state = BucketState.IN_FLIGHT
+            self._next_launch += 1
+
+    def finish_backward(self) -> None:
+        """End of a backward: launch what is left (in order), wait for everything, store results."""
+        if self._communicates_now():
+            self._launch_in_order(only_complete=False)
+            with torch.no_grad():
+                for bucket, progress in zip(self.layout.buckets, self._progress):
+                    assert progress.pending is not None
+                    progress.pending.wait()
+                    self.complete(bucket)
+                    progress.state = BucketState.REDUCED
+        self._progress = [BucketProgress() for _ in self.layout.buckets]
+        self._next_launch = 0
+
+    # ------------------------------------------------------------------ stage-specific
+    @abstractmethod
+    def store_grad(self, bucket: BucketLayout, offset: int, grad: torch.Tensor) -> None:
+        """Accumulate one parameter's flattened gradient at ``offset`` inside ``bucket``."""
+
+    @abstractmethod
+    def launch(self, bucket: BucketLayout, async_op: bool) -> PendingCollective:
+        """Start reducing ``bucket`` (already averaged over ranks on return of ``complete``)."""
+
+    def complete(self, bucket: BucketLayout) -> None:
+        """Called once the bucket's collective has finished."""
+
+    @abstractmethod
+    def owned_grad(self, bucket: BucketLayout) -> torch.Tensor:
+        """The averaged gradient of the part of ``bucket`` this rank's optimizer updates."""
+
+    @abstractmethod
+    def zero_grad(self) -> None:
+        """Forget accumulated gradients (after the optimizer step)."""
+
+    def owned_param(self, bucket: BucketLayout) -> torch.Tensor:
+        """The part of the flat buffer this rank's optimizer updates, for ``bucket``."""
+        return self.flat.shard_view(bucket, self.world.rank)
+
+    def owned_real(self, bucket: BucketLayout) -> int:
+        """Real (non-padding) elements of ``bucket`` that this rank's optimizer updates."""
+        return bucket.real_numel_in_shard(self.world.rank)
+
+    def owned_real_numel(self) -> int:
+        return sum(self.owned_real(b) for b in self.layout.buckets)
+
+    def after_step(self) -> None:
+        """Make every rank's full parameters current again after the optimizer updated its shard."""
+        self._all_gather_params()
+
+    def _all_gather_params(self) -> None:
+        """All-gather each bucket's updated chunks, at most ``allgather_bucket_size`` elements in flight."""
+        in_flight: list[PendingCollective] = []
+        in_flight_numel = 0
+        with torch.no_grad():
+            for bucket in self.layout.buckets:
+                if in_flight and in_flight_numel + bucket.padded_numel > self.zero.allgather_bucket_size:
+                    for pending in in_flight:
+                        pending.wait()
+                    in_flight, in_flight_numel = [], 0
+                own = self.flat.shard_view(bucket, self.world.rank).clone()
+                in_flight.append(self.comm.all_gather(self.flat.bucket_view(bucket), own,
+                                                      f"param_bucket{bucket.index}", async_op=True))
+                in_flight_numel += bucket.padded_numel
+            for pending in in_flight:
+                pending.wait()
+
+    def grad_bytes(self) -> tuple[int, int]:
+        """(bytes of real gradient elements held, bytes of padding) between steps."""
+        return 0, 0
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []

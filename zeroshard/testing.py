@@ -1,0 +1,113 @@
+"""Run a function in a real world of N gloo processes on CPU: the harness behind zeroshard's tests.
+
+    results = run_world(my_worker, world_size=3, args=(stage,))
+
+``my_worker(rank, world_size, *args)`` must be importable (a module-level function): each process is
+started with ``spawn``, joins a gloo process group on a free localhost port, runs it with one
+intra-op thread, and sends back its return value (or its traceback).  A port clash is retried with a
+new port; a world that outlives ``timeout`` is killed and reported, so a hang fails a test instead of
+stalling the suite.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+PORT_CLASH_MARKERS = ("address already in use", "EADDRINUSE", "errno: 98")
+
+
+class WorldFailed(AssertionError):
+    """A rank raised, died or timed out; the message holds every failing rank's traceback."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: Sequence[Any],
+           results: Any, pg_timeout_s: float, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+        try:
+            value = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, "ok", value))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_world(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), timeout: float = 300.0,
+              pg_timeout_s: float = 120.0, retries: int = 3, env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return the values by rank."""
+    last_error = ""
+    for _ in range(retries):
+        try:
+            return _run_once(fn, world_size, args, timeout, pg_timeout_s, env or {})
+        except WorldFailed as failure:
+            last_error = str(failure)
+            if not any(marker in last_error for marker in PORT_CLASH_MARKERS):
+                raise
+    raise WorldFailed(f"port clash persisted after {retries} tries:\n{last_error}")
+
+
+def _run_once(fn: Callable[..., Any], world_size: int, args: Sequence[Any], timeout: float,
+              pg_timeout_s: float, env: dict[str, str]) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, results, pg_timeout_s, env),
+                         daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    collected: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(collected) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WorldFailed(f"world of {world_size} timed out after {timeout:.0f}s; "
+                                  f"finished ranks: {sorted(collected)}")
+            try:
+                rank, status, value = results.get(timeout=min(remaining, 1.0))
+                collected[rank] = (status, value)
+                if status == "error":
+                    break  # the other ranks may be stuck in a collective: do not wait for them
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in collected
+                        and p.exitcode not in (0, None)]
+                if dead:
+                    time.sleep(0.5)  # give a dying rank's message a moment to arrive
+                    while not results.empty():
+                        rank, status, value = results.get()
+                        collected[rank] = (status, value)
+                    dead = [r for r in dead if r not in collected]
+                    if dead:
+                        raise WorldFailed(f"rank(s) {dead} died with exit codes "
+                                          f"{[procs[r].exitcode for r in dead]}")
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    errors = [f"--- rank {r} ---\n{v}" for r, (s, v) in sorted(collected.items()) if s == "error"]
+    if errors:
+        raise WorldFailed("\n".join(errors))
+    return [collected[r][1] for r in range(world_size)]
