@@ -54,6 +54,16 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
         results.put((rank, "error", traceback.format_exc()))
 
 
+def _drain(results: Any, collected: dict[int, tuple[str, Any]], seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            rank, status, value = results.get(timeout=max(0.05, end - time.monotonic()))
+            collected[rank] = (status, value)
+        except queue.Empty:
+            return
+
+
 def run_world(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), timeout: float = 300.0,
               pg_timeout_s: float = 120.0, retries: int = 3, env: dict[str, str] | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return the values by rank."""
@@ -89,7 +99,10 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: Sequence[Any], time
                 rank, status, value = results.get(timeout=min(remaining, 1.0))
                 collected[rank] = (status, value)
                 if status == "error":
-                    break  # the other ranks may be stuck in a collective: do not wait for them
+                    # The other ranks may be stuck in a collective: do not wait for them, but give
+                    # the rank that caused it (often not the first to report) a moment to say so.
+                    _drain(results, collected, seconds=3.0)
+                    break
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in collected
                         and p.exitcode not in (0, None)]

@@ -105,7 +105,8 @@ def _convert(hint: Any, value: Any, dotted: str) -> Any:
     if origin is Literal:
         choices = typing.get_args(hint)
         if value not in choices:
-            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            same_case = [str(c) for c in choices if str(c).lower() == str(value).lower()]
+            close = same_case or difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
             hint_text = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"{dotted!r} = {_show(value)} is not one of {', '.join(map(str, choices))}{hint_text}")
         return value

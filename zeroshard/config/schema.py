@@ -78,7 +78,7 @@ class ZeroConfig:
                      lambda v: None if v in (0, 1, 2) else "0, 1 or 2 (stage 3 is not supported yet)")
     reduce_bucket_size: int = key(500_000_000, "Elements per gradient bucket (one collective each).",
                                   positive)
-    allgather_bucket_size: int = key(500_000_000, "Elements per parameter all-gather after the step.",
+    allgather_bucket_size: int = key(500_000_000, "Elements of parameter all-gathers in flight after the step (stages 1-2).",
                                      positive)
     overlap_comm: bool = key(True, "Launch each gradient bucket's collective as soon as it is full.")
     contiguous_gradients: bool = key(

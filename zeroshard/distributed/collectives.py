@@ -27,6 +27,11 @@ from torch.profiler import record_function
 from .world import World
 
 
+# torch 2.13 renamed the tensor forms of these collectives; keep working on the older releases too.
+_reduce_scatter_1d = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_1d = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class CommKind(str, Enum):
     ALL_REDUCE = "all_reduce"
     REDUCE_SCATTER = "reduce_scatter"
@@ -125,7 +130,7 @@ class Collectives:
         if not self.world.is_distributed:
             output.copy_(full)
         return self._run(CommKind.REDUCE_SCATTER, label, counter,
-                         lambda: dist.reduce_scatter_tensor(output, full, group=self.world.group, async_op=True),
+                         lambda: _reduce_scatter_1d(output, full, group=self.world.group, async_op=True),
                          async_op)
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, label: str,
@@ -135,7 +140,7 @@ class Collectives:
         if not self.world.is_distributed:
             full.copy_(shard)
         return self._run(CommKind.ALL_GATHER, label, counter,
-                         lambda: dist.all_gather_into_tensor(full, shard, group=self.world.group, async_op=True),
+                         lambda: _all_gather_1d(full, shard, group=self.world.group, async_op=True),
                          async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, label: str) -> None:

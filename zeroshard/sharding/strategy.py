@@ -28,6 +28,10 @@ from .flat_params import FlatParameters
 from .layout import BucketLayout
 
 
+#: launched gradient buckets allowed in flight before the oldest is waited for (see ``_retire``)
+MAX_BUCKETS_IN_FLIGHT = 2
+
+
 class BucketState(Enum):
     FILLING = "filling"  # waiting for gradients of this micro step
     IN_FLIGHT = "in_flight"  # its collective has been launched
@@ -101,17 +105,30 @@ class ShardingStrategy(ABC):
                 progress.pending = self.launch(bucket, async_op=self.zero.overlap_comm)
             progress.state = BucketState.IN_FLIGHT
             self._next_launch += 1
+            self._retire(keep_in_flight=MAX_BUCKETS_IN_FLIGHT)
+
+    def _retire(self, keep_in_flight: int) -> None:
+        """Wait for the oldest launched buckets until at most ``keep_in_flight`` remain in flight.
+
+        This bounds the memory of full-size buckets alive at once (stage 2) to a few buckets,
+        whatever the model size, while still overlapping each collective with the next bucket's
+        backward.
+        """
+        launched = self.layout.buckets[:self._next_launch]
+        in_flight = [b for b in launched if self._progress[b.index].state is BucketState.IN_FLIGHT]
+        with torch.no_grad():
+            for bucket in in_flight[:max(0, len(in_flight) - keep_in_flight)]:
+                progress = self._progress[bucket.index]
+                assert progress.pending is not None
+                progress.pending.wait()
+                self.complete(bucket)
+                progress.state = BucketState.REDUCED
 
     def finish_backward(self) -> None:
         """End of a backward: launch what is left (in order), wait for everything, store results."""
         if self._communicates_now():
             self._launch_in_order(only_complete=False)
-            with torch.no_grad():
-                for bucket, progress in zip(self.layout.buckets, self._progress):
-                    assert progress.pending is not None
-                    progress.pending.wait()
-                    self.complete(bucket)
-                    progress.state = BucketState.REDUCED
+            self._retire(keep_in_flight=0)
         self._progress = [BucketProgress() for _ in self.layout.buckets]
         self._next_launch = 0
 

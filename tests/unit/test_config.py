@@ -1,0 +1,118 @@
+"""Every config rule, with the message it gives."""
+
+import json
+
+import pytest
+
+from zeroshard.config import ConfigError, describe_keys, load_config
+
+
+def err(raw: dict, world_size: int | None = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(raw, world_size=world_size)
+    return str(info.value)
+
+
+def test_defaults_are_deepspeeds() -> None:
+    c = load_config({"train_batch_size": 8}, world_size=2)
+    z = c.zero_optimization
+    assert (c.gradient_clipping, c.steps_per_print, z.stage) == (0.0, 10, 0)
+    assert (z.reduce_bucket_size, z.allgather_bucket_size, z.contiguous_gradients, z.reduce_scatter) == (
+        500_000_000, 500_000_000, True, True)
+
+
+def test_reads_a_json_file(tmp_path) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}))
+    assert load_config(str(path), world_size=3).train_batch_size == 6
+
+
+def test_missing_and_malformed_files(tmp_path) -> None:
+    assert "does not exist" in err(str(tmp_path / "nope.json"))  # type: ignore[arg-type]
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert "not valid JSON" in err(str(bad))  # type: ignore[arg-type]
+    bad.write_text("[1, 2]")
+    assert "must hold a JSON object" in err(str(bad))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("raw, derived", [
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, (32, 4, 2)),
+    ({"train_batch_size": 32, "gradient_accumulation_steps": 2}, (32, 4, 2)),
+    ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, (32, 4, 2)),
+    ({"train_batch_size": 16}, (16, 4, 1)),
+    ({"train_micro_batch_size_per_gpu": 3}, (12, 3, 1)),
+    ({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2}, (24, 3, 2)),
+])
+def test_any_two_batch_keys_derive_the_third(raw: dict, derived: tuple) -> None:
+    c = load_config(raw, world_size=4)
+    assert (c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps) == derived
+
+
+def test_inconsistent_batch_sizes_show_formula_and_world_size() -> None:
+    msg = err({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, 4)
+    assert "30 != 4 x 2 x 4" in msg and "world_size is 4" in msg
+    msg = err({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, 4)
+    assert "not a multiple" in msg and "world_size is 4" in msg
+    msg = err({"train_batch_size": 30, "gradient_accumulation_steps": 4}, 4)
+    assert "not a multiple" in msg and "train_batch_size = train_micro_batch_size_per_gpu" in msg
+
+
+def test_no_batch_size_is_an_error() -> None:
+    assert "set 'train_batch_size' or 'train_micro_batch_size_per_gpu'" in err({}, 2)
+
+
+def test_unknown_key_suggests_the_right_one() -> None:
+    assert "did you mean 'gradient_clipping'?" in err({"gradient_clipp1ng": 1.0})
+    assert "did you mean 'zero_optimization.reduce_bucket_size'?" in err(
+        {"zero_optimization": {"reduce_bucket_sise": 10}})
+    assert "known keys" in err({"zzz": 1})
+
+
+def test_unsupported_deepspeed_key_is_explicit() -> None:
+    assert "'activation_checkpointing' is a DeepSpeed key that zeroshard does not support yet" in err(
+        {"activation_checkpointing": {}})
+    assert "'zero_optimization.offload_optimizer' is a DeepSpeed key that zeroshard does not support yet" in err(
+        {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})
+    assert "not supported yet" in err({"fp16": {"enabled": True}})
+    assert "'fp16.loss_scale' is a DeepSpeed key" in err({"fp16": {"enabled": False, "loss_scale": 0}})
+    assert load_config({"fp16": {"enabled": False}, "bf16": {"enabled": False}}).fp16.enabled is False
+
+
+@pytest.mark.parametrize("raw, expected", [
+    ({"gradient_clipping": "1.0"}, "'gradient_clipping' must be a number"),
+    ({"gradient_clipping": -1}, "'gradient_clipping' = -1 is not allowed; it must be a number >= 0"),
+    ({"steps_per_print": 0}, "'steps_per_print' = 0 is not allowed; it must be a number > 0"),
+    ({"steps_per_print": 1.5}, "'steps_per_print' must be an integer"),
+    ({"train_batch_size": 0}, "'train_batch_size' = 0 is not allowed"),
+    ({"zero_optimization": {"stage": 4}}, "'zero_optimization.stage' = 4 is not allowed; it must be 0, 1 or 2"),
+    ({"zero_optimization": {"stage": 3}}, "stage 3 is not supported yet"),
+    ({"zero_optimization": {"overlap_comm": 1}}, "'zero_optimization.overlap_comm' must be true or false"),
+    ({"zero_optimization": {"contiguous_gradients": False}}, "must be true (zeroshard always copies"),
+    ({"zero_optimization": {"reduce_bucket_size": -5}}, "must be a number > 0"),
+    ({"zero_optimization": 3}, "'zero_optimization' must be a JSON object"),
+    ({"collective_timeout": 0}, "'collective_timeout' = 0 is not allowed"),
+    ({"optimizer": {"type": "Adamw"}}, "did you mean 'AdamW'?"),
+    ({"optimizer": {"type": "Lamb"}}, "'optimizer.type' = \"Lamb\" is not one of Adam, AdamW, SGD"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": -1}}}, "'optimizer.params.lr' = -1 is not allowed for AdamW"),
+    ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9]}}}, "a list of two numbers in [0, 1)"),
+    ({"optimizer": {"type": "AdamW", "params": {"weight_decy": 0.1}}}, "did you mean 'weight_decay'?"),
+    ({"optimizer": {"type": "SGD", "params": {"betas": [0.9, 0.9]}}}, "SGD takes lr, momentum"),
+    ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": "yes"}}}, "must be true or false"),
+    ({"scheduler": {"type": "WarmupDecayLR", "params": {}}}, "'scheduler.params.total_num_steps' is required"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cubic"}}}, "one of log, linear"),
+    ({"scheduler": {"type": "OneCycle"}}, "is not one of WarmupLR, WarmupDecayLR, WarmupCosineLR"),
+    ({"seed": "x"}, "'seed' must be an integer"),
+])
+def test_wrong_values_name_the_key_and_what_is_allowed(raw: dict, expected: str) -> None:
+    assert expected in err(raw)
+
+
+def test_floats_written_as_integers_are_accepted() -> None:
+    assert load_config({"zero_optimization": {"reduce_bucket_size": 5e8}}).zero_optimization.reduce_bucket_size == 500_000_000
+
+
+def test_describe_keys_covers_the_schema() -> None:
+    keys = {k for k, _, _ in describe_keys()}
+    assert {"train_batch_size", "zero_optimization.stage", "optimizer.type", "scheduler.params"} <= keys
+    assert all(doc for _, _, doc in describe_keys())

@@ -1,0 +1,165 @@
+"""World size 1 without torchrun or a process group; the initialize() API surface; schedules; layout."""
+
+import math
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import zeroshard
+from zeroshard.demo.model import GPT, GPTConfig
+from zeroshard.optim.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR
+from zeroshard.sharding import plan_buckets
+
+CFG = GPTConfig(vocab_size=50, seq_len=8, d_model=16, n_layer=1, n_head=2, attn_bias=False)
+
+
+@pytest.fixture(autouse=True)
+def no_launcher_env(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(step)
+    data = torch.randint(0, CFG.vocab_size, (4, CFG.seq_len + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_world_of_one_without_torchrun_matches_plain_adamw(stage: int) -> None:
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    ours = GPT(CFG)
+    ours.load_state_dict(ref.state_dict())
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
+    engine, _, _, _ = zeroshard.initialize(model=ours, config={
+        "train_batch_size": 4, "gradient_clipping": 0.5, "optimizer": {"type": "AdamW",
+        "params": {"lr": 1e-3, "weight_decay": 0.1}}, "zero_optimization": {"stage": stage}})
+    assert engine.world.world_size == 1 and engine.world.group is None
+    for step in range(4):
+        x, y = batch(step)
+        ref(x, y).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        engine.backward(engine(x, y))
+        engine.step()
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert engine.comm.total_bytes_sent() == 0
+
+
+def test_initialize_accepts_objects_and_callables() -> None:
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    dataset = torch.utils.data.TensorDataset(torch.randint(0, 50, (12, 8)), torch.randint(0, 50, (12, 8)))
+    engine, optimizer, loader, scheduler = zeroshard.initialize(
+        model=model, optimizer=opt, lr_scheduler=sched, training_data=dataset,
+        config={"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2})
+    assert optimizer is opt and scheduler is sched
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert loader is not None and len(loader) == 4
+    assert engine.train_batch_size() == 6 and engine.train_micro_batch_size_per_gpu() == 3
+    assert engine.gradient_accumulation_steps() == 2
+    before = [p.detach().clone() for p in model.parameters()]
+    for i, (x, y) in enumerate(loader):
+        assert engine.is_gradient_accumulation_boundary() == (i % 2 == 1)
+        engine.backward(engine(x, y))
+        engine.step()
+    assert (engine.global_steps, engine.micro_steps) == (2, 4)
+    assert engine.get_lr() == [pytest.approx(1e-3 / 3)] * 2
+    assert engine.get_global_grad_norm() > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert engine.module is model
+    engine.eval()
+    assert not model.training
+    engine.train()
+    assert model.training
+
+
+def test_callable_optimizer_and_scheduler() -> None:
+    model = nn.Linear(5, 3)
+    engine, opt, _, sched = zeroshard.initialize(
+        model=model, optimizer=lambda groups: torch.optim.SGD(groups, lr=0.5),
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5),
+        config={"train_batch_size": 2})
+    assert isinstance(opt, torch.optim.SGD)
+    x = torch.randn(2, 5)
+    engine.backward(engine(x).sum())
+    engine.step()
+    assert engine.get_lr() == [0.25]
+
+
+def test_zero_grad_drops_accumulated_gradients() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1, bias=False)
+    start = model.weight.detach().clone()
+    engine, _, _, _ = zeroshard.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 1.0}}})
+    x = torch.ones(1, 4)
+    engine.backward(engine(x).sum() * 100)  # thrown away below
+    engine.zero_grad()
+    engine.micro_steps = 0
+    engine.backward(engine(x).sum())
+    engine.step()
+    engine.backward(engine(x).sum())
+    engine.step()
+    torch.testing.assert_close(model.weight.detach(), start - 1.0 * x)  # mean of two identical grads
+
+
+def test_config_and_api_errors_are_clear() -> None:
+    with pytest.raises(ValueError, match="no optimizer"):
+        zeroshard.initialize(model=nn.Linear(2, 2), config={"train_batch_size": 1})
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="nothing to train"):
+        zeroshard.initialize(model=frozen, config={"train_batch_size": 1, "optimizer": {"type": "SGD"}})
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="'1.weight' requires grad but is not in model_parameters"):
+        zeroshard.initialize(model=m, model_parameters=list(m[0].parameters()),
+                             config={"train_batch_size": 1, "optimizer": {"type": "SGD"}})
+
+
+def test_deepspeed_schedules() -> None:
+    p = [nn.Parameter(torch.zeros(1))]
+    lin = WarmupLR(torch.optim.SGD(p, lr=1.0), 0.0, 1.0, warmup_num_steps=4, warmup_type="linear")
+    lrs = []
+    for _ in range(6):
+        lrs.append(lin.get_last_lr()[0])
+        lin.optimizer.step()
+        lin.step()
+    assert lrs == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    log = WarmupLR(torch.optim.SGD(p, lr=1.0), 0.0, 1.0, warmup_num_steps=10)
+    log.optimizer.step()
+    log.step()
+    assert log.get_last_lr()[0] == pytest.approx(math.log(2) / math.log(10))
+    decay = WarmupDecayLR(torch.optim.SGD(p, lr=1.0), total_num_steps=10, warmup_max_lr=1.0,
+                          warmup_num_steps=2, warmup_type="linear")
+    for _ in range(6):
+        decay.optimizer.step()
+        decay.step()
+    assert decay.get_last_lr()[0] == pytest.approx(0.5)  # (10 - 6) / (10 - 2)
+    cos = WarmupCosineLR(torch.optim.SGD(p, lr=2.0), total_num_steps=10, warmup_num_steps=2,
+                         cos_min_ratio=0.0, warmup_type="linear")
+    for _ in range(6):
+        cos.optimizer.step()
+        cos.step()
+    assert cos.get_last_lr()[0] == pytest.approx(2.0 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+
+
+def test_bucket_plan_pads_each_bucket_and_keeps_groups_apart() -> None:
+    params = [torch.zeros(5), torch.zeros(7), torch.zeros(11), torch.zeros(3)]
+    layout = plan_buckets(params, ["a", "b", "c", "d"], [0, 0, 1, 1], bucket_numel=10, world_size=3)
+    # reverse order: d, c | (group change) b, a
+    assert [[s.name for s in b.slots] for b in layout.buckets] == [["d", "c"], ["b", "a"]]
+    assert [(b.numel, b.padded_numel) for b in layout.buckets] == [(14, 15), (12, 12)]
+    assert [b.real_numel_in_shard(2) for b in layout.buckets] == [4, 4]
+    assert sum(layout.real_numel_in_shard(r) for r in range(3)) == 26
+    assert os.environ.get("WORLD_SIZE") is None

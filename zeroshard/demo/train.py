@@ -1,0 +1,109 @@
+"""The demo training job: a byte-level GPT learns Python from the standard library's source.
+
+Launched by ``zeroshard demo`` (which wraps torchrun); run it directly with
+
+    torchrun --standalone --nproc_per_node 2 -m zeroshard.demo.train --stage 2 --steps 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.distributed as dist
+
+import zeroshard
+from zeroshard.demo.data import ByteWindows, stdlib_bytes
+from zeroshard.demo.model import GPT, GPTConfig
+from zeroshard.logging import log_rank
+
+MODEL = GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_layer=4, n_head=4)
+
+
+def default_config(stage: int, steps: int) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 16,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "steps_per_print": max(1, steps // 10),
+        "seed": 1234,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01, "betas": [0.9, 0.95]}},
+        "scheduler": {"type": "WarmupDecayLR",
+                      "params": {"warmup_num_steps": max(1, steps // 10), "warmup_max_lr": 3e-3,
+                                 "total_num_steps": steps, "warmup_type": "linear"}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 200_000, "allgather_bucket_size": 400_000},
+    }
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stage", type=int, default=2, choices=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--config", help="a DeepSpeed-style JSON config replacing the built-in one")
+    return parser.parse_args()
+
+
+@torch.no_grad()
+def held_out_loss(engine: zeroshard.Engine, data: ByteWindows) -> float:
+    engine.eval()
+    xs = torch.stack([data[i][0] for i in range(len(data) - 32, len(data))])
+    ys = torch.stack([data[i][1] for i in range(len(data) - 32, len(data))])
+    loss = float(engine(xs, ys))
+    engine.train()
+    return loss
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)
+    config = json.load(open(args.config)) if args.config else default_config(args.stage, args.steps)
+    torch.manual_seed(0)
+    model = GPT(MODEL)
+    data = ByteWindows(stdlib_bytes(), MODEL.seq_len)
+    engine, _, loader, _ = zeroshard.initialize(model=model, config=config, training_data=data)
+    assert loader is not None
+    log_rank(f"training a {sum(p.numel() for p in model.parameters()):,}-parameter byte-level GPT on "
+             f"{len(data):,} windows of Python source: ZeRO stage {engine.stage}, world size "
+             f"{engine.world.world_size}, global batch {engine.train_batch_size()}")
+    start_loss = held_out_loss(engine, data)
+    started = time.perf_counter()
+    batches = iter(loader)
+    epoch = 0
+    while engine.global_steps < args.steps:
+        try:
+            x, y = next(batches)
+        except StopIteration:
+            epoch += 1
+            loader.sampler.set_epoch(epoch)  # type: ignore[union-attr]
+            batches = iter(loader)
+            continue
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+    elapsed = time.perf_counter() - started
+    end_loss = held_out_loss(engine, data)
+    log_rank(f"held-out loss {start_loss:.3f} -> {end_loss:.3f} in {engine.global_steps} steps "
+             f"({elapsed:.1f}s, {engine.global_samples * MODEL.seq_len / elapsed:,.0f} tokens/s)")
+    report_memory(engine)
+    if engine.world.is_main:
+        prompt = torch.tensor([list(b"def ")])
+        sample = model.generate(prompt, 120, generator=torch.Generator().manual_seed(0))
+        print("---- sample ----\n" + bytes(sample[0].tolist()).decode("utf-8", "replace") + "\n----------------")
+
+
+def report_memory(engine: zeroshard.Engine) -> None:
+    """Each rank prints its memory breakdown, in rank order."""
+    for rank in range(engine.world.world_size):
+        if rank == engine.world.rank:
+            mb = engine.memory_breakdown()
+            parts = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in mb.items() if k != "formula" and v)
+            print(f"rank {rank} memory: {parts} (ZeRO-{engine.stage} formula {mb['formula'] / 2**20:.2f} MiB)",
+                  flush=True)
+        if dist.is_initialized():
+            dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
