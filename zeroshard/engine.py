@@ -146,15 +146,30 @@ class Engine:
         if self.config.gradient_clipping > 0:
             with torch.no_grad():
                 clip_(grads, self._grad_norm, self.config.gradient_clipping)
-        for chunk, grad in zip(self._chunks, grads):
-            chunk.grad = grad
-        self.optimizer.step()
-        for chunk in self._chunks:
-            chunk.grad = None
-        self.strategy.after_step()
+        self._step_and_refresh(grads)
         self.strategy.zero_grad()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
+
+    def _step_and_refresh(self, grads: list[torch.Tensor]) -> None:
+        """Update the owned chunks bucket by bucket, gathering each one while the next is updated.
+
+        [Note: stepping bucket by bucket]
+        A torch optimizer skips parameters whose ``.grad`` is None, so calling ``step()`` once per
+        bucket, with only that bucket's chunk holding a gradient, updates each chunk exactly once,
+        with the user's own optimizer and its per-tensor state untouched.  What it buys: the
+        all-gather of bucket k (stages 1-2) runs while bucket k+1 is being updated, instead of the
+        whole gather waiting behind the whole update.  Buckets go in the order the next forward will
+        want them (the reverse of the bucket order).
+        """
+        buckets = self.flat.layout.buckets
+        for bucket in reversed(buckets):
+            chunk = self._chunks[bucket.index]
+            chunk.grad = grads[bucket.index]
+            self.optimizer.step()
+            chunk.grad = None
+            self.strategy.refresh_bucket(bucket)
+        self.strategy.finish_refresh()
 
     def zero_grad(self) -> None:
         """Drop gradients accumulated so far. ``step()`` already does this after each update."""
@@ -215,7 +230,7 @@ class Engine:
             "optimizer_other": opt_other,
             "frozen_params": sum(p.numel() * p.element_size() for p in self.frozen_params),
             "buffers": sum(b.numel() * b.element_size() for b in self.module.buffers()),
-            "comm_buffers_peak": getattr(self.strategy, "peak_bucket_bytes", 0),
+            "comm_buffers": self.strategy.comm_buffer_bytes(),
         }
         out["model_states"] = out["params"] + out["grads"] + out["optimizer"]
         out["formula"] = model_state_bytes(self.stage, layout.numel, self.world.world_size).total

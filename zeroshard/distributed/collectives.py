@@ -137,7 +137,7 @@ class Collectives:
                    async_op: bool = False) -> PendingCollective:
         """Concatenate every rank's ``shard`` into ``full`` (1D, N equal chunks)."""
         counter = self._account(CommKind.ALL_GATHER, _nbytes(full), 1)
-        if not self.world.is_distributed:
+        if not self.world.is_distributed and shard.data_ptr() != full.data_ptr():
             full.copy_(shard)
         return self._run(CommKind.ALL_GATHER, label, counter,
                          lambda: _all_gather_1d(full, shard, group=self.world.group, async_op=True),

@@ -6,8 +6,8 @@ rank holds between steps.  Sharded categories hold a rank's chunk of each bucket
 differs slightly from rank to rank (``real_numel_in_shard``); summed over all ranks they equal the
 formula exactly.  Everything else is reported under its own name: ``padding`` (the elements added to
 make buckets divisible by N), ``optimizer_other`` (per-tensor scalars such as Adam's ``step``),
-``frozen_params``, ``buffers`` (module buffers) and ``comm_buffers_peak`` (the largest amount of
-full-size gradient buckets alive at once during backward, stage 2).
+``frozen_params``, ``buffers`` (module buffers) and ``comm_buffers`` (stage 2's pool of reusable
+gradient-bucket buffers, bounded by ``reduce_bucket_size`` rather than by the model).
 """
 
 from __future__ import annotations

@@ -10,7 +10,11 @@ from torch.optim import Optimizer
 from ..config.spec_params import OPTIMIZER_PARAMS, resolve
 
 def _foreach_kwargs() -> dict[str, Any]:
-    # foreach runs one kernel over the (few, large) chunks; fused is CUDA-first and not faster on CPU.
+    """torch's multi-tensor (foreach) kernels: measured faster than the per-tensor loop on CPU too.
+
+    The engine steps one bucket's chunk at a time (see [Note: stepping bucket by bucket] in
+    engine.py), so foreach's temporaries are the size of one chunk, never of the whole shard.
+    """
     return {"foreach": True}
 
 

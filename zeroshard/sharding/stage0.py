@@ -29,5 +29,5 @@ class Stage0(FullGradientStrategy):
     def owned_real(self, bucket: BucketLayout) -> int:
         return bucket.numel
 
-    def after_step(self) -> None:
-        """Every rank updated the whole buffer identically: nothing to gather."""
+    def refresh_bucket(self, bucket: BucketLayout) -> None:
+        """Every rank updated the whole bucket identically: nothing to gather."""

@@ -30,7 +30,7 @@ class Stage1(FullGradientStrategy):
         if not self.zero.reduce_scatter:
             return self.comm.all_reduce(full, label, async_op=async_op)
         # The chunk of ``full`` that this rank keeps is overwritten by the result in complete().
-        out = torch.empty(bucket.shard_numel, dtype=full.dtype, device=full.device)
+        out = self.shard_pool.acquire(bucket.shard_numel)
         self._received[bucket.index] = out
         return self.comm.reduce_scatter(out, full, label, async_op=async_op)
 
@@ -38,6 +38,7 @@ class Stage1(FullGradientStrategy):
         received = self._received.pop(bucket.index, None)
         if received is not None:
             self.owned_grad(bucket).copy_(received)
+            self.shard_pool.release(received)
 
     def owned_grad(self, bucket: BucketLayout) -> torch.Tensor:
         start, end = bucket.shard_range(self.world.rank)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..distributed.collectives import PendingCollective
+from .buffer_pool import BufferPool
 from .layout import BucketLayout
 from .strategy import ShardingStrategy
 
@@ -31,18 +32,20 @@ class Stage2(ShardingStrategy):
         for bucket in self.layout.buckets:
             self._shard_offset[bucket.index] = offset
             offset += bucket.shard_numel
-        self._buffers: dict[int, torch.Tensor] = {}  # bucket index -> full bucket in flight
-        self._received: dict[int, torch.Tensor] = {}
-        self.peak_bucket_bytes = 0
+        self._buffers: dict[int, torch.Tensor] = {}  # bucket index -> full bucket being filled or in flight
+        self._received: dict[int, torch.Tensor] = {}  # bucket index -> reduce-scatter result
+        largest = max(b.padded_numel for b in self.layout.buckets)
+        self._bucket_pool = BufferPool(largest, self.flat.dtype, self.flat.device)
 
     def _bucket_buffer(self, bucket: BucketLayout) -> torch.Tensor:
         buffer = self._buffers.get(bucket.index)
         if buffer is None:
-            buffer = torch.zeros(bucket.padded_numel, dtype=self.flat.dtype, device=self.flat.device)
+            buffer = self._bucket_pool.acquire(bucket.padded_numel)
             self._buffers[bucket.index] = buffer
-            live = sum(b.numel() * b.element_size() for b in self._buffers.values())
-            self.peak_bucket_bytes = max(self.peak_bucket_bytes, live)
         return buffer
+
+    def comm_buffer_bytes(self) -> int:
+        return self._bucket_pool.nbytes + super().comm_buffer_bytes()
 
     def store_grad(self, bucket: BucketLayout, offset: int, grad: torch.Tensor) -> None:
         self._bucket_buffer(bucket)[offset: offset + grad.numel()].add_(grad)
@@ -53,7 +56,7 @@ class Stage2(ShardingStrategy):
         label = f"grad_bucket{bucket.index}"
         if not self.zero.reduce_scatter:
             return self.comm.all_reduce(full, label, async_op=async_op)
-        out = torch.empty(bucket.shard_numel, dtype=full.dtype, device=full.device)
+        out = self.shard_pool.acquire(bucket.shard_numel)
         self._received[bucket.index] = out
         return self.comm.reduce_scatter(out, full, label, async_op=async_op)
 
@@ -62,8 +65,11 @@ class Stage2(ShardingStrategy):
         received = self._received.pop(bucket.index, None)
         if received is None:
             start, end = bucket.shard_range(self.world.rank)
-            received = full[start:end]
-        self.owned_grad(bucket).add_(received)
+            self.owned_grad(bucket).add_(full[start:end])
+        else:
+            self.owned_grad(bucket).add_(received)
+            self.shard_pool.release(received)
+        self._bucket_pool.release(full)
 
     def owned_grad(self, bucket: BucketLayout) -> torch.Tensor:
         start = self._shard_offset[bucket.index]

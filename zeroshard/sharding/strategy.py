@@ -24,6 +24,7 @@ import torch
 from ..config import ZeroConfig
 from ..distributed.collectives import Collectives, PendingCollective
 from ..distributed.world import World
+from .buffer_pool import BufferPool
 from .flat_params import FlatParameters
 from .layout import BucketLayout
 
@@ -70,6 +71,11 @@ class ShardingStrategy(ABC):
         self._next_launch = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
+        largest = max(b.padded_numel for b in self.layout.buckets)
+        #: shard-size buffers that receive reduce-scatter results (see [Note: why a pool])
+        self.shard_pool = BufferPool(largest // world.world_size, flat.dtype, flat.device)
+        self._gathers: list[PendingCollective] = []  # parameter all-gathers in flight after a step
+        self._gather_numel = 0
 
     # ------------------------------------------------------------------ backward
     def _communicates_now(self) -> bool:
@@ -163,26 +169,31 @@ class ShardingStrategy(ABC):
     def owned_real_numel(self) -> int:
         return sum(self.owned_real(b) for b in self.layout.buckets)
 
-    def after_step(self) -> None:
-        """Make every rank's full parameters current again after the optimizer updated its shard."""
-        self._all_gather_params()
+    # ------------------------------------------------------------------ parameter refresh after the step
+    def refresh_bucket(self, bucket: BucketLayout) -> None:
+        """Start making ``bucket``'s full parameters current on every rank; its chunk was just updated.
 
-    def _all_gather_params(self) -> None:
-        """All-gather each bucket's updated chunks, at most ``allgather_bucket_size`` elements in flight."""
-        in_flight: list[PendingCollective] = []
-        in_flight_numel = 0
+        The gather is in place: this rank's chunk *is* its slice of the output (NCCL documents this
+        form; gloo copies the input into its own slot first, a no-op), so no copy of the shard is made.
+        At most ``allgather_bucket_size`` elements are in flight: older gathers are waited for first.
+        """
+        if self._gathers and self._gather_numel + bucket.padded_numel > self.zero.allgather_bucket_size:
+            self.finish_refresh()
+        own = self.flat.shard_view(bucket, self.world.rank)
         with torch.no_grad():
-            for bucket in self.layout.buckets:
-                if in_flight and in_flight_numel + bucket.padded_numel > self.zero.allgather_bucket_size:
-                    for pending in in_flight:
-                        pending.wait()
-                    in_flight, in_flight_numel = [], 0
-                own = self.flat.shard_view(bucket, self.world.rank).clone()
-                in_flight.append(self.comm.all_gather(self.flat.bucket_view(bucket), own,
+            self._gathers.append(self.comm.all_gather(self.flat.bucket_view(bucket), own,
                                                       f"param_bucket{bucket.index}", async_op=True))
-                in_flight_numel += bucket.padded_numel
-            for pending in in_flight:
-                pending.wait()
+        self._gather_numel += bucket.padded_numel
+
+    def finish_refresh(self) -> None:
+        """Wait until every parameter gather started by :meth:`refresh_bucket` has finished."""
+        for pending in self._gathers:
+            pending.wait()
+        self._gathers, self._gather_numel = [], 0
+
+    def comm_buffer_bytes(self) -> int:
+        """Bytes of persistent communication buffers (the pools)."""
+        return self.shard_pool.nbytes
 
     def grad_bytes(self) -> tuple[int, int]:
         """(bytes of real gradient elements held, bytes of padding) between steps."""
