@@ -15,7 +15,7 @@ def build_loader(dataset: Dataset, micro_batch_size: int, world: World,
 
     Call ``loader.sampler.set_epoch(epoch)`` each epoch for a new shuffle, as with any DistributedSampler.
     """
-    sampler = DistributedSampler(dataset, num_replicas=world.world_size, rank=world.rank,  # type: ignore[arg-type]
+    sampler: DistributedSampler = DistributedSampler(dataset, num_replicas=world.world_size, rank=world.rank,
                                  shuffle=True, seed=seed, drop_last=True)
     return DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate_fn,
                       drop_last=True)

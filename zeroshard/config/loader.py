@@ -111,7 +111,7 @@ def _convert(hint: Any, value: Any, dotted: str) -> Any:
             raise ConfigError(f"{dotted!r} = {_show(value)} is not one of {', '.join(map(str, choices))}{hint_text}")
         return value
     if dataclasses.is_dataclass(hint):
-        return _build(hint, value, dotted)
+        return _build(hint, value, dotted)  # type: ignore[arg-type]
     return _scalar(hint, value, dotted)
 
 
@@ -209,9 +209,9 @@ def describe_keys() -> list[tuple[str, Any, str]]:
             target = hints[f.name]
             inner = [a for a in typing.get_args(target) if dataclasses.is_dataclass(a)]
             if dataclasses.is_dataclass(target) or inner:
-                walk(target if dataclasses.is_dataclass(target) else inner[0], dotted)
+                walk(target if dataclasses.is_dataclass(target) else inner[0], dotted)  # type: ignore[arg-type]
                 continue
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc,operator]
             rows.append((dotted, default, f.metadata.get("doc", "")))
 
     walk(ZeroshardConfig, "")

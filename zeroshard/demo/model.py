@@ -46,7 +46,7 @@ class Block(nn.Module):
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
         heads = [z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v)]
-        att = F.scaled_dot_product_attention(*heads, is_causal=True)
+        att = F.scaled_dot_product_attention(heads[0], heads[1], heads[2], is_causal=True)
         x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 

@@ -76,7 +76,7 @@ def main() -> None:
             x, y = next(batches)
         except StopIteration:
             epoch += 1
-            loader.sampler.set_epoch(epoch)  # type: ignore[union-attr]
+            loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
             batches = iter(loader)
             continue
         loss = engine(x, y)

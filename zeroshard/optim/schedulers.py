@@ -80,7 +80,7 @@ class WarmupCosineLR(LRScheduler):
         return self.cos_min_ratio + (1.0 - self.cos_min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     def get_lr(self) -> list[float]:  # type: ignore[override]
-        return [base * self._ratio(self.last_epoch) for base in self.base_lrs]
+        return [float(base) * self._ratio(self.last_epoch) for base in self.base_lrs]
 
 
 _SCHEDULERS = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR}
