@@ -27,7 +27,7 @@ from .logging import log_rank
 from .memory import model_state_bytes
 from .optim import build_scheduler, clip_, from_config, from_user, global_grad_norm
 from .param_groups import collect_trainable
-from .sharding import STRATEGIES, FlatParameters, plan_buckets
+from .sharding import STRATEGIES
 
 SchedulerSpec = Union[None, LRScheduler, Callable[[Optimizer], LRScheduler]]
 
@@ -46,13 +46,13 @@ class Engine:
                                       optimizer if isinstance(optimizer, Optimizer) else None)
         self.param_names = trainable.names
         self.frozen_params = trainable.frozen
-        layout = plan_buckets(trainable.params, trainable.names, trainable.group_of,
-                              config.zero_optimization.reduce_bucket_size, world.world_size)
-        self.flat = FlatParameters(layout, trainable.params)
         self._sync_initial_state()
-        strategy_cls = STRATEGIES[config.stage]
-        self.strategy = strategy_cls(self.flat, trainable.params, self.comm, world, config.zero_optimization)
-        self._chunks = [nn.Parameter(self.strategy.owned_param(b), requires_grad=False) for b in layout.buckets]
+        self.strategy = STRATEGIES[config.stage].build(
+            model, trainable.params, trainable.names, trainable.group_of, self.comm, world,
+            config.zero_optimization)
+        self.flat = self.strategy.flat
+        self._chunks = [nn.Parameter(self.strategy.owned_param(b), requires_grad=False)
+                        for b in self.flat.layout.buckets]
         self.optimizer = self._build_optimizer(optimizer, trainable.group_options)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.global_steps = 0
@@ -67,9 +67,8 @@ class Engine:
     def _sync_initial_state(self) -> None:
         """Start every rank from rank 0's parameters and buffers, as DistributedDataParallel does."""
         with torch.no_grad():
-            self.comm.broadcast(self.flat.data, 0, "init_params")
-            for p in self.frozen_params:
-                self.comm.broadcast(p.data, 0, "init_frozen")
+            for p in self.module.parameters():
+                self.comm.broadcast(p.data, 0, "init_params")
             for b in self.module.buffers():
                 self.comm.broadcast(b.data, 0, "init_buffers")
 
@@ -114,6 +113,7 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.strategy.before_forward()
         return self.module(*args, **kwargs)
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -219,21 +219,22 @@ class Engine:
     # ------------------------------------------------------------------ accounting
     def memory_breakdown(self) -> dict[str, float]:
         """Bytes this rank holds, by category (see [Note: what the breakdown counts])."""
-        layout, elem = self.flat.layout, self.flat.data.element_size()
+        params, param_padding = self.strategy.param_bytes()
         grads, grad_padding = self.strategy.grad_bytes()
         opt_real, opt_padding, opt_other = self._optimizer_bytes()
         out: dict[str, float] = {
-            "params": layout.numel * elem,
+            "params": params,
             "grads": grads,
             "optimizer": opt_real,
-            "padding": (layout.padded_numel - layout.numel) * elem + grad_padding + opt_padding,
+            "padding": param_padding + grad_padding + opt_padding,
             "optimizer_other": opt_other,
             "frozen_params": sum(p.numel() * p.element_size() for p in self.frozen_params),
             "buffers": sum(b.numel() * b.element_size() for b in self.module.buffers()),
             "comm_buffers": self.strategy.comm_buffer_bytes(),
+            **self.strategy.extra_memory(),
         }
         out["model_states"] = out["params"] + out["grads"] + out["optimizer"]
-        out["formula"] = model_state_bytes(self.stage, layout.numel, self.world.world_size).total
+        out["formula"] = model_state_bytes(self.stage, self.flat.layout.numel, self.world.world_size).total
         return out
 
     def _optimizer_bytes(self) -> tuple[int, int, int]:

@@ -6,6 +6,7 @@ several buckets with padding.  fp32: parameters must agree to max relative diffe
 """
 
 import pytest
+import zeroshard
 from zs_common import clone, make_model, max_rel_diff, train_ddp, train_zero
 
 from zeroshard.testing import run_world
@@ -13,23 +14,44 @@ from zeroshard.testing import run_world
 STEPS = 5
 
 
-def parity_worker(rank: int, world: int, stage: int) -> list[tuple]:
+# Stage 3: matrices sharded, vectors of 16 elements persistent; prefetch on, with units kept for reuse
+# (DeepSpeed's defaults), and off, with every unit released after each use.
+STAGE3_VARIANTS = {
+    "prefetch": {"stage3_param_persistence_threshold": 20},
+    "no_prefetch": {"stage3_param_persistence_threshold": 20, "stage3_prefetch_bucket_size": 0,
+                    "stage3_max_reuse_distance": 0},
+}
+
+
+def parity_worker(rank: int, world: int, stage: int, variant: str = "") -> list[tuple]:
     out = []
     for micro, accum in ((2, 1), (1, 3)):
         ref = make_model()
         ours = clone(ref)
         ref_norms = train_ddp(ref, rank, world, STEPS, micro, accum)
-        engine, norms = train_zero(ours, rank, world, STEPS, micro, accum, stage)
-        out.append((micro, accum, max_rel_diff(ours, ref), ref_norms, norms))
+        engine, norms = train_zero(ours, rank, world, STEPS, micro, accum, stage, **STAGE3_VARIANTS.get(variant, {}))
+        with zeroshard.GatheredParameters(list(ours.parameters())):
+            diff = max_rel_diff(ours, ref)
+        out.append((micro, accum, diff, ref_norms, norms))
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-@pytest.mark.parametrize("stage", [0, 1, 2])
-def test_matches_ddp_adamw(stage: int, world: int) -> None:
-    for rank_result in run_world(parity_worker, world, args=(stage,)):
+def check(results: list, stage: int, world: int) -> None:
+    for rank_result in results:
         for micro, accum, diff, ref_norms, norms in rank_result:
             assert diff <= 1e-5, f"stage {stage} world {world} micro {micro} accum {accum}: {diff:.2e}"
             assert all(n > 0.05 for n in ref_norms), "clipping must be active in this test"
             for ours, theirs in zip(norms, ref_norms):
                 assert ours == pytest.approx(theirs, rel=1e-5)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_matches_ddp_adamw(stage: int, world: int) -> None:
+    check(run_world(parity_worker, world, args=(stage,)), stage, world)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("variant", sorted(STAGE3_VARIANTS))
+def test_stage3_matches_ddp_adamw(variant: str, world: int) -> None:
+    check(run_world(parity_worker, world, args=(3, variant)), 3, world)

@@ -74,8 +74,8 @@ class PrecisionBlock:
 class ZeroConfig:
     """``zero_optimization``: which training state is sharded and how gradients are communicated."""
 
-    stage: int = key(0, "0: plain data parallel; 1: shard optimizer state; 2: also gradients.",
-                     lambda v: None if v in (0, 1, 2) else "0, 1 or 2 (stage 3 is not supported yet)")
+    stage: int = key(0, "0: data parallel; 1: shard optimizer state; 2: also gradients; 3: also parameters.",
+                     lambda v: None if v in (0, 1, 2, 3) else "0, 1, 2 or 3")
     reduce_bucket_size: int = key(500_000_000, "Elements per gradient bucket (one collective each).",
                                   positive)
     allgather_bucket_size: int = key(500_000_000, "Elements of parameter all-gathers in flight after the step (stages 1-2).",
@@ -86,8 +86,18 @@ class ZeroConfig:
         lambda v: None if v is True else "true (zeroshard always copies gradients into contiguous buckets)",
     )
     reduce_scatter: bool = key(
-        True, "Stages 1-2: reduce-scatter gradients (true) or all-reduce and keep the own shard (false)."
+        True, "Stages 1-3: reduce-scatter gradients (true) or all-reduce and keep the own shard (false)."
     )
+    stage3_prefetch_bucket_size: int = key(
+        50_000_000, "Stage 3: elements of upcoming units gathered ahead of use; 0 turns prefetch off.",
+        non_negative)
+    stage3_param_persistence_threshold: int = key(
+        100_000, "Stage 3: parameters with at most this many elements stay whole on every rank.", non_negative)
+    stage3_max_live_parameters: int = key(
+        1_000_000_000, "Stage 3: gathered elements allowed at once before prefetching/keeping stops.", positive)
+    stage3_max_reuse_distance: int = key(
+        1_000_000_000, "Stage 3: keep a unit gathered if it is used again within this many elements.",
+        non_negative)
 
 
 @dataclass(frozen=True)
@@ -131,8 +141,7 @@ NOT_SUPPORTED_YET: dict[str, tuple[str, ...]] = {
     "zero_optimization": (
         "offload_optimizer", "offload_param", "sub_group_size", "round_robin_gradients",
         "load_from_fp32_weights", "elastic_checkpoint", "cpu_offload", "ignore_unused_parameters",
-        "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
-        "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
+        "stage3_gather_16bit_weights_on_model_save",
         "stage3_gather_fp16_weights_on_model_save", "zero_hpz_partition_size", "zero_quantized_weights",
         "zero_quantized_gradients", "mics_shard_size", "use_multi_rank_bucket_allreduce",
     ),

@@ -12,13 +12,14 @@ from typing import Sequence
 
 import torch
 
+from ..distributed.collectives import Collectives
 from .layout import BucketLayout, FlatLayout
 
 
 class FlatParameters:
     """Owns the padded flat buffer and the views the model's parameters now point into."""
 
-    def __init__(self, layout: FlatLayout, params: Sequence[torch.nn.Parameter]) -> None:
+    def __init__(self, layout: FlatLayout, params: Sequence[torch.nn.Parameter], comm: Collectives) -> None:
         first = params[0]
         for p in params:
             if p.dtype != first.dtype or p.device != first.device:
@@ -27,6 +28,7 @@ class FlatParameters:
                     f"{first.device} and {p.dtype} on {p.device}); mixed precision is not supported yet"
                 )
         self.layout = layout
+        self.comm = comm
         self.dtype = first.dtype
         self.device = first.device
         self.data = torch.zeros(layout.padded_numel, dtype=self.dtype, device=self.device)  # 1D, padded
@@ -36,6 +38,7 @@ class FlatParameters:
                     view = self.slot_view(bucket, slot.offset, slot.numel).view(slot.shape)
                     view.copy_(params[slot.index].data)
                     params[slot.index].data = view
+                    params[slot.index]._zeroshard_home = (self, bucket.index)  # type: ignore[attr-defined]
 
     def bucket_view(self, bucket: BucketLayout) -> torch.Tensor:
         """The whole bucket, padding included (1D, padded_numel)."""
@@ -45,6 +48,20 @@ class FlatParameters:
         """Rank's equal chunk of the bucket (1D, shard_numel)."""
         start, end = bucket.shard_range(rank)
         return self.data[bucket.offset + start: bucket.offset + end]
+
+    # Every rank holds every bucket whole: gathering and releasing are no-ops (GatheredParameters).
+    def gather(self, index: int, label: str, async_op: bool = False) -> None:
+        """Nothing to gather at stages 0-2."""
+
+    def release(self, index: int) -> None:
+        """Nothing to release at stages 0-2."""
+
+    @property
+    def full(self) -> list[torch.Tensor]:
+        return [self.bucket_view(b) for b in self.layout.buckets]
+
+    def commit_full(self, index: int) -> None:
+        """The optimizer's chunks are views of the full buffer: nothing to copy."""
 
     def slot_view(self, bucket: BucketLayout, offset: int, numel: int) -> torch.Tensor:
         start = bucket.offset + offset

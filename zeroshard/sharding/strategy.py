@@ -17,16 +17,17 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import ClassVar, Optional, Sequence
+from typing import Any, ClassVar, Optional, Sequence
 
 import torch
+from torch import nn
 
 from ..config import ZeroConfig
 from ..distributed.collectives import Collectives, PendingCollective
 from ..distributed.world import World
 from .buffer_pool import BufferPool
 from .flat_params import FlatParameters
-from .layout import BucketLayout
+from .layout import BucketLayout, plan_buckets
 
 
 #: launched gradient buckets allowed in flight before the oldest is waited for (see ``_retire``)
@@ -97,6 +98,7 @@ class ShardingStrategy(ABC):
         with torch.no_grad():
             self.store_grad(bucket, slot.offset, grad.reshape(-1))
         progress.arrived.add(index)
+        self.grad_arrived(bucket, progress)
         if self._communicates_now():
             self._launch_in_order(only_complete=True)
 
@@ -137,6 +139,29 @@ class ShardingStrategy(ABC):
             self._retire(keep_in_flight=0)
         self._progress = [BucketProgress() for _ in self.layout.buckets]
         self._next_launch = 0
+
+    # ------------------------------------------------------------------ construction and hooks for subclasses
+    @classmethod
+    def build(cls, model: nn.Module, params: Sequence[nn.Parameter], names: Sequence[str],
+              group_of: Sequence[int], comm: Collectives, world: World, zero: ZeroConfig) -> "ShardingStrategy":
+        """Lay out the trainable parameters and take them over (stages 0-2: one flat buffer)."""
+        layout = plan_buckets(params, names, group_of, zero.reduce_bucket_size, world.world_size)
+        return cls(FlatParameters(layout, params, comm), params, comm, world, zero)
+
+    def before_forward(self) -> None:
+        """Called at the start of every engine forward."""
+
+    def grad_arrived(self, bucket: BucketLayout, progress: BucketProgress) -> None:
+        """Called after each parameter's gradient has been stored."""
+
+    def param_bytes(self) -> tuple[int, int]:
+        """(bytes of real parameter elements held, bytes of padding)."""
+        size = self.flat.data.element_size()
+        return self.layout.numel * size, (self.layout.padded_numel - self.layout.numel) * size
+
+    def extra_memory(self) -> dict[str, Any]:
+        """Stage-specific entries of the memory breakdown."""
+        return {}
 
     # ------------------------------------------------------------------ stage-specific
     @abstractmethod

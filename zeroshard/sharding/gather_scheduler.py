@@ -1,0 +1,138 @@
+"""When stage 3 gathers, prefetches and releases each unit, driven by module hooks.
+
+- A unit is gathered by its module's forward pre-hook, and again, for backward, by a hook on its
+  outputs' gradients (which fires just before the gradient flows into the module).
+- It is released after its module's forward, and after backward has produced all its gradients,
+  unless the recorded execution order says it is needed again soon (``stage3_max_reuse_distance``).
+- Each use looks ahead in the order recorded on an earlier pass and starts the all-gathers of the next
+  units (``stage3_prefetch_bucket_size`` elements at most, ``stage3_max_live_parameters`` in all).
+
+[Note: recorded order and divergence]
+The order is recorded per mode (train/eval, grad enabled or not), from one ``engine.forward`` to the
+next.  Prefetch only follows the recorded order while the current pass matches it so far; the
+moment they differ it stops, and at the end of the pass the new order replaces the old one (it is
+re-recorded).  A wrong guess only costs a gather that was not needed (released at the end of
+backward); it can never deadlock, because every rank makes the same guesses from the same program.
+Ranks whose control flow differs (a module run on one rank only) issue different gathers; that fails
+with a CollectiveError naming the unit and its parameters within ``collective_timeout``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from ..config import ZeroConfig
+from .sharded_params import GatherState, ShardedParameters
+from .units import Unit, unit_label
+
+
+class GatherScheduler:
+    """Owns the stage-3 module hooks and the gather/prefetch/release decisions."""
+
+    def __init__(self, storage: ShardedParameters, units: tuple[Unit, ...], zero: ZeroConfig,
+                 model: torch.nn.Module) -> None:
+        self.storage = storage
+        self.model = model
+        self.units = {u.bucket_index: u for u in units}
+        self.zero = zero
+        self._numel = {u.bucket_index: storage.layout.buckets[u.bucket_index].padded_numel for u in units}
+        self._labels = {u.bucket_index: unit_label(u, storage.layout) for u in units}
+        self.recorded: dict[tuple[bool, bool], list[int]] = {}
+        self.current: list[int] = []
+        self._key: tuple[bool, bool] = (True, True)
+        self._handles: list[Any] = []
+        for unit in units:
+            self._handles.append(unit.module.register_forward_pre_hook(self._pre_forward_hook(unit)))
+            self._handles.append(unit.module.register_forward_hook(self._post_forward_hook(unit)))
+
+    # ------------------------------------------------------------------ hooks
+    def _pre_forward_hook(self, unit: Unit) -> Any:
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            self.use(unit.bucket_index)
+        return hook
+
+    def _post_forward_hook(self, unit: Unit) -> Any:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if torch.is_grad_enabled():
+                for t in tree_flatten(output)[0]:
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(self._pre_backward_hook(unit))
+            self.done_with(unit.bucket_index)
+        return hook
+
+    def _pre_backward_hook(self, unit: Unit) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            if self.storage.state[unit.bucket_index] is not GatherState.GATHERED or not self._used_last(unit):
+                self.use(unit.bucket_index)
+        return hook
+
+    def _used_last(self, unit: Unit) -> bool:
+        return bool(self.current) and self.current[-1] == unit.bucket_index
+
+    # ------------------------------------------------------------------ decisions
+    def begin_pass(self) -> None:
+        """A new forward starts: close the previous pass's order and start a new one."""
+        self._close_pass()
+        self._key = (torch.is_grad_enabled(), self.model.training)
+        self.current = []
+
+    def _close_pass(self) -> None:
+        if self.current:
+            self.recorded[self._key] = self.current
+
+    def use(self, index: int) -> None:
+        """The unit is about to compute: make sure it is gathered, then prefetch what comes next."""
+        self.current.append(index)
+        self.storage.gather(index, self._labels[index])
+        self._prefetch()
+
+    def _prefetch(self) -> None:
+        budget = self.zero.stage3_prefetch_bucket_size
+        trace = self.recorded.get(self._key)
+        position = len(self.current)
+        if not budget or trace is None or trace[:position] != self.current:
+            return
+        live = self.live_numel()
+        for index in trace[position:]:
+            if self.storage.state[index] is not GatherState.SHARDED:
+                continue
+            numel = self._numel[index]
+            if numel > budget or live + numel > self.zero.stage3_max_live_parameters:
+                return
+            self.storage.gather(index, self._labels[index], async_op=True)
+            budget -= numel
+            live += numel
+
+    def done_with(self, index: int) -> None:
+        """The unit finished a use: release it unless the recorded order reuses it soon."""
+        if not self._reused_soon(index):
+            self.storage.release(index)
+
+    def _reused_soon(self, index: int) -> bool:
+        trace = self.recorded.get(self._key)
+        position = len(self.current)
+        if trace is None or trace[:position] != self.current:
+            return False
+        distance = 0
+        for upcoming in trace[position:]:
+            if upcoming == index:
+                return (distance < self.zero.stage3_max_reuse_distance
+                        and self.live_numel() <= self.zero.stage3_max_live_parameters)
+            distance += self._numel[upcoming]
+        return False
+
+    def live_numel(self) -> int:
+        return sum(n for i, n in self._numel.items() if self.storage.state[i] is not GatherState.SHARDED)
+
+    def release_all(self) -> None:
+        """End of backward (or of an eval pass): nothing stays gathered."""
+        for index in self.units:
+            self.storage.release(index)
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

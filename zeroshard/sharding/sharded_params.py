@@ -1,0 +1,124 @@
+"""Stage 3's parameter storage: each rank keeps only its chunk of every bucket; full buckets on demand.
+
+[Note: releasing memory that autograd still points at]
+Autograd saves parameters for backward (a Linear saves its weight).  Dropping our reference to a
+gathered buffer would free nothing, and replacing ``param.data`` would leave autograd with a stale
+tensor.  Instead every parameter is, once and for all, a view into its bucket's full buffer, and
+releasing a bucket shrinks that buffer's *storage* to zero bytes (``untyped_storage().resize_(0)``):
+the memory really goes back to the allocator, every view (the parameter, autograd's saved copies)
+keeps its shape, and gathering again re-grows the same storage and all-gathers into it, so those
+views see the right values again.  A released parameter still reports its full ``.shape``; reading
+its values outside forward raises torch's storage error instead of returning wrong data (use
+``zeroshard.GatheredParameters`` to read or modify it).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..distributed.collectives import Collectives, PendingCollective
+from .layout import BucketLayout, FlatLayout
+
+
+class GatherState(Enum):
+    SHARDED = "sharded"  # only this rank's chunk exists
+    GATHERING = "gathering"  # all-gather in flight
+    GATHERED = "gathered"  # full values present
+
+
+class ShardedParameters:
+    """This rank's chunks of all buckets (``shard``) plus one full buffer per bucket, gathered on demand."""
+
+    def __init__(self, layout: FlatLayout, params: Sequence[nn.Parameter], comm: Collectives,
+                 persistent: frozenset[int] = frozenset()) -> None:
+        first = params[0]
+        self.layout = layout
+        self.comm = comm
+        self.rank = comm.world.rank
+        self.dtype, self.device = first.dtype, first.device
+        self.persistent = persistent
+        self.shard = torch.zeros(layout.shard_numel(), dtype=self.dtype, device=self.device)  # 1D: own chunks
+        self._shard_offset: list[int] = []
+        offset = 0
+        for bucket in layout.buckets:
+            self._shard_offset.append(offset)
+            offset += bucket.shard_numel
+        self.full: list[torch.Tensor] = []  # per bucket, 1D padded; storage shrunk to 0 when released
+        self.state: list[GatherState] = []
+        self._pending: dict[int, PendingCollective] = {}
+        with torch.no_grad():
+            for bucket in layout.buckets:
+                full = torch.zeros(bucket.padded_numel, dtype=self.dtype, device=self.device)
+                for slot in bucket.slots:
+                    view = full[slot.offset: slot.offset + slot.numel].view(slot.shape)
+                    view.copy_(params[slot.index].data)
+                    params[slot.index].data = view
+                    params[slot.index]._zeroshard_home = (self, bucket.index)  # type: ignore[attr-defined]
+                start, end = bucket.shard_range(self.rank)
+                self.shard_view(bucket, self.rank).copy_(full[start:end])
+                self.full.append(full)
+                self.state.append(GatherState.GATHERED)
+                if bucket.index not in persistent:
+                    self.release(bucket.index)
+
+    # ------------------------------------------------------------------ views (the FlatParameters interface)
+    @property
+    def data(self) -> torch.Tensor:
+        return self.shard
+
+    def shard_view(self, bucket: BucketLayout, rank: int) -> torch.Tensor:
+        """This rank's chunk of ``bucket`` (1D); only the own rank's chunk is stored here."""
+        assert rank == self.rank, "stage 3 stores only this rank's chunk"
+        start = self._shard_offset[bucket.index]
+        return self.shard[start: start + bucket.shard_numel]
+
+    def bucket_view(self, bucket: BucketLayout) -> torch.Tensor:
+        return self.full[bucket.index]
+
+    # ------------------------------------------------------------------ gather / release
+    def gather(self, index: int, label: str, async_op: bool = False) -> None:
+        """Start (or finish) making bucket ``index``'s full values present on this rank."""
+        if self.state[index] is GatherState.SHARDED:
+            bucket = self.layout.buckets[index]
+            full = self.full[index]
+            full.untyped_storage().resize_(bucket.padded_numel * full.element_size())
+            own = self.shard_view(bucket, self.rank)
+            with torch.no_grad():
+                self._pending[index] = self.comm.all_gather(full, own, label, async_op=True)
+            self.state[index] = GatherState.GATHERING
+        if not async_op:
+            self.wait(index)
+
+    def wait(self, index: int) -> None:
+        pending: Optional[PendingCollective] = self._pending.pop(index, None)
+        if pending is not None:
+            pending.wait()
+            self.state[index] = GatherState.GATHERED
+
+    def release(self, index: int) -> None:
+        """Free bucket ``index``'s full buffer (persistent buckets are never released)."""
+        if index in self.persistent or self.state[index] is GatherState.SHARDED:
+            return
+        self.wait(index)
+        self.full[index].untyped_storage().resize_(0)
+        self.state[index] = GatherState.SHARDED
+
+    def commit_full(self, index: int) -> None:
+        """Copy this rank's part of a (modified) full bucket back into its shard."""
+        bucket = self.layout.buckets[index]
+        start, end = bucket.shard_range(self.rank)
+        with torch.no_grad():
+            self.shard_view(bucket, self.rank).copy_(self.full[index][start:end])
+
+    def gathered_bytes(self) -> int:
+        """Bytes of non-persistent full buffers currently present (0 between steps)."""
+        return sum(self.full[b.index].untyped_storage().nbytes() for b in self.layout.buckets
+                   if b.index not in self.persistent)
+
+    def persistent_bytes(self) -> int:
+        size = self.shard.element_size()
+        return sum(self.layout.buckets[i].numel * size for i in self.persistent)

@@ -1,0 +1,79 @@
+"""ZeRO stage 3: parameters sharded too; each unit is gathered just before it computes, then released.
+
+Gradients travel exactly as at stage 2 (one reduce-scatter per bucket into this rank's shard), and
+the optimizer updates this rank's chunks in place; what stage 3 adds is parameter storage that holds
+only those chunks (:mod:`.sharded_params`), the gather units (:mod:`.units`) and the hooks that gather,
+prefetch and release them (:mod:`.gather_scheduler`).  Where a parameter is gathered:
+:meth:`ShardedParameters.gather`, called from :meth:`GatherScheduler.use`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from ..config import ZeroConfig
+from ..distributed.collectives import Collectives
+from ..distributed.world import World
+from .gather_scheduler import GatherScheduler
+from .layout import BucketLayout
+from .sharded_params import ShardedParameters
+from .stage2 import Stage2
+from .strategy import BucketProgress
+from .units import Stage3Plan, plan_units
+
+
+class Stage3(Stage2):
+    """Stage 2's gradient path over stage 3's sharded parameter storage."""
+
+    stage = 3
+
+    def __init__(self, storage: ShardedParameters, params: Sequence[nn.Parameter], comm: Collectives,
+                 world: World, zero: ZeroConfig, plan: Stage3Plan, model: nn.Module) -> None:
+        super().__init__(storage, params, comm, world, zero)  # type: ignore[arg-type]
+        self.storage = storage
+        self.plan = plan
+        self.scheduler = GatherScheduler(storage, plan.units, zero, model)
+
+    @classmethod
+    def build(cls, model: nn.Module, params: Sequence[nn.Parameter], names: Sequence[str],
+              group_of: Sequence[int], comm: Collectives, world: World, zero: ZeroConfig) -> "Stage3":
+        plan = plan_units(model, params, names, group_of, zero.stage3_param_persistence_threshold,
+                          zero.reduce_bucket_size, world.world_size)
+        storage = ShardedParameters(plan.layout, params, comm, plan.persistent_buckets)
+        return cls(storage, params, comm, world, zero, plan, model)
+
+    def before_forward(self) -> None:
+        self.scheduler.release_all()
+        self.scheduler.begin_pass()
+
+    def grad_arrived(self, bucket: BucketLayout, progress: BucketProgress) -> None:
+        if len(progress.arrived) == len(bucket.slots) and bucket.index in self.scheduler.units:
+            self.scheduler.done_with(bucket.index)
+
+    def finish_backward(self) -> None:
+        super().finish_backward()
+        self.scheduler.release_all()
+
+    def refresh_bucket(self, bucket: BucketLayout) -> None:
+        """Persistent buckets are whole on every rank: gather their update; the rest waits for use."""
+        if bucket.index in self.plan.persistent_buckets:
+            super().refresh_bucket(bucket)
+
+    def param_bytes(self) -> tuple[int, int]:
+        size = self.storage.shard.element_size()
+        real = self.owned_real_numel()
+        return real * size, (self.storage.shard.numel() - real) * size
+
+    def extra_memory(self) -> dict[str, Any]:
+        return {"persistent_params": self.storage.persistent_bytes(),
+                "gathered_params": self.storage.gathered_bytes()}
+
+    def gather_for_read(self, index: int) -> None:
+        self.storage.gather(index, f"gathered_parameters{index}")
+
+    def remove_hooks(self) -> None:
+        super().remove_hooks()
+        self.scheduler.remove_hooks()

@@ -1,0 +1,126 @@
+"""Stage 3's gather units: which parameters are all-gathered together, and which stay whole.
+
+[Note: gather units]
+A unit is a group of parameters gathered with one collective just before it is needed and released
+right after.  zeroshard picks units the way FSDP2 users wrap models: every element of a
+``nn.ModuleList`` / ``nn.Sequential`` found in the model (a transformer block, typically) is a unit,
+and everything else belongs to the *root* unit, gathered for the whole forward and backward of the
+model.  Coarse units are what make the hard cases work without special code: a forward that reads a
+submodule's weight directly (``F.linear(x, self.embed.weight)``), a module called twice, a weight
+tied between the embedding and the head.  A parameter reachable from two different units (shared
+between blocks) is moved to the root unit, so it is always gathered whenever either block runs.
+
+Parameters with at most ``stage3_param_persistence_threshold`` elements (biases, norms) are
+*persistent*: kept whole on every rank, gradients reduce-scattered and the parameter refreshed by an
+all-gather after the step, exactly as at stage 2.  They never pay a gather latency in forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from .layout import BucketLayout, FlatLayout, ParamSlot
+
+ROOT = "<root>"
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A gather unit: its name, the module whose forward brackets its use, and its bucket."""
+
+    name: str
+    module: nn.Module
+    bucket_index: int
+
+
+@dataclass(frozen=True)
+class Stage3Plan:
+    layout: FlatLayout
+    units: tuple[Unit, ...]  # sharded buckets, one per unit that has any
+    persistent_buckets: frozenset[int]
+
+
+def _block_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The elements of the outermost ModuleLists / Sequentials, in registration order."""
+    blocks: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}.{name}" if prefix else name
+            if isinstance(child, (nn.ModuleList, nn.Sequential)) and child is not model:
+                blocks.extend((f"{path}.{n}", m) for n, m in child.named_children())
+            else:
+                visit(path, child)
+
+    if isinstance(model, (nn.ModuleList, nn.Sequential)):
+        return [(name, child) for name, child in model.named_children()]
+    visit("", model)
+    return blocks
+
+
+def plan_units(model: nn.Module, params: Sequence[nn.Parameter], names: Sequence[str],
+               group_of: Sequence[int], persistence_threshold: int, bucket_numel: int,
+               world_size: int) -> Stage3Plan:
+    """Assign each trainable parameter to a unit (or to a persistent bucket) and lay out buckets."""
+    index_of = {id(p): i for i, p in enumerate(params)}
+    owner: dict[int, str] = {}
+    blocks = _block_modules(model)
+    for block_name, block in blocks:
+        for p in block.parameters():
+            if id(p) in index_of:
+                owner[id(p)] = ROOT if owner.get(id(p), block_name) != block_name else block_name
+    unit_order = [ROOT] + [name for name, _ in blocks]
+    module_of = {ROOT: model, **dict(blocks)}
+    members: dict[tuple[str, int], list[int]] = {}
+    persistent: list[int] = []
+    for i, p in enumerate(params):
+        if p.numel() <= persistence_threshold:
+            persistent.append(i)
+        else:
+            members.setdefault((owner.get(id(p), ROOT), group_of[i]), []).append(i)
+
+    buckets: list[BucketLayout] = []
+    units: list[Unit] = []
+    offset = 0
+
+    def add_bucket(indices: list[int], group: int) -> int:
+        nonlocal offset
+        slots, pos = [], 0
+        for i in indices:
+            slots.append(ParamSlot(i, names[i], pos, params[i].numel(), tuple(params[i].shape)))
+            pos += params[i].numel()
+        padded = -(-pos // world_size) * world_size
+        buckets.append(BucketLayout(len(buckets), group, offset, pos, padded, tuple(slots), world_size))
+        offset += padded
+        return len(buckets) - 1
+
+    # Blocks in reverse (the order backward produces their gradients), the root unit last.
+    for unit_name in reversed(unit_order):
+        for (name, group), indices in sorted(members.items(), key=lambda kv: kv[0][1]):
+            if name == unit_name:
+                units.append(Unit(name, module_of[name], add_bucket(indices, group)))
+    persistent_buckets = []
+    chunk: list[int] = []
+    for i in reversed(persistent):
+        if chunk and (group_of[i] != group_of[chunk[0]] or sum(params[j].numel() for j in chunk) >= bucket_numel):
+            persistent_buckets.append(add_bucket(chunk, group_of[chunk[0]]))
+            chunk = []
+        chunk.append(i)
+    if chunk:
+        persistent_buckets.append(add_bucket(chunk, group_of[chunk[0]]))
+    return Stage3Plan(FlatLayout(tuple(buckets), world_size), tuple(units), frozenset(persistent_buckets))
+
+
+def unit_label(unit: Unit, layout: FlatLayout) -> str:
+    """A collective label that names the unit and its parameters (for errors and the profiler)."""
+    slots = layout.buckets[unit.bucket_index].slots
+    shown = ", ".join(s.name for s in slots[:4]) + (", ..." if len(slots) > 4 else "")
+    return f"gather[{unit.name}: {shown}]"
+
+
+def is_resizable(t: torch.Tensor) -> bool:
+    return bool(t.untyped_storage().resizable())
