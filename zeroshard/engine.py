@@ -216,6 +216,37 @@ class Engine:
     def stage(self) -> int:
         return self.strategy.stage
 
+    # ------------------------------------------------------------------ full weights
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """The model's ordinary state dict with full values, as CPU tensors.
+
+        Gathers one bucket at a time (peak: one bucket beyond the shards).  Every rank must call it;
+        with ``rank0_only`` the other ranks get an empty dict.  Tied weights appear under each of
+        their names, as ``nn.Module.state_dict`` gives them, so ``load_state_dict(strict=True)`` works.
+        """
+        keep = self.world.rank == 0 or not rank0_only
+        values: dict[int, torch.Tensor] = {}
+        storage = self.flat
+        for bucket in storage.layout.buckets:
+            storage.gather(bucket.index, f"full_state_dict{bucket.index}")
+            if keep:
+                for slot in bucket.slots:
+                    values[slot.index] = storage.full[bucket.index][slot.offset: slot.offset + slot.numel] \
+                        .view(slot.shape).detach().to("cpu", copy=True)
+            storage.release(bucket.index)
+        if not keep:
+            return {}
+        index_of = {id(p): i for i, p in enumerate(self.strategy.params)}
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in self.module.state_dict(keep_vars=True).items():
+            home = getattr(tensor, "_zeroshard_home", None)
+            i = index_of.get(id(tensor))
+            if i is None and home is not None:  # a released stage-3 parameter's placeholder
+                i = next(s.index for s in storage.layout.buckets[home[1]].slots
+                         if s.name == getattr(tensor, "_zeroshard_name", None))
+            out[name] = values[i] if i is not None else tensor.detach().to("cpu", copy=True)
+        return out
+
     # ------------------------------------------------------------------ accounting
     def memory_breakdown(self) -> dict[str, float]:
         """Bytes this rank holds, by category (see [Note: what the breakdown counts])."""

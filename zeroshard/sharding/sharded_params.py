@@ -8,8 +8,8 @@ releasing a bucket shrinks that buffer's *storage* to zero bytes (``untyped_stor
 the memory really goes back to the allocator, every view (the parameter, autograd's saved copies)
 keeps its shape, and gathering again re-grows the same storage and all-gathers into it, so those
 views see the right values again.  A released parameter still reports its full ``.shape``; reading
-its values outside forward raises torch's storage error instead of returning wrong data (use
-``zeroshard.GatheredParameters`` to read or modify it).
+its values outside forward raises a clear error (see [Note: reading a sharded parameter outside
+forward] in placeholder.py).
 """
 
 from __future__ import annotations
@@ -22,6 +22,11 @@ from torch import nn
 
 from ..distributed.collectives import Collectives, PendingCollective
 from .layout import BucketLayout, FlatLayout
+from .placeholder import ShardedParameterPlaceholder
+
+# What a released parameter's own .data becomes: zero elements, so that a stale reference to the
+# Parameter object reads nothing rather than freed memory.
+_EMPTY = torch.empty(0)
 
 
 class GatherState(Enum):
@@ -34,7 +39,7 @@ class ShardedParameters:
     """This rank's chunks of all buckets (``shard``) plus one full buffer per bucket, gathered on demand."""
 
     def __init__(self, layout: FlatLayout, params: Sequence[nn.Parameter], comm: Collectives,
-                 persistent: frozenset[int] = frozenset()) -> None:
+                 model: nn.Module, persistent: frozenset[int] = frozenset()) -> None:
         first = params[0]
         self.layout = layout
         self.comm = comm
@@ -47,7 +52,11 @@ class ShardedParameters:
         for bucket in layout.buckets:
             self._shard_offset.append(offset)
             offset += bucket.shard_numel
+        self.params = list(params)
+        self._registrations = self._find_registrations(model)
+        self._placeholders: dict[int, ShardedParameterPlaceholder] = {}
         self.full: list[torch.Tensor] = []  # per bucket, 1D padded; storage shrunk to 0 when released
+        self._views: dict[int, torch.Tensor] = {}  # parameter index -> its view into the full buffer
         self.state: list[GatherState] = []
         self._pending: dict[int, PendingCollective] = {}
         with torch.no_grad():
@@ -58,12 +67,33 @@ class ShardedParameters:
                     view.copy_(params[slot.index].data)
                     params[slot.index].data = view
                     params[slot.index]._zeroshard_home = (self, bucket.index)  # type: ignore[attr-defined]
+                    self._views[slot.index] = view
+                    self._placeholders[slot.index] = ShardedParameterPlaceholder.create(params[slot.index], slot.name)
                 start, end = bucket.shard_range(self.rank)
                 self.shard_view(bucket, self.rank).copy_(full[start:end])
                 self.full.append(full)
                 self.state.append(GatherState.GATHERED)
                 if bucket.index not in persistent:
                     self.release(bucket.index)
+
+    def _find_registrations(self, model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+        """Where each parameter is registered (a tied weight is registered in several modules)."""
+        index_of = {id(p): i for i, p in enumerate(self.params)}
+        found: dict[int, list[tuple[nn.Module, str]]] = {}
+        for module in model.modules():
+            for attr, p in module._parameters.items():
+                if p is not None and id(p) in index_of:
+                    found.setdefault(index_of[id(p)], []).append((module, attr))
+        return found
+
+    def _show(self, index: int, gathered: bool) -> None:
+        """Point the parameters of bucket ``index`` (and their modules) at real data or placeholders."""
+        for slot in self.layout.buckets[index].slots:
+            param = self.params[slot.index]
+            shown = param if gathered else self._placeholders[slot.index]
+            param.data = self._views[slot.index] if gathered else _EMPTY
+            for module, attr in self._registrations.get(slot.index, ()):
+                module._parameters[attr] = shown
 
     # ------------------------------------------------------------------ views (the FlatParameters interface)
     @property
@@ -98,6 +128,7 @@ class ShardedParameters:
         if pending is not None:
             pending.wait()
             self.state[index] = GatherState.GATHERED
+            self._show(index, gathered=True)
 
     def release(self, index: int) -> None:
         """Free bucket ``index``'s full buffer (persistent buckets are never released)."""
@@ -105,6 +136,7 @@ class ShardedParameters:
             return
         self.wait(index)
         self.full[index].untyped_storage().resize_(0)
+        self._show(index, gathered=False)
         self.state[index] = GatherState.SHARDED
 
     def commit_full(self, index: int) -> None:

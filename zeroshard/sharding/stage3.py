@@ -42,7 +42,7 @@ class Stage3(Stage2):
               group_of: Sequence[int], comm: Collectives, world: World, zero: ZeroConfig) -> "Stage3":
         plan = plan_units(model, params, names, group_of, zero.stage3_param_persistence_threshold,
                           zero.reduce_bucket_size, world.world_size)
-        storage = ShardedParameters(plan.layout, params, comm, plan.persistent_buckets)
+        storage = ShardedParameters(plan.layout, params, comm, model, plan.persistent_buckets)
         return cls(storage, params, comm, world, zero, plan, model)
 
     def before_forward(self) -> None:

@@ -1,0 +1,183 @@
+"""Stage 3: exact accounting, the hard cases, GatheredParameters and full_state_dict, in real worlds."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from zs_common import clone, make_model, max_rel_diff, rank_micro_batches, train_zero
+
+import zeroshard
+from zeroshard.demo.model import GPT
+from zeroshard.distributed.collectives import CollectiveError
+from zeroshard.testing import run_world
+
+SHARD_ALL = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
+
+
+def accounting_worker(rank: int, world: int, persistence: int) -> dict:
+    model = make_model()
+    zero = {"stage3_param_persistence_threshold": persistence, "stage3_max_reuse_distance": 0,
+            "stage3_prefetch_bucket_size": 10**6}
+    engine, _ = train_zero(model, rank, world, 2, micro=1, accum=1, stage=3, **zero)
+    engine.comm.reset_counters()
+    for x, y in rank_micro_batches(5, rank, world, 1, 1):
+        engine.backward(engine(x, y))
+        engine.step()
+    layout, plan = engine.flat.layout, engine.strategy.plan
+    persistent = [b for b in layout.buckets if b.index in plan.persistent_buckets]
+    return {
+        "mb": engine.memory_breakdown(),
+        "counters": {k.value: (c.calls, c.bytes_sent) for k, c in engine.comm.counters.items()},
+        "padded": layout.padded_numel, "padded_persistent": sum(b.padded_numel for b in persistent),
+        "real_persistent": sum(b.numel for b in persistent), "units": len(plan.units),
+        "buckets": len(layout.buckets), "own": layout.real_numel_in_shard(rank),
+        "psi": sum(p.numel() for p in model.parameters() if p.requires_grad),
+    }
+
+
+@pytest.mark.parametrize("persistence", [0, 20])
+def test_stage3_memory_and_communication_are_exact(persistence: int) -> None:
+    n = 3
+    results = run_world(accounting_worker, n, args=(persistence,))
+    total = 0.0
+    for r in results:
+        mb, c = r["mb"], r["counters"]
+        assert mb["params"] == mb["grads"] == 4 * r["own"]
+        assert mb["optimizer"] == 8 * r["own"]
+        assert mb["gathered_params"] == 0  # nothing stays gathered between steps
+        assert mb["persistent_params"] == 4 * r["real_persistent"]
+        total += mb["model_states"]
+        sharded = 4 * (r["padded"] - r["padded_persistent"])
+        one_way = lambda b: (n - 1) * b // n  # noqa: E731
+        # forward gather + backward gather of every unit, one refresh gather of the persistent buckets
+        assert c["all_gather"] == (2 * r["units"] + (r["buckets"] - r["units"]),
+                                   2 * one_way(sharded) + one_way(4 * r["padded_persistent"]))
+        assert c["reduce_scatter"] == (r["buckets"], one_way(4 * r["padded"]))
+        assert c["all_reduce"][0] == 1  # the gradient norm
+        if persistence == 0:
+            assert r["padded_persistent"] == 0
+    psi = results[0]["psi"]
+    assert total == pytest.approx(n * 16 * psi / n)  # summed over ranks: exactly 16 Psi
+
+
+class TwiceAndShared(nn.Module):
+    """A block called twice, a Linear shared by two blocks, a direct use of a submodule's weight,
+    a parameter that no forward uses, and a frozen layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(13, 8)
+        shared = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.Tanh(), shared),
+                                     nn.Sequential(shared, nn.Tanh(), nn.Linear(8, 8))])
+        self.frozen = nn.Linear(8, 8).requires_grad_(False)
+        self.never = nn.Linear(8, 8)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.embed(idx)
+        h = self.blocks[0](h)
+        h = self.blocks[0](h)  # called twice
+        h = self.frozen(self.blocks[1](h))
+        logits = F.linear(h, self.embed.weight)  # a submodule's weight used directly
+        return logits.logsumexp(-1).mean()
+
+
+def hard_cases_worker(rank: int, world: int, prefetch: int) -> float:
+    torch.manual_seed(0)
+    ref = TwiceAndShared()
+    ours = clone(ref)
+    ddp = DDP(ref, find_unused_parameters=True)
+    # No weight decay: DDP leaves a never-used parameter's grad None (AdamW skips it), ZeRO gives it a
+    # zero gradient (AdamW would still decay it); without decay both leave it unchanged.
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)
+    engine, _, _, _ = zeroshard.initialize(model=ours, config={
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": prefetch, **SHARD_ALL}})
+    assert engine.strategy.plan.units[-1].name == "<root>"
+    for step in range(4):
+        idx = torch.randint(0, 13, (2, 5), generator=torch.Generator().manual_seed(step * 7 + rank))
+        ddp(idx).backward()
+        opt.step()
+        opt.zero_grad()
+        engine.backward(engine(idx))
+        engine.step()
+        engine.eval()  # train/eval switching, and a no-grad forward that must release everything
+        with torch.no_grad():
+            engine(idx)
+        assert engine.memory_breakdown()["gathered_params"] == 0
+        engine.train()
+    with zeroshard.GatheredParameters(list(ours.parameters())):
+        return max_rel_diff(ours, ref)
+
+
+@pytest.mark.parametrize("prefetch", [0, 10**6])
+def test_stage3_hard_cases_match_ddp(prefetch: int) -> None:
+    assert max(run_world(hard_cases_worker, 2, args=(prefetch,))) <= 1e-5
+
+
+def outside_forward_worker(rank: int, world: int) -> dict:
+    model = make_model()
+    engine, _ = train_zero(model, rank, world, 1, micro=1, accum=1, stage=3, **SHARD_ALL)
+    qkv = model.blocks[1].qkv
+    out: dict = {"shape": tuple(qkv.weight.shape)}
+    try:
+        float(qkv.weight.sum())
+        out["read"] = "no error"
+    except RuntimeError as err:
+        out["read"] = str(err)
+    with zeroshard.GatheredParameters([qkv.weight], modifier_rank=0):
+        if rank == 0:
+            with torch.no_grad():
+                qkv.weight.fill_(0.5)
+    with zeroshard.GatheredParameters(qkv.parameters()):
+        out["after_modify"] = float(qkv.weight.sum())
+    full = engine.full_state_dict(rank0_only=False)
+    out["keys_match"] = list(full) == list(GPT(model.cfg).state_dict())
+    plain = GPT(model.cfg)
+    plain.load_state_dict(full, strict=True)
+    out["tied"] = torch.equal(full["tok.weight"], full["head.weight"])
+    out["plain_qkv_sum"] = float(plain.blocks[1].qkv.weight.sum())
+    only0 = engine.full_state_dict()  # every rank calls it; only rank 0 gets the values
+    out["rank0_only_empty"] = (only0 == {}) if rank else bool(only0)
+    return out
+
+
+def test_sharded_parameters_outside_forward() -> None:
+    for r in run_world(outside_forward_worker, 3):
+        assert r["shape"] == (48, 16)  # the full shape, never a silent zero-size tensor
+        assert "'blocks.1.qkv.weight' is sharded" in r["read"] and "GatheredParameters" in r["read"]
+        assert r["after_modify"] == pytest.approx(0.5 * 48 * 16)  # rank 0's change reached every shard
+        assert r["keys_match"] and r["tied"] and r["rank0_only_empty"]
+        assert r["plain_qkv_sum"] == pytest.approx(0.5 * 48 * 16)
+
+
+class OneRankBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)])
+
+    def forward(self, x: torch.Tensor, skip: bool) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            if not (skip and i == 1):
+                x = block(x)
+        return x.sum()
+
+
+def divergent_worker(rank: int, world: int) -> str:
+    engine, _, _, _ = zeroshard.initialize(model=OneRankBranch(), config={
+        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD"}, "collective_timeout": 3,
+        "zero_optimization": {"stage": 3, **SHARD_ALL}})
+    try:
+        engine.backward(engine(torch.ones(1, 6), skip=rank == 1))
+        engine.step()
+    except CollectiveError as err:
+        return str(err)
+    return "no error"
+
+
+def test_a_module_skipped_on_one_rank_fails_with_a_named_error() -> None:
+    messages = run_world(divergent_worker, 2, pg_timeout_s=3, timeout=120)
+    named = [m for m in messages if "blocks." in m]
+    assert named, messages
