@@ -46,7 +46,7 @@ class GatheredParameters:
     def __enter__(self) -> "GatheredParameters":
         if self.enabled:
             for storage, index in self._buckets:
-                storage.gather(index, f"gathered_parameters{index}")
+                storage.pin(index, f"gathered_parameters{index}")
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -55,7 +55,7 @@ class GatheredParameters:
         if self.modifier_rank is not None and exc[0] is None:
             self._write_back(self.modifier_rank)
         for storage, index in self._buckets:
-            storage.release(index)
+            storage.unpin(index)
 
     def _write_back(self, src: int) -> None:
         with torch.no_grad():

@@ -56,6 +56,12 @@ class FlatParameters:
     def release(self, index: int) -> None:
         """Nothing to release at stages 0-2."""
 
+    def pin(self, index: int, label: str) -> None:
+        """Nothing to pin at stages 0-2."""
+
+    def unpin(self, index: int) -> None:
+        """Nothing to unpin at stages 0-2."""
+
     @property
     def full(self) -> list[torch.Tensor]:
         return [self.bucket_view(b) for b in self.layout.buckets]

@@ -59,6 +59,7 @@ class ShardedParameters:
         self._views: dict[int, torch.Tensor] = {}  # parameter index -> its view into the full buffer
         self.state: list[GatherState] = []
         self._pending: dict[int, PendingCollective] = {}
+        self._pins: dict[int, int] = {}  # bucket index -> GatheredParameters blocks holding it
         with torch.no_grad():
             for bucket in layout.buckets:
                 full = torch.zeros(bucket.padded_numel, dtype=self.dtype, device=self.device)
@@ -130,9 +131,20 @@ class ShardedParameters:
             self.state[index] = GatherState.GATHERED
             self._show(index, gathered=True)
 
+    def pin(self, index: int, label: str) -> None:
+        """Gather bucket ``index`` and keep it until :meth:`unpin` (forward hooks will not release it)."""
+        self.gather(index, label)
+        self._pins[index] = self._pins.get(index, 0) + 1
+
+    def unpin(self, index: int) -> None:
+        self._pins[index] -= 1
+        if not self._pins[index]:
+            del self._pins[index]
+            self.release(index)
+
     def release(self, index: int) -> None:
-        """Free bucket ``index``'s full buffer (persistent buckets are never released)."""
-        if index in self.persistent or self.state[index] is GatherState.SHARDED:
+        """Free bucket ``index``'s full buffer (persistent and pinned buckets are kept)."""
+        if index in self.persistent or index in self._pins or self.state[index] is GatherState.SHARDED:
             return
         self.wait(index)
         self.full[index].untyped_storage().resize_(0)
