@@ -10,8 +10,9 @@ from .distributed.collectives import CollectiveError
 from .distributed.world import World, init_distributed
 from .engine import Engine
 from .gathered import GatheredParameters
+from .init_context import Init
 from .memory import model_state_bytes
 from .version import __version__
 
-__all__ = ["initialize", "Engine", "GatheredParameters", "init_distributed", "World", "load_config", "ZeroshardConfig",
+__all__ = ["initialize", "Engine", "GatheredParameters", "Init", "init_distributed", "World", "load_config", "ZeroshardConfig",
            "ConfigError", "CollectiveError", "model_state_bytes", "__version__"]

@@ -23,6 +23,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from .config import ZeroshardConfig
 from .distributed.collectives import Collectives
 from .distributed.world import World
+from .init_context import adopt_init_params, has_init_params
 from .logging import log_rank
 from .memory import model_state_bytes
 from .optim import build_scheduler, clip_, from_config, from_user, global_grad_norm
@@ -38,6 +39,11 @@ class Engine:
     def __init__(self, model: nn.Module, config: ZeroshardConfig, world: World,
                  model_parameters: Any = None, optimizer: Any = None,
                  lr_scheduler: SchedulerSpec = None) -> None:
+        if has_init_params(model):
+            if config.stage != 3:
+                raise ValueError(f"the model was built under zeroshard.Init, which needs ZeRO stage 3; the "
+                                 f"config says zero_optimization.stage = {config.stage}")
+            adopt_init_params(model, world.device)
         self.module = model.to(world.device)
         self.config = config
         self.world = world
@@ -68,7 +74,8 @@ class Engine:
         """Start every rank from rank 0's parameters and buffers, as DistributedDataParallel does."""
         with torch.no_grad():
             for p in self.module.parameters():
-                self.comm.broadcast(p.data, 0, "init_params")
+                if not hasattr(p, "_zeroshard_init_shard"):  # built under Init: identical on every rank
+                    self.comm.broadcast(p.data, 0, "init_params")
             for b in self.module.buffers():
                 self.comm.broadcast(b.data, 0, "init_buffers")
 

@@ -85,8 +85,19 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: Sequence[Any], time
     port = free_port()
     procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, results, pg_timeout_s, env),
                          daemon=True) for r in range(world_size)]
-    for p in procs:
-        p.start()
+    # Variables read at process start (MALLOC_*, OMP_*) must be in the environment the children are
+    # started with, not set after: put them in ours while starting them.
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     collected: dict[int, tuple[str, Any]] = {}
     deadline = time.monotonic() + timeout
     try:

@@ -16,14 +16,15 @@ from typing import Any
 import torch
 from torch import nn
 
-_METADATA = {
-    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.__repr__,
-    torch.Tensor.__format__, torch.Tensor.__hash__,
-}
 _METADATA_PROPERTIES = ("shape", "dtype", "device", "requires_grad", "ndim", "is_leaf", "grad", "layout",
-                        "is_meta", "names", "__dict__", "_zeroshard_home", "_zeroshard_name")
-_ALLOWED = set(_METADATA) | {getattr(torch.Tensor, name).__get__ for name in _METADATA_PROPERTIES
-                             if hasattr(getattr(torch.Tensor, name, None), "__get__")}
+                        "is_meta")
+
+#: torch functions that only read a tensor's metadata: allowed on parameters whose values are elsewhere
+METADATA_FUNCTIONS = frozenset(
+    {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.__repr__,
+     torch.Tensor.__format__, torch.Tensor.__hash__}
+    | {getattr(torch.Tensor, name).__get__ for name in _METADATA_PROPERTIES}
+)
 
 
 class ShardedParameterPlaceholder(nn.Parameter):
@@ -42,7 +43,7 @@ class ShardedParameterPlaceholder(nn.Parameter):
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func in _ALLOWED:
+        if func in METADATA_FUNCTIONS:
             return super().__torch_function__(func, types, args, kwargs or {})
         name = next((getattr(a, "_zeroshard_name", None) for a in args if isinstance(a, cls)), "a parameter")
         raise RuntimeError(
@@ -50,7 +51,7 @@ class ShardedParameterPlaceholder(nn.Parameter):
             f"`with zeroshard.GatheredParameters(...)`, or use engine.full_state_dict()"
         )
 
-    def __repr__(self) -> str:
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
         return f"ShardedParameterPlaceholder({getattr(self, '_zeroshard_name', '?')}, shape={tuple(self.shape)})"
 
     def __reduce_ex__(self, protocol: Any) -> Any:

@@ -65,7 +65,12 @@ class ShardedParameters:
                 full = torch.zeros(bucket.padded_numel, dtype=self.dtype, device=self.device)
                 for slot in bucket.slots:
                     view = full[slot.offset: slot.offset + slot.numel].view(slot.shape)
-                    view.copy_(params[slot.index].data)
+                    source = getattr(params[slot.index], "_zeroshard_init_shard", None)
+                    if source is not None:  # built under zeroshard.Init: gather this one parameter
+                        view.copy_(source.gather_full())
+                        del params[slot.index]._zeroshard_init_shard  # type: ignore[attr-defined]
+                    else:
+                        view.copy_(params[slot.index].data)
                     params[slot.index].data = view
                     params[slot.index]._zeroshard_home = (self, bucket.index)  # type: ignore[attr-defined]
                     self._views[slot.index] = view

@@ -1,0 +1,171 @@
+"""``zeroshard.Init``: build a model whose full size would not fit one rank, already sharded.
+
+    with zeroshard.Init():
+        model = MyModel(...)            # each parameter is sharded the moment it is registered
+    engine, *_ = zeroshard.initialize(model=model, config=config)   # stage 3
+
+[Note: sharding at registration, initialising on the fly]
+A global parameter-registration hook replaces every parameter, as its module registers it, by an
+:class:`InitShardedParameter` that keeps only this rank's 1/N of its elements (a padded flat chunk)
+and shows the full shape.  Modules initialise their parameters *after* registering them
+(``reset_parameters()``, a parent's ``apply(init_fn)``, Hugging Face's ``post_init``); any torch
+operation on a sharded parameter therefore gathers that one parameter into a temporary full tensor,
+applies the operation to it, and keeps this rank's chunk of the result (an initialiser that overwrites
+every element, such as ``normal_`` or ``kaiming_uniform_``, skips the gather and starts from an
+empty tensor).  The random number generator
+is consumed exactly as in a plain construction, so the same seed gives the same initial values, and
+peak memory is the shards built so far plus about one parameter.  Every rank must run the same
+construction code (it issues collectives), as under torchrun it does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from .distributed.collectives import Collectives
+from .distributed.world import World, init_distributed
+from .sharding.placeholder import METADATA_FUNCTIONS
+
+
+
+def _overwriting_functions() -> frozenset:
+    """Initialisers that overwrite every element without reading it: no need to gather first."""
+    init_names = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+                  "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
+                  "sparse_")
+    tensor_names = ("uniform_", "normal_", "zero_", "fill_", "random_", "exponential_", "geometric_",
+                    "log_normal_", "cauchy_")
+    return frozenset([getattr(nn.init, n) for n in init_names if hasattr(nn.init, n)]
+                     + [getattr(torch.Tensor, n) for n in tensor_names])
+
+
+_OVERWRITING = _overwriting_functions()
+
+
+class InitShardedParameter(nn.Parameter):
+    """A parameter built under :class:`Init`: full shape on the outside, 1/N of its elements inside."""
+
+    _zeroshard_shard: torch.Tensor  # 1D, this rank's chunk of the padded flat parameter
+    _zeroshard_comm: Collectives
+
+    def __new__(cls, data: torch.Tensor, requires_grad: bool = True) -> "InitShardedParameter":
+        return torch.Tensor._make_subclass(cls, data, requires_grad)  # type: ignore[return-value]
+
+    @staticmethod
+    def shard_of(param: torch.Tensor, comm: Collectives) -> "InitShardedParameter":
+        n = comm.world.world_size
+        chunk = -(-param.numel() // n)
+        flat = param.detach().reshape(-1)
+        own = torch.zeros(chunk, dtype=param.dtype, device=comm.world.device)
+        start = comm.world.rank * chunk
+        real = max(0, min(chunk, flat.numel() - start))
+        own[:real].copy_(flat[start:start + real])
+        meta = torch.empty(param.shape, dtype=param.dtype, device="meta")
+        sharded = InitShardedParameter(meta, requires_grad=param.requires_grad)
+        sharded._zeroshard_shard = own
+        sharded._zeroshard_comm = comm
+        return sharded
+
+    def gather_full(self) -> torch.Tensor:
+        """This parameter's full values in a temporary tensor (a collective: every rank must call it)."""
+        comm, own = self._zeroshard_comm, self._zeroshard_shard
+        padded = torch.empty(own.numel() * comm.world.world_size, dtype=own.dtype, device=own.device)
+        comm.all_gather(padded, own, "init_gather")
+        return padded[: self.numel()].view(self.shape)
+
+    def keep_own(self, full: torch.Tensor) -> None:
+        own = self._zeroshard_shard
+        start = self._zeroshard_comm.world.rank * own.numel()
+        flat = full.detach().reshape(-1)
+        real = max(0, min(own.numel(), flat.numel() - start))
+        own[:real].copy_(flat[start:start + real])
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in METADATA_FUNCTIONS:
+            return super().__torch_function__(func, types, args, kwargs)
+        materialized: dict[int, tuple[InitShardedParameter, torch.Tensor]] = {}
+
+        target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
+        overwrites = func in _OVERWRITING
+
+        def full(a: Any) -> Any:
+            if isinstance(a, InitShardedParameter):
+                if id(a) not in materialized:
+                    values = (torch.empty(a.shape, dtype=a.dtype, device=a._zeroshard_shard.device)
+                              if overwrites and a is target else a.gather_full())
+                    materialized[id(a)] = (a, values)
+                return materialized[id(a)][1]
+            return a
+
+        plain_args, plain_kwargs = tree_map(full, args), tree_map(full, kwargs)
+        with torch.no_grad():
+            result = func(*plain_args, **plain_kwargs)
+            for param, values in materialized.values():
+                param.keep_own(values)  # in place or not: keep whatever the operation left
+        for param, values in materialized.values():
+            if result is values:
+                return param  # an in-place operation returns its (sharded) target
+        return result
+
+
+class Init:
+    """Context manager: parameters created inside are sharded over the data-parallel world at once."""
+
+    def __init__(self, config: Any = None, enabled: bool = True, world: Optional[World] = None) -> None:
+        from .config import load_config
+
+        self.enabled = enabled
+        self.config = load_config(config) if config is not None else None
+        timeout = self.config.collective_timeout if self.config is not None else 1800.0
+        self.world = world or init_distributed(timeout_s=timeout)
+        self.comm = Collectives(self.world)
+        self._handle: Any = None
+
+    def _on_register(self, module: nn.Module, name: str, param: Optional[nn.Parameter]) -> Optional[nn.Parameter]:
+        if param is None or isinstance(param, InitShardedParameter):
+            return None  # already sharded (a tied weight registered a second time)
+        return InitShardedParameter.shard_of(param, self.comm)
+
+    def __enter__(self) -> "Init":
+        if self.enabled:
+            self._handle = torch.nn.modules.module.register_module_parameter_registration_hook(
+                self._on_register)  # type: ignore[arg-type]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
+def has_init_params(model: nn.Module) -> bool:
+    return any(isinstance(p, InitShardedParameter) for p in model.parameters())
+
+
+def adopt_init_params(model: nn.Module, device: torch.device) -> None:
+    """Swap each :class:`InitShardedParameter` for a plain ``nn.Parameter`` the engine can own.
+
+    A trainable one becomes a parameter with the full shape and no storage, carrying its shard in
+    ``_zeroshard_init_shard`` (stage 3 fills its bucket from the shards, one parameter at a time); a
+    frozen one is gathered whole, since zeroshard keeps frozen parameters unsharded.
+    """
+    replaced: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for attr, p in list(module._parameters.items()):
+            if not isinstance(p, InitShardedParameter):
+                continue
+            if id(p) not in replaced:
+                if p.requires_grad:
+                    fresh = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device))
+                    fresh.untyped_storage().resize_(0)
+                    fresh._zeroshard_init_shard = p  # type: ignore[attr-defined]
+                else:
+                    fresh = nn.Parameter(p.gather_full().clone(), requires_grad=False)
+                replaced[id(p)] = fresh
+            module._parameters[attr] = replaced[id(p)]
