@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job: a real 2-process ZeRO training run (stage 2, gloo on CPU) on the Python standard
+# The main job: a real 2-process ZeRO training run (stage 3, gloo on CPU) on the Python standard
 # library's own source. Extra arguments go to `zeroshard demo` (e.g. --steps 100 --stage 1).
 set -euo pipefail
 cd "$(dirname "$0")"

@@ -1,6 +1,6 @@
 """The ``zeroshard`` command.
 
-    zeroshard demo [--stage 2] [--nproc 2] [--steps 300] [--config ds.json]
+    zeroshard demo [--stage 3] [--nproc 2] [--steps 300] [--config ds.json]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zeroshard", description="ZeRO sharded data-parallel training")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="train a byte-level GPT on the Python stdlib with N CPU processes")
-    demo.add_argument("--stage", type=int, default=2, choices=[0, 1, 2], help="ZeRO stage (default 2)")
+    demo.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3], help="ZeRO stage (default 3)")
     demo.add_argument("--nproc", type=int, default=2, help="processes (default 2)")
     demo.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
     demo.add_argument("--config", help="a DeepSpeed-style JSON config to use instead of the built-in one")

@@ -18,7 +18,7 @@ def run_demo(*args: str) -> str:
 
 def test_demo_trains_under_torchrun_and_reports_memory() -> None:
     out = run_demo("--steps", "4", "--nproc", "2")
-    assert "ZeRO stage 2, world size 2" in out
+    assert "ZeRO stage 3, world size 2" in out
     assert "held-out loss" in out
     assert "rank 0 memory:" in out and "rank 1 memory:" in out
     assert "---- sample ----" in out
@@ -38,4 +38,4 @@ def test_cli_flags() -> None:
     args = build_parser().parse_args(["demo", "--stage", "1", "--nproc", "3", "--steps", "7", "--config", "x.json"])
     assert (args.stage, args.nproc, args.steps, args.config) == (1, 3, 7, "x.json")
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["demo", "--stage", "5"])
+        build_parser().parse_args(["demo", "--stage", "4"])
