@@ -1,4 +1,4 @@
-"""DDP vs torch's ZeroRedundancyOptimizer vs zeroshard stages 0-2, at world size 2 on CPU (gloo).
+"""DDP, torch's ZeroRedundancyOptimizer and FSDP2 vs zeroshard stages 0-3, on CPU (gloo).
 
     .venv/bin/python benchmarks/bench_stages.py [--layers 11] [--steps 12] [--out benchmarks/out/stages.json]
 
@@ -30,7 +30,10 @@ import zeroshard  # noqa: E402
 from zeroshard.demo.model import GPT, GPTConfig  # noqa: E402
 from zeroshard.testing import run_world  # noqa: E402
 
-IMPLEMENTATIONS = ["ddp", "torch_zero", "zeroshard_0", "zeroshard_1", "zeroshard_2"]
+IMPLEMENTATIONS = ["ddp", "torch_zero", "fsdp2", "zeroshard_0", "zeroshard_1", "zeroshard_2", "zeroshard_3"]
+# Stage 3 as FSDP2 runs by default: every block released after its forward (no reuse window), the
+# next block prefetched (about one block: 2M elements); biases and norms (<= 1e5 elements) persistent, as DeepSpeed's default.
+STAGE3 = {"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 2_000_000}
 LR = 1e-4
 BUCKET_ELEMENTS = 6_250_000  # 25 MB of fp32, DDP's default bucket size
 
@@ -53,7 +56,12 @@ def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
 def worker(rank: int, world: int, impl: str, cfg_dict: dict, micro: int, steps: int, warmup: int) -> dict:
     cfg = GPTConfig(**cfg_dict)
     torch.manual_seed(0)
-    model = GPT(cfg)
+    if impl.endswith("_init"):  # built already sharded: the full model never exists on one rank
+        with zeroshard.Init():
+            model = GPT(cfg)
+        impl = impl[: -len("_init")]
+    else:
+        model = GPT(cfg)
     psi = sum(p.numel() for p in model.parameters())
     if impl.startswith("zeroshard"):
         stage = int(impl[-1])
@@ -61,11 +69,23 @@ def worker(rank: int, world: int, impl: str, cfg_dict: dict, micro: int, steps: 
             "train_micro_batch_size_per_gpu": micro, "steps_per_print": 10**9,
             "optimizer": {"type": "AdamW", "params": {"lr": LR}},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET_ELEMENTS,
-                                  "allgather_bucket_size": 4 * BUCKET_ELEMENTS}})
+                                  "allgather_bucket_size": 4 * BUCKET_ELEMENTS, **(STAGE3 if stage == 3 else {})}})
 
         def step(x: torch.Tensor, y: torch.Tensor) -> None:
             engine.backward(engine(x, y))
             engine.step()
+    elif impl == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> None:
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
     else:
         ddp = DDP(model, bucket_cap_mb=25)
         if impl == "ddp":
@@ -91,6 +111,13 @@ def worker(rank: int, world: int, impl: str, cfg_dict: dict, micro: int, steps: 
         mb = engine.memory_breakdown()
         model_states = mb["model_states"]
         sent = engine.comm.total_bytes_sent() / steps
+    elif impl == "fsdp2":
+        local = [p.to_local() for p in model.parameters()]  # type: ignore[attr-defined]
+        opt_bytes = sum(state_bytes(v.to_local() if hasattr(v, "to_local") else v
+                                    for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+                        for s in opt.state.values())
+        model_states = 2 * state_bytes(local) + opt_bytes  # zero_grad() frees grads: count them as params
+        sent = 3 * (n - 1) * 4 * psi // n  # all-gather in forward and backward, reduce-scatter
     else:
         grads = state_bytes(p.grad for p in model.parameters() if p.grad is not None)
         opt_bytes = optimizer_state_bytes(opt.optim if impl == "torch_zero" else opt)  # type: ignore[attr-defined]

@@ -181,3 +181,45 @@ def test_a_module_skipped_on_one_rank_fails_with_a_named_error() -> None:
     messages = run_world(divergent_worker, 2, pg_timeout_s=3, timeout=120)
     named = [m for m in messages if "blocks." in m]
     assert named, messages
+
+
+class StepDependent(nn.Module):
+    """Block 1 runs on even steps only (the same on every rank): the recorded order keeps changing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)])
+        self.step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            if i != 1 or self.step % 2 == 0:
+                x = torch.tanh(block(x))
+        return x.pow(2).mean()
+
+
+def changing_order_worker(rank: int, world: int) -> float:
+    torch.manual_seed(0)
+    ref = StepDependent()
+    ours = clone(ref)
+    ddp = DDP(ref, find_unused_parameters=True)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    engine, _, _, _ = zeroshard.initialize(model=ours, config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                              "stage3_prefetch_bucket_size": 10**6}})
+    for step in range(6):
+        ref.step = ours.step = step
+        x = torch.randn(2, 6, generator=torch.Generator().manual_seed(step * 3 + rank))
+        ddp(x).backward()
+        opt.step()
+        opt.zero_grad()
+        engine.backward(engine(x))
+        engine.step()
+        assert engine.memory_breakdown()["gathered_params"] == 0
+    with zeroshard.GatheredParameters(engine.strategy.params):
+        return max_rel_diff(ours, ref)
+
+
+def test_stage3_prefetch_survives_a_changing_execution_order() -> None:
+    assert max(run_world(changing_order_worker, 2)) <= 1e-6

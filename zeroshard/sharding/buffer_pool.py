@@ -42,6 +42,12 @@ class BufferPool:
     def release(self, view: torch.Tensor) -> None:
         self._free.append(self._lent.pop(view.data_ptr()))
 
+    def trim(self) -> None:
+        """Give back the buffers not lent out (they are allocated again when next needed)."""
+        free = {id(b) for b in self._free}
+        self._all = [b for b in self._all if id(b) not in free]
+        self._free = []
+
     @property
     def nbytes(self) -> int:
         """Bytes the pool holds (lent or free)."""

@@ -29,6 +29,7 @@ class Stage3(Stage2):
     """Stage 2's gradient path over stage 3's sharded parameter storage."""
 
     stage = 3
+    max_buckets_in_flight = 1  # a bucket is a whole unit here: keep fewer full-size ones alive
 
     def __init__(self, storage: ShardedParameters, params: Sequence[nn.Parameter], comm: Collectives,
                  world: World, zero: ZeroConfig, plan: Stage3Plan, model: nn.Module) -> None:
@@ -54,8 +55,12 @@ class Stage3(Stage2):
             self.scheduler.done_with(bucket.index)
 
     def finish_backward(self) -> None:
+        """Release every unit, and give back the gradient buckets: stage 3 is the memory-first stage,
+        and the next forward (whose peak adds the gathered units to the activations) does not need them."""
         super().finish_backward()
         self.scheduler.release_all()
+        self._bucket_pool.trim()
+        self.shard_pool.trim()
 
     def refresh_bucket(self, bucket: BucketLayout) -> None:
         """Persistent buckets are whole on every rank: gather their update; the rest waits for use."""
@@ -70,9 +75,6 @@ class Stage3(Stage2):
     def extra_memory(self) -> dict[str, Any]:
         return {"persistent_params": self.storage.persistent_bytes(),
                 "gathered_params": self.storage.gathered_bytes()}
-
-    def gather_for_read(self, index: int) -> None:
-        self.storage.gather(index, f"gathered_parameters{index}")
 
     def remove_hooks(self) -> None:
         super().remove_hooks()

@@ -57,6 +57,8 @@ class ShardingStrategy(ABC):
     reduces_every_micro_step: ClassVar[bool] = False
     #: whether the grad norm needs a sum across ranks (each rank holds a different part)
     grads_are_sharded: ClassVar[bool] = True
+    #: launched gradient buckets allowed in flight before the oldest is waited for (see ``_retire``)
+    max_buckets_in_flight: ClassVar[int] = MAX_BUCKETS_IN_FLIGHT
 
     def __init__(self, flat: FlatParameters, params: Sequence[torch.nn.Parameter], comm: Collectives,
                  world: World, zero: ZeroConfig) -> None:
@@ -113,7 +115,7 @@ class ShardingStrategy(ABC):
                 progress.pending = self.launch(bucket, async_op=self.zero.overlap_comm)
             progress.state = BucketState.IN_FLIGHT
             self._next_launch += 1
-            self._retire(keep_in_flight=MAX_BUCKETS_IN_FLIGHT)
+            self._retire(keep_in_flight=self.max_buckets_in_flight)
 
     def _retire(self, keep_in_flight: int) -> None:
         """Wait for the oldest launched buckets until at most ``keep_in_flight`` remain in flight.

@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-import torch
 from torch import nn
 
 from .layout import BucketLayout, FlatLayout, ParamSlot
@@ -121,6 +120,3 @@ def unit_label(unit: Unit, layout: FlatLayout) -> str:
     shown = ", ".join(s.name for s in slots[:4]) + (", ..." if len(slots) > 4 else "")
     return f"gather[{unit.name}: {shown}]"
 
-
-def is_resizable(t: torch.Tensor) -> bool:
-    return bool(t.untyped_storage().resizable())
