@@ -16,6 +16,10 @@ STEPS = 5
 
 # Stage 3: matrices sharded, vectors of 16 elements persistent; prefetch on, with units kept for reuse
 # (DeepSpeed's defaults), and off, with every unit released after each use.
+VARIANTS = {
+    "all_reduce": {"reduce_scatter": False},  # stages 1-3 may all-reduce and keep their chunk
+    "blocking": {"overlap_comm": False},
+}
 STAGE3_VARIANTS = {
     "prefetch": {"stage3_param_persistence_threshold": 20},
     "no_prefetch": {"stage3_param_persistence_threshold": 20, "stage3_prefetch_bucket_size": 0,
@@ -29,7 +33,7 @@ def parity_worker(rank: int, world: int, stage: int, variant: str = "") -> list[
         ref = make_model()
         ours = clone(ref)
         ref_norms = train_ddp(ref, rank, world, STEPS, micro, accum)
-        engine, norms = train_zero(ours, rank, world, STEPS, micro, accum, stage, **STAGE3_VARIANTS.get(variant, {}))
+        engine, norms = train_zero(ours, rank, world, STEPS, micro, accum, stage, **{**STAGE3_VARIANTS, **VARIANTS}.get(variant, {}))
         with zeroshard.GatheredParameters(list(ours.parameters())):
             diff = max_rel_diff(ours, ref)
         out.append((micro, accum, diff, ref_norms, norms))
@@ -55,3 +59,9 @@ def test_matches_ddp_adamw(stage: int, world: int) -> None:
 @pytest.mark.parametrize("variant", sorted(STAGE3_VARIANTS))
 def test_stage3_matches_ddp_adamw(variant: str, world: int) -> None:
     check(run_world(parity_worker, world, args=(3, variant)), 3, world)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_communication_variants_match_ddp(stage: int, variant: str) -> None:
+    check(run_world(parity_worker, 3, args=(stage, variant)), stage, 3)

@@ -19,23 +19,12 @@ class Stage1(FullGradientStrategy):
 
     stage = 1
 
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(*args, **kwargs)
-        self._received: dict[int, torch.Tensor] = {}  # bucket index -> this rank's reduced chunk
-
     def launch(self, bucket: BucketLayout, async_op: bool) -> PendingCollective:
-        full = self.grad_bucket(bucket)
-        full.div_(self.world.world_size)
-        label = f"grad_bucket{bucket.index}"
-        if not self.zero.reduce_scatter:
-            return self.comm.all_reduce(full, label, async_op=async_op)
-        # The chunk of ``full`` that this rank keeps is overwritten by the result in complete().
-        out = self.shard_pool.acquire(bucket.shard_numel)
-        self._received[bucket.index] = out
-        return self.comm.reduce_scatter(out, full, label, async_op=async_op)
+        return self.reduce_to_owner(bucket, self.grad_bucket(bucket), async_op)
 
     def complete(self, bucket: BucketLayout) -> None:
-        received = self._received.pop(bucket.index, None)
+        # The chunk of the full buffer that this rank keeps is overwritten by the reduced result.
+        received = self.take_received(bucket, self.grad_bucket(bucket))
         if received is not None:
             self.owned_grad(bucket).copy_(received)
             self.shard_pool.release(received)

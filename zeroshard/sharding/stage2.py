@@ -33,7 +33,6 @@ class Stage2(ShardingStrategy):
             self._shard_offset[bucket.index] = offset
             offset += bucket.shard_numel
         self._buffers: dict[int, torch.Tensor] = {}  # bucket index -> full bucket being filled or in flight
-        self._received: dict[int, torch.Tensor] = {}  # bucket index -> reduce-scatter result
         largest = max(b.padded_numel for b in self.layout.buckets)
         self._bucket_pool = BufferPool(largest, self.flat.dtype, self.flat.device)
 
@@ -51,18 +50,11 @@ class Stage2(ShardingStrategy):
         self._bucket_buffer(bucket)[offset: offset + grad.numel()].add_(grad)
 
     def launch(self, bucket: BucketLayout, async_op: bool) -> PendingCollective:
-        full = self._bucket_buffer(bucket)
-        full.div_(self.world.world_size)
-        label = f"grad_bucket{bucket.index}"
-        if not self.zero.reduce_scatter:
-            return self.comm.all_reduce(full, label, async_op=async_op)
-        out = self.shard_pool.acquire(bucket.shard_numel)
-        self._received[bucket.index] = out
-        return self.comm.reduce_scatter(out, full, label, async_op=async_op)
+        return self.reduce_to_owner(bucket, self._bucket_buffer(bucket), async_op)
 
     def complete(self, bucket: BucketLayout) -> None:
         full = self._buffers.pop(bucket.index)
-        received = self._received.pop(bucket.index, None)
+        received = self.take_received(bucket, full)
         if received is None:
             start, end = bucket.shard_range(self.world.rank)
             self.owned_grad(bucket).add_(full[start:end])

@@ -77,6 +77,7 @@ class ShardingStrategy(ABC):
         largest = max(b.padded_numel for b in self.layout.buckets)
         #: shard-size buffers that receive reduce-scatter results (see [Note: why a pool])
         self.shard_pool = BufferPool(largest // world.world_size, flat.dtype, flat.device)
+        self._received: dict[int, torch.Tensor] = {}  # bucket index -> reduce-scatter result
         self._gathers: list[PendingCollective] = []  # parameter all-gathers in flight after a step
         self._gather_numel = 0
 
@@ -176,6 +177,25 @@ class ShardingStrategy(ABC):
 
     def complete(self, bucket: BucketLayout) -> None:
         """Called once the bucket's collective has finished."""
+
+    def reduce_to_owner(self, bucket: BucketLayout, full: torch.Tensor, async_op: bool) -> PendingCollective:
+        """Average ``full`` (the whole bucket) so that this rank gets its chunk (stages 1-3).
+
+        With ``reduce_scatter`` the chunk lands in a pooled buffer, handed back by
+        :meth:`take_received`; otherwise the bucket is all-reduced in place and the chunk is read from it.
+        """
+        full.div_(self.world.world_size)
+        label = f"grad_bucket{bucket.index}"
+        if not self.zero.reduce_scatter:
+            return self.comm.all_reduce(full, label, async_op=async_op)
+        out = self.shard_pool.acquire(bucket.shard_numel)
+        self._received[bucket.index] = out
+        return self.comm.reduce_scatter(out, full, label, async_op=async_op)
+
+    def take_received(self, bucket: BucketLayout, full: torch.Tensor) -> Optional[torch.Tensor]:
+        """This rank's averaged chunk after :meth:`reduce_to_owner`: a pooled buffer (give it back with
+        ``shard_pool.release``) or, after an all-reduce, ``None`` (read ``full`` instead)."""
+        return self._received.pop(bucket.index, None)
 
     @abstractmethod
     def owned_grad(self, bucket: BucketLayout) -> torch.Tensor:
