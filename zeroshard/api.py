@@ -6,10 +6,10 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from .config import ZeroshardConfig, load_config, resolve_batch_sizes
-from .data import build_loader
+from .data import DistributedLoader, build_loader
 from .distributed.world import init_distributed
 from .engine import Engine, SchedulerSpec
 
@@ -17,7 +17,7 @@ from .engine import Engine, SchedulerSpec
 def initialize(model: nn.Module, model_parameters: Any = None, config: Any = None, optimizer: Any = None,
                lr_scheduler: SchedulerSpec = None, training_data: Optional[Dataset] = None,
                collate_fn: Optional[Callable[..., Any]] = None, args: Any = None,
-               config_params: Any = None) -> tuple[Engine, torch.optim.Optimizer, Optional[DataLoader], Any]:
+               config_params: Any = None) -> tuple[Engine, torch.optim.Optimizer, Optional[DistributedLoader], Any]:
     """Wrap ``model`` for ZeRO training; returns ``(engine, optimizer, dataloader, lr_scheduler)``.
 
     ``config`` is a path to a DeepSpeed-style JSON file or a dict (``config_params`` and
@@ -38,4 +38,5 @@ def initialize(model: nn.Module, model_parameters: Any = None, config: Any = Non
     if training_data is not None:
         loader = build_loader(training_data, engine.train_micro_batch_size_per_gpu(), world, collate_fn,
                               seed=parsed.seed or 0)
+        engine.data_loader = loader
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -1,6 +1,8 @@
 """The ``zeroshard`` command.
 
     zeroshard demo [--stage 3] [--nproc 2] [--steps 300] [--config ds.json]
+    zeroshard consolidate CKPT_DIR OUT [--dtype fp32|bf16|fp16] [--tag TAG]
+    zeroshard ckpt-info CKPT_DIR [--tag TAG]
 """
 
 from __future__ import annotations
@@ -23,6 +25,21 @@ def _demo(args: argparse.Namespace) -> int:
     return subprocess.call(command, env=env)
 
 
+def _consolidate(args: argparse.Namespace) -> int:
+    from .checkpoint import consolidate
+
+    target = consolidate(args.checkpoint, args.out, dtype=args.dtype, tag=args.tag)
+    print(f"wrote {target}")
+    return 0
+
+
+def _ckpt_info(args: argparse.Namespace) -> int:
+    from .checkpoint import describe
+
+    print(describe(args.checkpoint, tag=args.tag))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zeroshard", description="ZeRO sharded data-parallel training")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -32,12 +49,29 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
     demo.add_argument("--config", help="a DeepSpeed-style JSON config to use instead of the built-in one")
     demo.set_defaults(run=_demo)
+    cons = commands.add_parser("consolidate", help="write a checkpoint's full weights as one safetensors file "
+                                                   "(no process group, bounded memory)")
+    cons.add_argument("checkpoint", help="a checkpoint directory, or a save_dir with a 'latest' file")
+    cons.add_argument("out", help="OUT.safetensors, or a directory (model.safetensors + config.json for HF models)")
+    cons.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    cons.add_argument("--tag", help="which tag under a save_dir (default: latest)")
+    cons.set_defaults(run=_consolidate)
+    info = commands.add_parser("ckpt-info", help="print what a checkpoint holds (and verify its checksums)")
+    info.add_argument("checkpoint")
+    info.add_argument("--tag")
+    info.set_defaults(run=_ckpt_info)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.run(args))
+    from .checkpoint import CheckpointError
+
+    try:
+        return int(args.run(args))
+    except CheckpointError as err:
+        print(f"zeroshard {args.command}: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,21 +1,67 @@
-"""The distributed data loader that ``initialize(training_data=...)`` returns."""
+"""The distributed data loader that ``initialize(training_data=...)`` returns: it knows its position.
+
+Each rank sees a disjoint, shuffled 1/N of the data set, ``micro_batch_size`` samples at a time.  The
+loader counts the batches it has handed out in the current epoch and moves to the next epoch (a new
+shuffle) by itself when one ends, so a checkpoint can record exactly where training was and a resumed
+run continues with the very next batch.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .distributed.world import World
 
 
-def build_loader(dataset: Dataset, micro_batch_size: int, world: World,
-                 collate_fn: Optional[Callable[..., Any]] = None, seed: int = 0) -> DataLoader:
-    """Each rank sees a disjoint, shuffled 1/N of the data set, ``micro_batch_size`` samples at a time.
+class ResumableSampler(DistributedSampler):
+    """A DistributedSampler that can start an epoch part-way through."""
 
-    Call ``loader.sampler.set_epoch(epoch)`` each epoch for a new shuffle, as with any DistributedSampler.
-    """
-    sampler: DistributedSampler = DistributedSampler(dataset, num_replicas=world.world_size, rank=world.rank,
-                                 shuffle=True, seed=seed, drop_last=True)
-    return DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate_fn,
-                      drop_last=True)
+    skip = 0  # indices of the next epoch's order to skip once
+
+    def __iter__(self) -> Iterator[Any]:
+        indices = list(super().__iter__())
+        start, self.skip = self.skip, 0
+        return iter(indices[start:])
+
+
+class DistributedLoader:
+    """A DataLoader over a :class:`ResumableSampler`, with ``state_dict()`` / ``load_state_dict()``."""
+
+    def __init__(self, dataset: Dataset, micro_batch_size: int, world: World,
+                 collate_fn: Optional[Callable[..., Any]] = None, seed: int = 0) -> None:
+        self.micro_batch_size = micro_batch_size
+        self.sampler = ResumableSampler(dataset, num_replicas=world.world_size, rank=world.rank,  # type: ignore[arg-type]
+                                        shuffle=True, seed=seed, drop_last=True)
+        self.loader = DataLoader(dataset, batch_size=micro_batch_size, sampler=self.sampler,
+                                 collate_fn=collate_fn, drop_last=True)
+        self.epoch = 0
+        self.consumed = 0  # batches handed out in the current epoch
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.loader:
+            self.consumed += 1
+            yield batch
+        self.set_epoch(self.epoch + 1)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.consumed = 0
+        self.sampler.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "consumed": self.consumed, "micro_batch_size": self.micro_batch_size}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.set_epoch(state["epoch"])
+        self.consumed = state["consumed"]
+        self.sampler.skip = state["consumed"] * state["micro_batch_size"]
+
+
+def build_loader(dataset: Dataset, micro_batch_size: int, world: World,
+                 collate_fn: Optional[Callable[..., Any]] = None, seed: int = 0) -> DistributedLoader:
+    return DistributedLoader(dataset, micro_batch_size, world, collate_fn, seed)

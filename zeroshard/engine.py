@@ -13,6 +13,7 @@ the same update.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -61,6 +62,7 @@ class Engine:
                         for b in self.flat.layout.buckets]
         self.optimizer = self._build_optimizer(optimizer, trainable.group_options)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
+        self.data_loader: Any = None  # set by initialize(training_data=...); checkpoints record its position
         self.global_steps = 0
         self.micro_steps = 0
         self.global_samples = 0
@@ -222,6 +224,38 @@ class Engine:
     @property
     def stage(self) -> int:
         return self.strategy.stage
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, save_dir: Union[str, Path], tag: Optional[str] = None, client_state: Any = None,
+                        save_latest: bool = True) -> Path:
+        """Write a sharded checkpoint under ``save_dir/tag`` (see zeroshard/checkpoint/format.py)."""
+        from .checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(self, load_dir: Union[str, Path], tag: Optional[str] = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[Optional[Path], Any]:
+        """Load a checkpoint saved at any world size and stage; returns ``(path, client_state)``."""
+        from .checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                               load_lr_scheduler_states, load_module_only)
+
+    def save_16bit_model(self, save_dir: Union[str, Path], save_filename: str = "model.safetensors",
+                         dtype: torch.dtype = torch.bfloat16) -> Optional[Path]:
+        """Rank 0 writes the full weights in 16 bits to ``save_dir/save_filename`` (every rank calls it:
+        parameters are gathered one bucket at a time)."""
+        from .checkpoint.format import write_safetensors_streaming
+
+        state = self.full_state_dict(rank0_only=True)
+        if not self.world.is_main:
+            return None
+        target = Path(save_dir) / save_filename
+        target.parent.mkdir(parents=True, exist_ok=True)
+        entries = [(k, tuple(v.shape), dtype if v.is_floating_point() else v.dtype) for k, v in state.items()]
+        write_safetensors_streaming(target, entries, state.__getitem__)
+        return target
 
     # ------------------------------------------------------------------ full weights
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -49,7 +50,9 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
             value = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        results.put((rank, "ok", value))
+        # Plain pickle (by value): the queue's own pickler would pass tensors through shared memory
+        # that disappears with this process.
+        results.put((rank, "ok", pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         results.put((rank, "error", traceback.format_exc()))
 
@@ -134,4 +137,4 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: Sequence[Any], time
     errors = [f"--- rank {r} ---\n{v}" for r, (s, v) in sorted(collected.items()) if s == "error"]
     if errors:
         raise WorldFailed("\n".join(errors))
-    return [collected[r][1] for r in range(world_size)]
+    return [pickle.loads(collected[r][1]) for r in range(world_size)]

@@ -6,6 +6,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from zs_common import clone
 
 import zeroshard
+import zeroshard.checkpoint
 from zeroshard.testing import run_world
 
 transformers = pytest.importorskip("transformers")
@@ -40,7 +41,7 @@ def split_diff(ours: torch.nn.Module, ref: torch.nn.Module) -> tuple[float, floa
     return worst, bias
 
 
-def hf_worker(rank: int, world: int, kind: str) -> dict:
+def hf_worker(rank: int, world: int, kind: str, directory: str = "") -> dict:
     ref = build(kind)
     ours = clone(ref)
     ddp = DDP(ref)
@@ -68,13 +69,21 @@ def hf_worker(rank: int, world: int, kind: str) -> dict:
         diff, attn_bias_diff = split_diff(ours, ref)
         generated_gathered = ours.generate(prompt, max_new_tokens=5, do_sample=False)
     expected = ref.generate(prompt, max_new_tokens=5, do_sample=False)
-    return {"diff": diff, "attn_bias_diff": attn_bias_diff, "losses": losses, "gen": generated_hooks.tolist(), "gen2": generated_gathered.tolist(),
+    if directory:
+        engine.save_checkpoint(directory)
+    return {"state": engine.full_state_dict(),"diff": diff, "attn_bias_diff": attn_bias_diff, "losses": losses, "gen": generated_hooks.tolist(), "gen2": generated_gathered.tolist(),
             "expected": expected.tolist()}
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_hf_model_trains_and_generates_under_stage3(kind: str) -> None:
-    for r in run_world(hf_worker, 2, args=(kind,)):
+def test_hf_model_trains_and_generates_under_stage3(kind: str, tmp_path) -> None:
+    results = run_world(hf_worker, 2, args=(kind, str(tmp_path / "ckpt")))
+    # The consolidated checkpoint is an ordinary Hugging Face model directory.
+    zeroshard.checkpoint.consolidate(tmp_path / "ckpt", tmp_path / "hf")
+    reloaded = type(build(kind)).from_pretrained(str(tmp_path / "hf"))
+    for name, value in reloaded.state_dict().items():
+        assert torch.equal(value, results[0]["state"][name]), name
+    for r in results:
         assert r["diff"] <= 1e-5
         assert r["attn_bias_diff"] <= 1e-3
         for theirs, ours in r["losses"]:

@@ -72,13 +72,10 @@ def main() -> None:
     start_loss = held_out_loss(engine, data)
     started = time.perf_counter()
     batches = iter(loader)
-    epoch = 0
     while engine.global_steps < args.steps:
         try:
             x, y = next(batches)
-        except StopIteration:
-            epoch += 1
-            loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+        except StopIteration:  # the loader moves to the next epoch (a new shuffle) by itself
             batches = iter(loader)
             continue
         loss = engine(x, y)

@@ -1,0 +1,302 @@
+"""Sharded checkpoints: exact resume, resharding across world sizes and stages, faults, offline tools."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from zs_common import TINY, make_model, rank_micro_batches, zero_config
+
+import zeroshard
+from zeroshard.checkpoint import CheckpointError, CheckpointReader, consolidate
+from zeroshard.demo.model import GPT
+from zeroshard.testing import WorldFailed, run_world
+
+K = 3
+SCHEDULE = {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 2, "warmup_max_lr": 1e-3, "total_num_steps": 20}}
+STAGE3 = {"stage3_param_persistence_threshold": 20}
+
+
+def make_engine(stage: int, micro: int = 2, **zero):
+    config = zero_config(stage, micro, 1, **({**STAGE3, **zero} if stage == 3 else zero))
+    config["scheduler"] = SCHEDULE
+    engine, _, _, _ = zeroshard.initialize(model=make_model(), config=config)
+    return engine
+
+
+def random_step(engine) -> float:
+    """One step on a batch drawn from the global RNG: resuming must restore the RNG to repeat it."""
+    x = torch.randint(0, TINY.vocab_size, (2, TINY.seq_len))
+    y = torch.randint(0, TINY.vocab_size, (2, TINY.seq_len))
+    loss = engine(x, y)
+    engine.backward(loss)
+    engine.step()
+    return float(loss)
+
+
+def resume_worker(rank: int, world: int, stage: int, phase: str, directory: str) -> dict:
+    engine = make_engine(stage)
+    torch.manual_seed(100 + rank)
+    losses = []
+    if phase == "second":
+        path, client = engine.load_checkpoint(directory)
+        assert client == {"next": K} and path.name == f"global_step{K}"
+    steps = {"full": 2 * K, "first": K, "second": K}[phase]
+    for _ in range(steps):
+        losses.append(random_step(engine))
+    if phase == "first":
+        engine.save_checkpoint(directory, client_state={"next": K})
+    state = engine.full_state_dict()
+    return {"losses": losses, "state": state if rank == 0 else None, "lr": engine.get_lr(),
+            "steps": engine.global_steps}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_resume_is_bitwise_exact(stage: int, tmp_path: Path) -> None:
+    full = run_world(resume_worker, 2, args=(stage, "full", str(tmp_path)))
+    run_world(resume_worker, 2, args=(stage, "first", str(tmp_path)))
+    second = run_world(resume_worker, 2, args=(stage, "second", str(tmp_path)))
+    for a, b in zip(full, second):
+        assert a["losses"][K:] == b["losses"]  # bitwise: the same floats
+        assert a["lr"] == b["lr"] and a["steps"] == b["steps"] == 2 * K
+    for name, value in full[0]["state"].items():
+        assert torch.equal(value, second[0]["state"][name]), name
+    assert (tmp_path / "latest").read_text() == f"global_step{K}"
+
+
+def test_different_seeds_give_different_runs(tmp_path: Path) -> None:
+    a = run_world(resume_worker, 2, args=(2, "full", str(tmp_path)))[0]["losses"]
+    torch.manual_seed(1)
+    b = run_world(seeded_worker, 2, args=(7,))[0]
+    assert a != b
+
+
+def seeded_worker(rank: int, world: int, seed: int) -> list:
+    engine = make_engine(2)
+    torch.manual_seed(seed)
+    return [random_step(engine) for _ in range(2 * K)]
+
+
+def global_loss(engine, step: int, world: int, rank: int) -> float:
+    (x, y), = rank_micro_batches(step, rank, world, 12 // world, 1)
+    loss = engine(x, y)
+    engine.backward(loss)
+    engine.step()
+    value = torch.tensor([float(loss)], dtype=torch.float64)
+    if dist.is_initialized() and world > 1:
+        dist.all_reduce(value)
+    return float(value) / world
+
+
+def reshard_save_worker(rank: int, world: int, stage: int, directory: str) -> float:
+    engine = make_engine(stage, micro=12 // world)
+    for step in range(2):
+        global_loss(engine, step, world, rank)
+    engine.save_checkpoint(directory, tag="source")
+    return global_loss(engine, 2, world, rank)
+
+
+def reshard_load_worker(rank: int, world: int, stage: int, source: str, again: str) -> float:
+    engine = make_engine(stage, micro=12 // world)
+    engine.load_checkpoint(source, tag="source")
+    engine.save_checkpoint(again, tag="again")
+    return global_loss(engine, 2, world, rank)
+
+
+def same_contents(a: Path, b: Path) -> None:
+    ra, rb = CheckpointReader(a), CheckpointReader(b)
+    assert sorted(ra.param_names()) == sorted(rb.param_names())
+    for name in ra.param_names():
+        for key in ("param", "optim.exp_avg", "optim.exp_avg_sq"):
+            assert torch.equal(ra.tensor(name, key), rb.tensor(name, key)), (name, key)
+
+
+@pytest.mark.parametrize("source, targets", [
+    ((4, 2), [(1, 2), (2, 2), (3, 2)]),  # world 4 -> 1, 2, 3
+    ((2, 2), [(2, 3)]),                  # stage 2 -> 3
+    ((3, 3), [(2, 2)]),                  # stage 3 -> 2 (and world 3 -> 2)
+    ((2, 0), [(3, 3)]),                  # stage 0 -> 3
+])
+def test_load_reshards_across_world_sizes_and_stages(source, targets, tmp_path: Path) -> None:
+    world, stage = source
+    expected = run_world(reshard_save_worker, world, args=(stage, str(tmp_path / "a")))[0]
+    for new_world, new_stage in targets:
+        again = tmp_path / f"b{new_world}{new_stage}"
+        losses = run_world(reshard_load_worker, new_world, args=(new_stage, str(tmp_path / "a"), str(again)))
+        same_contents(tmp_path / "a" / "source", again / "again")  # parameters and Adam moments, exactly
+        assert losses[0] == pytest.approx(expected, rel=1e-6), (new_world, new_stage)
+
+
+def crash_worker(rank: int, world: int, directory: str) -> None:
+    engine = make_engine(2)
+    random_step(engine)
+    engine.save_checkpoint(directory, tag="good")
+    random_step(engine)
+    import zeroshard.checkpoint.save as saving
+
+    original = saving.save_file
+
+    def dies_after_writing(tensors, path):  # rank 1 is killed right after writing its shard
+        original(tensors, path)
+        if rank == 1:
+            os._exit(3)
+
+    saving.save_file = dies_after_writing
+    engine.save_checkpoint(directory, tag="bad")
+
+
+def load_latest_worker(rank: int, world: int, directory: str) -> str:
+    engine = make_engine(2)
+    path, _ = engine.load_checkpoint(directory)
+    return path.name
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:
+    with pytest.raises(WorldFailed, match="died|checkpoint_written"):
+        run_world(crash_worker, 2, args=(str(tmp_path),), pg_timeout_s=20, timeout=120)
+    assert (tmp_path / "latest").read_text() == "good"
+    assert not (tmp_path / "bad").exists() and (tmp_path / ".bad.incomplete").exists()
+    assert run_world(load_latest_worker, 2, args=(str(tmp_path),)) == ["good", "good"]
+
+
+def saved_worker(rank: int, world: int, directory: str, stage: int) -> dict:
+    engine = make_engine(stage)
+    random_step(engine)
+    engine.save_checkpoint(directory, tag="t")
+    engine.save_16bit_model(directory, "weights16.safetensors")
+    return engine.full_state_dict()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple[Path, dict]:
+    directory = tmp_path_factory.mktemp("ckpt")
+    state = run_world(saved_worker, 3, args=(str(directory), 3))[0]
+    return directory, state
+
+
+def broken_copy(saved_dir: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "copy"
+    shutil.copytree(saved_dir / "t", target)
+    return target
+
+
+def test_missing_truncated_and_corrupted_files_are_named(saved, tmp_path: Path) -> None:
+    directory = broken_copy(saved[0], tmp_path)
+    victim = directory / "rank00001.safetensors"
+    data = victim.read_bytes()
+    victim.write_bytes(data[:-100])
+    with pytest.raises(CheckpointError, match=r"rank00001\.safetensors: .* bytes, the manifest says .*truncated"):
+        CheckpointReader(directory)
+    flipped = bytearray(data)
+    flipped[len(flipped) // 2] ^= 0x10
+    victim.write_bytes(bytes(flipped))
+    with pytest.raises(CheckpointError, match=r"rank00001\.safetensors: checksum mismatch"):
+        CheckpointReader(directory)
+    victim.unlink()
+    with pytest.raises(CheckpointError, match=r"rank00001\.safetensors: missing"):
+        CheckpointReader(directory)
+
+
+def test_a_newer_format_is_refused(saved, tmp_path: Path) -> None:
+    directory = broken_copy(saved[0], tmp_path)
+    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest["format_version"] = 99
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="format version 99 is newer"):
+        CheckpointReader(directory)
+
+
+def wrong_model_worker(rank: int, world: int, directory: str, change: str) -> str:
+    torch.manual_seed(0)
+    cfg = TINY.__class__(**{**TINY.__dict__, **({"vocab_size": 67} if change == "shape" else {"n_layer": 3})})
+    engine, _, _, _ = zeroshard.initialize(model=GPT(cfg), config=zero_config(2, 1, 1))
+    try:
+        engine.load_checkpoint(directory, tag="t")
+    except CheckpointError as err:
+        return str(err)
+    return "no error"
+
+
+def test_loading_into_a_different_model_names_the_parameters(saved) -> None:
+    shape = run_world(wrong_model_worker, 2, args=(str(saved[0]), "shape"))[0]
+    assert "shape mismatch: tok.weight (checkpoint (61, 16), model (67, 16))" in shape
+    extra = run_world(wrong_model_worker, 2, args=(str(saved[0]), "layers"))[0]
+    assert "missing from the checkpoint: blocks.2." in extra
+
+
+def test_consolidate_gives_an_ordinary_state_dict(saved, tmp_path: Path) -> None:
+    directory, state = saved
+    out = consolidate(directory, tmp_path / "model.safetensors")
+    loaded = load_file(str(out))
+    model = GPT(TINY)
+    model.load_state_dict(loaded, strict=True)
+    assert list(loaded) == list(state)
+    for name, value in state.items():
+        assert torch.equal(loaded[name], value), name
+    half = consolidate(directory, tmp_path / "half.safetensors", dtype="bf16")
+    assert load_file(str(half))["tok.weight"].dtype == torch.bfloat16
+    sixteen = load_file(str(directory / "weights16.safetensors"))
+    assert torch.equal(sixteen["head.weight"], state["head.weight"].to(torch.bfloat16))
+
+
+def test_cli_ckpt_info_and_consolidate(saved, tmp_path: Path) -> None:
+    directory = saved[0]
+    info = subprocess.run([sys.executable, "-m", "zeroshard.cli", "ckpt-info", str(directory)],
+                          capture_output=True, text=True, check=True).stdout
+    assert "saved by     world size 3, ZeRO stage 3" in info and "checksums verified" in info
+    out = tmp_path / "o.safetensors"
+    done = subprocess.run([sys.executable, "-m", "zeroshard.cli", "consolidate", str(directory), str(out),
+                           "--tag", "t"], capture_output=True, text=True, check=True).stdout
+    assert "wrote" in done and out.is_file()
+    bad = subprocess.run([sys.executable, "-m", "zeroshard.cli", "ckpt-info", str(tmp_path / "nothing")],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "no manifest" in bad.stderr
+
+
+class Tower(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(1024, 1024, bias=False) for _ in range(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.pow(2).mean()
+
+
+def tower_worker(rank: int, world: int, directory: str) -> None:
+    torch.manual_seed(0)
+    engine, _, _, _ = zeroshard.initialize(model=Tower(), config={
+        "train_batch_size": 4, "optimizer": {"type": "AdamW"},
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 3_000_000}})
+    engine.backward(engine(torch.randn(1, 1024)))
+    engine.step()
+    engine.save_checkpoint(directory, tag="tower")
+
+
+CONSOLIDATE_AND_MEASURE = """
+import resource, sys
+from zeroshard.checkpoint import consolidate
+before = int(open('/proc/self/statm').read().split()[1]) * 4096
+consolidate(sys.argv[1], sys.argv[2])
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)
+"""
+
+
+def test_consolidation_memory_is_bounded_by_a_shard_not_the_model(tmp_path: Path) -> None:
+    run_world(tower_worker, 4, args=(str(tmp_path),))
+    model_bytes = 16 * 1024 * 1024 * 4
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+    proc = subprocess.run([sys.executable, "-c", CONSOLIDATE_AND_MEASURE, str(tmp_path / "tower"),
+                           str(tmp_path / "tower.safetensors")], capture_output=True, text=True, env=env, check=True)
+    growth = int(proc.stdout.strip().splitlines()[-1])
+    largest_tensor = 1024 * 1024 * 4
+    assert growth < model_bytes / 2, growth  # far from the whole model (64 MiB)
+    assert growth < model_bytes / 4 + 2 * largest_tensor, growth  # about a shard (16 MiB) plus a tensor
+    assert len(load_file(str(tmp_path / "tower.safetensors"))) == 16

@@ -1,0 +1,87 @@
+"""Offline tools (no process group, any machine): consolidate a checkpoint into one ordinary model file,
+and describe what a checkpoint holds.
+
+``consolidate`` writes a safetensors file with the model's own state-dict names (a tied weight under
+each of its names, as ``load_state_dict(strict=True)`` expects), one tensor at a time: its peak memory
+is about one parameter plus the slices it is assembled from, never the model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from .format import LATEST, write_safetensors_streaming
+from .reader import CheckpointReader
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def find_checkpoint(path: str | Path, tag: Optional[str] = None) -> Path:
+    """A checkpoint directory: ``path`` itself, ``path/tag``, or ``path/<latest>``."""
+    path = Path(path)
+    if tag is not None:
+        return path / tag
+    if (path / "manifest.json").is_file() or not (path / LATEST).is_file():
+        return path
+    return path / (path / LATEST).read_text().strip()
+
+
+def consolidate(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", tag: Optional[str] = None) -> Path:
+    """Write the full model weights of a checkpoint to ``out``.
+
+    ``out`` ending in ``.safetensors`` is the file; otherwise it is a directory that receives
+    ``model.safetensors`` (and ``config.json`` for a Hugging Face model, so that
+    ``from_pretrained(out)`` works).
+    """
+    reader = CheckpointReader(find_checkpoint(checkpoint, tag))
+    model = reader.data["model"]
+    out = Path(out)
+    if out.suffix == ".safetensors":
+        out.parent.mkdir(parents=True, exist_ok=True)
+        target = out
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        target = out / "model.safetensors"
+        if model.get("hf_config"):
+            (out / "config.json").write_text(json.dumps(model["hf_config"], indent=2))
+    trainable_of: dict[str, str] = model["trainable_of"]
+    extra = reader.extra()
+    cast = DTYPES[dtype]
+    entries = []
+    for key in model["state_dict_keys"]:
+        if key in trainable_of:
+            entries.append((key, reader.shape(trainable_of[key]), cast))
+        else:
+            t = extra[key]
+            entries.append((key, tuple(t.shape), cast if t.is_floating_point() else t.dtype))
+
+    def produce(key: str) -> torch.Tensor:
+        return reader.tensor(trainable_of[key]) if key in trainable_of else extra[key]
+
+    write_safetensors_streaming(target, entries, produce)
+    return target
+
+
+def describe(checkpoint: str | Path, tag: Optional[str] = None) -> str:
+    """A human-readable summary of a checkpoint (``zeroshard ckpt-info``)."""
+    directory = find_checkpoint(checkpoint, tag)
+    reader = CheckpointReader(directory)
+    d: dict[str, Any] = reader.data
+    numel = sum(b["numel"] for b in d["buckets"])
+    lines = [
+        f"checkpoint   {directory}",
+        f"format       {d['format']} v{d['format_version']} (zeroshard {d['zeroshard_version']})",
+        f"saved by     world size {d['world_size']}, ZeRO stage {d['stage']}, dtype {d['dtype']}",
+        f"model        {d['model']['class']}: {numel:,} trainable parameters in {len(d['buckets'])} buckets, "
+        f"{len(d['model']['state_dict_keys'])} state-dict entries",
+        f"optimizer    {d['optimizer']['class']}, {len(d['optimizer']['param_groups'])} group(s)",
+        f"progress     global step {d['engine']['global_steps']}, {d['engine']['global_samples']:,} samples",
+        f"scheduler    {'saved' if d.get('lr_scheduler') else 'none'}; data loader position "
+        f"{'saved' if d.get('loader') else 'none'}; client state {'saved' if d.get('client_state') else 'none'}",
+        f"files        {len(d['files'])}, {sum(f['bytes'] for f in d['files'].values()):,} bytes (checksums verified)",
+    ]
+    return "\n".join(lines)

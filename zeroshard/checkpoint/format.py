@@ -1,0 +1,206 @@
+"""The on-disk format of a zeroshard checkpoint: versioned data, not pickled objects.
+
+A checkpoint is a directory ``<save_dir>/<tag>/`` holding
+
+- ``manifest.json``: format version, zeroshard version, world size, stage, dtype, the bucket layout
+  (every parameter's name, shape and place), the optimizer's class and hyperparameters, the engine's
+  counters, the LR schedule, the data-loader position, the client state, and every file's byte size
+  and SHA-256;
+- ``rank00000.safetensors`` ...: what each rank owned when it saved: its chunk of every bucket
+  (``param.b<k>``), the optimizer state of those chunks (``optim.<key>.b<k>``), and its RNG state;
+- ``model_extra.safetensors``: frozen parameters and module buffers (written by rank 0).
+
+``<save_dir>/latest`` names the newest complete tag; it is replaced atomically, last.
+
+[Note: chunks and resharding]
+The manifest records, per bucket, its padded size, its chunk size and how many chunks it was cut into
+(N at stages 1-3; 1 at stage 0, where rank 0 writes the whole bucket).  Element ``e`` of a parameter at
+offset ``o`` in bucket ``k`` therefore lives in chunk ``(o + e) // chunk`` (the file of that rank) at
+position ``(o + e) % chunk``.  That is all a reader needs to fetch any slice of any parameter or
+moment, which is how a checkpoint is loaded at another world size or stage, and consolidated, without
+ever holding more than a slice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+
+FORMAT_NAME = "zeroshard-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+EXTRA_FILE = "model_extra.safetensors"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names the file and what is wrong."""
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.safetensors"
+
+
+def sha256_of(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(chunk)
+            if not block:
+                return digest.hexdigest()
+            digest.update(block)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write ``data`` as JSON so that a reader sees the old file or the new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The parsed ``manifest.json`` of a checkpoint."""
+
+    data: dict[str, Any]
+    directory: Path
+
+    @staticmethod
+    def read(directory: Path) -> "Manifest":
+        path = directory / MANIFEST
+        if not path.is_file():
+            raise CheckpointError(f"{path}: no manifest; this is not a complete zeroshard checkpoint")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise CheckpointError(f"{path}: the manifest is not valid JSON ({err})") from None
+        if data.get("format") != FORMAT_NAME:
+            raise CheckpointError(f"{path}: not a zeroshard checkpoint manifest")
+        version = data.get("format_version")
+        if not isinstance(version, int) or version > FORMAT_VERSION:
+            raise CheckpointError(f"{path}: checkpoint format version {version} is newer than this zeroshard "
+                                  f"understands ({FORMAT_VERSION}); upgrade zeroshard to load it")
+        return Manifest(data, directory)
+
+    @property
+    def buckets(self) -> list[dict[str, Any]]:
+        return list(self.data["buckets"])
+
+    def verify_files(self) -> None:
+        """Every listed file exists with its recorded size and checksum, or an error names it."""
+        for name, meta in self.data["files"].items():
+            path = self.directory / name
+            if not path.is_file():
+                raise CheckpointError(f"{path}: missing (the checkpoint lists it)")
+            size = path.stat().st_size
+            if size != meta["bytes"]:
+                raise CheckpointError(f"{path}: {size} bytes, the manifest says {meta['bytes']} (truncated?)")
+            if sha256_of(path) != meta["sha256"]:
+                raise CheckpointError(f"{path}: checksum mismatch (the file is corrupted)")
+
+
+_DTYPE_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+                torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL",
+                torch.int8: "I8", torch.int16: "I16"}
+
+
+def write_safetensors_streaming(path: Path, entries: Iterable[tuple[str, tuple[int, ...], torch.dtype]],
+                                produce: Callable[[str], torch.Tensor]) -> None:
+    """Write a safetensors file one tensor at a time (peak memory: one tensor).
+
+    ``entries`` gives each tensor's name, shape and dtype up front (the header needs every offset);
+    ``produce(name)`` returns the tensor's values when its turn comes.
+    """
+    entries = list(entries)
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, shape, dtype in entries:
+        nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _DTYPE_CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name, shape, dtype in entries:
+            tensor = produce(name).detach().to("cpu").to(dtype).contiguous()
+            if tuple(tensor.shape) != tuple(shape):
+                raise ValueError(f"{name}: produced shape {tuple(tensor.shape)}, announced {tuple(shape)}")
+            f.write(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+
+
+class SafetensorsFile:
+    """Reads slices of tensors from a safetensors file with plain ``pread`` calls.
+
+    [Note: why not safe_open]
+    safetensors' own reader memory-maps the file; every page a slice touches then stays resident in
+    this process until the file is closed, so assembling a model from many shards would show (and, under
+    memory limits, cost) the size of everything read.  Reading exactly the bytes of each slice keeps
+    consolidation's footprint at the slices themselves.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            with open(path, "rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(size))
+        except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise CheckpointError(f"{path}: cannot be read as safetensors ({err})") from None
+        header.pop("__metadata__", None)
+        self._header = header
+        self._data_start = 8 + size
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def keys(self) -> list[str]:
+        return list(self._header)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._header
+
+    def _info(self, name: str) -> tuple[torch.dtype, list[int], int]:
+        meta = self._header[name]
+        return _CODE_DTYPES[meta["dtype"]], meta["shape"], self._data_start + meta["data_offsets"][0]
+
+    def read_flat(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Elements ``[start, end)`` of the flattened tensor ``name``."""
+        dtype, _, base = self._info(name)
+        size = torch.empty((), dtype=dtype).element_size()
+        raw = os.pread(self._fd, (end - start) * size, base + start * size)
+        if len(raw) != (end - start) * size:
+            raise CheckpointError(f"{self.path}: ends inside tensor {name!r} (truncated?)")
+        return torch.frombuffer(bytearray(raw), dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        dtype, shape, _ = self._info(name)
+        return self.read_flat(name, 0, int(torch.Size(shape).numel())).view(shape)
+
+    def close(self) -> None:
+        os.close(self._fd)

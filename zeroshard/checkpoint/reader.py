@@ -1,0 +1,96 @@
+"""Read any slice of any parameter (or optimizer moment) of a checkpoint, whatever the layout it was
+saved in (see [Note: chunks and resharding] in format.py).  No process group needed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from .format import EXTRA_FILE, CheckpointError, Manifest, SafetensorsFile, rank_file
+
+
+class CheckpointReader:
+    """Random access to a checkpoint's tensors, one slice at a time."""
+
+    def __init__(self, directory: str | Path, verify: bool = True) -> None:
+        self.directory = Path(directory)
+        self.manifest = Manifest.read(self.directory)
+        if verify:
+            self.manifest.verify_files()
+        self._place: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
+        for bucket in self.manifest.buckets:
+            for slot in bucket["params"]:
+                self._place[slot["name"]] = (bucket, slot)
+        self._files: dict[str, SafetensorsFile] = {}
+
+    @property
+    def data(self) -> dict[str, Any]:
+        return self.manifest.data
+
+    def param_names(self) -> list[str]:
+        return list(self._place)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._place[name][1]["shape"])
+
+    def bucket_of(self, name: str) -> int:
+        return int(self._place[name][0]["index"])
+
+    def _open(self, file: str) -> SafetensorsFile:
+        handle = self._files.get(file)
+        if handle is None:
+            handle = SafetensorsFile(self.directory / file)
+            self._files[file] = handle
+        return handle
+
+    def _chunk_slice(self, key: str, bucket: int, chunk: int, start: int, end: int) -> torch.Tensor:
+        file = rank_file(chunk)
+        name = f"{key}.b{bucket}"
+        handle = self._open(file)
+        if name not in handle:
+            raise CheckpointError(f"{self.directory / file}: has no tensor {name!r}")
+        return handle.read_flat(name, start, end)
+
+    def read(self, name: str, key: str = "param", start: int = 0, end: Optional[int] = None) -> torch.Tensor:
+        """Elements ``[start, end)`` of parameter ``name``'s flattened ``key`` (``param`` or
+        ``optim.<state>``), as a 1D tensor assembled from the chunks that hold them."""
+        if name not in self._place:
+            raise CheckpointError(f"{self.directory}: has no parameter {name!r}")
+        bucket, slot = self._place[name]
+        end = slot["numel"] if end is None else end
+        chunk_numel = bucket["chunk_numel"]
+        pieces = []
+        position = slot["offset"] + start
+        stop = slot["offset"] + end
+        while position < stop:
+            chunk, inner = divmod(position, chunk_numel)
+            take = min(stop - position, chunk_numel - inner)
+            pieces.append(self._chunk_slice(key, bucket["index"], chunk, inner, inner + take))
+            position += take
+        if not pieces:
+            return torch.empty(0, dtype=torch.float32)
+        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+    def tensor(self, name: str, key: str = "param") -> torch.Tensor:
+        """Parameter ``name``'s whole ``key``, in its shape."""
+        return self.read(name, key).view(self.shape(name))
+
+    def scalar_state(self, bucket: int) -> dict[str, torch.Tensor]:
+        """Per-bucket scalar optimizer state (such as Adam's ``step``) as rank 0 saved it."""
+        handle = self._open(rank_file(0))
+        prefix, suffix = "optim_scalar.", f".b{bucket}"
+        return {k[len(prefix):-len(suffix)]: handle.get_tensor(k) for k in handle.keys()
+                if k.startswith(prefix) and k.endswith(suffix)}
+
+    def rank_tensor(self, rank: int, name: str) -> Optional[torch.Tensor]:
+        handle = self._open(rank_file(rank))
+        return handle.get_tensor(name) if name in handle else None
+
+    def extra(self) -> dict[str, torch.Tensor]:
+        """Frozen parameters and module buffers, by state-dict name."""
+        if EXTRA_FILE not in self.manifest.data["files"]:
+            return {}
+        handle = self._open(EXTRA_FILE)
+        return {k: handle.get_tensor(k) for k in handle.keys()}
