@@ -20,6 +20,7 @@ def _demo(args: argparse.Namespace) -> int:
                "--stage", str(args.stage), "--steps", str(args.steps)]
     if args.config:
         command += ["--config", args.config]
+    command += ["--out", args.out]
     print("+ " + " ".join(command), flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     return subprocess.call(command, env=env)
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--nproc", type=int, default=2, help="processes (default 2)")
     demo.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
     demo.add_argument("--config", help="a DeepSpeed-style JSON config to use instead of the built-in one")
+    demo.add_argument("--out", default="runs/demo", help="where the checkpoint and the weights go (runs/demo)")
     demo.set_defaults(run=_demo)
     cons = commands.add_parser("consolidate", help="write a checkpoint's full weights as one safetensors file "
                                                    "(no process group, bounded memory)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--config", help="a DeepSpeed-style JSON config replacing the built-in one")
+    parser.add_argument("--out", type=Path, default=Path("runs/demo"), help="where the checkpoint and weights go")
     return parser.parse_args()
 
 
@@ -86,6 +88,12 @@ def main() -> None:
     log_rank(f"held-out loss {start_loss:.3f} -> {end_loss:.3f} in {engine.global_steps} steps "
              f"({elapsed:.1f}s, {engine.global_samples * MODEL.seq_len / elapsed:,.0f} tokens/s)")
     report_memory(engine)
+    saved = engine.save_checkpoint(args.out / "checkpoint")
+    if engine.world.is_main:
+        from zeroshard.checkpoint import consolidate
+
+        weights = consolidate(saved, args.out / "model.safetensors")
+        log_rank(f"checkpoint: {saved} (resume with engine.load_checkpoint); consolidated weights: {weights}")
     engine.eval()
     with zeroshard.GatheredParameters(engine.strategy.params):  # every rank: it gathers at stage 3
         if engine.world.is_main:
