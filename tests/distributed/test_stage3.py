@@ -9,7 +9,7 @@ from zs_common import clone, make_model, max_rel_diff, rank_micro_batches, train
 
 import zeroshard
 from zeroshard.demo.model import GPT
-from zeroshard.distributed.collectives import CollectiveError
+from zeroshard.distributed.collectives import CollectiveError, CommKind
 from zeroshard.testing import run_world
 
 SHARD_ALL = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
@@ -223,3 +223,26 @@ def changing_order_worker(rank: int, world: int) -> float:
 
 def test_stage3_prefetch_survives_a_changing_execution_order() -> None:
     assert max(run_world(changing_order_worker, 2)) <= 1e-6
+
+
+def reuse_worker(rank: int, world: int, zero: dict) -> int:
+    """All-gathers of one training step with the given stage-3 knobs (after the order is recorded)."""
+    engine, _ = train_zero(make_model(), rank, world, 1, micro=1, accum=1, stage=3,
+                           stage3_param_persistence_threshold=0, **zero)
+    engine.comm.reset_counters()
+    for x, y in rank_micro_batches(3, rank, world, 1, 1):
+        engine.backward(engine(x, y))
+        engine.step()
+        assert engine.memory_breakdown()["gathered_params"] == 0
+    return engine.comm.counters[CommKind.ALL_GATHER].calls
+
+
+def test_reuse_distance_and_live_parameter_limits_are_honoured() -> None:
+    release_all = run_world(reuse_worker, 2, args=({"stage3_max_reuse_distance": 0},))[0]
+    keep = run_world(reuse_worker, 2, args=({"stage3_max_reuse_distance": 10**9},))[0]
+    keep_capped = run_world(reuse_worker, 2, args=({"stage3_max_reuse_distance": 10**9,
+                                                    "stage3_max_live_parameters": 1},))[0]
+    units = 3  # two blocks and the root
+    assert release_all == 2 * units  # gathered for forward, again for backward
+    assert keep < release_all  # units reused soon after their forward stay gathered for backward
+    assert keep_capped == release_all  # ... unless that would exceed the live-parameter limit
