@@ -3,6 +3,9 @@
     zeroshard demo [--stage 3] [--nproc 2] [--steps 300] [--config ds.json]
     zeroshard consolidate CKPT_DIR OUT [--dtype fp32|bf16|fp16] [--tag TAG]
     zeroshard ckpt-info CKPT_DIR [--tag TAG]
+    zeroshard estimate --params 7e9 --gpus-per-node 8 [--gpu-memory 80] [--micro-batch 1 --seq-len 4096 ...]
+    zeroshard env
+    zeroshard run [torchrun options] script.py [args]
 """
 
 from __future__ import annotations
@@ -41,6 +44,93 @@ def _ckpt_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_numbers(args: argparse.Namespace) -> tuple[float, dict]:
+    """Parameter count and shape from --params, --model module:factory, or --hf-config config.json."""
+    import importlib
+
+    import torch
+
+    shape: dict = {}
+    if args.model or args.hf_config:
+        with torch.device("meta"):  # count without allocating
+            if args.model:
+                module, _, factory = args.model.partition(":")
+                model = getattr(importlib.import_module(module), factory)()
+            else:
+                import json
+                from pathlib import Path
+
+                import transformers
+
+                path = Path(args.hf_config)
+                path = path / "config.json" if path.is_dir() else path
+                if not path.is_file():
+                    raise SystemExit(f"zeroshard estimate: {path} does not exist (a local config.json is needed; "
+                                     f"nothing is downloaded)")
+                raw = json.loads(path.read_text())
+                config = transformers.AutoConfig.for_model(**raw)
+                model = transformers.AutoModelForCausalLM.from_config(config)
+                shape = {"hidden": getattr(config, "hidden_size", None),
+                         "layers": getattr(config, "num_hidden_layers", None),
+                         "heads": getattr(config, "num_attention_heads", None)}
+        return float(sum(p.numel() for p in model.parameters())), shape
+    if args.params is None:
+        raise SystemExit("zeroshard estimate: give --params, --model module:factory or --hf-config")
+    return float(args.params), shape
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .memory import EstimateRequest, ModelShape, estimate_all, format_table
+
+    num_params, shape = _model_numbers(args)
+    shape = {k: v for k, v in shape.items() if v}
+    shape.update({k: v for k, v in (("hidden", args.hidden), ("layers", args.layers), ("heads", args.heads)) if v})
+    zero = load_config(args.config).zero_optimization if args.config else load_config({}).zero_optimization
+    req = EstimateRequest(num_params=num_params, world_size=args.gpus_per_node * args.nodes,
+                          precision="fp32" if args.precision == "fp32" else "mixed", offload=args.offload,
+                          micro_batch=args.micro_batch, seq_len=args.seq_len, checkpointing=args.checkpointing,
+                          shape=ModelShape(**shape), reduce_bucket_size=zero.reduce_bucket_size,
+                          prefetch_bucket_size=zero.stage3_prefetch_bucket_size)
+    print(format_table(req, estimate_all(req), args.gpu_memory))
+    return 0
+
+
+def _env(args: argparse.Namespace) -> int:
+    import importlib.util
+    import platform
+
+    import torch
+    import torch.distributed as dist
+
+    from .version import __version__
+
+    rows = [("zeroshard", __version__), ("python", platform.python_version()), ("torch", torch.__version__),
+            ("cuda available", str(torch.cuda.is_available())),
+            ("cuda devices", str(torch.cuda.device_count()) if torch.cuda.is_available() else "0"),
+            ("torch.version.cuda", str(torch.version.cuda)),
+            ("backends", ", ".join(b for b, ok in (("gloo", dist.is_gloo_available()),
+                                                  ("nccl", dist.is_nccl_available()),
+                                                  ("mpi", dist.is_mpi_available())) if ok))]
+    for extra in ("transformers", "safetensors", "matplotlib", "tensorboard"):
+        spec = importlib.util.find_spec(extra)
+        rows.append((extra, "installed" if spec else "not installed"))
+    for name, value in rows:
+        print(f"{name:<20} {value}")
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    return _torchrun(args.torchrun_args)
+
+
+def _torchrun(torchrun_args: Sequence[str]) -> int:
+    """torchrun with the user's arguments, unchanged: multi-node is torchrun's own flags."""
+    command = [sys.executable, "-m", "torch.distributed.run", *torchrun_args]
+    print("+ " + " ".join(command), flush=True)
+    return subprocess.call(command)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zeroshard", description="ZeRO sharded data-parallel training")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -62,10 +152,35 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("checkpoint")
     info.add_argument("--tag")
     info.set_defaults(run=_ckpt_info)
+    est = commands.add_parser("estimate", help="per-rank memory of ZeRO stages 0-3, and which stage fits")
+    est.add_argument("--params", type=float, help="parameter count, e.g. 7e9")
+    est.add_argument("--model", help="module:factory building the model (counted on the meta device)")
+    est.add_argument("--hf-config", help="a Hugging Face config.json (or its directory)")
+    est.add_argument("--gpus-per-node", type=int, default=1)
+    est.add_argument("--nodes", type=int, default=1)
+    est.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default="bf16")
+    est.add_argument("--offload", choices=["optimizer", "params"])
+    est.add_argument("--micro-batch", type=int)
+    est.add_argument("--seq-len", type=int)
+    est.add_argument("--hidden", type=int)
+    est.add_argument("--layers", type=int)
+    est.add_argument("--heads", type=int)
+    est.add_argument("--checkpointing", action="store_true", help="activation checkpointing on")
+    est.add_argument("--gpu-memory", type=float, help="GB per GPU: recommend the lowest stage that fits")
+    est.add_argument("--config", help="a DeepSpeed-style JSON config (bucket sizes for the buffers)")
+    est.set_defaults(run=_estimate)
+    env = commands.add_parser("env", help="torch version, CUDA, distributed backends, optional extras")
+    env.set_defaults(run=_env)
+    run = commands.add_parser("run", help="torchrun, unchanged: zeroshard run --nproc_per_node 2 train.py ...")
+    run.add_argument("torchrun_args", nargs=argparse.REMAINDER)
+    run.set_defaults(run=_run)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:  # everything after `run` belongs to torchrun, flags included
+        return _torchrun(argv[1:])
     args = build_parser().parse_args(argv)
     from .checkpoint import CheckpointError
 

@@ -12,6 +12,7 @@ from zs_common import clone, make_model, max_rel_diff, train_zero
 import zeroshard
 from zeroshard.distributed.collectives import Collectives, CollectiveError
 from zeroshard.distributed.world import init_distributed
+from zeroshard.memory.estimator import EstimateRequest, estimate_stage
 from zeroshard.testing import WorldFailed, run_world
 
 
@@ -84,6 +85,8 @@ def test_memory_breakdown_matches_the_zero_formulas(stage: int) -> None:
     # Summed over ranks the real holdings are exactly N times the per-rank formula.
     formula = {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n}[stage]
     assert total == pytest.approx(n * formula, rel=0, abs=1e-6)
+    # `zeroshard estimate` shares this accounting: its figure is the measured per-rank mean.
+    assert estimate_stage(EstimateRequest(psi, n, "fp32"), stage).model_states == pytest.approx(total / n)
     assert results[0]["mb"]["formula"] == pytest.approx(formula)
 
 

@@ -10,6 +10,7 @@ from zs_common import clone, make_model, max_rel_diff, rank_micro_batches, train
 import zeroshard
 from zeroshard.demo.model import GPT
 from zeroshard.distributed.collectives import CollectiveError, CommKind
+from zeroshard.memory.estimator import EstimateRequest, estimate_stage
 from zeroshard.testing import run_world
 
 SHARD_ALL = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
@@ -59,6 +60,7 @@ def test_stage3_memory_and_communication_are_exact(persistence: int) -> None:
             assert r["padded_persistent"] == 0
     psi = results[0]["psi"]
     assert total == pytest.approx(n * 16 * psi / n)  # summed over ranks: exactly 16 Psi
+    assert estimate_stage(EstimateRequest(psi, n, "fp32"), 3).model_states == pytest.approx(total / n)
 
 
 class TwiceAndShared(nn.Module):

@@ -89,3 +89,8 @@ class GPT(nn.Module):
             nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
             idx = torch.cat([idx, nxt], dim=1)
         return idx
+
+
+def demo_gpt() -> GPT:
+    """The demo's default model (a factory for ``zeroshard estimate --model zeroshard.demo.model:demo_gpt``)."""
+    return GPT(GPTConfig())

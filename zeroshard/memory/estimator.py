@@ -1,0 +1,133 @@
+"""``zeroshard estimate``: per-rank memory of stages 0-3 before you launch anything.
+
+The model-state part is :func:`zeroshard.memory.model_state_bytes`, the same function the engine's
+``memory_breakdown()`` reports its formula with (and a test checks the two against each other on real
+runs).  On top come an activation estimate and the communication buffers the config implies.
+
+[Note: the activation estimate]
+For a transformer layer in 16-bit training, activations take about ``s*b*h*(34 + 5*a*s/h)`` bytes
+(sequence s, micro batch b, hidden h, heads a; Korthikanti et al., "Reducing Activation Recomputation
+in Large Transformer Models"); fp32 doubles it.  With activation checkpointing only each layer's input
+(``2*s*b*h`` bytes) is kept, plus one layer's full activations during its recomputation.  It is an
+estimate, not a measurement: attention implementations that never materialise the ``s x s`` scores
+need less.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .accounting import model_state_bytes
+
+GB = 1e9  # the seeds' tables use decimal gigabytes
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What activations depend on (all optional: without them activations are left out)."""
+
+    hidden: Optional[int] = None
+    layers: Optional[int] = None
+    heads: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class StageEstimate:
+    stage: int
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+    host: float = 0.0  # bytes moved to host memory by offload
+
+    @property
+    def model_states(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.activations + self.buffers
+
+
+@dataclass(frozen=True)
+class EstimateRequest:
+    num_params: float
+    world_size: int
+    precision: str = "mixed"  # "mixed" (bf16/fp16 + fp32 Adam) or "fp32"
+    offload: Optional[str] = None  # None, "optimizer" or "params"
+    micro_batch: Optional[int] = None
+    seq_len: Optional[int] = None
+    checkpointing: bool = False
+    shape: ModelShape = field(default_factory=ModelShape)
+    reduce_bucket_size: float = 5e8
+    prefetch_bucket_size: float = 5e7
+
+
+def activation_bytes(req: EstimateRequest) -> float:
+    s, b = req.seq_len, req.micro_batch
+    h, layers, a = req.shape.hidden, req.shape.layers, req.shape.heads or 1
+    if not (s and b and h and layers):
+        return 0.0
+    scale = 1.0 if req.precision == "mixed" else 2.0
+    per_layer = s * b * h * (34 + 5 * a * s / h) * scale
+    if req.checkpointing:
+        return (2 * s * b * h * scale) * layers + per_layer
+    return per_layer * layers
+
+
+def buffer_bytes(req: EstimateRequest, stage: int) -> float:
+    """Gradient buckets in flight (two, as the engine keeps) plus, at stage 3, the prefetched units."""
+    grad_bytes = 2 if req.precision == "mixed" else 4
+    if stage == 0:
+        return 0.0  # stages 0-1 reduce inside the full gradient buffer
+    buckets = 2 * min(req.reduce_bucket_size, req.num_params) * grad_bytes if stage >= 2 else 0.0
+    prefetch = min(req.prefetch_bucket_size, req.num_params) * grad_bytes if stage == 3 else 0.0
+    return buckets + prefetch
+
+
+def estimate_stage(req: EstimateRequest, stage: int) -> StageEstimate:
+    states = model_state_bytes(stage, req.num_params, req.world_size, req.precision)
+    params, grads, optimizer, host = states.params, states.grads, states.optimizer, 0.0
+    if req.offload in ("optimizer", "params") and stage >= 1:
+        host += optimizer
+        optimizer = 0.0
+    if req.offload == "params" and stage == 3:
+        host += params
+        params = 0.0
+    return StageEstimate(stage, params, grads, optimizer, activation_bytes(req), buffer_bytes(req, stage), host)
+
+
+def estimate_all(req: EstimateRequest) -> list[StageEstimate]:
+    return [estimate_stage(req, stage) for stage in range(4)]
+
+
+def recommend(estimates: list[StageEstimate], gpu_memory_gb: Optional[float], headroom: float = 0.1) -> Optional[int]:
+    """The lowest stage whose total fits ``gpu_memory_gb`` with ``headroom`` to spare (None: none fits)."""
+    if gpu_memory_gb is None:
+        return None
+    for e in estimates:
+        if e.total <= gpu_memory_gb * GB * (1 - headroom):
+            return e.stage
+    return None
+
+
+def format_table(req: EstimateRequest, estimates: list[StageEstimate], gpu_memory_gb: Optional[float]) -> str:
+    precision = "mixed precision (16-bit params/grads, fp32 Adam)" if req.precision == "mixed" else "fp32 (Adam)"
+    lines = [f"{req.num_params:.3g} parameters, {req.world_size} ranks, {precision}"
+             + (f", offload {req.offload}" if req.offload else "") + "; per rank, decimal GB",
+             "",
+             "| stage | params | grads | optimizer | model states | activations | buffers | total | host (offload) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for e in estimates:
+        lines.append(f"| {e.stage} | {e.params / GB:g} | {e.grads / GB:g} | {e.optimizer / GB:g} | "
+                     f"{e.model_states / GB:g} | {e.activations / GB:.4g} | {e.buffers / GB:.4g} | "
+                     f"{e.total / GB:.4g} | {e.host / GB:g} |")
+    if gpu_memory_gb is not None:
+        best = recommend(estimates, gpu_memory_gb)
+        lines.append("")
+        lines.append(f"recommendation: ZeRO stage {best} is the lowest that fits {gpu_memory_gb:g} GB with 10% headroom"
+                     if best is not None else
+                     f"recommendation: no stage fits {gpu_memory_gb:g} GB; add ranks, offload, or checkpoint activations")
+    return "\n".join(lines)
