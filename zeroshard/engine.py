@@ -26,6 +26,7 @@ from .distributed.collectives import Collectives
 from .distributed.world import World
 from .init_context import adopt_init_params, has_init_params
 from .logging import log_rank
+from .metrics import MetricsWriter, PhaseTimers, device_peak_bytes, host_peak_bytes
 from .memory import model_state_bytes
 from .optim import build_scheduler, clip_, from_config, from_user, global_grad_norm
 from .param_groups import collect_trainable
@@ -69,6 +70,14 @@ class Engine:
         self._grad_norm: Optional[float] = None
         self._last_loss: Optional[float] = None
         self._window_start = time.perf_counter()
+        self._window_steps = 0
+        self._window_comm = (0, 0.0)
+        self._tokens = 0
+        self._timers = PhaseTimers()
+        self.last_metrics: Optional[dict[str, Any]] = None
+        tb = config.tensorboard
+        self._writer = MetricsWriter(config.metrics_path if world.is_main else None,
+                                     f"{tb.output_path}/{tb.job_name}" if tb.enabled and world.is_main else None)
         self.comm.reset_counters()  # the initial broadcast is set-up, not training traffic
 
     # ------------------------------------------------------------------ construction helpers
@@ -122,8 +131,14 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
         self.strategy.before_forward()
-        return self.module(*args, **kwargs)
+        tokens = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if tokens is not None and not tokens.is_floating_point() and torch.is_grad_enabled():
+            self._tokens += tokens.numel()  # token ids: counted for tokens/s and TFLOP/s
+        output = self.module(*args, **kwargs)
+        self._timers.add("forward", started)
+        return output
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the current micro step is the last one before an optimizer step."""
@@ -131,22 +146,27 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backpropagate ``loss / gradient_accumulation_steps`` and reduce gradients as the stage says."""
+        started = time.perf_counter()
         scaled = loss / self.gradient_accumulation_steps()
         self.strategy.sync_gradients = self.is_gradient_accumulation_boundary()
         scaled.backward()
         self.strategy.finish_backward()
         self._last_loss = float(loss.detach())
+        self._timers.add("backward", started)
         return scaled
 
     def step(self) -> None:
         """Update the parameters at an accumulation boundary; otherwise only count the micro step."""
+        started = time.perf_counter()
         if self.is_gradient_accumulation_boundary():
             self._optimizer_step()
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
-            if self.global_steps % self.config.steps_per_print == 0:
-                self._log_progress()
         self.micro_steps += 1
+        self._timers.add("step", started)
+        if self.micro_steps % self.gradient_accumulation_steps() == 0 and \
+                self.global_steps % self.config.steps_per_print == 0:
+            self._log_progress()
 
     def _optimizer_step(self) -> None:
         grads = [self.strategy.owned_grad(b) for b in self.flat.layout.buckets]
@@ -187,11 +207,41 @@ class Engine:
             p.grad = None
 
     def _log_progress(self) -> None:
-        elapsed = time.perf_counter() - self._window_start
-        samples = self.config.steps_per_print * self.train_batch_size()
-        log_rank(f"step {self.global_steps}: loss {self._last_loss:.4f} lr {self.get_lr()[0]:.3e} "
-                 f"grad_norm {self._grad_norm:.4f} samples/s {samples / max(elapsed, 1e-9):.1f}")
-        self._window_start = time.perf_counter()
+        """Every ``steps_per_print`` steps: a log line on rank 0, and the JSONL / TensorBoard record."""
+        record = self.metrics_record()
+        self.last_metrics = record
+        if self.world.is_main:
+            self._writer.write(record)
+        line = (f"step {record['step']}: loss {record['loss']:.4f} lr {record['lr']:.3e} "
+                f"grad_norm {record['grad_norm']:.4f} samples/s {record['samples_per_s']:.1f} "
+                f"tokens/s {record['tokens_per_s']:.0f} TFLOP/s {record['tflops']:.3f} "
+                f"comm {record['comm_mib']:.1f} MiB/{record['comm_s']:.2f}s "
+                f"host peak {record['host_peak_mib']:.0f} MiB")
+        if self.config.wall_clock_breakdown:
+            line += " | " + " ".join(f"{k} {record[k + '_s']:.3f}s" for k in ("forward", "backward", "step"))
+        log_rank(line)
+
+    def metrics_record(self) -> dict[str, Any]:
+        """The metrics since the previous record (resets the window)."""
+        now = time.perf_counter()
+        elapsed = max(now - self._window_start, 1e-9)
+        steps = self.global_steps - self._window_steps
+        tokens_per_s = self._tokens * self.world.world_size / elapsed
+        comm_bytes = self.comm.total_bytes_sent()
+        comm_seconds = sum(c.seconds for c in self.comm.counters.values())
+        record: dict[str, Any] = {
+            "step": self.global_steps, "loss": self._last_loss, "lr": self.get_lr()[0],
+            "grad_norm": self._grad_norm, "samples_per_s": steps * self.train_batch_size() / elapsed,
+            "tokens_per_s": tokens_per_s, "tflops": 6 * self.flat.layout.numel * tokens_per_s / 1e12,
+            "comm_mib": (comm_bytes - self._window_comm[0]) / 2**20, "comm_s": comm_seconds - self._window_comm[1],
+            "host_peak_mib": host_peak_bytes() / 2**20, "device_peak_mib": device_peak_bytes(self.world.device) / 2**20,
+            "skipped_steps": 0,
+        }
+        if self.config.wall_clock_breakdown:
+            record.update({f"{k}_s": v for k, v in self._timers.take().items()})
+        self._window_start, self._window_steps, self._tokens = now, self.global_steps, 0
+        self._window_comm = (comm_bytes, comm_seconds)
+        return record
 
     # ------------------------------------------------------------------ DeepSpeed-style accessors
     def train(self, mode: bool = True) -> "Engine":

@@ -163,3 +163,35 @@ def test_bucket_plan_pads_each_bucket_and_keeps_groups_apart() -> None:
     assert [b.real_numel_in_shard(2) for b in layout.buckets] == [4, 4]
     assert sum(layout.real_numel_in_shard(r) for r in range(3)) == 26
     assert os.environ.get("WORLD_SIZE") is None
+
+
+def test_metrics_every_steps_per_print_to_jsonl(tmp_path) -> None:
+    import json
+
+    torch.manual_seed(0)
+    path = tmp_path / "metrics.jsonl"
+    engine, _, _, _ = zeroshard.initialize(model=GPT(CFG), config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 2,
+        "wall_clock_breakdown": True, "metrics_path": str(path), "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW"}})
+    for step in range(8):
+        x, y = batch(step)
+        engine.backward(engine(x[:2], y[:2]))
+        engine.step()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4]
+    for r in records:
+        assert r["tokens_per_s"] > 0 and r["tflops"] > 0 and r["samples_per_s"] > 0
+        assert r["forward_s"] > 0 and r["backward_s"] > 0 and r["step_s"] > 0
+        assert r["grad_norm"] > 0 and r["host_peak_mib"] > 0 and r["skipped_steps"] == 0
+    assert engine.last_metrics == records[-1]
+
+
+def test_tensorboard_without_the_package_is_a_clear_error() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is not None:
+        pytest.skip("tensorboard is installed here")
+    with pytest.raises(ImportError, match="'tensorboard.enabled' is true but the tensorboard package"):
+        zeroshard.initialize(model=nn.Linear(2, 2), config={
+            "train_batch_size": 1, "optimizer": {"type": "SGD"}, "tensorboard": {"enabled": True}})

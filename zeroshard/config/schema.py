@@ -101,6 +101,15 @@ class ZeroConfig:
 
 
 @dataclass(frozen=True)
+class TensorboardConfig:
+    """``tensorboard``: DeepSpeed's block; the per-step metrics also go to TensorBoard."""
+
+    enabled: bool = key(False, "Write the metrics to TensorBoard (needs the tensorboard package).")
+    output_path: str = key("runs/tensorboard", "Directory of the TensorBoard event files.")
+    job_name: str = key("zeroshard", "Subdirectory (run name) under output_path.")
+
+
+@dataclass(frozen=True)
 class ZeroshardConfig:
     """The whole training configuration, after validation and batch-size derivation."""
 
@@ -113,6 +122,9 @@ class ZeroshardConfig:
     gradient_clipping: float = key(0.0, "Clip the global gradient norm to this value; 0 turns it off.",
                                    non_negative)
     steps_per_print: int = key(10, "Log a line of metrics every this many optimizer steps.", positive)
+    wall_clock_breakdown: bool = key(False, "Add seconds spent in forward, backward and step to the metrics.")
+    metrics_path: Optional[str] = key(None, "zeroshard: append each metrics record as a JSON line to this file.")
+    tensorboard: TensorboardConfig = key(TensorboardConfig(), "Metrics to TensorBoard.")
     seed: Optional[int] = key(None, "Seed torch on every rank in initialize() (same value everywhere).")
     collective_timeout: float = key(
         1800.0, "Seconds a collective may wait before the job fails instead of hanging.", positive
@@ -133,8 +145,8 @@ class ZeroshardConfig:
 NOT_SUPPORTED_YET: dict[str, tuple[str, ...]] = {
     "": (
         "amp", "activation_checkpointing", "communication_data_type", "data_types", "prescale_gradients",
-        "gradient_predivide_factor", "sparse_gradients", "wall_clock_breakdown", "memory_breakdown",
-        "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comms_logger", "elasticity",
+        "gradient_predivide_factor", "sparse_gradients", "memory_breakdown",
+        "flops_profiler", "wandb", "csv_monitor", "comms_logger", "elasticity",
         "pipeline", "checkpoint", "aio", "autotuning", "compression_training", "dump_state",
         "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "bfloat16",
     ),

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -23,12 +25,37 @@ from zeroshard.logging import log_rank
 MODEL = GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_layer=4, n_head=4)
 
 
+class ProgressBar:
+    """A one-line progress bar on rank 0: redrawn in place on a terminal, every 10% otherwise."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled = total, enabled
+        self.interactive = sys.stderr.isatty()
+        self._last_tenth = -1
+
+    def update(self, step: int, text: str) -> None:
+        if not self.enabled:
+            return
+        done = int(30 * step / self.total)
+        line = f"[{'#' * done}{'.' * (30 - done)}] {step}/{self.total} {text}"
+        if self.interactive:
+            print("\r" + line, end="", file=sys.stderr, flush=True)
+        elif step * 10 // self.total != self._last_tenth:
+            self._last_tenth = step * 10 // self.total
+            print(line, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.enabled and self.interactive:
+            print(file=sys.stderr)
+
+
 def default_config(stage: int, steps: int) -> dict:
     return {
         "train_micro_batch_size_per_gpu": 16,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
         "steps_per_print": max(1, steps // 10),
+        "wall_clock_breakdown": True,
         "seed": 1234,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01, "betas": [0.9, 0.95]}},
         "scheduler": {"type": "WarmupDecayLR",
@@ -63,6 +90,9 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
     config = json.load(open(args.config)) if args.config else default_config(args.stage, args.steps)
+    config.setdefault("metrics_path", str(args.out / "metrics.jsonl"))
+    if dist.is_available() and "RANK" in os.environ and os.environ["RANK"] == "0":
+        (args.out / "metrics.jsonl").unlink(missing_ok=True)  # one run, one metrics file
     torch.manual_seed(0)
     model = GPT(MODEL)
     data = ByteWindows(stdlib_bytes(), MODEL.seq_len)
@@ -74,6 +104,8 @@ def main() -> None:
     start_loss = held_out_loss(engine, data)
     started = time.perf_counter()
     batches = iter(loader)
+    bar = ProgressBar(args.steps, engine.world.is_main)
+    tokens_done = 0
     while engine.global_steps < args.steps:
         try:
             x, y = next(batches)
@@ -83,6 +115,10 @@ def main() -> None:
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()
+        tokens_done += x.numel() * engine.world.world_size
+        bar.update(engine.global_steps, f"loss {float(loss):.3f} "
+                                        f"{tokens_done / (time.perf_counter() - started):,.0f} tokens/s")
+    bar.close()
     elapsed = time.perf_counter() - started
     end_loss = held_out_loss(engine, data)
     log_rank(f"held-out loss {start_loss:.3f} -> {end_loss:.3f} in {engine.global_steps} steps "
@@ -93,7 +129,8 @@ def main() -> None:
         from zeroshard.checkpoint import consolidate
 
         weights = consolidate(saved, args.out / "model.safetensors")
-        log_rank(f"checkpoint: {saved} (resume with engine.load_checkpoint); consolidated weights: {weights}")
+        log_rank(f"checkpoint: {saved} (resume with engine.load_checkpoint); consolidated weights: {weights}; "
+                 f"metrics: {config['metrics_path']}")
     engine.eval()
     with zeroshard.GatheredParameters(engine.strategy.params):  # every rank: it gathers at stage 3
         if engine.world.is_main:
