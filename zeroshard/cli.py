@@ -4,6 +4,7 @@
     zeroshard consolidate CKPT_DIR OUT [--dtype fp32|bf16|fp16] [--tag TAG]
     zeroshard ckpt-info CKPT_DIR [--tag TAG]
     zeroshard estimate --params 7e9 --gpus-per-node 8 [--gpu-memory 80] [--micro-batch 1 --seq-len 4096 ...]
+    zeroshard plot METRICS.jsonl -o out.png
     zeroshard env
     zeroshard run [torchrun options] script.py [args]
 """
@@ -92,7 +93,19 @@ def _estimate(args: argparse.Namespace) -> int:
                           micro_batch=args.micro_batch, seq_len=args.seq_len, checkpointing=args.checkpointing,
                           shape=ModelShape(**shape), reduce_bucket_size=zero.reduce_bucket_size,
                           prefetch_bucket_size=zero.stage3_prefetch_bucket_size)
-    print(format_table(req, estimate_all(req), args.gpu_memory))
+    estimates = estimate_all(req)
+    print(format_table(req, estimates, args.gpu_memory))
+    if args.plot:
+        from .plots import plot_estimate
+
+        print(f"plot: {plot_estimate(estimates, args.plot, f'{num_params:.3g} parameters on {req.world_size} ranks')}")
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from .plots import plot_metrics
+
+    print(f"plot: {plot_metrics(args.metrics, args.output)}")
     return 0
 
 
@@ -168,7 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--checkpointing", action="store_true", help="activation checkpointing on")
     est.add_argument("--gpu-memory", type=float, help="GB per GPU: recommend the lowest stage that fits")
     est.add_argument("--config", help="a DeepSpeed-style JSON config (bucket sizes for the buffers)")
+    est.add_argument("--plot", help="also draw stacked bars per stage to this PNG (needs matplotlib)")
     est.set_defaults(run=_estimate)
+    plot = commands.add_parser("plot", help="loss, throughput and memory over steps from a metrics JSONL file")
+    plot.add_argument("metrics")
+    plot.add_argument("-o", "--output", default="metrics.png")
+    plot.set_defaults(run=_plot)
     env = commands.add_parser("env", help="torch version, CUDA, distributed backends, optional extras")
     env.set_defaults(run=_env)
     run = commands.add_parser("run", help="torchrun, unchanged: zeroshard run --nproc_per_node 2 train.py ...")

@@ -235,7 +235,7 @@ class Engine:
             "tokens_per_s": tokens_per_s, "tflops": 6 * self.flat.layout.numel * tokens_per_s / 1e12,
             "comm_mib": (comm_bytes - self._window_comm[0]) / 2**20, "comm_s": comm_seconds - self._window_comm[1],
             "host_peak_mib": host_peak_bytes() / 2**20, "device_peak_mib": device_peak_bytes(self.world.device) / 2**20,
-            "skipped_steps": 0,
+            "loss_scale": 1.0, "skipped_steps": 0,  # fp32 training: no loss scaling, nothing skipped
         }
         if self.config.wall_clock_breakdown:
             record.update({f"{k}_s": v for k, v in self._timers.take().items()})

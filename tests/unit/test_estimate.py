@@ -47,7 +47,7 @@ def test_recommendation() -> None:
     assert recommend(estimates, 10) is None
 
 
-def test_cli_estimate_prints_the_table_and_a_recommendation(capsys) -> None:
+def test_cli_estimate_prints_the_table_and_a_recommendation(tmp_path, capsys) -> None:
     assert main(["estimate", "--params", "7e9", "--gpus-per-node", "8", "--gpu-memory", "80"]) == 0
     out = capsys.readouterr().out
     for row in ("| 0 | 14 | 14 | 84 | 112 |", "| 1 | 14 | 14 | 10.5 | 38.5 |", "| 2 | 14 | 1.75 | 10.5 | 26.25 |",
@@ -59,6 +59,14 @@ def test_cli_estimate_prints_the_table_and_a_recommendation(capsys) -> None:
                  "--layers", "4", "--heads", "8", "--checkpointing"]) == 0
     out = capsys.readouterr().out
     assert "1e+09 parameters, 4 ranks, fp32 (Adam), offload optimizer" in out
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 3, "reduce_bucket_size": 1e6,
+                                                        "stage3_prefetch_bucket_size": 1e6}}))
+    assert main(["estimate", "--params", "1e9", "--gpus-per-node", "4", "--precision", "fp16",
+                 "--offload", "params", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    # stage 3: params and optimizer on the host; buffers: 2 gradient buckets + the prefetch, 16-bit
+    assert "| 3 | 0 | 0.5 | 0 | 0.5 | 0 | 0.006 | 0.506 | 3.5 |" in out
 
 
 def test_cli_estimate_from_a_model_factory_and_a_hf_config(tmp_path, capsys) -> None:
@@ -86,3 +94,16 @@ def test_cli_env_and_run(tmp_path) -> None:
     run = subprocess.run([sys.executable, "-m", "zeroshard.cli", "run", "--standalone", "--nproc_per_node", "2",
                           str(script)], capture_output=True, text=True, check=True, timeout=120)
     assert "rank 0 of 2" in run.stdout and "rank 1 of 2" in run.stdout
+
+
+def test_plots(tmp_path, capsys) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "estimate.png"
+    assert main(["estimate", "--params", "7e9", "--gpus-per-node", "8", "--plot", str(out)]) == 0
+    assert out.stat().st_size > 1000 and out.read_bytes()[:4] == b"\x89PNG"
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text("\n".join(json.dumps({"step": s, "loss": 3.0 / s, "tokens_per_s": 100.0 * s,
+                                             "host_peak_mib": 400.0, "device_peak_mib": 0.0}) for s in (1, 2, 3)))
+    assert main(["plot", str(metrics), "-o", str(tmp_path / "m.png")]) == 0
+    assert (tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
+    capsys.readouterr()

@@ -131,6 +131,12 @@ def main() -> None:
         weights = consolidate(saved, args.out / "model.safetensors")
         log_rank(f"checkpoint: {saved} (resume with engine.load_checkpoint); consolidated weights: {weights}; "
                  f"metrics: {config['metrics_path']}")
+        try:
+            from zeroshard.plots import plot_metrics
+
+            log_rank(f"plot: {plot_metrics(config['metrics_path'], args.out / 'metrics.png')}")
+        except ImportError as err:
+            log_rank(f"no plot: {err}")
     engine.eval()
     with zeroshard.GatheredParameters(engine.strategy.params):  # every rank: it gathers at stage 3
         if engine.world.is_main:
