@@ -130,8 +130,8 @@ def test_unused_parameters_neither_hang_nor_get_wrong_gradients(stage: int) -> N
     assert max(run_world(unused_worker, 2, args=(stage,), timeout=120)) <= 1e-6
 
 
-def desync_worker(rank: int, world: int) -> str:
-    comm = Collectives(init_distributed())
+def desync_worker(rank: int, world: int, timeout_s: float = 1800.0) -> str:
+    comm = Collectives(init_distributed(timeout_s=timeout_s))
     if rank == 1:
         time.sleep(8)  # never joins the collective
         return "absent"
@@ -146,6 +146,13 @@ def desync_worker(rank: int, world: int) -> str:
 def test_desynchronised_collective_fails_within_the_timeout() -> None:
     message = run_world(desync_worker, 2, pg_timeout_s=2, timeout=60)[0]
     assert "collective 'lonely' failed" in message and "collective_timeout" in message
+    assert float(message.split("s ", 1)[0]) < 7
+
+
+def test_collective_timeout_applies_to_a_group_created_elsewhere() -> None:
+    # The harness's process group waits 60 s; zeroshard's collective_timeout of 2 s still applies.
+    message = run_world(desync_worker, 2, args=(2.0,), pg_timeout_s=60, timeout=60)[0]
+    assert "collective 'lonely' failed" in message
     assert float(message.split("s ", 1)[0]) < 7
 
 

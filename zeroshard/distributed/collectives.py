@@ -15,6 +15,7 @@ buffers to a multiple of ``N`` elements, so these figures are whole numbers of b
 
 from __future__ import annotations
 
+import datetime
 import time
 from dataclasses import dataclass
 from enum import Enum
@@ -56,17 +57,20 @@ class CollectiveError(RuntimeError):
 class PendingCollective:
     """A collective in flight: ``wait()`` blocks until it is done and accounts the time."""
 
-    def __init__(self, work: Optional[Any], label: str, counter: CommCounter) -> None:
+    def __init__(self, work: Optional[Any], label: str, counter: CommCounter, timeout_s: float = 1800.0) -> None:
         self._work = work
         self.label = label
         self._counter = counter
+        self._timeout = datetime.timedelta(seconds=timeout_s)
 
     def wait(self) -> None:
         if self._work is None:
             return
         start = time.perf_counter()
         try:
-            self._work.wait()
+            # The config's timeout applies even to a process group created elsewhere (torchrun users,
+            # test harnesses) with a longer default.
+            self._work.wait(timeout=self._timeout)
         except Exception as err:  # gloo and NCCL raise RuntimeError subclasses on timeout
             raise CollectiveError(f"collective {self.label!r} failed: {err}. If ranks diverged (a rank "
                                   f"skipped a module or ran out of data), fix that; the timeout is "
@@ -111,7 +115,7 @@ class Collectives:
             except Exception as err:
                 raise CollectiveError(f"collective {label!r} could not start: {err}") from err
         counter.seconds += time.perf_counter() - start
-        pending = PendingCollective(work, label, counter)
+        pending = PendingCollective(work, label, counter, self.world.timeout_s)
         if not async_op:
             pending.wait()
         return pending
