@@ -90,3 +90,23 @@ def test_hf_model_trains_and_generates_under_stage3(kind: str, tmp_path) -> None
             assert ours == pytest.approx(theirs, rel=1e-5)
         assert r["gen"] == r["gen2"] == r["expected"]
         assert len(r["gen"][0]) == 8
+
+
+def init_worker(rank: int, world: int, kind: str) -> bool:
+    torch.manual_seed(0)
+    with zeroshard.Init():
+        model = build(kind)  # post_init() re-initialises every weight: gathered one at a time
+    engine, _, _, _ = zeroshard.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 64}})
+    got = engine.full_state_dict(rank0_only=False)
+    expected = build(kind).state_dict()  # build() seeds 0 again: a plain construction
+    ids = torch.randint(0, VOCAB, (1, 8))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    return all(torch.equal(got[k], v) for k, v in expected.items()) and list(got) == list(expected)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_hf_model_built_under_init_has_plain_construction_values(kind: str) -> None:
+    assert all(run_world(init_worker, 2, args=(kind,)))
