@@ -284,11 +284,10 @@ def tower_worker(rank: int, world: int, directory: str) -> None:
 CONSOLIDATE_AND_MEASURE = """
 import sys
 from zeroshard.checkpoint import consolidate
-def hwm():
-    return int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM:')).split()[1]) * 1024
+from zeroshard.metrics import host_peak_bytes
 before = int(open('/proc/self/statm').read().split()[1]) * 4096
 consolidate(sys.argv[1], sys.argv[2])
-print(hwm() - before)
+print(host_peak_bytes() - before)
 """
 
 

@@ -6,6 +6,7 @@ from torch import nn
 from zs_common import TINY, make_model
 
 import zeroshard
+from zeroshard.metrics import host_peak_bytes
 from zeroshard.demo.model import GPT
 from zeroshard.testing import run_world
 
@@ -29,11 +30,9 @@ def rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
-    """This process's own RSS high-water mark.  Not ru_maxrss: Linux carries that over exec() from the
-    forked parent (here: pytest, whose size depends on what the suite imported before)."""
-    with open("/proc/self/status") as f:
-        line = next(line for line in f if line.startswith("VmHWM:"))
-    return int(line.split()[1]) * 1024
+    """This process's own RSS high-water mark (VmHWM).  Not ru_maxrss: Linux carries that over exec()
+    from the forked parent (here: pytest, whose size depends on what the suite imported before)."""
+    return host_peak_bytes()
 
 
 def build_worker(rank: int, world: int, use_init: bool) -> dict:

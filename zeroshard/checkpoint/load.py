@@ -65,12 +65,6 @@ def _fill(reader: CheckpointReader, bucket: "BucketLayout", start: int, target: 
         target[lo - start: hi - start].copy_(values.to(target.dtype))
 
 
-def _optimizer_keys(reader: CheckpointReader) -> list[str]:
-    handle = reader._open(next(f for f in reader.data["files"] if f.startswith("rank")))
-    keys = {k.split(".")[1] for k in handle.keys() if k.startswith("optim.")}
-    return sorted(keys)
-
-
 def load_checkpoint(engine: "Engine", load_dir: str | Path, tag: Optional[str] = None,
                     load_module_strict: bool = True, load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True, load_module_only: bool = False
@@ -85,7 +79,7 @@ def load_checkpoint(engine: "Engine", load_dir: str | Path, tag: Optional[str] =
     _check_model(engine, reader, load_module_strict)
     known = set(reader.param_names())
     with_optimizer = load_optimizer_states and not load_module_only
-    keys = _optimizer_keys(reader) if with_optimizer else []
+    keys = reader.optimizer_state_keys() if with_optimizer else []
     with torch.no_grad():
         for bucket, chunk in zip(engine.flat.layout.buckets, engine._chunks):
             start = _own_range(engine, bucket, chunk)

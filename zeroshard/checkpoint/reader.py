@@ -84,6 +84,11 @@ class CheckpointReader:
         return {k[len(prefix):-len(suffix)]: handle.get_tensor(k) for k in handle.keys()
                 if k.startswith(prefix) and k.endswith(suffix)}
 
+    def optimizer_state_keys(self) -> list[str]:
+        """Names of the chunk-shaped optimizer states saved (``exp_avg``, ``exp_avg_sq``, ...)."""
+        handle = self._open(rank_file(0))
+        return sorted({k.split(".")[1] for k in handle.keys() if k.startswith("optim.")})
+
     def rank_tensor(self, rank: int, name: str) -> Optional[torch.Tensor]:
         handle = self._open(rank_file(rank))
         return handle.get_tensor(name) if name in handle else None

@@ -24,7 +24,7 @@ class Stage1(FullGradientStrategy):
 
     def complete(self, bucket: BucketLayout) -> None:
         # The chunk of the full buffer that this rank keeps is overwritten by the reduced result.
-        received = self.take_received(bucket, self.grad_bucket(bucket))
+        received = self.take_received(bucket)
         if received is not None:
             self.owned_grad(bucket).copy_(received)
             self.shard_pool.release(received)

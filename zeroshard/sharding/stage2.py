@@ -54,7 +54,7 @@ class Stage2(ShardingStrategy):
 
     def complete(self, bucket: BucketLayout) -> None:
         full = self._buffers.pop(bucket.index)
-        received = self.take_received(bucket, full)
+        received = self.take_received(bucket)
         if received is None:
             start, end = bucket.shard_range(self.world.rank)
             self.owned_grad(bucket).add_(full[start:end])

@@ -192,9 +192,9 @@ class ShardingStrategy(ABC):
         self._received[bucket.index] = out
         return self.comm.reduce_scatter(out, full, label, async_op=async_op)
 
-    def take_received(self, bucket: BucketLayout, full: torch.Tensor) -> Optional[torch.Tensor]:
+    def take_received(self, bucket: BucketLayout) -> Optional[torch.Tensor]:
         """This rank's averaged chunk after :meth:`reduce_to_owner`: a pooled buffer (give it back with
-        ``shard_pool.release``) or, after an all-reduce, ``None`` (read ``full`` instead)."""
+        ``shard_pool.release``) or, after an all-reduce, ``None`` (read the all-reduced bucket instead)."""
         return self._received.pop(bucket.index, None)
 
     @abstractmethod
