@@ -12,6 +12,7 @@ the same update.
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
@@ -28,8 +29,9 @@ from .init_context import adopt_init_params, has_init_params
 from .logging import log_rank
 from .metrics import MetricsWriter, PhaseTimers, device_peak_bytes, host_peak_bytes
 from .memory import model_state_bytes
-from .optim import build_scheduler, clip_, from_config, from_user, global_grad_norm
+from .optim import build_scheduler, clip_, clip_coefficient, from_config, from_user, global_grad_norm
 from .param_groups import collect_trainable
+from .precision import LossScaler, PrecisionPolicy
 from .sharding import STRATEGIES
 
 SchedulerSpec = Union[None, LRScheduler, Callable[[Optimizer], LRScheduler]]
@@ -55,11 +57,16 @@ class Engine:
         self.param_names = trainable.names
         self.frozen_params = trainable.frozen
         self._sync_initial_state()
+        self.precision = PrecisionPolicy.from_config(config)
+        self.loss_scaler = LossScaler.from_config(config)
+        self.skipped_steps = 0
         self.strategy = STRATEGIES[config.stage].build(
             model, trainable.params, trainable.names, trainable.group_of, self.comm, world,
-            config.zero_optimization)
+            config.zero_optimization, self.precision)
         self.flat = self.strategy.flat
-        self._chunks = [nn.Parameter(self.strategy.owned_param(b), requires_grad=False)
+        self._convert_rest_of_model()
+        # What the optimizer updates: fp32 masters (mixed precision) or the owned parameters themselves.
+        self._chunks = [nn.Parameter(self.strategy.optimizer_view(b), requires_grad=False)
                         for b in self.flat.layout.buckets]
         self.optimizer = self._build_optimizer(optimizer, trainable.group_options)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
@@ -89,6 +96,21 @@ class Engine:
                     self.comm.broadcast(p.data, 0, "init_params")
             for b in self.module.buffers():
                 self.comm.broadcast(b.data, 0, "init_buffers")
+
+    def _convert_rest_of_model(self) -> None:
+        """Mixed precision: frozen parameters and floating-point buffers compute in 16 bits too, as
+        DeepSpeed's ``module.half()`` / ``bfloat16()`` makes them (the trainable ones already do)."""
+        if not self.precision.mixed:
+            return
+        dtype = self.precision.compute
+        with torch.no_grad():
+            for p in self.frozen_params:
+                if p.is_floating_point():
+                    p.data = p.data.to(dtype)
+            for module in self.module.modules():
+                for name, b in module._buffers.items():
+                    if b is not None and b.is_floating_point():
+                        module._buffers[name] = b.to(dtype)
 
     def _optimizer_groups(self, options: list[dict[str, Any]]) -> list[dict[str, Any]]:
         groups = [{**opts, "params": []} for opts in options]
@@ -136,18 +158,30 @@ class Engine:
         tokens = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
         if tokens is not None and not tokens.is_floating_point() and torch.is_grad_enabled():
             self._tokens += tokens.numel()  # token ids: counted for tokens/s and TFLOP/s
+        if self.precision.mixed:  # floating-point inputs meet the 16-bit weights in their dtype
+            args = tuple(self._to_compute(a) for a in args)
+            kwargs = {k: self._to_compute(v) for k, v in kwargs.items()}
         output = self.module(*args, **kwargs)
         self._timers.add("forward", started)
         return output
+
+    def _to_compute(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.to(self.precision.compute)
+        return value
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the current micro step is the last one before an optimizer step."""
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
-        """Backpropagate ``loss / gradient_accumulation_steps`` and reduce gradients as the stage says."""
+        """Backpropagate ``loss / gradient_accumulation_steps`` (times the fp16 loss scale) and reduce
+        gradients as the stage says."""
         started = time.perf_counter()
-        scaled = loss / self.gradient_accumulation_steps()
+        if self.loss_scaler.scale != 1.0:  # fp16: in fp32, so that the scaled loss cannot overflow
+            scaled = loss.float() * (self.loss_scaler.scale / self.gradient_accumulation_steps())
+        else:
+            scaled = loss / self.gradient_accumulation_steps()
         self.strategy.sync_gradients = self.is_gradient_accumulation_boundary()
         scaled.backward()
         self.strategy.finish_backward()
@@ -171,16 +205,35 @@ class Engine:
     def _optimizer_step(self) -> None:
         grads = [self.strategy.owned_grad(b) for b in self.flat.layout.buckets]
         sharded = self.strategy.grads_are_sharded and self.world.is_distributed
-        self._grad_norm = global_grad_norm(grads, self.comm if sharded else None)
-        if self.config.gradient_clipping > 0:
-            with torch.no_grad():
-                clip_(grads, self._grad_norm, self.config.gradient_clipping)
-        self._step_and_refresh(grads)
+        scaled_norm = global_grad_norm(grads, self.comm if sharded else None)
+        scale = self.loss_scaler.scale
+        self._grad_norm = scaled_norm / scale
+        if self.loss_scaler.checks_overflow and not math.isfinite(scaled_norm):
+            self._skip_step()  # the norm is summed over ranks: every rank sees the overflow
+            return
+        self.loss_scaler.update(overflow=False, step=self.global_steps + 1)
+        clip = clip_coefficient(self._grad_norm, self.config.gradient_clipping)
+        if self.strategy.masters is None:  # fp32: the optimizer reads the gradient buffers themselves
+            if clip < 1.0:
+                with torch.no_grad():
+                    clip_(grads, clip)
+            self._step_and_refresh(grads, 1.0)
+        else:
+            self._step_and_refresh(grads, clip / scale)
         self.strategy.zero_grad()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
 
-    def _step_and_refresh(self, grads: list[torch.Tensor]) -> None:
+    def _skip_step(self) -> None:
+        """fp16 overflow: parameters, optimizer state and LR schedule stay as they are."""
+        scale = self.loss_scaler.scale
+        self.skipped_steps += 1
+        self.strategy.zero_grad()
+        self.loss_scaler.update(overflow=True, step=self.global_steps + 1)
+        log_rank(f"step {self.global_steps + 1}: gradient overflow at loss scale {scale:g}, step skipped "
+                 f"(loss scale now {self.loss_scaler.scale:g}, {self.skipped_steps} skipped so far)")
+
+    def _step_and_refresh(self, grads: list[torch.Tensor], factor: float) -> None:
         """Update the owned chunks bucket by bucket, gathering each one while the next is updated.
 
         [Note: stepping bucket by bucket]
@@ -190,13 +243,23 @@ class Engine:
         all-gather of bucket k (stages 1-2) runs while bucket k+1 is being updated, instead of the
         whole gather waiting behind the whole update.  Buckets go in the order the next forward will
         want them (the reverse of the bucket order).
+
+        With mixed precision the chunk is the fp32 master: its gradient is the bucket's gradient in
+        fp32, multiplied by ``factor`` (1 / loss scale, times the clipping coefficient), one bucket at
+        a time; after the step the masters are rounded into the 16-bit parameters (``publish``).
         """
         buckets = self.flat.layout.buckets
         for bucket in reversed(buckets):
             chunk = self._chunks[bucket.index]
-            chunk.grad = grads[bucket.index]
+            grad = grads[bucket.index]
+            if self.strategy.masters is not None:
+                grad = grad.to(torch.float32)  # the accumulation buffer itself when it is fp32
+                if factor != 1.0:
+                    grad.mul_(factor)
+            chunk.grad = grad
             self.optimizer.step()
             chunk.grad = None
+            self.strategy.publish(bucket)
             self.strategy.refresh_bucket(bucket)
         self.strategy.finish_refresh()
 
@@ -235,7 +298,7 @@ class Engine:
             "tokens_per_s": tokens_per_s, "tflops": 6 * self.flat.layout.numel * tokens_per_s / 1e12,
             "comm_mib": (comm_bytes - self._window_comm[0]) / 2**20, "comm_s": comm_seconds - self._window_comm[1],
             "host_peak_mib": host_peak_bytes() / 2**20, "device_peak_mib": device_peak_bytes(self.world.device) / 2**20,
-            "loss_scale": 1.0, "skipped_steps": 0,  # fp32 training: no loss scaling, nothing skipped
+            "loss_scale": self.loss_scaler.scale, "skipped_steps": self.skipped_steps,
         }
         if self.config.wall_clock_breakdown:
             record.update({f"{k}_s": v for k, v in self._timers.take().items()})
@@ -356,11 +419,19 @@ class Engine:
             **self.strategy.extra_memory(),
         }
         out["model_states"] = out["params"] + out["grads"] + out["optimizer"]
-        out["formula"] = model_state_bytes(self.stage, self.flat.layout.numel, self.world.world_size).total
+        mixed = self.precision.mixed
+        grad_size = torch.empty((), dtype=self.precision.grad_accum).element_size()
+        out["formula"] = model_state_bytes(self.stage, self.flat.layout.numel, self.world.world_size,
+                                           "mixed" if mixed else "fp32", grad_size).total
         return out
 
     def _optimizer_bytes(self) -> tuple[int, int, int]:
+        """Optimizer state, fp32 master weights included (the seeds count them there: 12 bytes = 4 + 8)."""
         real = padding = other = 0
+        masters = self.strategy.masters
+        if masters is not None:
+            real += masters.real_numel() * 4
+            padding += (masters.data.numel() - masters.real_numel()) * 4
         for bucket, chunk in zip(self.flat.layout.buckets, self._chunks):
             owned_real = self.strategy.owned_real(bucket)
             for value in self.optimizer.state.get(chunk, {}).values():

@@ -70,13 +70,34 @@ def test_unknown_key_suggests_the_right_one() -> None:
 
 
 def test_unsupported_deepspeed_key_is_explicit() -> None:
-    assert "'activation_checkpointing' is a DeepSpeed key that zeroshard does not support yet" in err(
-        {"activation_checkpointing": {}})
     assert "'zero_optimization.offload_optimizer' is a DeepSpeed key that zeroshard does not support yet" in err(
         {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})
-    assert "not supported yet" in err({"fp16": {"enabled": True}})
-    assert "'fp16.loss_scale' is a DeepSpeed key" in err({"fp16": {"enabled": False, "loss_scale": 0}})
+    assert "'fp16.auto_cast' is a DeepSpeed key" in err({"fp16": {"enabled": True, "auto_cast": True}})
     assert load_config({"fp16": {"enabled": False}, "bf16": {"enabled": False}}).fp16.enabled is False
+
+
+def test_precision_keys() -> None:
+    config = load_config({"fp16": {"enabled": True, "hysteresis": 3}})
+    assert (config.fp16.initial_scale_power, config.fp16.hysteresis, config.fp16.loss_scale) == (16, 3, 0.0)
+    assert "'fp16.enabled' and 'bf16.enabled' are both true" in err(
+        {"fp16": {"enabled": True}, "bf16": {"enabled": True}})
+    assert "'communication_data_type' = \"fp16\" does not match the training dtype 'bf16'; use \"fp32\" or " \
+           "'bf16'" in err({"bf16": {"enabled": True}, "communication_data_type": "fp16"})
+    assert "'data_types.grad_accum_dtype' = \"bf16\" does not match the training dtype 'fp32'" in err(
+        {"data_types": {"grad_accum_dtype": "bf16"}})
+    assert "'communication_data_type' = \"bf15\" is not one of fp32, fp16, bf16 (did you mean 'bf16'?)" in err(
+        {"communication_data_type": "bf15"})
+    assert "'fp16.min_loss_scale' = 0 is not allowed" in err({"fp16": {"enabled": True, "min_loss_scale": 0}})
+    assert "'fp16.initial_scale_power' = 65 is not allowed" in err({"fp16": {"initial_scale_power": 65}})
+
+
+def test_activation_checkpointing_keys() -> None:
+    config = load_config({"activation_checkpointing": {"cpu_checkpointing": True, "profile": True}})
+    assert config.activation_checkpointing.cpu_checkpointing and config.activation_checkpointing.profile
+    assert "needs tensor parallelism" in err({"activation_checkpointing": {"partition_activations": True}})
+    assert "'activation_checkpointing.contiguous_memory_optimization' = true is not allowed" in err(
+        {"activation_checkpointing": {"contiguous_memory_optimization": True}})
+    assert "it must be omitted" in err({"activation_checkpointing": {"number_checkpoints": 4}})
 
 
 @pytest.mark.parametrize("raw, expected", [

@@ -36,6 +36,7 @@ def load_config(source: Union[str, os.PathLike, Mapping[str, Any], ZeroshardConf
         raw = _read(source)
         config = _build(ZeroshardConfig, raw, "")
         _check_params(config)
+        _check_precision(config)
     if world_size is not None:
         config = resolve_batch_sizes(config, world_size)
     return config
@@ -137,6 +138,19 @@ def _scalar(hint: Any, value: Any, dotted: str) -> Any:
             raise ConfigError(f"{dotted!r} must be a JSON object, got {_show(value)}")
         return dict(value)
     raise TypeError(f"config schema uses an unsupported annotation {hint!r} at {dotted}")
+
+
+def _check_precision(config: ZeroshardConfig) -> None:
+    """The precision keys that depend on each other (see zeroshard/precision/policy.py)."""
+    if config.fp16.enabled and config.bf16.enabled:
+        raise ConfigError("'fp16.enabled' and 'bf16.enabled' are both true; mixed precision uses one 16-bit "
+                          "format: set one of them to false")
+    training = "fp16" if config.fp16.enabled else "bf16" if config.bf16.enabled else "fp32"
+    for dotted, value in (("communication_data_type", config.communication_data_type),
+                          ("data_types.grad_accum_dtype", config.data_types.grad_accum_dtype)):
+        if value is not None and value not in ("fp32", training):
+            raise ConfigError(f"{dotted!r} = {_show(value)} does not match the training dtype {training!r}; "
+                              f"use \"fp32\" or {training!r} (or omit the key for the default)")
 
 
 def _check_params(config: ZeroshardConfig) -> None:

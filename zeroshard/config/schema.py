@@ -62,12 +62,69 @@ class SchedulerConfig:
     params: dict = key({}, "Parameters of the schedule (validated per type).")
 
 
-@dataclass(frozen=True)
-class PrecisionBlock:
-    """``fp16`` / ``bf16`` as they arrive from DeepSpeed configs; only ``enabled: false`` is accepted yet."""
+DTYPE_NAMES = ("fp32", "fp16", "bf16")
 
-    enabled: bool = key(False, "Mixed precision is not supported yet: only false is accepted.",
-                        lambda v: None if v is False else "false (mixed precision is not supported yet)")
+
+@dataclass(frozen=True)
+class BF16Config:
+    """``bf16``: compute in bfloat16; fp32 master weights and optimizer state (see zeroshard/precision)."""
+
+    enabled: bool = key(False, "Train in bfloat16 with fp32 master weights and fp32 optimizer state.")
+
+
+@dataclass(frozen=True)
+class FP16Config:
+    """``fp16``: compute in float16 with loss scaling; fp32 master weights and optimizer state.
+
+    [Note: one set of loss-scaling defaults]
+    DeepSpeed starts dynamic scaling at 2**32 when the block names none of the dynamic-scaling keys
+    and at 2**16 when it names any of them.  zeroshard has one default, 2**16, whatever is written.
+    """
+
+    enabled: bool = key(False, "Train in float16 with dynamic (or static) loss scaling and fp32 master weights.")
+    loss_scale: float = key(0.0, "0: dynamic loss scaling; a value > 0: this static scale.", non_negative)
+    initial_scale_power: int = key(16, "Dynamic scaling starts at 2**initial_scale_power.",
+                                   lambda v: None if 0 <= v <= 64 else "an integer from 0 to 64")
+    loss_scale_window: int = key(1000, "Double the scale after this many consecutive steps without overflow.",
+                                 positive)
+    hysteresis: int = key(2, "Overflows absorbed before the scale is halved (refilled when it grows).", positive)
+    consecutive_hysteresis: bool = key(False, "Refill the hysteresis after every step without overflow.")
+    min_loss_scale: float = key(1.0, "Lowest dynamic scale; an overflow at this scale stops training with an error.",
+                                positive)
+
+
+@dataclass(frozen=True)
+class DataTypesConfig:
+    """``data_types``: the dtype gradients accumulate in."""
+
+    grad_accum_dtype: Optional[Literal["fp32", "fp16", "bf16"]] = key(
+        None, "Gradient accumulation dtype: fp32 or the training dtype; default fp32 (fp16 under fp16).")
+
+
+@dataclass(frozen=True)
+class ActivationCheckpointingConfig:
+    """``activation_checkpointing``: how ``zeroshard.checkpointing.checkpoint`` stores and recomputes.
+
+    The keys that only make sense with tensor parallelism (partitioning the saved activations across
+    model-parallel ranks, and the contiguous buffer that partitioning fills) are refused: zeroshard
+    has no tensor parallelism, so accepting them would change nothing.
+    """
+
+    partition_activations: bool = key(
+        False, "Not supported (needs tensor parallelism); only false.",
+        lambda v: None if v is False else "false (partitioning activations across model-parallel ranks needs "
+                                          "tensor parallelism, which zeroshard does not have)")
+    cpu_checkpointing: bool = key(False, "Keep each checkpoint's saved inputs in host memory until recomputation.")
+    contiguous_memory_optimization: bool = key(
+        False, "Not supported (only meaningful with partition_activations); only false.",
+        lambda v: None if v is False else "false (it packs partitioned activations, and partition_activations "
+                                          "is not supported)")
+    number_checkpoints: Optional[int] = key(
+        None, "Not supported (sizes the contiguous buffer); omit it.",
+        lambda v: None if v is None else "omitted (it only sizes contiguous_memory_optimization's buffer)")
+    synchronize_checkpoint_boundary: bool = key(
+        False, "Synchronize the device before and after each checkpointed region (CUDA; CPU work is synchronous).")
+    profile: bool = key(False, "Time each checkpointed forward and recomputation; totals in engine.last_metrics.")
 
 
 @dataclass(frozen=True)
@@ -132,8 +189,13 @@ class ZeroshardConfig:
     optimizer: Optional[OptimizerConfig] = key(None, "The optimizer; or pass one to initialize().")
     scheduler: Optional[SchedulerConfig] = key(None, "The learning-rate schedule, if any.")
     zero_optimization: ZeroConfig = key(ZeroConfig(), "ZeRO stage and communication settings.")
-    fp16: PrecisionBlock = key(PrecisionBlock(), "Not supported yet; only enabled: false.")
-    bf16: PrecisionBlock = key(PrecisionBlock(), "Not supported yet; only enabled: false.")
+    fp16: FP16Config = key(FP16Config(), "float16 mixed precision with loss scaling.")
+    bf16: BF16Config = key(BF16Config(), "bfloat16 mixed precision.")
+    communication_data_type: Optional[Literal["fp32", "fp16", "bf16"]] = key(
+        None, "dtype gradients are reduced in: fp32 or the training dtype; default the training dtype.")
+    data_types: DataTypesConfig = key(DataTypesConfig(), "Gradient accumulation dtype.")
+    activation_checkpointing: ActivationCheckpointingConfig = key(
+        ActivationCheckpointingConfig(), "Settings of zeroshard.checkpointing.checkpoint.")
 
     @property
     def stage(self) -> int:
@@ -144,7 +206,7 @@ class ZeroshardConfig:
 # (never silently ignored), keyed by the dotted path of the block that holds them.
 NOT_SUPPORTED_YET: dict[str, tuple[str, ...]] = {
     "": (
-        "amp", "activation_checkpointing", "communication_data_type", "data_types", "prescale_gradients",
+        "amp", "prescale_gradients",
         "gradient_predivide_factor", "sparse_gradients", "memory_breakdown",
         "flops_profiler", "wandb", "csv_monitor", "comms_logger", "elasticity",
         "pipeline", "checkpoint", "aio", "autotuning", "compression_training", "dump_state",
@@ -157,7 +219,6 @@ NOT_SUPPORTED_YET: dict[str, tuple[str, ...]] = {
         "stage3_gather_fp16_weights_on_model_save", "zero_hpz_partition_size", "zero_quantized_weights",
         "zero_quantized_gradients", "mics_shard_size", "use_multi_rank_bucket_allreduce",
     ),
-    "fp16": ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-             "consecutive_hysteresis", "min_loss_scale", "auto_cast", "fp16_master_weights_and_grads"),
+    "fp16": ("auto_cast", "fp16_master_weights_and_grads"),
     "bf16": ("immediate_grad_update",),
 }

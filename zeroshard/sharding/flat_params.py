@@ -8,35 +8,59 @@ model, tied weights and hooks all keep working.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from ..distributed.collectives import Collectives
 from .layout import BucketLayout, FlatLayout
+from .master_weights import MasterWeights
+
+
+def bucket_values(bucket: BucketLayout, values_of: Callable[[int], torch.Tensor], into: torch.Tensor,
+                  masters: Optional[MasterWeights]) -> None:
+    """Fill ``into`` (a bucket's full 1D buffer) with its parameters' values.
+
+    With ``masters``, the values are first assembled in fp32 so that the masters get them unrounded
+    (``into`` may be 16-bit); ``values_of(i)`` gives trainable parameter ``i``'s current values.
+    """
+    staging = into if masters is None else torch.zeros(bucket.padded_numel, dtype=torch.float32,
+                                                       device=into.device)
+    for slot in bucket.slots:
+        staging[slot.offset: slot.offset + slot.numel].copy_(values_of(slot.index).reshape(-1))
+    if masters is not None:
+        masters.take(bucket, staging)
+        into.copy_(staging)
+
+
+def check_uniform(params: Sequence[torch.nn.Parameter]) -> None:
+    first = params[0]
+    for p in params:
+        if p.dtype != first.dtype or p.device != first.device:
+            raise TypeError(
+                f"all trainable parameters must share one dtype and device (found {first.dtype} on "
+                f"{first.device} and {p.dtype} on {p.device}); build the model in one dtype (fp32) and "
+                f"let the bf16/fp16 config blocks convert it")
 
 
 class FlatParameters:
     """Owns the padded flat buffer and the views the model's parameters now point into."""
 
-    def __init__(self, layout: FlatLayout, params: Sequence[torch.nn.Parameter], comm: Collectives) -> None:
+    def __init__(self, layout: FlatLayout, params: Sequence[torch.nn.Parameter], comm: Collectives,
+                 dtype: Optional[torch.dtype] = None, masters: Optional[MasterWeights] = None) -> None:
         first = params[0]
-        for p in params:
-            if p.dtype != first.dtype or p.device != first.device:
-                raise TypeError(
-                    f"all trainable parameters must share one dtype and device (found {first.dtype} on "
-                    f"{first.device} and {p.dtype} on {p.device}); mixed precision is not supported yet"
-                )
+        check_uniform(params)
         self.layout = layout
         self.comm = comm
-        self.dtype = first.dtype
+        self.dtype = dtype or first.dtype
         self.device = first.device
+        self.masters = masters
         self.data = torch.zeros(layout.padded_numel, dtype=self.dtype, device=self.device)  # 1D, padded
         with torch.no_grad():
             for bucket in layout.buckets:
+                bucket_values(bucket, lambda i: params[i].data, self.bucket_view(bucket), masters)
                 for slot in bucket.slots:
                     view = self.slot_view(bucket, slot.offset, slot.numel).view(slot.shape)
-                    view.copy_(params[slot.index].data)
                     params[slot.index].data = view
                     params[slot.index]._zeroshard_home = (self, bucket.index)  # type: ignore[attr-defined]
 
@@ -67,7 +91,9 @@ class FlatParameters:
         return [self.bucket_view(b) for b in self.layout.buckets]
 
     def commit_full(self, index: int) -> None:
-        """The optimizer's chunks are views of the full buffer: nothing to copy."""
+        """The buffer was modified in place (GatheredParameters): the masters follow it, if any."""
+        if self.masters is not None:
+            self.masters.take(self.layout.buckets[index], self.bucket_view(self.layout.buckets[index]))
 
     def slot_view(self, bucket: BucketLayout, offset: int, numel: int) -> torch.Tensor:
         start = bucket.offset + offset

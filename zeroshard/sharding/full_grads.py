@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from typing import Optional
+
+from .buffer_pool import BufferPool
 from .layout import BucketLayout
 from .strategy import ShardingStrategy
 
@@ -17,7 +20,30 @@ class FullGradientStrategy(ShardingStrategy):
 
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         super().__init__(*args, **kwargs)
-        self.grads = torch.zeros_like(self.flat.data)  # 1D, padded, same layout as the parameters
+        # 1D, padded, same layout as the parameters, in the accumulation dtype
+        self.grads = torch.zeros(self.layout.padded_numel, dtype=self.precision.grad_accum, device=self.flat.device)
+        largest = max(b.padded_numel for b in self.layout.buckets)
+        #: buckets converted to the communication dtype while in flight (only when it differs)
+        self.cast_pool = BufferPool(largest, self.precision.comm, self.flat.device)
+        self._cast: dict[int, torch.Tensor] = {}
+
+    def to_comm_dtype(self, bucket: BucketLayout) -> torch.Tensor:
+        """The bucket's gradients in the communication dtype: the bucket itself, or a pooled copy
+        (bf16 training accumulates in fp32 and communicates in bf16 by default)."""
+        grads = self.grad_bucket(bucket)
+        if grads.dtype == self.precision.comm:
+            return grads
+        cast = self.cast_pool.acquire(bucket.padded_numel)
+        cast.copy_(grads)
+        self._cast[bucket.index] = cast
+        return cast
+
+    def take_cast(self, bucket: BucketLayout) -> Optional[torch.Tensor]:
+        """The pooled copy made by :meth:`to_comm_dtype` (give it back with ``cast_pool.release``)."""
+        return self._cast.pop(bucket.index, None)
+
+    def comm_buffer_bytes(self) -> int:
+        return self.cast_pool.nbytes + super().comm_buffer_bytes()
 
     def store_grad(self, bucket: BucketLayout, offset: int, grad: torch.Tensor) -> None:
         start = bucket.offset + offset

@@ -21,7 +21,9 @@ import torch
 from torch import nn
 
 from ..distributed.collectives import Collectives, PendingCollective
+from .flat_params import bucket_values
 from .layout import BucketLayout, FlatLayout
+from .master_weights import MasterWeights
 from .placeholder import ShardedParameterPlaceholder
 
 # What a released parameter's own .data becomes: zero elements, so that a stale reference to the
@@ -39,12 +41,13 @@ class ShardedParameters:
     """This rank's chunks of all buckets (``shard``) plus one full buffer per bucket, gathered on demand."""
 
     def __init__(self, layout: FlatLayout, params: Sequence[nn.Parameter], comm: Collectives,
-                 model: nn.Module, persistent: frozenset[int] = frozenset()) -> None:
+                 model: nn.Module, persistent: frozenset[int] = frozenset(),
+                 dtype: Optional[torch.dtype] = None, masters: Optional[MasterWeights] = None) -> None:
         first = params[0]
         self.layout = layout
         self.comm = comm
         self.rank = comm.world.rank
-        self.dtype, self.device = first.dtype, first.device
+        self.dtype, self.device = dtype or first.dtype, first.device
         self.persistent = persistent
         self.shard = torch.zeros(layout.shard_numel(), dtype=self.dtype, device=self.device)  # 1D: own chunks
         self._shard_offset: list[int] = []
@@ -60,17 +63,21 @@ class ShardedParameters:
         self.state: list[GatherState] = []
         self._pending: dict[int, PendingCollective] = {}
         self._pins: dict[int, int] = {}  # bucket index -> GatheredParameters blocks holding it
+        self.masters = masters
+
+        def values_of(i: int) -> torch.Tensor:
+            source = getattr(params[i], "_zeroshard_init_shard", None)
+            if source is None:
+                return params[i].data
+            del params[i]._zeroshard_init_shard  # type: ignore[attr-defined]
+            return source.gather_full()  # built under zeroshard.Init: gather this one parameter
+
         with torch.no_grad():
             for bucket in layout.buckets:
                 full = torch.zeros(bucket.padded_numel, dtype=self.dtype, device=self.device)
+                bucket_values(bucket, values_of, full, masters)
                 for slot in bucket.slots:
                     view = full[slot.offset: slot.offset + slot.numel].view(slot.shape)
-                    source = getattr(params[slot.index], "_zeroshard_init_shard", None)
-                    if source is not None:  # built under zeroshard.Init: gather this one parameter
-                        view.copy_(source.gather_full())
-                        del params[slot.index]._zeroshard_init_shard  # type: ignore[attr-defined]
-                    else:
-                        view.copy_(params[slot.index].data)
                     params[slot.index].data = view
                     params[slot.index]._zeroshard_home = (self, bucket.index)  # type: ignore[attr-defined]
                     self._views[slot.index] = view
@@ -162,6 +169,8 @@ class ShardedParameters:
         start, end = bucket.shard_range(self.rank)
         with torch.no_grad():
             self.shard_view(bucket, self.rank).copy_(self.full[index][start:end])
+            if self.masters is not None:
+                self.masters.take(bucket, self.full[index])
 
     def gathered_bytes(self) -> int:
         """Bytes of non-persistent full buffers currently present (0 between steps)."""

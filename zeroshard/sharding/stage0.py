@@ -14,11 +14,18 @@ class Stage0(FullGradientStrategy):
 
     stage = 0
     grads_are_sharded = False
+    owns_whole_buckets = True
 
     def launch(self, bucket: BucketLayout, async_op: bool) -> PendingCollective:
-        view = self.grad_bucket(bucket)
+        view = self.to_comm_dtype(bucket)
         view.div_(self.world.world_size)
         return self.comm.all_reduce(view, f"grad_bucket{bucket.index}", async_op=async_op)
+
+    def complete(self, bucket: BucketLayout) -> None:
+        cast = self.take_cast(bucket)
+        if cast is not None:
+            self.grad_bucket(bucket).copy_(cast)
+            self.cast_pool.release(cast)
 
     def owned_param(self, bucket: BucketLayout) -> torch.Tensor:
         return self.flat.bucket_view(bucket)

@@ -20,14 +20,20 @@ class Stage1(FullGradientStrategy):
     stage = 1
 
     def launch(self, bucket: BucketLayout, async_op: bool) -> PendingCollective:
-        return self.reduce_to_owner(bucket, self.grad_bucket(bucket), async_op)
+        return self.reduce_to_owner(bucket, self.to_comm_dtype(bucket), async_op)
 
     def complete(self, bucket: BucketLayout) -> None:
         # The chunk of the full buffer that this rank keeps is overwritten by the reduced result.
         received = self.take_received(bucket)
+        cast = self.take_cast(bucket)
         if received is not None:
             self.owned_grad(bucket).copy_(received)
             self.shard_pool.release(received)
+        elif cast is not None:  # all-reduced in the communication dtype: keep the own chunk
+            start, end = bucket.shard_range(self.world.rank)
+            self.owned_grad(bucket).copy_(cast[start:end])
+        if cast is not None:
+            self.cast_pool.release(cast)
 
     def owned_grad(self, bucket: BucketLayout) -> torch.Tensor:
         start, end = bucket.shard_range(self.world.rank)

@@ -25,7 +25,7 @@ class Stage2(ShardingStrategy):
 
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         super().__init__(*args, **kwargs)
-        self.grad_shard = torch.zeros(self.layout.shard_numel(), dtype=self.flat.dtype,
+        self.grad_shard = torch.zeros(self.layout.shard_numel(), dtype=self.precision.grad_accum,
                                       device=self.flat.device)  # 1D: this rank's chunk of each bucket
         self._shard_offset = {}
         offset = 0
@@ -34,7 +34,7 @@ class Stage2(ShardingStrategy):
             offset += bucket.shard_numel
         self._buffers: dict[int, torch.Tensor] = {}  # bucket index -> full bucket being filled or in flight
         largest = max(b.padded_numel for b in self.layout.buckets)
-        self._bucket_pool = BufferPool(largest, self.flat.dtype, self.flat.device)
+        self._bucket_pool = BufferPool(largest, self.precision.comm, self.flat.device)  # filled, then reduced
 
     def _bucket_buffer(self, bucket: BucketLayout) -> torch.Tensor:
         buffer = self._buffers.get(bucket.index)

@@ -17,6 +17,7 @@ from torch import nn
 from ..config import ZeroConfig
 from ..distributed.collectives import Collectives
 from ..distributed.world import World
+from ..precision import PrecisionPolicy
 from .gather_scheduler import GatherScheduler
 from .layout import BucketLayout
 from .sharded_params import ShardedParameters
@@ -32,19 +33,23 @@ class Stage3(Stage2):
     max_buckets_in_flight = 1  # a bucket is a whole unit here: keep fewer full-size ones alive
 
     def __init__(self, storage: ShardedParameters, params: Sequence[nn.Parameter], comm: Collectives,
-                 world: World, zero: ZeroConfig, plan: Stage3Plan, model: nn.Module) -> None:
-        super().__init__(storage, params, comm, world, zero)  # type: ignore[arg-type]
+                 world: World, zero: ZeroConfig, plan: Stage3Plan, model: nn.Module,
+                 precision: PrecisionPolicy = PrecisionPolicy()) -> None:
+        super().__init__(storage, params, comm, world, zero, precision)  # type: ignore[arg-type]
         self.storage = storage
         self.plan = plan
         self.scheduler = GatherScheduler(storage, plan.units, zero, model)
 
     @classmethod
     def build(cls, model: nn.Module, params: Sequence[nn.Parameter], names: Sequence[str],
-              group_of: Sequence[int], comm: Collectives, world: World, zero: ZeroConfig) -> "Stage3":
+              group_of: Sequence[int], comm: Collectives, world: World, zero: ZeroConfig,
+              precision: PrecisionPolicy = PrecisionPolicy()) -> "Stage3":
         plan = plan_units(model, params, names, group_of, zero.stage3_param_persistence_threshold,
                           zero.reduce_bucket_size, world.world_size)
-        storage = ShardedParameters(plan.layout, params, comm, model, plan.persistent_buckets)
-        return cls(storage, params, comm, world, zero, plan, model)
+        masters = cls.make_masters(plan.layout, world, precision, params[0].device)
+        storage = ShardedParameters(plan.layout, params, comm, model, plan.persistent_buckets,
+                                    precision.compute, masters)
+        return cls(storage, params, comm, world, zero, plan, model, precision)
 
     def before_forward(self) -> None:
         self.scheduler.release_all()

@@ -25,9 +25,11 @@ from torch import nn
 from ..config import ZeroConfig
 from ..distributed.collectives import Collectives, PendingCollective
 from ..distributed.world import World
+from ..precision import PrecisionPolicy
 from .buffer_pool import BufferPool
 from .flat_params import FlatParameters
-from .layout import BucketLayout, plan_buckets
+from .layout import BucketLayout, FlatLayout, plan_buckets
+from .master_weights import MasterWeights
 
 
 #: launched gradient buckets allowed in flight before the oldest is waited for (see ``_retire``)
@@ -59,10 +61,15 @@ class ShardingStrategy(ABC):
     grads_are_sharded: ClassVar[bool] = True
     #: launched gradient buckets allowed in flight before the oldest is waited for (see ``_retire``)
     max_buckets_in_flight: ClassVar[int] = MAX_BUCKETS_IN_FLIGHT
+    #: whether this rank's optimizer updates every bucket whole (stage 0) or only its chunks
+    owns_whole_buckets: ClassVar[bool] = False
 
     def __init__(self, flat: FlatParameters, params: Sequence[torch.nn.Parameter], comm: Collectives,
-                 world: World, zero: ZeroConfig) -> None:
+                 world: World, zero: ZeroConfig, precision: PrecisionPolicy = PrecisionPolicy()) -> None:
         self.flat = flat
+        self.precision = precision
+        #: fp32 copies of the owned parameters when the model computes in 16 bits (else None)
+        self.masters: Optional[MasterWeights] = flat.masters
         self.layout = flat.layout
         self.params = list(params)
         self.comm = comm
@@ -76,7 +83,7 @@ class ShardingStrategy(ABC):
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
         largest = max(b.padded_numel for b in self.layout.buckets)
         #: shard-size buffers that receive reduce-scatter results (see [Note: why a pool])
-        self.shard_pool = BufferPool(largest // world.world_size, flat.dtype, flat.device)
+        self.shard_pool = BufferPool(largest // world.world_size, precision.comm, flat.device)
         self._received: dict[int, torch.Tensor] = {}  # bucket index -> reduce-scatter result
         self._gathers: list[PendingCollective] = []  # parameter all-gathers in flight after a step
         self._gather_numel = 0
@@ -146,10 +153,21 @@ class ShardingStrategy(ABC):
     # ------------------------------------------------------------------ construction and hooks for subclasses
     @classmethod
     def build(cls, model: nn.Module, params: Sequence[nn.Parameter], names: Sequence[str],
-              group_of: Sequence[int], comm: Collectives, world: World, zero: ZeroConfig) -> "ShardingStrategy":
+              group_of: Sequence[int], comm: Collectives, world: World, zero: ZeroConfig,
+              precision: PrecisionPolicy = PrecisionPolicy()) -> "ShardingStrategy":
         """Lay out the trainable parameters and take them over (stages 0-2: one flat buffer)."""
         layout = plan_buckets(params, names, group_of, zero.reduce_bucket_size, world.world_size)
-        return cls(FlatParameters(layout, params, comm), params, comm, world, zero)
+        masters = cls.make_masters(layout, world, precision, params[0].device)
+        flat = FlatParameters(layout, params, comm, precision.compute, masters)
+        return cls(flat, params, comm, world, zero, precision)
+
+    @classmethod
+    def make_masters(cls, layout: FlatLayout, world: World, precision: PrecisionPolicy,
+                     device: torch.device) -> Optional[MasterWeights]:
+        """fp32 master weights over what this stage's optimizer owns; None without mixed precision."""
+        if not precision.mixed:
+            return None
+        return MasterWeights(layout, world.rank, cls.owns_whole_buckets, device)
 
     def before_forward(self) -> None:
         """Called at the start of every engine forward."""
@@ -208,6 +226,16 @@ class ShardingStrategy(ABC):
     def owned_param(self, bucket: BucketLayout) -> torch.Tensor:
         """The part of the flat buffer this rank's optimizer updates, for ``bucket``."""
         return self.flat.shard_view(bucket, self.world.rank)
+
+    def optimizer_view(self, bucket: BucketLayout) -> torch.Tensor:
+        """What the optimizer updates for ``bucket``: the fp32 masters, or the owned parameters themselves."""
+        return self.masters.chunk(bucket) if self.masters is not None else self.owned_param(bucket)
+
+    def publish(self, bucket: BucketLayout) -> None:
+        """After the optimizer updated ``bucket``'s masters: round them into the 16-bit owned parameters."""
+        if self.masters is not None:
+            with torch.no_grad():
+                self.owned_param(bucket).copy_(self.masters.chunk(bucket))
 
     def owned_real(self, bucket: BucketLayout) -> int:
         """Real (non-padding) elements of ``bucket`` that this rank's optimizer updates."""

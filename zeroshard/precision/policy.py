@@ -1,0 +1,56 @@
+"""Which dtype every piece of training state has, decided once from the config.
+
+[Note: the dtypes of mixed precision]
+- ``compute``: the model's parameters (the flat buffer, stage 3's shards and gathered buckets),
+  its activations and the gradients autograd produces.  bf16 or fp16; fp32 when mixed precision is off.
+- masters: fp32 copies of the parameters *this rank's optimizer updates* (stages 1-3: its shard;
+  stage 0: everything), with the optimizer state in fp32 beside them.  After each step the
+  16-bit parameters are refreshed from the masters.  Without mixed precision there are no masters:
+  the optimizer updates the parameters themselves.
+- ``comm``: the dtype gradients are reduced in (``communication_data_type``; default ``compute``,
+  which halves the traffic of fp32).
+- ``grad_accum``: the dtype gradients accumulate in across micro steps (``data_types.grad_accum_dtype``).
+  Default fp32 for bf16 (bf16's 8-bit mantissa loses small additions) and fp16 for fp16 (the loss
+  scale keeps fp16 gradients well inside their range, as in DeepSpeed).  The seeds' 2-bytes-per-parameter
+  gradient figures hold when it is the 16-bit dtype; fp32 accumulation costs 2 more bytes per
+  gradient element held (stages 0-1: every element; stages 2-3: the shard).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ZeroshardConfig
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return next(name for name, d in DTYPES.items() if d == dtype)
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """The dtypes of one training run (see [Note: the dtypes of mixed precision])."""
+
+    compute: torch.dtype = torch.float32
+    comm: torch.dtype = torch.float32
+    grad_accum: torch.dtype = torch.float32
+
+    @property
+    def mixed(self) -> bool:
+        """True when the model computes in 16 bits and fp32 master weights exist."""
+        return self.compute != torch.float32
+
+    @property
+    def name(self) -> str:
+        return dtype_name(self.compute)
+
+    @classmethod
+    def from_config(cls, config: ZeroshardConfig) -> "PrecisionPolicy":
+        compute = "fp16" if config.fp16.enabled else "bf16" if config.bf16.enabled else "fp32"
+        accum = config.data_types.grad_accum_dtype or ("fp16" if compute == "fp16" else "fp32")
+        comm = config.communication_data_type or compute
+        return cls(DTYPES[compute], DTYPES[comm], DTYPES[accum])
