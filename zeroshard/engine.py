@@ -22,6 +22,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from . import checkpointing
 from .config import ZeroshardConfig
 from .distributed.collectives import Collectives
 from .distributed.world import World
@@ -57,6 +58,7 @@ class Engine:
         self.param_names = trainable.names
         self.frozen_params = trainable.frozen
         self._sync_initial_state()
+        checkpointing.configure(config.activation_checkpointing)
         self.precision = PrecisionPolicy.from_config(config)
         self.loss_scaler = LossScaler.from_config(config)
         self.skipped_steps = 0
@@ -227,9 +229,9 @@ class Engine:
     def _skip_step(self) -> None:
         """fp16 overflow: parameters, optimizer state and LR schedule stay as they are."""
         scale = self.loss_scaler.scale
-        self.skipped_steps += 1
         self.strategy.zero_grad()
-        self.loss_scaler.update(overflow=True, step=self.global_steps + 1)
+        self.loss_scaler.update(overflow=True, step=self.global_steps + 1)  # raises at the minimum scale
+        self.skipped_steps += 1
         log_rank(f"step {self.global_steps + 1}: gradient overflow at loss scale {scale:g}, step skipped "
                  f"(loss scale now {self.loss_scaler.scale:g}, {self.skipped_steps} skipped so far)")
 
@@ -302,6 +304,11 @@ class Engine:
         }
         if self.config.wall_clock_breakdown:
             record.update({f"{k}_s": v for k, v in self._timers.take().items()})
+        if self.config.activation_checkpointing.profile:
+            profile = checkpointing.take_profile()
+            record.update({"checkpoint_regions": profile.regions, "checkpoint_forward_s": profile.forward_s,
+                           "checkpoint_recomputations": profile.recomputations,
+                           "checkpoint_recompute_s": profile.recompute_s})
         self._window_start, self._window_steps, self._tokens = now, self.global_steps, 0
         self._window_comm = (comm_bytes, comm_seconds)
         return record

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -49,19 +50,21 @@ def zero_config(stage: int, micro: int, accum: int, **zero: Any) -> dict:
     }
 
 
-def train_ddp(model: nn.Module, rank: int, world: int, steps: int, micro: int, accum: int):
-    """The reference: DistributedDataParallel + torch.optim.AdamW + clip_grad_norm_."""
+def train_ddp(model: nn.Module, rank: int, world: int, steps: int, micro: int, accum: int,
+              losses: list | None = None):
+    """The reference: DistributedDataParallel + torch.optim.AdamW + clip_grad_norm_ (``losses`` collects
+    every micro step's loss)."""
     ddp = DDP(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
     norms = []
     for step in range(steps):
         batches = rank_micro_batches(step, rank, world, micro, accum)
         for m, (x, y) in enumerate(batches):
-            if m < accum - 1:
-                with ddp.no_sync():
-                    (ddp(x, y) / accum).backward()
-            else:
-                (ddp(x, y) / accum).backward()
+            with ddp.no_sync() if m < accum - 1 else contextlib.nullcontext():  # forward inside, as DDP wants
+                loss = ddp(x, y)
+                (loss / accum).backward()
+            if losses is not None:
+                losses.append(float(loss))
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -99,6 +99,7 @@ def load_checkpoint(engine: "Engine", load_dir: str | Path, tag: Optional[str] =
                     state[key] = value.clone()
         _load_extra(engine, reader)
         for bucket in engine.flat.layout.buckets:
+            engine.strategy.publish(bucket)  # mixed precision: masters -> 16-bit parameters
             engine.strategy.refresh_bucket(bucket)
         engine.strategy.finish_refresh()
     manifest = reader.data
@@ -120,6 +121,11 @@ def _load_engine_state(engine: "Engine", reader: CheckpointReader, manifest: dic
     engine.global_steps = counters["global_steps"]
     engine.micro_steps = counters["micro_steps"]
     engine.global_samples = counters["global_samples"]
+    engine.skipped_steps = counters.get("skipped_steps", 0)
+    # A dynamic loss scale carries over only from one dynamically scaled fp16 run into another.
+    saved_scaler = counters.get("loss_scaler")
+    if saved_scaler is not None and saved_scaler.get("dynamic") and engine.loss_scaler.dynamic:
+        engine.loss_scaler.load_state_dict(saved_scaler)
     if with_optimizer:
         saved = manifest["optimizer"]["param_groups"]
         if len(saved) == len(engine.optimizer.param_groups):

@@ -101,13 +101,16 @@ def _manifest(engine: "Engine", tag: str, client_state: Any, files: dict[str, An
     return {
         "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "zeroshard_version": __version__,
         "tag": tag, "world_size": engine.world.world_size, "stage": engine.stage,
-        "dtype": str(engine.flat.dtype).replace("torch.", ""),
+        # the dtype of the saved parameter chunks: fp32 masters under mixed precision
+        "dtype": str(engine._chunks[0].dtype).replace("torch.", ""),
+        "compute_dtype": str(engine.flat.dtype).replace("torch.", ""),
         "buckets": buckets,
         "optimizer": {"class": type(engine.optimizer).__name__,
                       "param_groups": _json_or_error(groups, "the optimizer's hyperparameters")},
         "lr_scheduler": _json_or_error(scheduler, "the LR scheduler's state"),
         "engine": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-                   "global_samples": engine.global_samples},
+                   "global_samples": engine.global_samples, "skipped_steps": engine.skipped_steps,
+                   "loss_scaler": engine.loss_scaler.state_dict()},
         "loader": loader.state_dict() if loader is not None and hasattr(loader, "state_dict") else None,
         "client_state": _json_or_error(client_state, "client_state"),
         "model": model,

@@ -78,7 +78,8 @@ class LossScaler:
             self.hysteresis_left = self.hysteresis
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale, "hysteresis_left": self.hysteresis_left, "clean_steps": self.clean_steps}
+        return {"scale": self.scale, "dynamic": self.dynamic, "hysteresis_left": self.hysteresis_left,
+                "clean_steps": self.clean_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scale = float(state["scale"])

@@ -56,6 +56,8 @@ class GatherScheduler:
 
     def _post_forward_hook(self, unit: Unit) -> Any:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if self.in_backward():
+                return  # a checkpoint's recomputation: backward is about to use the parameters
             if torch.is_grad_enabled():
                 for t in tree_flatten(output)[0]:
                     if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -68,6 +70,12 @@ class GatherScheduler:
             if self.storage.state[unit.bucket_index] is not GatherState.GATHERED or not self._used_last(unit):
                 self.use(unit.bucket_index)
         return hook
+
+    @staticmethod
+    def in_backward() -> bool:
+        """True inside autograd's backward, where a forward hook can only be activation
+        checkpointing recomputing a region (see zeroshard/checkpointing.py)."""
+        return torch._C._current_graph_task_id() != -1
 
     def _used_last(self, unit: Unit) -> bool:
         return bool(self.current) and self.current[-1] == unit.bucket_index

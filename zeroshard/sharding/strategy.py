@@ -102,7 +102,9 @@ class ShardingStrategy(ABC):
         if progress.state is not BucketState.FILLING:
             raise RuntimeError(
                 f"parameter {slot.name!r} received a second gradient after its bucket was reduced in this "
-                f"backward; this happens with reentrant recomputation, which is not supported yet"
+                f"backward: it is used both inside and outside a region checkpointed with "
+                f"use_reentrant=True, whose nested backward accumulates it separately; checkpoint with "
+                f"use_reentrant=False (zeroshard's default)"
             )
         assert grad is not None
         with torch.no_grad():
