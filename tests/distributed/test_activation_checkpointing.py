@@ -97,8 +97,8 @@ def test_checkpointed_gradients_equal_plain_ones(stage: int, reentrant: bool) ->
 class InsideAndOutside(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.a = nn.Linear(4, 4)
         self.b = nn.Linear(4, 4)
+        self.a = nn.Linear(4, 4)  # registered last: its buckets come first and are reduced before the region's backward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = checkpoint(lambda t: self.a(torch.tanh(self.b(t))), x, use_reentrant=True)

@@ -64,7 +64,7 @@ def train_ddp(model: nn.Module, rank: int, world: int, steps: int, micro: int, a
                 loss = ddp(x, y)
                 (loss / accum).backward()
             if losses is not None:
-                losses.append(float(loss))
+                losses.append(float(loss.detach()))
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
         opt.zero_grad(set_to_none=True)
