@@ -70,7 +70,7 @@ def stage_worker(rank: int, world: int, stage: int, precision: str, cfg_dict: di
         engine.step()
         if i >= warmup:
             times.append(time.perf_counter() - start)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     mb = engine.memory_breakdown()
     return {"median_step_s": statistics.median(times), "peak_rss_bytes": host_peak_bytes(),
             "model_states": mb["model_states"], "formula": mb["formula"], "params": mb["params"],
@@ -83,8 +83,11 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def activation_run(cfg: GPTConfig, micro: int, precision: str, checkpointed: bool, steps: int) -> dict:
+def activation_run(rank: int, world: int, cfg_dict: dict, micro: int, precision: str, checkpointed: bool,
+                   steps: int) -> dict:
+    """In a spawned process, so that the pinned mmap threshold applies (glibc reads it at start-up)."""
     torch.manual_seed(0)
+    cfg = GPTConfig(**cfg_dict)
     model = GPT(cfg)
     if checkpointed:
         checkpoint_modules(model, Block)
@@ -112,6 +115,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--act-micro-batch", type=int, default=16)
+    parser.add_argument("--parts", nargs="*", default=["stages", "activations"],
+                        help="which tables to measure (the other is kept from --out)")
     parser.add_argument("--out", default="benchmarks/out/precision.json")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -119,8 +124,10 @@ def main() -> None:
     os.environ["MALLOC_TRIM_THRESHOLD_"] = "131072"
     cfg = dict(vocab_size=256, seq_len=args.seq_len, d_model=args.d_model, n_layer=args.layers,
                n_head=args.d_model // 64)
-    stages = {}
-    for stage in range(4):
+    out_path = Path(args.out)
+    previous = json.loads(out_path.read_text()) if out_path.exists() else {}
+    stages = previous.get("stages", {}) if "stages" not in args.parts else {}
+    for stage in range(4) if "stages" in args.parts else ():
         for precision in PRECISIONS:
             ranks = run_world(stage_worker, 2, args=(stage, precision, cfg, args.micro_batch, args.steps, args.warmup),
                               timeout=1800)
@@ -134,7 +141,7 @@ def main() -> None:
                 "psi": ranks[0]["psi"], "last_loss": ranks[0]["last_loss"],
             }
             print(f"finished stage {stage} {precision}", flush=True)
-    psi = next(iter(stages.values()))["psi"]
+    psi = next(iter(stages.values()))["psi"] if stages else 0
     print(f"\nGPT {cfg}, Ψ = {psi:,}, world 2, micro batch {args.micro_batch}, median of {args.steps} steps\n")
     print("| stage | precision | step (s) | vs fp32 | peak RSS/rank (MiB) | params / grads / optimizer (MiB, rank 0) "
           "| model states/rank (MiB) | formula (MiB) |")
@@ -146,13 +153,11 @@ def main() -> None:
         print(f"| {stage} | {precision} | {r['median_step_s']:.3f} | {r['median_step_s'] / base:.2f} | "
               f"{r['peak_rss_mib']:.0f} | {r['params_mib']:.2f} / {r['grads_mib']:.2f} / {r['optimizer_mib']:.2f} | "
               f"{states} | {r['formula_mib']:.2f} |")
-    torch.set_num_threads(1)
-    act_cfg = GPTConfig(**cfg)
-    activations = {}
-    for precision in ("fp32", "bf16"):
+    activations = previous.get("activations", {}) if "activations" not in args.parts else {}
+    for precision in ("fp32", "bf16") if "activations" in args.parts else ():
         for checkpointed in (False, True):
-            activations[f"{precision}/{'checkpointed' if checkpointed else 'plain'}"] = activation_run(
-                act_cfg, args.act_micro_batch, precision, checkpointed, args.steps)
+            activations[f"{precision}/{'checkpointed' if checkpointed else 'plain'}"] = run_world(
+                activation_run, 1, args=(cfg, args.act_micro_batch, precision, checkpointed, args.steps))[0]
     print(f"\nActivation memory kept by one forward, micro batch {args.act_micro_batch} x {args.seq_len} tokens, "
           f"{args.layers} blocks, one process\n")
     print("| precision | blocks | activations kept (MiB) | step (s) |")

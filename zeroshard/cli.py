@@ -1,6 +1,6 @@
 """The ``zeroshard`` command.
 
-    zeroshard demo [--stage 3] [--nproc 2] [--steps 300] [--config ds.json]
+    zeroshard demo [--stage 3] [--nproc 2] [--steps 300] [--precision fp32] [--config ds.json]
     zeroshard consolidate CKPT_DIR OUT [--dtype fp32|bf16|fp16] [--tag TAG]
     zeroshard ckpt-info CKPT_DIR [--tag TAG]
     zeroshard estimate --params 7e9 --gpus-per-node 8 [--gpu-memory 80] [--micro-batch 1 --seq-len 4096 ...]
@@ -21,7 +21,7 @@ from typing import Sequence
 def _demo(args: argparse.Namespace) -> int:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={args.nproc}", "-m", "zeroshard.demo.train",
-               "--stage", str(args.stage), "--steps", str(args.steps)]
+               "--stage", str(args.stage), "--steps", str(args.steps), "--precision", args.precision]
     if args.config:
         command += ["--config", args.config]
     command += ["--out", args.out]
@@ -151,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3], help="ZeRO stage (default 3)")
     demo.add_argument("--nproc", type=int, default=2, help="processes (default 2)")
     demo.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
+    demo.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+                      help="training precision of the built-in config (default fp32; bf16/fp16 keep fp32 masters)")
     demo.add_argument("--config", help="a DeepSpeed-style JSON config to use instead of the built-in one")
     demo.add_argument("--out", default="runs/demo", help="where the checkpoint and the weights go (runs/demo)")
     demo.set_defaults(run=_demo)

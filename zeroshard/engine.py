@@ -363,10 +363,13 @@ class Engine:
                                load_lr_scheduler_states, load_module_only)
 
     def save_16bit_model(self, save_dir: Union[str, Path], save_filename: str = "model.safetensors",
-                         dtype: torch.dtype = torch.bfloat16) -> Optional[Path]:
+                         dtype: Optional[torch.dtype] = None) -> Optional[Path]:
         """Rank 0 writes the full weights in 16 bits to ``save_dir/save_filename`` (every rank calls it:
-        parameters are gathered one bucket at a time)."""
+        parameters are gathered one bucket at a time).  ``dtype``: default the training dtype under
+        mixed precision, else bf16."""
         from .checkpoint.format import write_safetensors_streaming
+
+        dtype = dtype or (self.precision.compute if self.precision.mixed else torch.bfloat16)
 
         state = self.full_state_dict(rank0_only=True)
         if not self.world.is_main:
