@@ -32,6 +32,7 @@ from .metrics import MetricsWriter, PhaseTimers, device_peak_bytes, host_peak_by
 from .memory import model_state_bytes
 from .optim import build_scheduler, clip_, clip_coefficient, from_config, from_user, global_grad_norm
 from .param_groups import collect_trainable
+from .optim.updater import ShardUpdater
 from .precision import LossScaler, PrecisionPolicy
 from .sharding import STRATEGIES
 
@@ -67,10 +68,11 @@ class Engine:
             config.zero_optimization, self.precision)
         self.flat = self.strategy.flat
         self._convert_rest_of_model()
-        # What the optimizer updates: fp32 masters (mixed precision) or the owned parameters themselves.
-        self._chunks = [nn.Parameter(self.strategy.optimizer_view(b), requires_grad=False)
-                        for b in self.flat.layout.buckets]
+        # What the optimizer updates, and where it lives (see [Note: pieces] in optim/updater.py).
+        zero = config.zero_optimization
+        self.updater = ShardUpdater(self.strategy, zero.offload_optimizer, zero.sub_group_size, self.comm)
         self.optimizer = self._build_optimizer(optimizer, trainable.group_options)
+        self.updater.attach(self.optimizer)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.data_loader: Any = None  # set by initialize(training_data=...); checkpoints record its position
         self.global_steps = 0
@@ -116,8 +118,8 @@ class Engine:
 
     def _optimizer_groups(self, options: list[dict[str, Any]]) -> list[dict[str, Any]]:
         groups = [{**opts, "params": []} for opts in options]
-        for bucket, chunk in zip(self.flat.layout.buckets, self._chunks):
-            groups[bucket.group_index]["params"].append(chunk)
+        for bucket in self.flat.layout.buckets:
+            groups[bucket.group_index]["params"].extend(self.updater.params_of(bucket))
         return groups
 
     def _build_optimizer(self, optimizer: Any, options: list[dict[str, Any]]) -> Optimizer:
@@ -205,7 +207,7 @@ class Engine:
             self._log_progress()
 
     def _optimizer_step(self) -> None:
-        grads = [self.strategy.owned_grad(b) for b in self.flat.layout.buckets]
+        grads = [self.strategy.owned_grad(b) for b in self.flat.layout.buckets]  # on the device
         sharded = self.strategy.grads_are_sharded and self.world.is_distributed
         scaled_norm = global_grad_norm(grads, self.comm if sharded else None)
         scale = self.loss_scaler.scale
@@ -220,8 +222,8 @@ class Engine:
                 with torch.no_grad():
                     clip_(grads, clip)
             self._step_and_refresh(grads, 1.0)
-        else:
-            self._step_and_refresh(grads, clip / scale)
+        else:  # masters: the update reads fp32 copies (host copies under cpu offload), unscaled and clipped
+            self._step_and_refresh(self.updater.step_grads(), clip / scale)
         self.strategy.zero_grad()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
@@ -246,23 +248,16 @@ class Engine:
         whole gather waiting behind the whole update.  Buckets go in the order the next forward will
         want them (the reverse of the bucket order).
 
-        With mixed precision the chunk is the fp32 master: its gradient is the bucket's gradient in
-        fp32, multiplied by ``factor`` (1 / loss scale, times the clipping coefficient), one bucket at
-        a time; after the step the masters are rounded into the 16-bit parameters (``publish``).
+        With fp32 masters (mixed precision, offload) the update reads the bucket's gradient in fp32,
+        multiplied by ``factor`` (1 / loss scale, times the clipping coefficient), one piece at a time;
+        after each piece the masters are rounded into the parameters (``publish_piece``).
         """
-        buckets = self.flat.layout.buckets
-        for bucket in reversed(buckets):
-            chunk = self._chunks[bucket.index]
-            grad = grads[bucket.index]
-            if self.strategy.masters is not None:
-                grad = grad.to(torch.float32)  # the accumulation buffer itself when it is fp32
-                if factor != 1.0:
-                    grad.mul_(factor)
-            chunk.grad = grad
-            self.optimizer.step()
-            chunk.grad = None
-            self.strategy.publish(bucket)
+        order = list(reversed(self.flat.layout.buckets))
+        self.updater.begin_step(order)
+        for bucket in order:
+            self.updater.step_bucket(bucket, grads[bucket.index], factor)
             self.strategy.refresh_bucket(bucket)
+        self.updater.end_step()
         self.strategy.finish_refresh()
 
     def zero_grad(self) -> None:
@@ -429,27 +424,22 @@ class Engine:
             **self.strategy.extra_memory(),
         }
         out["model_states"] = out["params"] + out["grads"] + out["optimizer"]
+        # Where the model states are (real elements): offloaded optimizer state and parameters are
+        # counted in host memory or on NVMe, the rest on the training device.
+        placed = self.updater.memory()
+        param_host, param_nvme = self.strategy.param_placement()
+        out["on_host"] = placed["host"] + param_host
+        out["on_nvme"] = placed["nvme"] + param_nvme
+        out["on_device"] = out["model_states"] - out["on_host"] - out["on_nvme"]
+        out["offload_buffers"] = placed["host_buffers"]
         mixed = self.precision.mixed
         grad_size = torch.empty((), dtype=self.precision.grad_accum).element_size()
         out["formula"] = model_state_bytes(self.stage, self.flat.layout.numel, self.world.world_size,
-                                           "mixed" if mixed else "fp32", grad_size).total
+                                           "mixed" if mixed else "fp32", grad_size,
+                                           12 if self.strategy.masters is not None else None).total
         return out
 
     def _optimizer_bytes(self) -> tuple[int, int, int]:
         """Optimizer state, fp32 master weights included (the seeds count them there: 12 bytes = 4 + 8)."""
-        real = padding = other = 0
-        masters = self.strategy.masters
-        if masters is not None:
-            real += masters.real_numel() * 4
-            padding += (masters.data.numel() - masters.real_numel()) * 4
-        for bucket, chunk in zip(self.flat.layout.buckets, self._chunks):
-            owned_real = self.strategy.owned_real(bucket)
-            for value in self.optimizer.state.get(chunk, {}).values():
-                if not isinstance(value, torch.Tensor):
-                    continue
-                if value.numel() == chunk.numel():
-                    real += owned_real * value.element_size()
-                    padding += (chunk.numel() - owned_real) * value.element_size()
-                else:
-                    other += value.numel() * value.element_size()
-        return real, padding, other
+        memory = self.updater.memory()
+        return memory["real"], memory["padding"], memory["other"]

@@ -106,8 +106,8 @@ def test_bf16_gradient_dtype_variants_follow_fp32_ddp(stage: int, variant: str) 
 
 def snapshot(engine) -> dict:
     """Everything a skipped step must leave untouched."""
-    state = {f"{i}.{k}": v.clone() for i, chunk in enumerate(engine._chunks)
-             for k, v in engine.optimizer.state.get(chunk, {}).items()}
+    state = {f"{b.index}.{k}": v for b in engine.flat.layout.buckets
+             for part in engine.updater.read_bucket(b)[1:] for k, v in part.items()}
     return {"masters": engine.strategy.masters.data.clone(), "params": engine.flat.data.clone(),
             "state": state, "lr": engine.get_lr()[0], "sched": engine.lr_scheduler.last_epoch}
 

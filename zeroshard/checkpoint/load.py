@@ -81,25 +81,24 @@ def load_checkpoint(engine: "Engine", load_dir: str | Path, tag: Optional[str] =
     with_optimizer = load_optimizer_states and not load_module_only
     keys = reader.optimizer_state_keys() if with_optimizer else []
     with torch.no_grad():
-        for bucket, chunk in zip(engine.flat.layout.buckets, engine._chunks):
-            start = _own_range(engine, bucket, chunk)
-            _fill(reader, bucket, start, chunk, "param", known)
-            if not keys:
-                continue
-            state = engine.optimizer.state[chunk]
-            for key in keys:
-                buffer = state.get(key)
-                if not isinstance(buffer, torch.Tensor) or buffer.numel() != chunk.numel():
-                    buffer = torch.zeros_like(chunk)
-                    state[key] = buffer
-                _fill(reader, bucket, start, buffer.view(-1), f"optim.{key}", known)
-            first = next((s.name for s in bucket.slots if s.name in known), None)
-            if first is not None:
-                for key, value in reader.scalar_state(reader.bucket_of(first)).items():
-                    state[key] = value.clone()
+        for bucket in engine.flat.layout.buckets:
+            values, state, scalars = engine.updater.read_bucket(bucket)
+            start = _own_range(engine, bucket, values)
+            _fill(reader, bucket, start, values, "param", known)
+            if keys:
+                for key in keys:
+                    buffer = state.get(key)
+                    if buffer is None or buffer.numel() != values.numel():
+                        buffer = torch.zeros_like(values)
+                        state[key] = buffer
+                    _fill(reader, bucket, start, buffer.view(-1), f"optim.{key}", known)
+                first = next((s.name for s in bucket.slots if s.name in known), None)
+                if first is not None:
+                    scalars = {k: v.clone() for k, v in reader.scalar_state(reader.bucket_of(first)).items()}
+            # writes the values (and the state) where they live, and publishes masters into the parameters
+            engine.updater.write_bucket(bucket, values, state if keys else None, scalars)
         _load_extra(engine, reader)
         for bucket in engine.flat.layout.buckets:
-            engine.strategy.publish(bucket)  # mixed precision: masters -> 16-bit parameters
             engine.strategy.refresh_bucket(bucket)
         engine.strategy.finish_refresh()
     manifest = reader.data

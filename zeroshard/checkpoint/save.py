@@ -39,26 +39,25 @@ def _json_or_error(value: Any, what: str) -> Any:
 
 def chunk_layout(engine: "Engine") -> list[tuple[int, int]]:
     """Per bucket: (chunk size, number of chunks) as this engine owns them (stage 0: one whole chunk)."""
-    return [(chunk.numel(), bucket.padded_numel // chunk.numel())
-            for bucket, chunk in zip(engine.flat.layout.buckets, engine._chunks)]
+    return [(engine.updater.owned_numel(bucket), bucket.padded_numel // engine.updater.owned_numel(bucket))
+            for bucket in engine.flat.layout.buckets]
 
 
 def rank_tensors(engine: "Engine") -> dict[str, torch.Tensor]:
-    """What this rank writes: its chunks, their optimizer state, and its RNG state."""
+    """What this rank writes: its chunks (fp32 masters when there are any), their optimizer state
+    (read back from host memory or NVMe where offloaded), and its RNG state."""
     out: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["rng.cuda"] = torch.cuda.get_rng_state()
-    for (bucket, chunk), (_, chunks) in zip(zip(engine.flat.layout.buckets, engine._chunks), chunk_layout(engine)):
+    for bucket, (_, chunks) in zip(engine.flat.layout.buckets, chunk_layout(engine)):
         if engine.world.rank >= chunks:
             continue  # stage 0: every rank holds the same bucket, rank 0 writes it
-        out[f"param.b{bucket.index}"] = chunk.detach().to("cpu", copy=True)
-        for key, value in engine.optimizer.state.get(chunk, {}).items():
-            if not isinstance(value, torch.Tensor):
-                continue
-            if value.dim() == 0:
-                out[f"optim_scalar.{key}.b{bucket.index}"] = value.detach().to("cpu", copy=True)
-            elif value.numel() == chunk.numel():
-                out[f"optim.{key}.b{bucket.index}"] = value.detach().to("cpu", copy=True).reshape(-1)
+        values, state, scalars = engine.updater.read_bucket(bucket)
+        out[f"param.b{bucket.index}"] = values.to("cpu")
+        for key, value in scalars.items():
+            out[f"optim_scalar.{key}.b{bucket.index}"] = value.to("cpu")
+        for key, value in state.items():
+            out[f"optim.{key}.b{bucket.index}"] = value.to("cpu").reshape(-1)
     return out
 
 
@@ -102,7 +101,7 @@ def _manifest(engine: "Engine", tag: str, client_state: Any, files: dict[str, An
         "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "zeroshard_version": __version__,
         "tag": tag, "world_size": engine.world.world_size, "stage": engine.stage,
         # the dtype of the saved parameter chunks: fp32 masters under mixed precision
-        "dtype": str(engine._chunks[0].dtype).replace("torch.", ""),
+        "dtype": "float32" if engine.strategy.masters is not None else str(engine.flat.dtype).replace("torch.", ""),
         "compute_dtype": str(engine.flat.dtype).replace("torch.", ""),
         "buckets": buckets,
         "optimizer": {"class": type(engine.optimizer).__name__,

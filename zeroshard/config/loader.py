@@ -37,6 +37,7 @@ def load_config(source: Union[str, os.PathLike, Mapping[str, Any], ZeroshardConf
         config = _build(ZeroshardConfig, raw, "")
         _check_params(config)
         _check_precision(config)
+        _check_offload(config)
     if world_size is not None:
         config = resolve_batch_sizes(config, world_size)
     return config
@@ -151,6 +152,21 @@ def _check_precision(config: ZeroshardConfig) -> None:
         if value is not None and value not in ("fp32", training):
             raise ConfigError(f"{dotted!r} = {_show(value)} does not match the training dtype {training!r}; "
                               f"use \"fp32\" or {training!r} (or omit the key for the default)")
+
+
+def _check_offload(config: ZeroshardConfig) -> None:
+    zero = config.zero_optimization
+    if zero.offload_optimizer.device != "none" and zero.stage == 0:
+        raise ConfigError("'zero_optimization.offload_optimizer' needs ZeRO stage 1, 2 or 3 (the offloaded "
+                          "optimizer updates this rank's shard); set 'zero_optimization.stage' to 1 or more")
+    if zero.offload_param.device != "none":
+        if zero.stage != 3:
+            raise ConfigError(f"'zero_optimization.offload_param' needs ZeRO stage 3 (only stage 3 shards the "
+                              f"parameters); the config says stage {zero.stage}: set 'zero_optimization.stage' to "
+                              f"3 or remove offload_param")
+        if zero.offload_optimizer.device == "none":
+            raise ConfigError("'zero_optimization.offload_param' needs 'zero_optimization.offload_optimizer' too "
+                              "(the optimizer updates fp32 masters off the device); set its device to cpu or nvme")
 
 
 def _check_params(config: ZeroshardConfig) -> None:

@@ -127,6 +127,37 @@ class ActivationCheckpointingConfig:
     profile: bool = key(False, "Time each checkpointed forward and recomputation; totals in engine.last_metrics.")
 
 
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class OffloadOptimizerConfig:
+    """``zero_optimization.offload_optimizer``: where the fp32 masters and optimizer state live (stages 1-3)."""
+
+    device: Literal["none", "cpu", "nvme"] = key(
+        "none", "none: with the parameters; cpu: host memory; nvme: files under nvme_path (ZeRO-Infinity).")
+    nvme_path: str = key("/local_nvme", "Directory of the swap files when device is nvme.")
+    pin_memory: bool = key(False, "Page-locked host buffers (faster device copies; CUDA only, ignored on CPU).")
+    buffer_count: int = key(4, "nvme: sub-groups held in host memory at once (>= 2 to read the next while "
+                               "updating one).", lambda v: None if v >= 2 else "an integer >= 2")
+
+
+@dataclass(frozen=True)
+class OffloadParamConfig:
+    """``zero_optimization.offload_param``: where stage 3 keeps this rank's parameter shards."""
+
+    device: Literal["none", "cpu", "nvme"] = key(
+        "none", "Stage 3 only. cpu: shards in host memory; nvme: shards in files under nvme_path.")
+    nvme_path: str = key("/local_nvme", "Directory of the swap files when device is nvme.")
+    pin_memory: bool = key(False, "Page-locked host buffers (CUDA only, ignored on CPU).")
+    buffer_count: int = key(5, "nvme: staging buffers for shards being read or written (writes in flight).",
+                            positive)
+    buffer_size: int = key(100_000_000, "nvme: elements of one staging buffer; each bucket's shard must fit.",
+                           positive)
+    max_in_cpu: int = key(1_000_000_000, "nvme: elements of shards kept in host memory (first buckets); "
+                                         "the rest live on NVMe.", non_negative)
+
+
 @dataclass(frozen=True)
 class ZeroConfig:
     """``zero_optimization``: which training state is sharded and how gradients are communicated."""
@@ -155,6 +186,10 @@ class ZeroConfig:
     stage3_max_reuse_distance: int = key(
         1_000_000_000, "Stage 3: keep a unit gathered if it is used again within this many elements.",
         non_negative)
+    offload_optimizer: OffloadOptimizerConfig = key(OffloadOptimizerConfig(), "Optimizer offload (stages 1-3).")
+    offload_param: OffloadParamConfig = key(OffloadParamConfig(), "Parameter offload (stage 3).")
+    sub_group_size: int = key(1_000_000_000, "Offload: elements the optimizer updates at a time (one swap unit).",
+                              positive)
 
 
 @dataclass(frozen=True)
@@ -213,7 +248,7 @@ NOT_SUPPORTED_YET: dict[str, tuple[str, ...]] = {
         "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "bfloat16",
     ),
     "zero_optimization": (
-        "offload_optimizer", "offload_param", "sub_group_size", "round_robin_gradients",
+        "round_robin_gradients",
         "load_from_fp32_weights", "elastic_checkpoint", "cpu_offload", "ignore_unused_parameters",
         "stage3_gather_16bit_weights_on_model_save",
         "stage3_gather_fp16_weights_on_model_save", "zero_hpz_partition_size", "zero_quantized_weights",

@@ -34,16 +34,18 @@ class StageMemory:
 
 
 def model_state_bytes(stage: int, num_params: float, world_size: int, precision: str = "fp32",
-                      grad_bytes: int | None = None) -> StageMemory:
+                      grad_bytes: int | None = None, optimizer_bytes: int | None = None) -> StageMemory:
     """The ZeRO paper's formulas for Adam.
 
     fp32: stage 0 16Ψ; 1: 8Ψ + 8Ψ/N; 2: 4Ψ + 12Ψ/N; 3: 16Ψ/N.  Mixed precision (2 bytes of 16-bit
     parameters, 2 of gradients, 12 of fp32 masters and Adam state): stage 0 16Ψ; 1: 4Ψ + 12Ψ/N;
     2: 2Ψ + 14Ψ/N; 3: 16Ψ/N.  ``grad_bytes`` overrides the gradient element size (4 when a bf16 run
-    accumulates gradients in fp32).
+    accumulates gradients in fp32); ``optimizer_bytes`` the optimizer's (12 when fp32 training keeps
+    fp32 masters off the device under offload).
     """
     p, g, o = PER_PARAM[precision]
     g = g if grad_bytes is None else grad_bytes
+    o = o if optimizer_bytes is None else optimizer_bytes
     n = world_size
     sharded = {0: (False, False, False), 1: (False, False, True), 2: (False, True, True),
                3: (True, True, True)}[stage]

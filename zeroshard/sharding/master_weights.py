@@ -16,7 +16,8 @@ from .layout import BucketLayout, FlatLayout
 class MasterWeights:
     """One fp32 buffer holding this rank's owned range of every bucket, one view per bucket."""
 
-    def __init__(self, layout: FlatLayout, rank: int, whole_buckets: bool, device: torch.device) -> None:
+    def __init__(self, layout: FlatLayout, rank: int, whole_buckets: bool, device: torch.device,
+                 pin_memory: bool = False) -> None:
         self.layout = layout
         self.rank = rank
         self.whole_buckets = whole_buckets
@@ -27,15 +28,25 @@ class MasterWeights:
             self._offsets.append(total)
             total += end - start
         self.data = torch.zeros(total, dtype=torch.float32, device=device)
+        if pin_memory and device.type == "cpu" and torch.cuda.is_available():
+            self.data = self.data.pin_memory()  # page-locked: asynchronous copies to and from the GPU
 
     def owned_range(self, bucket: BucketLayout) -> tuple[int, int]:
         """[start, end) of the owned elements, relative to the bucket."""
         return self._ranges[bucket.index]
 
     def chunk(self, bucket: BucketLayout) -> torch.Tensor:
+        return self.view_of(self.data, bucket)
+
+    def view_of(self, tensor: torch.Tensor, bucket: BucketLayout) -> torch.Tensor:
+        """``bucket``'s part of a 1D tensor laid out like the masters (e.g. offloaded gradients)."""
         start, end = self._ranges[bucket.index]
         offset = self._offsets[bucket.index]
-        return self.data[offset: offset + end - start]
+        return tensor[offset: offset + end - start]
+
+    def release(self) -> None:
+        """Free the values (NVMe offload keeps them in swap files); the layout stays."""
+        self.data = torch.empty(0, dtype=torch.float32)
 
     def take(self, bucket: BucketLayout, full: torch.Tensor) -> None:
         """Set the masters of ``bucket`` from its full values (1D, padded, any float dtype)."""

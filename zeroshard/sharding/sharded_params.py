@@ -20,10 +20,12 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from ..config.schema import OffloadParamConfig
 from ..distributed.collectives import Collectives, PendingCollective
 from .flat_params import bucket_values
 from .layout import BucketLayout, FlatLayout
 from .master_weights import MasterWeights
+from .shard_store import ShardStore
 from .placeholder import ShardedParameterPlaceholder
 
 # What a released parameter's own .data becomes: zero elements, so that a stale reference to the
@@ -42,19 +44,16 @@ class ShardedParameters:
 
     def __init__(self, layout: FlatLayout, params: Sequence[nn.Parameter], comm: Collectives,
                  model: nn.Module, persistent: frozenset[int] = frozenset(),
-                 dtype: Optional[torch.dtype] = None, masters: Optional[MasterWeights] = None) -> None:
+                 dtype: Optional[torch.dtype] = None, masters: Optional[MasterWeights] = None,
+                 offload: OffloadParamConfig = OffloadParamConfig()) -> None:
         first = params[0]
         self.layout = layout
         self.comm = comm
         self.rank = comm.world.rank
         self.dtype, self.device = dtype or first.dtype, first.device
         self.persistent = persistent
-        self.shard = torch.zeros(layout.shard_numel(), dtype=self.dtype, device=self.device)  # 1D: own chunks
-        self._shard_offset: list[int] = []
-        offset = 0
-        for bucket in layout.buckets:
-            self._shard_offset.append(offset)
-            offset += bucket.shard_numel
+        #: this rank's chunk of every bucket, on the device, in host memory or on NVMe (see shard_store.py)
+        self.store = ShardStore(layout, self.dtype, self.device, persistent, offload, comm)
         self.params = list(params)
         self._registrations = self._find_registrations(model)
         self._placeholders: dict[int, ShardedParameterPlaceholder] = {}
@@ -83,7 +82,7 @@ class ShardedParameters:
                     self._views[slot.index] = view
                     self._placeholders[slot.index] = ShardedParameterPlaceholder.create(params[slot.index], slot.name)
                 start, end = bucket.shard_range(self.rank)
-                self.shard_view(bucket, self.rank).copy_(full[start:end])
+                self.store.write(bucket, 0, full[start:end])
                 self.full.append(full)
                 self.state.append(GatherState.GATHERED)
                 if bucket.index not in persistent:
@@ -110,14 +109,22 @@ class ShardedParameters:
 
     # ------------------------------------------------------------------ views (the FlatParameters interface)
     @property
+    def shard(self) -> torch.Tensor:
+        """The chunks kept on the device (all of them without parameter offload)."""
+        return self.store.device_shard
+
+    @property
     def data(self) -> torch.Tensor:
         return self.shard
 
     def shard_view(self, bucket: BucketLayout, rank: int) -> torch.Tensor:
-        """This rank's chunk of ``bucket`` (1D); only the own rank's chunk is stored here."""
+        """This rank's chunk of ``bucket`` (1D) where it is resident; only the own chunk is stored here."""
         assert rank == self.rank, "stage 3 stores only this rank's chunk"
-        start = self._shard_offset[bucket.index]
-        return self.shard[start: start + bucket.shard_numel]
+        view = self.store.view(bucket)
+        if view is None:
+            raise RuntimeError(f"bucket {bucket.index}'s shard lives on NVMe (offload_param): it has no "
+                               f"in-memory view")
+        return view
 
     def bucket_view(self, bucket: BucketLayout) -> torch.Tensor:
         return self.full[bucket.index]
@@ -129,7 +136,11 @@ class ShardedParameters:
             bucket = self.layout.buckets[index]
             full = self.full[index]
             full.untyped_storage().resize_(bucket.padded_numel * full.element_size())
-            own = self.shard_view(bucket, self.rank)
+            own = self.store.view(bucket)
+            if own is None or own.device != full.device:  # offloaded: bring the chunk to its slot first
+                start, end = bucket.shard_range(self.rank)
+                own = full[start:end]
+                self.store.read_into(bucket, own)
             with torch.no_grad():
                 self._pending[index] = self.comm.all_gather(full, own, label, async_op=True)
             self.state[index] = GatherState.GATHERING
@@ -168,7 +179,7 @@ class ShardedParameters:
         bucket = self.layout.buckets[index]
         start, end = bucket.shard_range(self.rank)
         with torch.no_grad():
-            self.shard_view(bucket, self.rank).copy_(self.full[index][start:end])
+            self.store.write(bucket, 0, self.full[index][start:end])
             if self.masters is not None:
                 self.masters.take(bucket, self.full[index])
 
@@ -178,5 +189,5 @@ class ShardedParameters:
                    if b.index not in self.persistent)
 
     def persistent_bytes(self) -> int:
-        size = self.shard.element_size()
+        size = self.store.device_shard.element_size()
         return sum(self.layout.buckets[i].numel * size for i in self.persistent)

@@ -46,9 +46,9 @@ class Stage3(Stage2):
               precision: PrecisionPolicy = PrecisionPolicy()) -> "Stage3":
         plan = plan_units(model, params, names, group_of, zero.stage3_param_persistence_threshold,
                           zero.reduce_bucket_size, world.world_size)
-        masters = cls.make_masters(plan.layout, world, precision, params[0].device)
+        masters = cls.make_masters(plan.layout, world, precision, zero, params[0].device)
         storage = ShardedParameters(plan.layout, params, comm, model, plan.persistent_buckets,
-                                    precision.compute, masters)
+                                    precision.compute, masters, zero.offload_param)
         return cls(storage, params, comm, world, zero, plan, model, precision)
 
     def before_forward(self) -> None:
@@ -75,7 +75,21 @@ class Stage3(Stage2):
     def param_bytes(self) -> tuple[int, int]:
         size = self.storage.shard.element_size()
         real = self.owned_real_numel()
-        return real * size, (self.storage.shard.numel() - real) * size
+        return real * size, (self.layout.shard_numel() - real) * size
+
+    def param_placement(self) -> tuple[int, int]:
+        size = self.storage.shard.element_size()
+        store, rank = self.storage.store, self.world.rank
+        return store.real_numel_at("host", rank) * size, store.real_numel_at("nvme", rank) * size
+
+    def publish_piece(self, bucket: BucketLayout, start: int, values: torch.Tensor) -> None:
+        """The owned chunk may be off the device (parameter offload): the store writes it in place."""
+        with torch.no_grad():
+            self.storage.store.write(bucket, start, values)
+
+    def finish_refresh(self) -> None:
+        super().finish_refresh()
+        self.storage.store.flush()  # updated chunks written to NVMe before the next forward reads them
 
     def extra_memory(self) -> dict[str, Any]:
         return {"persistent_params": self.storage.persistent_bytes(),

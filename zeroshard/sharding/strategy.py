@@ -17,7 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, ClassVar, Optional, Sequence
+from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import torch
 from torch import nn
@@ -70,6 +70,8 @@ class ShardingStrategy(ABC):
         self.precision = precision
         #: fp32 copies of the owned parameters when the model computes in 16 bits (else None)
         self.masters: Optional[MasterWeights] = flat.masters
+        #: called with each bucket once its gradients are averaged at an accumulation boundary (offload)
+        self.on_reduced: Optional[Callable[[BucketLayout], None]] = None
         self.layout = flat.layout
         self.params = list(params)
         self.comm = comm
@@ -143,6 +145,8 @@ class ShardingStrategy(ABC):
                 progress.pending.wait()
                 self.complete(bucket)
                 progress.state = BucketState.REDUCED
+                if self.on_reduced is not None and self.sync_gradients:
+                    self.on_reduced(bucket)
 
     def finish_backward(self) -> None:
         """End of a backward: launch what is left (in order), wait for everything, store results."""
@@ -159,14 +163,18 @@ class ShardingStrategy(ABC):
               precision: PrecisionPolicy = PrecisionPolicy()) -> "ShardingStrategy":
         """Lay out the trainable parameters and take them over (stages 0-2: one flat buffer)."""
         layout = plan_buckets(params, names, group_of, zero.reduce_bucket_size, world.world_size)
-        masters = cls.make_masters(layout, world, precision, params[0].device)
+        masters = cls.make_masters(layout, world, precision, zero, params[0].device)
         flat = FlatParameters(layout, params, comm, precision.compute, masters)
         return cls(flat, params, comm, world, zero, precision)
 
     @classmethod
-    def make_masters(cls, layout: FlatLayout, world: World, precision: PrecisionPolicy,
+    def make_masters(cls, layout: FlatLayout, world: World, precision: PrecisionPolicy, zero: ZeroConfig,
                      device: torch.device) -> Optional[MasterWeights]:
-        """fp32 master weights over what this stage's optimizer owns; None without mixed precision."""
+        """fp32 master weights over what this stage's optimizer owns: with mixed precision (on the
+        device) or optimizer offload (in host memory, also for fp32 training); otherwise None."""
+        offload = zero.offload_optimizer
+        if offload.device != "none":
+            return MasterWeights(layout, world.rank, cls.owns_whole_buckets, torch.device("cpu"), offload.pin_memory)
         if not precision.mixed:
             return None
         return MasterWeights(layout, world.rank, cls.owns_whole_buckets, device)
@@ -181,6 +189,10 @@ class ShardingStrategy(ABC):
         """(bytes of real parameter elements held, bytes of padding)."""
         size = self.flat.data.element_size()
         return self.layout.numel * size, (self.layout.padded_numel - self.layout.numel) * size
+
+    def param_placement(self) -> tuple[int, int]:
+        """(bytes of real parameter elements in host memory, on NVMe) under parameter offload."""
+        return 0, 0
 
     def extra_memory(self) -> dict[str, Any]:
         """Stage-specific entries of the memory breakdown."""
@@ -233,11 +245,11 @@ class ShardingStrategy(ABC):
         """What the optimizer updates for ``bucket``: the fp32 masters, or the owned parameters themselves."""
         return self.masters.chunk(bucket) if self.masters is not None else self.owned_param(bucket)
 
-    def publish(self, bucket: BucketLayout) -> None:
-        """After the optimizer updated ``bucket``'s masters: round them into the 16-bit owned parameters."""
-        if self.masters is not None:
-            with torch.no_grad():
-                self.owned_param(bucket).copy_(self.masters.chunk(bucket))
+    def publish_piece(self, bucket: BucketLayout, start: int, values: torch.Tensor) -> None:
+        """Write updated master values (fp32, from element ``start`` of the owned chunk) into the owned
+        parameters, rounded to their dtype (and moved to their device)."""
+        with torch.no_grad():
+            self.owned_param(bucket)[start: start + values.numel()].copy_(values)
 
     def owned_real(self, bucket: BucketLayout) -> int:
         """Real (non-padding) elements of ``bucket`` that this rank's optimizer updates."""

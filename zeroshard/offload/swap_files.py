@@ -1,0 +1,150 @@
+"""Swap files: one tensor (or one piece of one) per file, read and written by a background thread.
+
+[Note: swap files]
+Each swapped tensor has its own file whose size is exactly the tensor's bytes, for any size (no block
+padding: plain buffered ``pread``/``pwrite``, which need no alignment; the page cache is the disk's
+business).  Reads and writes go through one I/O thread in submission order, so a read queued after a
+write of the same file always sees the written bytes, and the training thread computes while the
+thread moves data: double buffering without locks.  Every failure (a file removed under us, a short
+read, a full disk) becomes an :class:`OffloadIOError` naming the file, raised in the training thread
+when the result is waited for; a swap never continues with partial data.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import shutil
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+
+class OffloadIOError(RuntimeError):
+    """A swap file could not be read or written."""
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes, without a copy (a contiguous CPU tensor).
+
+    Through ctypes rather than ``.numpy()``: a NumPy view would mark the tensor's storage as not
+    resizable, and stage 3 reads shards straight into buffers whose storage it shrinks on release.
+    """
+    assert tensor.device.type == "cpu" and tensor.is_contiguous(), "swap I/O needs a contiguous host tensor"
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+class SwapFile:
+    """A file holding exactly ``nbytes`` bytes: one swapped tensor."""
+
+    def __init__(self, path: Path, nbytes: int) -> None:
+        self.path = path
+        self.nbytes = nbytes
+        self.written = False
+
+    def write(self, tensor: torch.Tensor, offset: int = 0) -> None:
+        """Write ``tensor``'s bytes at byte ``offset`` (the whole file when offset is 0 and sizes match)."""
+        data = _bytes_of(tensor)
+        if offset + len(data) > self.nbytes:
+            raise OffloadIOError(f"{self.path}: writing {len(data)} bytes at {offset} overruns its {self.nbytes}")
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                done = 0
+                while done < len(data):
+                    done += os.pwrite(fd, data[done:], offset + done)
+                if not self.written:
+                    os.ftruncate(fd, self.nbytes)  # the file's size is the tensor's size from the start
+            finally:
+                os.close(fd)
+        except OSError as err:
+            hint = " (the disk is full: free space under nvme_path or point it elsewhere)" \
+                if err.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+            raise OffloadIOError(f"writing swap file {self.path} ({len(data)} bytes at offset {offset}) failed: "
+                                 f"{err.strerror}{hint}") from None
+        self.written = True
+
+    def read_into(self, tensor: torch.Tensor, offset: int = 0) -> None:
+        """Fill ``tensor`` from byte ``offset``; a missing or short file is an error, never zeros."""
+        data = _bytes_of(tensor)
+        try:
+            size = os.stat(self.path).st_size
+            if size != self.nbytes:
+                raise OffloadIOError(f"swap file {self.path} has {size} bytes, expected {self.nbytes}: it was "
+                                     f"truncated or replaced while training")
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                done = 0
+                while done < len(data):
+                    got = os.preadv(fd, [data[done:]], offset + done)
+                    if got == 0:
+                        raise OffloadIOError(f"swap file {self.path}: unexpected end of file at byte {offset + done}")
+                    done += got
+            finally:
+                os.close(fd)
+        except FileNotFoundError:
+            raise OffloadIOError(f"swap file {self.path} is missing: it was removed while training (zeroshard "
+                                 f"keeps optimizer state or parameters there)") from None
+        except OSError as err:
+            raise OffloadIOError(f"reading swap file {self.path} failed: {err.strerror}") from None
+
+
+class SwapDirectory:
+    """A directory of this run's swap files under ``nvme_path``, removed when the run ends."""
+
+    def __init__(self, nvme_path: str, rank: int, what: str) -> None:
+        self.root = Path(nvme_path) / f"zeroshard_{what}_rank{rank}_{uuid.uuid4().hex[:8]}"
+        self.root.mkdir(parents=True)
+
+    def file(self, name: str, nbytes: int) -> SwapFile:
+        return SwapFile(self.root / name, nbytes)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def bytes_on_disk(self) -> int:
+        return sum(f.stat().st_size for f in self.root.iterdir()) if self.root.exists() else 0
+
+
+class SwapIO:
+    """One background I/O thread; results (and errors) come back through futures."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeroshard-swap")
+        self.seconds_reading = 0.0
+        self.seconds_writing = 0.0
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    def submit(self, fn: Callable[[], None]) -> "Future[None]":
+        return self._pool.submit(fn)
+
+    def read(self, file: SwapFile, into: torch.Tensor, offset: int = 0) -> "Future[None]":
+        def run() -> None:
+            import time
+
+            started = time.perf_counter()
+            file.read_into(into, offset)
+            self.seconds_reading += time.perf_counter() - started
+            self.bytes_read += into.numel() * into.element_size()
+        return self._pool.submit(run)
+
+    def write(self, file: SwapFile, tensor: torch.Tensor, offset: int = 0) -> "Future[None]":
+        def run() -> None:
+            import time
+
+            started = time.perf_counter()
+            file.write(tensor, offset)
+            self.seconds_writing += time.perf_counter() - started
+            self.bytes_written += tensor.numel() * tensor.element_size()
+        return self._pool.submit(run)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
