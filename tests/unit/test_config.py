@@ -70,8 +70,8 @@ def test_unknown_key_suggests_the_right_one() -> None:
 
 
 def test_unsupported_deepspeed_key_is_explicit() -> None:
-    assert "'zero_optimization.offload_optimizer' is a DeepSpeed key that zeroshard does not support yet" in err(
-        {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})
+    assert "'zero_optimization.round_robin_gradients' is a DeepSpeed key that zeroshard does not support yet" in err(
+        {"zero_optimization": {"round_robin_gradients": True}})
     assert "'fp16.auto_cast' is a DeepSpeed key" in err({"fp16": {"enabled": True, "auto_cast": True}})
     assert load_config({"fp16": {"enabled": False}, "bf16": {"enabled": False}}).fp16.enabled is False
 
@@ -138,3 +138,24 @@ def test_describe_keys_covers_the_schema() -> None:
     keys = {k for k, _, _ in describe_keys()}
     assert {"train_batch_size", "zero_optimization.stage", "optimizer.type", "scheduler.params"} <= keys
     assert all(doc for _, _, doc in describe_keys())
+
+
+def test_offload_keys() -> None:
+    config = load_config({"zero_optimization": {"stage": 3, "sub_group_size": 1000,
+                                                "offload_optimizer": {"device": "nvme", "nvme_path": "/x"},
+                                                "offload_param": {"device": "cpu"}}})
+    zero = config.zero_optimization
+    assert (zero.offload_optimizer.device, zero.offload_optimizer.buffer_count, zero.offload_param.buffer_size,
+            zero.offload_param.max_in_cpu, zero.sub_group_size) == ("nvme", 4, 100_000_000, 1_000_000_000, 1000)
+    assert "'zero_optimization.offload_param' needs ZeRO stage 3" in err(
+        {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}})
+    assert "'zero_optimization.offload_param' needs 'zero_optimization.offload_optimizer' too" in err(
+        {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})
+    assert "'zero_optimization.offload_optimizer' needs ZeRO stage 1, 2 or 3" in err(
+        {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})
+    assert "'zero_optimization.offload_optimizer.device' = \"gpu\" is not one of none, cpu, nvme" in err(
+        {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "gpu"}}})
+    assert "'zero_optimization.offload_optimizer.buffer_count' = 1 is not allowed; it must be an integer >= 2" in err(
+        {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "nvme", "buffer_count": 1}}})
+    assert "did you mean 'zero_optimization.offload_param.max_in_cpu'?" in err(
+        {"zero_optimization": {"stage": 3, "offload_param": {"max_in_cpus": 1}}})

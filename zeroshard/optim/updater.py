@@ -186,7 +186,12 @@ class ShardUpdater:
         state.update(loaded)
         futures = [self._io.read(piece.files["param"], values)] + \
                   [self._io.read(piece.files[k], t) for k, t in loaded.items()]
-        self._pending_reads[id(piece)] = self._io.submit(lambda: [f.result() for f in futures] and None)
+        def wait_all() -> None:
+            for future in futures:
+                future.result()
+
+        # queued behind the reads on the one I/O thread: done once they are, with their errors
+        self._pending_reads[id(piece)] = self._io.submit(wait_all)
 
     def _swap_out(self, piece: Piece) -> None:
         assert self._io is not None and self._swap is not None and self.optimizer is not None
@@ -206,14 +211,16 @@ class ShardUpdater:
         and scalar state (Adam's ``step``), wherever they live."""
         assert self.optimizer is not None
         pieces = self.pieces[bucket.index]
-        values, state_parts, scalars = [], {}, {}
+        values: list[torch.Tensor] = []
+        state_parts: dict[str, list[torch.Tensor]] = {}
+        scalars: dict[str, torch.Tensor] = {}
         for piece in pieces:
             state = self.optimizer.state.get(piece.param, {})
             if self._io is not None:
                 v = torch.empty(piece.numel, dtype=torch.float32)
                 piece.files["param"].read_into(v)
                 full = {}
-                for key in self.state_keys:
+                for key in (k for k in self.state_keys if k in piece.files):  # none before its first step
                     full[key] = torch.empty(piece.numel, dtype=torch.float32)
                     piece.files[key].read_into(full[key])
             else:

@@ -1,0 +1,224 @@
+"""Offload (CPU and NVMe) must not change the mathematics: fp32 runs equal non-offloaded runs bitwise.
+
+Covered: optimizer offload to host memory and to NVMe at stages 1-3, worlds 1-3, with sub-groups
+smaller than a bucket (odd sizes) and gradient accumulation; stage-3 parameter offload (cpu, nvme,
+and nvme beyond ``max_in_cpu``); checkpoints that resume exactly into another offload setting; swap
+files removed or a full disk (clear errors); the pre-flight checks; and the breakdown by place.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import zeroshard
+from zs_common import make_model, rank_micro_batches, zero_config
+
+from zeroshard.memory.estimator import EstimateRequest, estimate_stage
+from zeroshard.offload import OffloadIOError, OffloadPreflightError
+from zeroshard.testing import run_world
+
+SUB_GROUP = 700  # smaller than most buckets and no divisor of them: pieces of odd sizes
+
+
+def offload_config(stage: int, nvme: str, optimizer: str = "none", param: str = "none", **extra) -> dict:
+    zero = {"stage3_param_persistence_threshold": 20, "sub_group_size": SUB_GROUP,
+            "offload_optimizer": {"device": optimizer, "nvme_path": nvme}}
+    if param != "none":
+        zero["offload_param"] = {"device": param, "nvme_path": nvme, "max_in_cpu": 600}
+    return {**zero_config(stage, 1, 2, **zero), **extra}
+
+
+def train(engine, rank: int, world: int, steps: range) -> None:
+    for step in steps:
+        for x, y in rank_micro_batches(step, rank, world, 1, 2):
+            engine.backward(engine(x, y))
+            engine.step()
+
+
+def full_params(model) -> dict[str, torch.Tensor]:
+    with zeroshard.GatheredParameters(list(model.parameters())):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def parity_worker(rank: int, world: int, stage: int, nvme: str) -> dict:
+    variants = [("none", "none"), ("cpu", "none"), ("nvme", "none")]
+    if stage == 3:
+        variants += [("cpu", "cpu"), ("nvme", "nvme"), ("cpu", "nvme")]
+    out, reference = {}, None
+    for optimizer, param in variants:
+        model = make_model()
+        engine, _, _, _ = zeroshard.initialize(model=model, config=offload_config(stage, nvme, optimizer, param))
+        train(engine, rank, world, range(4))
+        params = full_params(model)
+        if reference is None:
+            reference = params
+        mb = engine.memory_breakdown()
+        out[f"{optimizer}/{param}"] = {
+            "equal": all(torch.equal(reference[k], params[k]) for k in params),
+            "mb": {k: mb[k] for k in ("optimizer", "params", "model_states", "on_device", "on_host", "on_nvme",
+                                      "formula")},
+        }
+        del engine
+    return out
+
+
+def _expected_sizes(engine) -> dict[str, int]:
+    """Each swap file's size must be its tensor's bytes: fp32 pieces, and 4-byte fp32 shards here."""
+    out = {}
+    for pieces in engine.updater.pieces:
+        for piece in pieces:
+            for key in piece.files:
+                out[f"optimizer/b{piece.bucket}_{piece.start}.{key}"] = piece.numel * 4
+    store = getattr(engine.flat, "store", None)
+    if store is not None:
+        for index in store._files:
+            out[f"params/b{index}.shard"] = engine.flat.layout.buckets[index].shard_numel * 4
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_offloaded_runs_equal_non_offloaded_bitwise(stage: int, world: int, tmp_path: Path) -> None:
+    for rank_result in run_world(parity_worker, world, args=(stage, str(tmp_path))):
+        none = rank_result["none/none"]["mb"]
+        for variant, r in rank_result.items():
+            assert r["equal"], f"stage {stage} world {world} offload {variant}: parameters differ"
+            mb = r["mb"]
+            assert mb["model_states"] == mb["formula"] or world == 3  # world 3 pads (reported apart)
+            if variant == "none/none":
+                assert mb["on_host"] == mb["on_nvme"] == 0
+                continue
+            # fp32 offload keeps fp32 masters beside the Adam moments: 12 bytes per owned element
+            assert mb["optimizer"] == none["optimizer"] * 3 // 2
+            optimizer, param = variant.split("/")
+            moved = {"cpu": mb["on_host"], "nvme": mb["on_nvme"]}
+            assert moved[optimizer] >= mb["optimizer"]
+            if param == "none":
+                assert mb["on_device"] == mb["model_states"] - mb["optimizer"]
+            else:
+                assert mb["on_host"] + mb["on_nvme"] > mb["optimizer"]  # parameter shards moved too
+        # (the swap files of a finished engine are removed; sizes are checked while it lives, below)
+
+
+def swap_size_worker(rank: int, world: int, nvme: str) -> tuple[dict, dict]:
+    model = make_model()
+    engine, _, _, _ = zeroshard.initialize(model=model, config=offload_config(3, nvme, "nvme", "nvme"))
+    train(engine, rank, world, range(2))
+    root = Path(nvme)
+    sizes = {f"{d.name.split('_')[1]}/{f.name}": f.stat().st_size
+             for d in root.iterdir() if f"rank{rank}_" in d.name for f in d.iterdir()}
+    return sizes, _expected_sizes(engine)
+
+
+def test_each_swap_file_is_exactly_its_tensor(tmp_path: Path) -> None:
+    for sizes, expected in run_world(swap_size_worker, 2, args=(str(tmp_path),)):
+        assert sizes == expected and len(sizes) > 10
+        assert any(size % 4096 for size in sizes.values())  # odd sizes, no block padding
+    assert not any(tmp_path.iterdir()), "swap directories must be removed when the run ends"
+
+
+def resume_worker(rank: int, world: int, nvme: str, directory: str) -> dict:
+    """Save under NVMe offload; resume into cpu offload and into no offload: all must continue identically."""
+    first, _, _, _ = zeroshard.initialize(model=make_model(), config=offload_config(2, nvme, "nvme"))
+    train(first, rank, world, range(3))
+    first.save_checkpoint(directory)
+    train(first, rank, world, range(3, 6))
+    expected = full_params(first.module)
+    out = {}
+    for optimizer in ("nvme", "cpu", "none"):
+        engine, _, _, _ = zeroshard.initialize(model=make_model(seed=7), config=offload_config(2, nvme, optimizer))
+        engine.load_checkpoint(directory)
+        train(engine, rank, world, range(3, 6))
+        params = full_params(engine.module)
+        out[optimizer] = all(torch.equal(expected[k], params[k]) for k in expected)
+    return out
+
+
+def test_offloaded_state_survives_a_checkpoint_into_any_offload_setting(tmp_path: Path) -> None:
+    (tmp_path / "nvme").mkdir()
+    for result in run_world(resume_worker, 2, args=(str(tmp_path / "nvme"), str(tmp_path / "ckpt"))):
+        assert result == {"nvme": True, "cpu": True, "none": True}
+
+
+def io_error_worker(rank: int, world: int, nvme: str, damage: str) -> str:
+    engine, _, _, _ = zeroshard.initialize(model=make_model(), config=offload_config(2, nvme, "nvme"))
+    swap_dir = next(Path(nvme).glob(f"*rank{rank}_*"))
+    if damage == "full":
+        # Before the first step: the file the first Adam moment will be written to is /dev/full, where
+        # the kernel fails every write with ENOSPC, as on a full disk.
+        victim = swap_dir / "b0_0.exp_avg"
+        victim.symlink_to("/dev/full")
+    else:
+        train(engine, rank, world, range(1))
+        victim = next(f for f in sorted(swap_dir.iterdir()) if f.name.endswith("exp_avg"))
+        victim.unlink()
+    try:
+        train(engine, rank, world, range(1, 2))
+    except OffloadIOError as err:
+        return f"{victim.name}|{err}"
+    return "no error"
+
+
+@pytest.mark.parametrize("damage, expected", [
+    ("removed", "is missing: it was removed while training"),
+    ("full", "No space left on device (the disk is full"),
+])
+def test_swap_io_errors_are_clear(tmp_path: Path, damage: str, expected: str) -> None:
+    for message in run_world(io_error_worker, 2, args=(str(tmp_path), damage)):
+        name, _, text = message.partition("|")
+        assert name in text and expected in text, message
+
+
+def preflight_worker(rank: int, world: int, nvme: str, problem: str) -> str:
+    import zeroshard.offload.preflight as preflight
+
+    if problem == "room":
+        preflight.shutil.disk_usage = lambda path: type("U", (), {"free": 1000})()  # type: ignore[assignment]
+    if problem == "memory":
+        preflight.available_host_bytes = lambda: 1000  # type: ignore[assignment]
+    if problem == "room_rank1" and rank == 1:
+        preflight.shutil.disk_usage = lambda path: type("U", (), {"free": 1000})()  # type: ignore[assignment]
+    try:
+        zeroshard.initialize(model=make_model(), config=offload_config(3, nvme, "nvme", "nvme"))
+    except OffloadPreflightError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize("problem, expected", [
+    ("missing", "zero_optimization.offload_param.nvme_path '{p}/nope' does not exist"),
+    ("file", "zero_optimization.offload_param.nvme_path '{p}/a_file' is not a directory"),
+    ("room", "has 0.00 GiB free but the swap files of 2 rank(s) need"),
+    ("memory", "the offload buffers need"),
+])
+def test_preflight_names_the_path_and_the_numbers(tmp_path: Path, problem: str, expected: str) -> None:
+    (tmp_path / "a_file").write_text("x")
+    path = {"missing": tmp_path / "nope", "file": tmp_path / "a_file"}.get(problem, tmp_path)
+    for message in run_world(preflight_worker, 2, args=(str(path), problem)):
+        assert expected.format(p=tmp_path) in message, message
+
+
+def test_preflight_failure_on_one_rank_stops_every_rank(tmp_path: Path) -> None:
+    rank0, rank1 = run_world(preflight_worker, 2, args=(str(tmp_path), "room_rank1"))
+    assert "failed on 1 other rank(s)" in rank0 and "GiB free" in rank1
+
+
+def estimate_worker(rank: int, world: int, nvme: str) -> dict:
+    config = {**offload_config(3, nvme, "cpu", "cpu"), "bf16": {"enabled": True},
+              "data_types": {"grad_accum_dtype": "bf16"}}
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # every parameter offloaded
+    engine, _, _, _ = zeroshard.initialize(model=make_model(), config=config)
+    train(engine, rank, world, range(1))
+    return {"mb": engine.memory_breakdown(), "psi": engine.flat.layout.numel}
+
+
+def test_breakdown_by_place_agrees_with_estimate(tmp_path: Path) -> None:
+    results = run_world(estimate_worker, 2, args=(str(tmp_path),))
+    psi = results[0]["psi"]
+    estimate = estimate_stage(EstimateRequest(psi, 2, "mixed", offload="params"), 3)
+    host = sum(r["mb"]["on_host"] for r in results) / 2
+    device = sum(r["mb"]["on_device"] for r in results) / 2
+    # host: fp32 masters + Adam (12Ψ/N) + 16-bit parameter shards (2Ψ/N); device: 16-bit gradients (2Ψ/N)
+    assert host == pytest.approx(estimate.host) and device == pytest.approx(estimate.model_states)
