@@ -28,6 +28,9 @@ def test_offload_moves_state_to_the_host() -> None:
     assert opt[2].optimizer == 0 and opt[2].host == 10.5 * GB
     params = estimate_all(EstimateRequest(7e9, 8, "mixed", offload="params"))
     assert params[3].params == 0 and params[3].host == (10.5 + 1.75) * GB
+    # fp32 training offloads an fp32 copy of the shard beside the Adam moments: 12 bytes per element
+    fp32 = estimate_all(EstimateRequest(7e9, 8, "fp32", offload="optimizer"))
+    assert fp32[1].host == 12 * 7e9 / 8 and fp32[1].optimizer == 0
 
 
 def test_activations_and_checkpointing() -> None:

@@ -93,6 +93,8 @@ def estimate_stage(req: EstimateRequest, stage: int) -> StageEstimate:
     if req.offload in ("optimizer", "params") and stage >= 1:
         host += optimizer
         optimizer = 0.0
+        if req.precision == "fp32":  # the offloaded optimizer updates an fp32 copy of the shard (masters)
+            host += 4 * req.num_params / req.world_size
     if req.offload == "params" and stage == 3:
         host += params
         params = 0.0
