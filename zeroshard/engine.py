@@ -260,6 +260,13 @@ class Engine:
         self.updater.end_step()
         self.strategy.finish_refresh()
 
+    def close(self) -> None:
+        """Remove this engine's swap files now (NVMe offload; otherwise they go when the process exits)."""
+        self.updater.close()
+        store = getattr(self.flat, "store", None)
+        if store is not None:
+            store.close()
+
     def zero_grad(self) -> None:
         """Drop gradients accumulated so far. ``step()`` already does this after each update."""
         self.strategy.zero_grad()

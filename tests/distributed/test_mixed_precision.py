@@ -72,7 +72,7 @@ def follow_worker(rank: int, world: int, stage: int, variant: str = "") -> dict:
                 assert loss.dtype == torch.float32 and engine.module.head.weight.dtype == engine.flat.dtype
                 engine.backward(loss)
                 engine.step()
-                losses.append(float(loss))
+                losses.append(float(loss.detach()))
         with zeroshard.GatheredParameters(list(model.parameters())):
             off = sum(float((a.detach().float() - b.detach()).pow(2).sum())
                       for a, b in zip(model.parameters(), ref.parameters()))

@@ -111,7 +111,10 @@ def swap_size_worker(rank: int, world: int, nvme: str) -> tuple[dict, dict, tupl
              for d in root.iterdir() if f"rank{rank}_" in d.name for f in d.iterdir()}
     store = engine.flat.store
     held = store.device_shard.numel() + store.host_shard.numel()  # shard elements in memory
-    return sizes, _expected_sizes(engine), (held, engine.flat.layout.shard_numel())
+    expected = _expected_sizes(engine)
+    engine.close()  # removes this rank's swap files at once
+    assert not list(root.glob(f"*rank{rank}_*"))
+    return sizes, expected, (held, engine.flat.layout.shard_numel())
 
 
 def test_each_swap_file_is_exactly_its_tensor(tmp_path: Path) -> None:

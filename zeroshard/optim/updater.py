@@ -104,7 +104,7 @@ class ShardUpdater:
         self._swap = SwapDirectory(offload.nvme_path, comm.world.rank, "optimizer")
         self._io = SwapIO()
         # the swap files are this run's scratch space: removed when the engine goes or the process exits
-        weakref.finalize(self, _close_swap, self._io, self._swap)
+        self._finalizer = weakref.finalize(self, _close_swap, self._io, self._swap)
         self.buffer_count = offload.buffer_count
         for pieces in self.pieces:
             for piece in pieces:
@@ -300,7 +300,9 @@ class ShardUpdater:
         return [k for k, v in first.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
 
     def close(self) -> None:
-        _close_swap(self._io, self._swap)
+        """Remove the swap files (also done when the updater goes or the process exits)."""
+        if self._io is not None:
+            self._finalizer()
 
 
 def _close_swap(io: Optional[SwapIO], swap: Optional[SwapDirectory]) -> None:

@@ -77,7 +77,7 @@ class ShardStore:
                        offload.buffer_count * staging * size)
         swap = SwapDirectory(offload.nvme_path, comm.world.rank, "params")
         self._io = SwapIO()
-        weakref.finalize(self, _close, self._io, swap)
+        self._finalizer = weakref.finalize(self, _close, self._io, swap)
         self._swap = swap
         self._staging = BufferPool(staging, self.dtype, torch.device("cpu"))
         self._buffer_count = offload.buffer_count
@@ -136,6 +136,12 @@ class ShardStore:
         """Wait for every write (their errors surface here)."""
         while self._writes:
             self._finish_oldest_write()
+
+    def close(self) -> None:
+        """Flush and remove the swap files (also done at exit)."""
+        if self._io is not None:
+            self.flush()
+            self._finalizer()
 
     # ------------------------------------------------------------------ accounting
     def numel_at(self, place: str) -> int:
