@@ -93,7 +93,8 @@ def test_cli_env_and_run(tmp_path) -> None:
     env = subprocess.run([sys.executable, "-m", "zeroshard.cli", "env"], capture_output=True, text=True, check=True)
     assert "torch" in env.stdout and "backends" in env.stdout and "gloo" in env.stdout
     script = tmp_path / "hello.py"
-    script.write_text("import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n")
+    # one os.write per rank: the two ranks share the pipe, and print() may write in pieces
+    script.write_text("import os\nos.write(1, f\"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}\\n\".encode())\n")
     run = subprocess.run([sys.executable, "-m", "zeroshard.cli", "run", "--standalone", "--nproc_per_node", "2",
                           str(script)], capture_output=True, text=True, check=True, timeout=120)
     assert "rank 0 of 2" in run.stdout and "rank 1 of 2" in run.stdout

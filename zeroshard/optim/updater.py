@@ -11,8 +11,9 @@ The torch optimizer steps *pieces*: 1D tensors wrapped as Parameters, stepped bu
 - ``offload_optimizer.device: nvme``: a piece's master values and optimizer state live in swap files
   and are in host memory only while it is updated (see [Note: NVMe sub-groups]).
 
-Under offload a bucket's owned chunk is cut into pieces of at most ``sub_group_size`` elements: the
-unit of swapping, and what bounds the fp32 gradient copied to the host at once.
+Under offload a bucket's owned chunk is cut into pieces of at most ``sub_group_size`` elements
+(rounded down to a multiple of 64, see [Note: cutting pieces]): the unit of swapping, and what
+bounds the fp32 gradient copied to the host at once.
 
 [Note: NVMe sub-groups]
 At the start of a step, the first ``buffer_count - 1`` pieces are queued for reading (values and
@@ -54,7 +55,18 @@ class Piece:
     files: dict[str, SwapFile] = field(default_factory=dict)  # nvme: "param" and each state key
 
 
+#: pieces start at multiples of this many elements (see [Note: cutting pieces])
+PIECE_ALIGNMENT = 64
+
+
 def _split(numel: int, size: int) -> list[tuple[int, int]]:
+    """[Note: cutting pieces]
+    torch's fused AdamW on CPU processes a tensor in SIMD vectors from its first element, with a
+    scalar loop for the last few, and the two paths may round differently.  Cutting a chunk into
+    pieces at multiples of 64 elements (a multiple of every vector width) keeps each element on the
+    path it takes when the whole chunk is stepped at once: offloaded updates stay bitwise equal.
+    """
+    size = max(PIECE_ALIGNMENT, size // PIECE_ALIGNMENT * PIECE_ALIGNMENT)
     return [(s, min(size, numel - s)) for s in range(0, numel, size)] or [(0, 0)]
 
 
