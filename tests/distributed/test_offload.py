@@ -127,16 +127,17 @@ def test_each_swap_file_is_exactly_its_tensor(tmp_path: Path) -> None:
     assert not any(tmp_path.iterdir()), "swap directories must be removed when the run ends"
 
 
-def resume_worker(rank: int, world: int, nvme: str, directory: str) -> dict:
+def resume_worker(rank: int, world: int, nvme: str, directory: str, stage: int, param: str) -> dict:
     """Save under NVMe offload; resume into cpu offload and into no offload: all must continue identically."""
-    first, _, _, _ = zeroshard.initialize(model=make_model(), config=offload_config(2, nvme, "nvme"))
+    first, _, _, _ = zeroshard.initialize(model=make_model(), config=offload_config(stage, nvme, "nvme", param))
     train(first, rank, world, range(3))
     first.save_checkpoint(directory)
     train(first, rank, world, range(3, 6))
     expected = full_params(first.module)
     out = {}
-    for optimizer in ("nvme", "cpu", "none"):
-        engine, _, _, _ = zeroshard.initialize(model=make_model(seed=7), config=offload_config(2, nvme, optimizer))
+    for optimizer, into_param in (("nvme", param), ("cpu", "cpu" if param != "none" else "none"), ("none", "none")):
+        engine, _, _, _ = zeroshard.initialize(model=make_model(seed=7),
+                                               config=offload_config(stage, nvme, optimizer, into_param))
         engine.load_checkpoint(directory)
         train(engine, rank, world, range(3, 6))
         params = full_params(engine.module)
@@ -144,9 +145,11 @@ def resume_worker(rank: int, world: int, nvme: str, directory: str) -> dict:
     return out
 
 
-def test_offloaded_state_survives_a_checkpoint_into_any_offload_setting(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stage, param", [(2, "none"), (3, "nvme")])
+def test_offloaded_state_survives_a_checkpoint_into_any_offload_setting(tmp_path: Path, stage: int,
+                                                                         param: str) -> None:
     (tmp_path / "nvme").mkdir()
-    for result in run_world(resume_worker, 2, args=(str(tmp_path / "nvme"), str(tmp_path / "ckpt"))):
+    for result in run_world(resume_worker, 2, args=(str(tmp_path / "nvme"), str(tmp_path / "ckpt"), stage, param)):
         assert result == {"nvme": True, "cpu": True, "none": True}
 
 
