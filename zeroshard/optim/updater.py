@@ -100,6 +100,8 @@ class ShardUpdater:
         if self.offload == "cpu":
             assert self.masters is not None
             self.host_grads = torch.zeros_like(self.masters.data)  # filled as buckets are reduced
+            if self.masters.data.is_pinned():  # pin_memory: asynchronous device-to-host copies
+                self.host_grads = self.host_grads.pin_memory()
             strategy.on_reduced = self.grad_reduced
         elif self.offload == "nvme":
             self._to_nvme(offload, comm, sub_group_size)
