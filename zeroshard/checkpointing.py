@@ -71,25 +71,40 @@ def _synchronize(device: Optional[torch.device]) -> None:
 def checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool = False, **kwargs: Any) -> Any:
     """Run ``function(*args, **kwargs)`` without keeping its activations; recompute them in backward.
 
-    Gradients equal those of running ``function`` directly.  With ``cpu_checkpointing`` the tensor
-    arguments (what a checkpoint keeps) are held in host memory until recomputation (nothing to move
-    on a CPU device); ``synchronize_checkpoint_boundary`` waits for the device at both ends of the
+    Gradients equal those of running ``function`` directly.  With ``cpu_checkpointing`` the positional
+    tensor arguments (what a checkpoint keeps) are held in host memory until recomputation (nothing
+    to move on a CPU device; keyword tensors stay where they are); ``synchronize_checkpoint_boundary`` waits for the device at both ends of the
     region; ``profile`` times the forward and the recomputation.
     """
     settings = _settings
     device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
     calls = [0]
+    # cpu_checkpointing hands torch's checkpoint host tensors only, so it would preserve the CPU's
+    # random state alone: the device's (dropout on a GPU) is saved and restored here.
+    device_rng: dict[str, torch.Tensor] = {}
+    own_device_rng = settings.cpu_checkpointing and device is not None and device.type == "cuda"
+
+    def run(inner: tuple[Any, ...]) -> Any:
+        if settings.cpu_checkpointing and device is not None:
+            inner = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in inner)
+        return function(*inner, **({} if use_reentrant else kwargs))
 
     def region(*inner: Any) -> Any:
         recomputing = calls[0] > 0
         calls[0] += 1
-        if settings.cpu_checkpointing and device is not None:
-            inner = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in inner)
         if settings.synchronize_checkpoint_boundary:
             _synchronize(device)
         started = time.perf_counter()
         try:
-            return function(*inner, **({} if use_reentrant else kwargs))
+            if not own_device_rng:
+                return run(inner)
+            assert device is not None
+            if not recomputing:
+                device_rng["state"] = torch.cuda.get_rng_state(device)
+                return run(inner)
+            with torch.random.fork_rng(devices=[device]):
+                torch.cuda.set_rng_state(device_rng["state"], device)
+                return run(inner)
         finally:
             if settings.synchronize_checkpoint_boundary:
                 _synchronize(device)

@@ -32,6 +32,7 @@ from .metrics import MetricsWriter, PhaseTimers, device_peak_bytes, host_peak_by
 from .memory import model_state_bytes
 from .optim import build_scheduler, clip_, clip_coefficient, from_config, from_user, global_grad_norm
 from .param_groups import collect_trainable
+from .offload import OffloadIOError
 from .optim.updater import ShardUpdater
 from .precision import LossScaler, PrecisionPolicy
 from .sharding import STRATEGIES
@@ -70,7 +71,7 @@ class Engine:
         self._convert_rest_of_model()
         # What the optimizer updates, and where it lives (see [Note: pieces] in optim/updater.py).
         zero = config.zero_optimization
-        self.updater = ShardUpdater(self.strategy, zero.offload_optimizer, zero.sub_group_size, self.comm)
+        self.updater = ShardUpdater(self.strategy, zero.offload_optimizer, zero.sub_group_size)
         self.optimizer = self._build_optimizer(optimizer, trainable.group_options)
         self.updater.attach(self.optimizer)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
@@ -207,6 +208,7 @@ class Engine:
             self._log_progress()
 
     def _optimizer_step(self) -> None:
+        self._raise_swap_failures()  # a parameter shard that could not be read: stop before updating
         grads = [self.strategy.owned_grad(b) for b in self.flat.layout.buckets]  # on the device
         sharded = self.strategy.grads_are_sharded and self.world.is_distributed
         scaled_norm = global_grad_norm(grads, self.comm if sharded else None)
@@ -259,6 +261,28 @@ class Engine:
             self.strategy.refresh_bucket(bucket)
         self.updater.end_step()
         self.strategy.finish_refresh()
+        self._raise_swap_failures()
+
+    def _raise_swap_failures(self) -> None:
+        """NVMe offload: a swap read or write that failed on any rank stops every rank, together.
+
+        A failing rank keeps issuing the step's collectives (its update stops, see [Note: NVMe
+        sub-groups] in optim/updater.py); here one scalar all-reduce tells every rank, and each raises
+        an OffloadIOError: the failing ones with the file and the reason, the others naming them.
+        """
+        zero = self.config.zero_optimization
+        if "nvme" not in (zero.offload_optimizer.device, zero.offload_param.device):
+            return
+        store = getattr(self.flat, "store", None)
+        failures = [f for f in (self.updater.take_failure(), store.take_failure() if store is not None else None)
+                    if f is not None]
+        failed = self.comm.all_reduce_scalar(float(bool(failures)), "offload_io_check") \
+            if self.world.is_distributed else float(bool(failures))
+        if failures:
+            raise failures[0]
+        if failed:
+            raise OffloadIOError(f"swap I/O failed on {int(failed)} other rank(s) (their error names the file); "
+                                 f"this rank stops with them")
 
     def close(self) -> None:
         """Remove this engine's swap files now (NVMe offload; otherwise they go when the process exits)."""

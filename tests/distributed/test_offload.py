@@ -154,17 +154,18 @@ def test_offloaded_state_survives_a_checkpoint_into_any_offload_setting(tmp_path
 
 
 def io_error_worker(rank: int, world: int, nvme: str, damage: str) -> str:
+    """Damage rank 1's swap files only: rank 1 must name the file, and rank 0 must stop with it."""
     engine, _, _, _ = zeroshard.initialize(model=make_model(), config=offload_config(2, nvme, "nvme"))
     swap_dir = next(Path(nvme).glob(f"*rank{rank}_*"))
-    if damage == "full":
+    victim = swap_dir / "b0_0.exp_avg"
+    if damage == "full" and rank == 1:
         # Before the first step: the file the first Adam moment will be written to is /dev/full, where
         # the kernel fails every write with ENOSPC, as on a full disk.
-        victim = swap_dir / "b0_0.exp_avg"
         victim.symlink_to("/dev/full")
-    else:
+    if damage == "removed":
         train(engine, rank, world, range(1))
-        victim = next(f for f in sorted(swap_dir.iterdir()) if f.name.endswith("exp_avg"))
-        victim.unlink()
+        if rank == 1:
+            victim.unlink()
     try:
         train(engine, rank, world, range(1, 2))
     except OffloadIOError as err:
@@ -176,10 +177,11 @@ def io_error_worker(rank: int, world: int, nvme: str, damage: str) -> str:
     ("removed", "is missing: it was removed while training"),
     ("full", "No space left on device (the disk is full"),
 ])
-def test_swap_io_errors_are_clear(tmp_path: Path, damage: str, expected: str) -> None:
-    for message in run_world(io_error_worker, 2, args=(str(tmp_path), damage)):
-        name, _, text = message.partition("|")
-        assert name in text and expected in text, message
+def test_swap_io_errors_are_clear_and_stop_every_rank(tmp_path: Path, damage: str, expected: str) -> None:
+    rank0, rank1 = run_world(io_error_worker, 2, args=(str(tmp_path), damage))
+    name, _, text = rank1.partition("|")
+    assert name in text and expected in text, rank1
+    assert "swap I/O failed on 1 other rank(s)" in rank0, rank0
 
 
 def preflight_worker(rank: int, world: int, nvme: str, problem: str) -> str:
@@ -199,8 +201,8 @@ def preflight_worker(rank: int, world: int, nvme: str, problem: str) -> str:
 
 
 @pytest.mark.parametrize("problem, expected", [
-    ("missing", "zero_optimization.offload_param.nvme_path '{p}/nope' does not exist"),
-    ("file", "zero_optimization.offload_param.nvme_path '{p}/a_file' is not a directory"),
+    ("missing", "zero_optimization.offload_optimizer.nvme_path '{p}/nope' does not exist"),
+    ("file", "zero_optimization.offload_optimizer.nvme_path '{p}/a_file' is not a directory"),
     ("room", "has 0.00 GiB free but the swap files of 2 rank(s) need"),
     ("memory", "the offload buffers need"),
 ])
@@ -233,3 +235,29 @@ def test_breakdown_by_place_agrees_with_estimate(tmp_path: Path) -> None:
     device = sum(r["mb"]["on_device"] for r in results) / 2
     # host: fp32 masters + Adam (12Ψ/N) + 16-bit parameter shards (2Ψ/N); device: 16-bit gradients (2Ψ/N)
     assert host == pytest.approx(estimate.host) and device == pytest.approx(estimate.model_states)
+
+
+def modify_worker(rank: int, world: int, nvme: str, optimizer: str) -> tuple[int, bool]:
+    """GatheredParameters(modifier_rank=0) edits one weight of a bf16 run: exactly its masters change."""
+    config = {**offload_config(2, nvme, optimizer), "bf16": {"enabled": True}}
+    engine, _, _, _ = zeroshard.initialize(model=make_model(), config=config)
+    train(engine, rank, world, range(2))
+
+    def masters() -> torch.Tensor:
+        return torch.cat([engine.updater.read_bucket(b)[0] for b in engine.flat.layout.buckets])
+
+    before = masters()
+    weight = engine.module.ln_f.weight
+    with zeroshard.GatheredParameters([weight], modifier_rank=0):
+        if rank == 0:
+            weight.data.fill_(0.5)
+    after = masters()
+    changed = before != after
+    return int(changed.sum()), bool((after[changed] == 0.5).all())
+
+
+@pytest.mark.parametrize("optimizer", ["none", "cpu", "nvme"])
+def test_modified_parameters_reach_the_masters_and_only_they(tmp_path: Path, optimizer: str) -> None:
+    results = run_world(modify_worker, 2, args=(str(tmp_path), optimizer))
+    # ln_f.weight has 16 elements, split between the ranks' shards; every other master keeps its fp32 value
+    assert sum(count for count, _ in results) == 16 and all(ok for _, ok in results)

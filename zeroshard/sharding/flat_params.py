@@ -93,7 +93,7 @@ class FlatParameters:
     def commit_full(self, index: int) -> None:
         """The buffer was modified in place (GatheredParameters): the masters follow it, if any."""
         if self.masters is not None:
-            self.masters.take(self.layout.buckets[index], self.bucket_view(self.layout.buckets[index]))
+            self.masters.take(self.layout.buckets[index], self.bucket_view(self.layout.buckets[index]), only_changed=True)
 
     def slot_view(self, bucket: BucketLayout, offset: int, numel: int) -> torch.Tensor:
         start = bucket.offset + offset

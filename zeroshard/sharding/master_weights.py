@@ -10,26 +10,40 @@ from __future__ import annotations
 
 import torch
 
+from typing import TYPE_CHECKING, Optional
+
 from .layout import BucketLayout, FlatLayout
+
+if TYPE_CHECKING:
+    from ..offload.master_swap import MasterSwap
+
+
+def owned_spans(layout: FlatLayout, rank: int, whole_buckets: bool) -> list[tuple[int, int]]:
+    """Per bucket, [start, end) of what the rank's optimizer owns, relative to the bucket."""
+    return [(0, b.padded_numel) if whole_buckets else b.shard_range(rank) for b in layout.buckets]
 
 
 class MasterWeights:
-    """One fp32 buffer holding this rank's owned range of every bucket, one view per bucket."""
+    """One fp32 buffer holding this rank's owned range of every bucket, one view per bucket; or, under
+    NVMe optimizer offload (``spill``), no buffer at all: values go straight to swap files."""
 
     def __init__(self, layout: FlatLayout, rank: int, whole_buckets: bool, device: torch.device,
-                 pin_memory: bool = False) -> None:
+                 pin_memory: bool = False, spill: Optional["MasterSwap"] = None) -> None:
         self.layout = layout
         self.rank = rank
         self.whole_buckets = whole_buckets
-        self._ranges = [(0, b.padded_numel) if whole_buckets else b.shard_range(rank) for b in layout.buckets]
+        self._ranges = owned_spans(layout, rank, whole_buckets)
         self._offsets: list[int] = []
         total = 0
         for start, end in self._ranges:
             self._offsets.append(total)
             total += end - start
-        self.data = torch.zeros(total, dtype=torch.float32, device=device)
-        if pin_memory and device.type == "cpu" and torch.cuda.is_available():
-            self.data = self.data.pin_memory()  # page-locked: asynchronous copies to and from the GPU
+        self.spill = spill
+        # page-locked (allocated so, not copied) for asynchronous copies to and from a GPU
+        pin = pin_memory and device.type == "cpu" and torch.cuda.is_available() and spill is None
+        self.data = torch.zeros(0 if spill is not None else total, dtype=torch.float32, device=device,
+                                pin_memory=pin)
+
 
     def owned_range(self, bucket: BucketLayout) -> tuple[int, int]:
         """[start, end) of the owned elements, relative to the bucket."""
@@ -44,15 +58,26 @@ class MasterWeights:
         offset = self._offsets[bucket.index]
         return tensor[offset: offset + end - start]
 
-    def release(self) -> None:
-        """Free the values (NVMe offload keeps them in swap files); the layout stays."""
-        self.data = torch.empty(0, dtype=torch.float32)
+    def take(self, bucket: BucketLayout, full: torch.Tensor, only_changed: bool = False) -> None:
+        """Set the masters of ``bucket`` from its full values (1D, padded, any float dtype).
 
-    def take(self, bucket: BucketLayout, full: torch.Tensor) -> None:
-        """Set the masters of ``bucket`` from its full values (1D, padded, any float dtype)."""
+        ``only_changed``: the values were edited in the parameters' dtype (GatheredParameters); an
+        element whose rounded master still equals it keeps its unrounded fp32 master.
+        """
         start, end = self._ranges[bucket.index]
+        owned = full[start:end]
         with torch.no_grad():
-            self.chunk(bucket).copy_(full[start:end])
+            if only_changed:
+                current = self.spill.read_owned(bucket) if self.spill is not None else self.chunk(bucket)
+                changed = owned != current.to(owned.dtype)
+                current[changed] = owned[changed].to(torch.float32)
+                values = current
+            else:
+                values = owned.to(torch.float32)
+            if self.spill is not None:
+                self.spill.write_owned(bucket, values.contiguous())
+            elif values is not self.chunk(bucket):
+                self.chunk(bucket).copy_(values)
 
     def real_numel(self) -> int:
         """Elements that hold parameters (the rest is bucket padding)."""

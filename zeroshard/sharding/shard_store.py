@@ -23,7 +23,7 @@ import torch
 
 from ..config.schema import OffloadParamConfig
 from ..distributed.collectives import Collectives
-from ..offload import SwapDirectory, SwapFile, SwapIO, preflight_nvme
+from ..offload import OffloadIOError, SwapDirectory, SwapFile, SwapIO, preflight_nvme
 from .buffer_pool import BufferPool
 from .layout import BucketLayout, FlatLayout
 
@@ -58,6 +58,8 @@ class ShardStore:
         if offload.pin_memory and torch.cuda.is_available() and sizes["host"]:
             self.host_shard = self.host_shard.pin_memory()
         self._files: dict[int, SwapFile] = {}
+        #: the first swap failure, held until the engine raises it on every rank together
+        self.failure: Optional[OffloadIOError] = None
         self._io: Optional[SwapIO] = None
         self._writes: deque[tuple[Future[None], torch.Tensor]] = deque()
         nvme = [b for b in layout.buckets if self.where[b.index] == "nvme"]
@@ -101,15 +103,21 @@ class ShardStore:
             into.copy_(resident, non_blocking=resident.is_pinned())
             return
         assert self._io is not None
-        if into.device.type == "cpu":
-            self._io.read(self._files[bucket.index], into).result()
-            return
-        staging = self._staging.acquire(bucket.shard_numel)
         try:
-            self._io.read(self._files[bucket.index], staging).result()
-            into.copy_(staging)
-        finally:
-            self._staging.release(staging)
+            if into.device.type == "cpu":
+                self._io.read(self._files[bucket.index], into).result()
+                return
+            staging = self._staging.acquire(bucket.shard_numel)
+            try:
+                self._io.read(self._files[bucket.index], staging).result()
+                into.copy_(staging)
+            finally:
+                self._staging.release(staging)
+        except OffloadIOError as err:
+            # Zeros, and the collective goes on: stopping here would leave the other ranks waiting in
+            # this all-gather.  The engine raises on every rank before anything is updated.
+            self.failure = self.failure or err
+            into.zero_()
 
     def write(self, bucket: BucketLayout, start: int, values: torch.Tensor) -> None:
         """Store ``values`` (any float dtype) at element ``start`` of the chunk, rounded to the shard dtype."""
@@ -128,12 +136,18 @@ class ShardStore:
     def _finish_oldest_write(self) -> None:
         future, staging = self._writes.popleft()
         try:
-            future.result()  # raises OffloadIOError
+            future.result()
+        except OffloadIOError as err:
+            self.failure = self.failure or err
         finally:
             self._staging.release(staging)
 
+    def take_failure(self) -> Optional[OffloadIOError]:
+        failure, self.failure = self.failure, None
+        return failure
+
     def flush(self) -> None:
-        """Wait for every write (their errors surface here)."""
+        """Wait for every write (a failure is kept in ``failure``)."""
         while self._writes:
             self._finish_oldest_write()
 

@@ -181,7 +181,7 @@ class ShardedParameters:
         with torch.no_grad():
             self.store.write(bucket, 0, self.full[index][start:end])
             if self.masters is not None:
-                self.masters.take(bucket, self.full[index])
+                self.masters.take(bucket, self.full[index], only_changed=True)
 
     def gathered_bytes(self) -> int:
         """Bytes of non-persistent full buffers currently present (0 between steps)."""

@@ -46,7 +46,7 @@ class Stage3(Stage2):
               precision: PrecisionPolicy = PrecisionPolicy()) -> "Stage3":
         plan = plan_units(model, params, names, group_of, zero.stage3_param_persistence_threshold,
                           zero.reduce_bucket_size, world.world_size)
-        masters = cls.make_masters(plan.layout, world, precision, zero, params[0].device)
+        masters = cls.make_masters(plan.layout, world, precision, zero, params[0].device, comm)
         storage = ShardedParameters(plan.layout, params, comm, model, plan.persistent_buckets,
                                     precision.compute, masters, zero.offload_param)
         return cls(storage, params, comm, world, zero, plan, model, precision)

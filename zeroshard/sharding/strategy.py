@@ -25,11 +25,12 @@ from torch import nn
 from ..config import ZeroConfig
 from ..distributed.collectives import Collectives, PendingCollective
 from ..distributed.world import World
+from ..offload.master_swap import MasterSwap
 from ..precision import PrecisionPolicy
 from .buffer_pool import BufferPool
 from .flat_params import FlatParameters
 from .layout import BucketLayout, FlatLayout, plan_buckets
-from .master_weights import MasterWeights
+from .master_weights import MasterWeights, owned_spans
 
 
 #: launched gradient buckets allowed in flight before the oldest is waited for (see ``_retire``)
@@ -163,17 +164,22 @@ class ShardingStrategy(ABC):
               precision: PrecisionPolicy = PrecisionPolicy()) -> "ShardingStrategy":
         """Lay out the trainable parameters and take them over (stages 0-2: one flat buffer)."""
         layout = plan_buckets(params, names, group_of, zero.reduce_bucket_size, world.world_size)
-        masters = cls.make_masters(layout, world, precision, zero, params[0].device)
+        masters = cls.make_masters(layout, world, precision, zero, params[0].device, comm)
         flat = FlatParameters(layout, params, comm, precision.compute, masters)
         return cls(flat, params, comm, world, zero, precision)
 
     @classmethod
     def make_masters(cls, layout: FlatLayout, world: World, precision: PrecisionPolicy, zero: ZeroConfig,
-                     device: torch.device) -> Optional[MasterWeights]:
+                     device: torch.device, comm: Collectives) -> Optional[MasterWeights]:
         """fp32 master weights over what this stage's optimizer owns: with mixed precision (on the
-        device) or optimizer offload (in host memory, also for fp32 training); otherwise None."""
+        device) or optimizer offload (in host memory, or straight to swap files under NVMe offload,
+        also for fp32 training); otherwise None."""
         offload = zero.offload_optimizer
-        if offload.device != "none":
+        if offload.device == "nvme":
+            spans = owned_spans(layout, world.rank, cls.owns_whole_buckets)
+            swap = MasterSwap(spans, offload, zero.sub_group_size, comm)
+            return MasterWeights(layout, world.rank, cls.owns_whole_buckets, torch.device("cpu"), spill=swap)
+        if offload.device == "cpu":
             return MasterWeights(layout, world.rank, cls.owns_whole_buckets, torch.device("cpu"), offload.pin_memory)
         if not precision.mixed:
             return None
@@ -240,10 +246,6 @@ class ShardingStrategy(ABC):
     def owned_param(self, bucket: BucketLayout) -> torch.Tensor:
         """The part of the flat buffer this rank's optimizer updates, for ``bucket``."""
         return self.flat.shard_view(bucket, self.world.rank)
-
-    def optimizer_view(self, bucket: BucketLayout) -> torch.Tensor:
-        """What the optimizer updates for ``bucket``: the fp32 masters, or the owned parameters themselves."""
-        return self.masters.chunk(bucket) if self.masters is not None else self.owned_param(bucket)
 
     def publish_piece(self, bucket: BucketLayout, start: int, values: torch.Tensor) -> None:
         """Write updated master values (fp32, from element ``start`` of the owned chunk) into the owned
