@@ -62,7 +62,7 @@ def step_worker(rank: int, world: int, optimizer: str, nvme: str, steps: int) ->
         engine.step()
         if i:
             times.append(time.perf_counter() - start)
-    io = engine.updater._io
+    io = engine.updater.swap.io if engine.updater.swap is not None else None
     psi = engine.flat.layout.numel
     out = {"params": psi, "median_step_s": statistics.median(times), "params_per_s": psi / statistics.median(times)}
     if io is not None:
