@@ -110,3 +110,36 @@ def init_worker(rank: int, world: int, kind: str) -> bool:
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_hf_model_built_under_init_has_plain_construction_values(kind: str) -> None:
     assert all(run_world(init_worker, 2, args=(kind,)))
+
+
+def hf_checkpointing_worker(rank: int, world: int, kind: str, reentrant: bool) -> bool:
+    """The model's own gradient_checkpointing_enable() at stage 3 (torch.utils.checkpoint recomputes the
+    layers inside backward): training must equal the same run without checkpointing, bitwise."""
+    results, calls = [], []
+    for checkpointed in (False, True):
+        model = build(kind)
+        if checkpointed:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        model.train()
+        # inside the checkpointed region (HF checkpoints a layer's forward, its hooks stay outside)
+        mlp = (model.transformer.h[0] if kind == "gpt2" else model.model.layers[0]).mlp
+        count = [0]
+        mlp.register_forward_pre_hook(lambda *_: count.__setitem__(0, count[0] + 1))  # (recomputation may stop early)
+        calls.append(count)
+        engine, _, _, _ = zeroshard.initialize(model=model, config={
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 64}})
+        for step in range(3):
+            ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(step * 10 + rank))
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+        results.append(engine.full_state_dict())
+    assert [c[0] for c in calls] == [3, 6], calls  # checkpointed: the layer's forward runs again in backward
+    return all(torch.equal(results[0][k], results[1][k]) for k in results[0]) if rank == 0 else True
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_hf_gradient_checkpointing_at_stage3(kind: str, reentrant: bool) -> None:
+    assert all(run_world(hf_checkpointing_worker, 2, args=(kind, reentrant)))
