@@ -203,12 +203,16 @@ def preflight_worker(rank: int, world: int, nvme: str, problem: str) -> str:
 @pytest.mark.parametrize("problem, expected", [
     ("missing", "zero_optimization.offload_optimizer.nvme_path '{p}/nope' does not exist"),
     ("file", "zero_optimization.offload_optimizer.nvme_path '{p}/a_file' is not a directory"),
+    ("unwritable", "zero_optimization.offload_optimizer.nvme_path '/sys' is not writable (Permission denied)"),
     ("room", "has 0.00 GiB free but the swap files of 2 rank(s) need"),
     ("memory", "the offload buffers need"),
 ])
 def test_preflight_names_the_path_and_the_numbers(tmp_path: Path, problem: str, expected: str) -> None:
     (tmp_path / "a_file").write_text("x")
-    path = {"missing": tmp_path / "nope", "file": tmp_path / "a_file"}.get(problem, tmp_path)
+    # /sys: a directory that not even root may create files in
+    if problem == "unwritable" and not Path("/sys/kernel").is_dir():
+        pytest.skip("no sysfs on this machine")
+    path = {"missing": tmp_path / "nope", "file": tmp_path / "a_file", "unwritable": Path("/sys")}.get(problem, tmp_path)
     for message in run_world(preflight_worker, 2, args=(str(path), problem)):
         assert expected.format(p=tmp_path) in message, message
 
