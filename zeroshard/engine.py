@@ -442,7 +442,8 @@ class Engine:
         """Bytes this rank holds, by category (see [Note: what the breakdown counts])."""
         params, param_padding = self.strategy.param_bytes()
         grads, grad_padding = self.strategy.grad_bytes()
-        opt_real, opt_padding, opt_other = self._optimizer_bytes()
+        placed = self.updater.memory()  # optimizer state, fp32 masters included (12 bytes = 4 + 8)
+        opt_real, opt_padding, opt_other = placed["real"], placed["padding"], placed["other"]
         out: dict[str, float] = {
             "params": params,
             "grads": grads,
@@ -457,7 +458,6 @@ class Engine:
         out["model_states"] = out["params"] + out["grads"] + out["optimizer"]
         # Where the model states are (real elements): offloaded optimizer state and parameters are
         # counted in host memory or on NVMe, the rest on the training device.
-        placed = self.updater.memory()
         param_host, param_nvme = self.strategy.param_placement()
         out["on_host"] = placed["host"] + param_host
         out["on_nvme"] = placed["nvme"] + param_nvme
@@ -470,7 +470,3 @@ class Engine:
                                            12 if self.strategy.masters is not None else None).total
         return out
 
-    def _optimizer_bytes(self) -> tuple[int, int, int]:
-        """Optimizer state, fp32 master weights included (the seeds count them there: 12 bytes = 4 + 8)."""
-        memory = self.updater.memory()
-        return memory["real"], memory["padding"], memory["other"]

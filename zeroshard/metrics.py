@@ -17,16 +17,21 @@ from typing import Any, Optional
 import torch
 
 
-def host_peak_bytes() -> int:
-    """This process's RSS high-water mark (VmHWM; 0 where /proc is not available)."""
+def proc_bytes(path: str, field: str) -> Optional[int]:
+    """A ``field: N kB`` line of a /proc file, in bytes (None where /proc or the field is missing)."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 0
+    return None
+
+
+def host_peak_bytes() -> int:
+    """This process's RSS high-water mark (VmHWM; 0 where /proc is not available)."""
+    return proc_bytes("/proc/self/status", "VmHWM") or 0
 
 
 def device_peak_bytes(device: torch.device) -> int:

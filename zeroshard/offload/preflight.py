@@ -12,6 +12,7 @@ import tempfile
 from typing import Optional
 
 from ..distributed.collectives import Collectives
+from ..metrics import proc_bytes
 
 
 class OffloadPreflightError(RuntimeError):
@@ -20,14 +21,8 @@ class OffloadPreflightError(RuntimeError):
 
 def available_host_bytes() -> int:
     """MemAvailable from /proc/meminfo (what can be allocated without swapping)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 62  # unknown: do not refuse
+    available = proc_bytes("/proc/meminfo", "MemAvailable")
+    return available if available is not None else 1 << 62  # unknown: do not refuse
 
 
 def _check(path: str, key: str, disk_bytes: int, host_bytes: int, ranks_sharing: int) -> Optional[str]:

@@ -16,6 +16,7 @@ import ctypes
 import errno
 import os
 import shutil
+import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -109,8 +110,6 @@ class SwapDirectory:
     def remove(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
 
-    def bytes_on_disk(self) -> int:
-        return sum(f.stat().st_size for f in self.root.iterdir()) if self.root.exists() else 0
 
 
 class SwapIO:
@@ -127,23 +126,23 @@ class SwapIO:
         return self._pool.submit(fn)
 
     def read(self, file: SwapFile, into: torch.Tensor, offset: int = 0) -> "Future[None]":
-        def run() -> None:
-            import time
-
-            started = time.perf_counter()
-            file.read_into(into, offset)
-            self.seconds_reading += time.perf_counter() - started
-            self.bytes_read += into.numel() * into.element_size()
-        return self._pool.submit(run)
+        return self._timed(lambda: file.read_into(into, offset), into, writing=False)
 
     def write(self, file: SwapFile, tensor: torch.Tensor, offset: int = 0) -> "Future[None]":
-        def run() -> None:
-            import time
+        return self._timed(lambda: file.write(tensor, offset), tensor, writing=True)
 
+    def _timed(self, io: Callable[[], None], tensor: torch.Tensor, writing: bool) -> "Future[None]":
+        """Queue ``io`` on the thread, adding its seconds and bytes to the throughput counters."""
+        def run() -> None:
             started = time.perf_counter()
-            file.write(tensor, offset)
-            self.seconds_writing += time.perf_counter() - started
-            self.bytes_written += tensor.numel() * tensor.element_size()
+            io()
+            seconds, nbytes = time.perf_counter() - started, tensor.numel() * tensor.element_size()
+            if writing:
+                self.seconds_writing += seconds
+                self.bytes_written += nbytes
+            else:
+                self.seconds_reading += seconds
+                self.bytes_read += nbytes
         return self._pool.submit(run)
 
     def shutdown(self) -> None:

@@ -45,10 +45,6 @@ class MasterWeights:
                                 pin_memory=pin)
 
 
-    def owned_range(self, bucket: BucketLayout) -> tuple[int, int]:
-        """[start, end) of the owned elements, relative to the bucket."""
-        return self._ranges[bucket.index]
-
     def chunk(self, bucket: BucketLayout) -> torch.Tensor:
         return self.view_of(self.data, bucket)
 
@@ -67,17 +63,18 @@ class MasterWeights:
         start, end = self._ranges[bucket.index]
         owned = full[start:end]
         with torch.no_grad():
-            if only_changed:
-                current = self.spill.read_owned(bucket) if self.spill is not None else self.chunk(bucket)
-                changed = owned != current.to(owned.dtype)
-                current[changed] = owned[changed].to(torch.float32)
-                values = current
-            else:
-                values = owned.to(torch.float32)
+            if not only_changed:
+                if self.spill is None:
+                    self.chunk(bucket).copy_(owned)
+                else:
+                    self.spill.write_owned(bucket, owned.to(torch.float32).contiguous())
+                return
+            # in memory the chunk is edited in place; on NVMe a copy is edited and written back
+            values = self.spill.read_owned(bucket) if self.spill is not None else self.chunk(bucket)
+            changed = owned != values.to(owned.dtype)
+            values[changed] = owned[changed].to(torch.float32)
             if self.spill is not None:
-                self.spill.write_owned(bucket, values.contiguous())
-            elif values is not self.chunk(bucket):
-                self.chunk(bucket).copy_(values)
+                self.spill.write_owned(bucket, values)
 
     def real_numel(self) -> int:
         """Elements that hold parameters (the rest is bucket padding)."""

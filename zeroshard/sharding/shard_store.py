@@ -158,9 +158,6 @@ class ShardStore:
             self._finalizer()
 
     # ------------------------------------------------------------------ accounting
-    def numel_at(self, place: str) -> int:
-        return sum(b.shard_numel for b in self.layout.buckets if self.where[b.index] == place)
-
     def real_numel_at(self, place: str, rank: int) -> int:
         return sum(b.real_numel_in_shard(rank) for b in self.layout.buckets if self.where[b.index] == place)
 
