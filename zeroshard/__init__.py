@@ -2,17 +2,27 @@
 
     engine, optimizer, loader, scheduler = zeroshard.initialize(model=model, config="ds_config.json")
     loss = engine(batch).loss; engine.backward(loss); engine.step()
+
+DeepSpeed scripts run with ``import zeroshard as deepspeed``: the names and module paths they use
+(``zero``, ``comm``, ``accelerator``, ``ops.adam``, ``utils``, ``checkpointing``, ``runtime``, ...) are
+here, over zeroshard's own machinery (see zeroshard/compat/).
 """
 
+from . import accelerator, checkpointing, comm, moe, ops, runtime, utils, zero
 from .api import initialize
+from .compat.arguments import add_config_arguments
+from .compat.comm import init_distributed
 from .config import ConfigError, ZeroshardConfig, load_config
 from .distributed.collectives import CollectiveError
-from .distributed.world import World, init_distributed
+from .distributed.world import World
 from .engine import Engine
+from .engine import Engine as DeepSpeedEngine
 from .gathered import GatheredParameters
 from .init_context import Init
 from .memory import model_state_bytes
 from .version import __version__
 
-__all__ = ["initialize", "Engine", "GatheredParameters", "Init", "init_distributed", "World", "load_config", "ZeroshardConfig",
-           "ConfigError", "CollectiveError", "model_state_bytes", "__version__"]
+__all__ = ["initialize", "Engine", "GatheredParameters", "Init", "init_distributed", "World", "load_config",
+           "ZeroshardConfig", "ConfigError", "CollectiveError", "model_state_bytes", "__version__",
+           "add_config_arguments", "DeepSpeedEngine", "zero", "comm", "accelerator", "ops", "utils",
+           "checkpointing", "runtime", "moe"]

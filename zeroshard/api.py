@@ -14,20 +14,29 @@ from .distributed.world import init_distributed
 from .engine import Engine, SchedulerSpec
 
 
-def initialize(model: nn.Module, model_parameters: Any = None, config: Any = None, optimizer: Any = None,
-               lr_scheduler: SchedulerSpec = None, training_data: Optional[Dataset] = None,
-               collate_fn: Optional[Callable[..., Any]] = None, args: Any = None,
-               config_params: Any = None) -> tuple[Engine, torch.optim.Optimizer, Optional[DistributedLoader], Any]:
+def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: Any = None,
+               model_parameters: Any = None, training_data: Optional[Dataset] = None,
+               lr_scheduler: SchedulerSpec = None, distributed_port: Any = None, mpu: Any = None,
+               dist_init_required: Optional[bool] = None, collate_fn: Optional[Callable[..., Any]] = None,
+               config: Any = None, config_params: Any = None, mesh_param: Any = None,
+               ) -> tuple[Engine, torch.optim.Optimizer, Optional[DistributedLoader], Any]:
     """Wrap ``model`` for ZeRO training; returns ``(engine, optimizer, dataloader, lr_scheduler)``.
 
-    ``config`` is a path to a DeepSpeed-style JSON file or a dict (``config_params`` and
-    ``args.deepspeed_config`` are accepted as DeepSpeed's older spellings).  ``optimizer`` and
-    ``lr_scheduler`` may be objects or callables; ``training_data`` gives back a distributed loader at
-    the micro batch size.  Joins the process group (torchrun's env://) if nobody has yet.
+    DeepSpeed's signature.  ``config`` is a path to a DeepSpeed-style JSON file or a dict
+    (``config_params``, and ``args.deepspeed_config`` from :func:`add_config_arguments`, are
+    DeepSpeed's other spellings).  ``optimizer`` and ``lr_scheduler`` may be objects or callables;
+    ``training_data`` gives back a distributed loader at the micro batch size.  Joins the process
+    group (torchrun's env://) if nobody has yet (``dist_init_required=False``: one must exist).
+    ``mpu`` and ``mesh_param`` must be None: zeroshard has no model or sequence parallelism.
     """
-    source = config if config is not None else config_params
-    if source is None and args is not None:
-        source = getattr(args, "deepspeed_config", None) or getattr(args, "zeroshard_config", None)
+    if model is None:
+        raise ValueError("initialize() needs model=")
+    if mpu is not None or mesh_param is not None:
+        raise ValueError("initialize(mpu=/mesh_param=): zeroshard is data parallel only; pass None")
+    if dist_init_required is False and not torch.distributed.is_initialized():
+        raise RuntimeError("initialize(dist_init_required=False) but no process group exists")
+    del distributed_port  # the rendezvous is torchrun's (MASTER_PORT)
+    source = _config_source(config, config_params, args)
     parsed: ZeroshardConfig = load_config(source)
     world = init_distributed(timeout_s=parsed.collective_timeout)
     parsed = resolve_batch_sizes(parsed, world.world_size)
@@ -40,3 +49,19 @@ def initialize(model: nn.Module, model_parameters: Any = None, config: Any = Non
                               seed=parsed.seed or 0)
         engine.data_loader = loader
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _config_source(config: Any, config_params: Any, args: Any) -> Any:
+    """Where the config comes from: ``config``, else ``config_params``, else ``args.deepspeed_config``
+    (DeepSpeed refuses two sources at once, and so does zeroshard)."""
+    from_args = None
+    if args is not None:
+        from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None) \
+            or getattr(args, "zeroshard_config", None)
+    given = [s for s in (config, config_params) if s is not None]
+    if len(given) == 2:
+        raise ValueError("initialize() got both config= and config_params=; pass one")
+    if given and from_args is not None:
+        raise ValueError(f"initialize() got a config and also args.deepspeed_config={from_args!r}; pass one "
+                         f"(drop --deepspeed_config, or the config= argument)")
+    return given[0] if given else from_args

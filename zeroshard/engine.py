@@ -12,6 +12,7 @@ the same update.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from pathlib import Path
@@ -36,12 +37,19 @@ from .offload import OffloadIOError
 from .optim.updater import ShardUpdater
 from .precision import LossScaler, PrecisionPolicy
 from .sharding import STRATEGIES
+from .compat.engine_api import DeepSpeedEngineAPI
+from .checkpoint.format import write_state_dict
 
 SchedulerSpec = Union[None, LRScheduler, Callable[[Optimizer], LRScheduler]]
 
 
-class Engine:
-    """Wraps a model for ZeRO data-parallel training; use it like DeepSpeed's engine."""
+class Engine(DeepSpeedEngineAPI):
+    """Wraps a model for ZeRO data-parallel training; use it like DeepSpeed's engine.
+
+    The DeepSpeed-shaped accessors (``fp16_enabled()``, ``zero_optimization_stage()``, attribute
+    forwarding to the module, ...) live in :class:`~zeroshard.compat.engine_api.DeepSpeedEngineAPI`;
+    this class holds what training does.
+    """
 
     def __init__(self, model: nn.Module, config: ZeroshardConfig, world: World,
                  model_parameters: Any = None, optimizer: Any = None,
@@ -74,10 +82,13 @@ class Engine:
         self.updater = ShardUpdater(self.strategy, zero.offload_optimizer, zero.sub_group_size)
         self.optimizer = self._build_optimizer(optimizer, trainable.group_options)
         self.updater.attach(self.optimizer)
+        setattr(self.optimizer, "overflow", False)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.data_loader: Any = None  # set by initialize(training_data=...); checkpoints record its position
         self.global_steps = 0
         self.micro_steps = 0
+        # set_gradient_accumulation_boundary(): a caller (Accelerate) that decides the boundary itself
+        self._boundary_override: Optional[bool] = None
         self.global_samples = 0
         self._grad_norm: Optional[float] = None
         self._last_loss: Optional[float] = None
@@ -176,19 +187,32 @@ class Engine:
         return value
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """True when the current micro step is the last one before an optimizer step."""
+        """True when the current micro step is the last one before an optimizer step (or what
+        :meth:`set_gradient_accumulation_boundary` said, while it is set)."""
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
-    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+    def set_gradient_accumulation_boundary(self, is_boundary: Optional[bool]) -> None:
+        """Let the caller decide whether the coming micro step ends an accumulation cycle.
+
+        Accelerate counts micro steps itself and calls ``step()`` only at its own boundaries, so its
+        word overrides zeroshard's count (``None`` gives the decision back to the count), as in
+        DeepSpeed.
+        """
+        self._boundary_override = is_boundary
+
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True, retain_graph: bool = False) -> torch.Tensor:
         """Backpropagate ``loss / gradient_accumulation_steps`` (times the fp16 loss scale) and reduce
-        gradients as the stage says."""
+        gradients as the stage says.  ``scale_wrt_gas=False``: the caller already divided the loss."""
         started = time.perf_counter()
+        divisor = self.gradient_accumulation_steps() if scale_wrt_gas else 1
         if self.loss_scaler.scale != 1.0:  # fp16: in fp32, so that the scaled loss cannot overflow
-            scaled = loss.float() * (self.loss_scaler.scale / self.gradient_accumulation_steps())
+            scaled = loss.float() * (self.loss_scaler.scale / divisor)
         else:
-            scaled = loss / self.gradient_accumulation_steps()
+            scaled = loss / divisor
         self.strategy.sync_gradients = self.is_gradient_accumulation_boundary()
-        scaled.backward()
+        scaled.backward(retain_graph=retain_graph)
         self.strategy.finish_backward()
         self._last_loss = float(loss.detach())
         self._timers.add("backward", started)
@@ -214,7 +238,9 @@ class Engine:
         scaled_norm = global_grad_norm(grads, self.comm if sharded else None)
         scale = self.loss_scaler.scale
         self._grad_norm = scaled_norm / scale
-        if self.loss_scaler.checks_overflow and not math.isfinite(scaled_norm):
+        overflow = self.loss_scaler.checks_overflow and not math.isfinite(scaled_norm)
+        setattr(self.optimizer, "overflow", overflow)  # DeepSpeed's flag: Accelerate reads it to see a skip
+        if overflow:
             self._skip_step()  # the norm is summed over ranks: every rank sees the overflow
             return
         self.loss_scaler.update(overflow=False, step=self.global_steps + 1)
@@ -372,39 +398,74 @@ class Engine:
         return self.strategy.stage
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, save_dir: Union[str, Path], tag: Optional[str] = None, client_state: Any = None,
-                        save_latest: bool = True) -> Path:
-        """Write a sharded checkpoint under ``save_dir/tag`` (see zeroshard/checkpoint/format.py)."""
+    def save_checkpoint(self, save_dir: Union[str, Path], tag: Any = None, client_state: Any = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> Path:
+        """Write a sharded checkpoint under ``save_dir/tag`` (see zeroshard/checkpoint/format.py).
+
+        ``tag`` may be of any type (DeepSpeed scripts pass step numbers): it names a directory by
+        ``str(tag)``.  ``exclude_frozen_parameters`` is accepted for DeepSpeed's signature: zeroshard's
+        checkpoints hold the trainable parameters' shards and keep frozen ones in the small extra
+        file either way.
+        """
         from .checkpoint import save_checkpoint
 
-        return save_checkpoint(self, save_dir, tag, client_state, save_latest)
+        return save_checkpoint(self, save_dir, None if tag is None else str(tag), client_state, save_latest)
 
-    def load_checkpoint(self, load_dir: Union[str, Path], tag: Optional[str] = None, load_module_strict: bool = True,
+    def load_checkpoint(self, load_dir: Union[str, Path], tag: Any = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False) -> tuple[Optional[Path], Any]:
-        """Load a checkpoint saved at any world size and stage; returns ``(path, client_state)``."""
+                        load_module_only: bool = False, load_rng_state: Optional[bool] = None,
+                        ) -> tuple[Optional[Path], Any]:
+        """Load a checkpoint saved at any world size and stage; returns ``(path, client_state)``.
+
+        [Note: who owns the random number generators on resume]
+        ``load_rng_state=None`` (the default) restores torch's RNG states from the checkpoint only
+        when this engine owns the data pipeline (``initialize(training_data=...)``): then resume is
+        bitwise, data order included.  A script with its own loader keeps its own seeding, as under
+        DeepSpeed, whose ``load_checkpoint`` never touches the global generators: a DeepSpeed script
+        therefore resumes with the data order it had there.  ``True``/``False`` decide explicitly.
+        """
         from .checkpoint import load_checkpoint
 
-        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
-                               load_lr_scheduler_states, load_module_only)
+        restore_rng = self.data_loader is not None if load_rng_state is None else load_rng_state
+        kept = _rng_states()
+        result = load_checkpoint(self, load_dir, None if tag is None else str(tag), load_module_strict,
+                                 load_optimizer_states, load_lr_scheduler_states, load_module_only)
+        if not restore_rng:
+            _set_rng_states(kept)
+        return result
 
     def save_16bit_model(self, save_dir: Union[str, Path], save_filename: str = "model.safetensors",
-                         dtype: Optional[torch.dtype] = None) -> Optional[Path]:
-        """Rank 0 writes the full weights in 16 bits to ``save_dir/save_filename`` (every rank calls it:
-        parameters are gathered one bucket at a time).  ``dtype``: default the training dtype under
-        mixed precision, else bf16."""
-        from .checkpoint.format import write_safetensors_streaming
+                         dtype: Optional[torch.dtype] = None, exclude_frozen_parameters: bool = False,
+                         ) -> Optional[Path]:
+        """Rank 0 writes the full weights in 16 bits to ``save_dir/save_filename``; every rank calls it.
 
+        The file is what its name says: a torch pickle for ``.bin``/``.pt``/``.pth`` (DeepSpeed's
+        ``pytorch_model.bin``), safetensors otherwise.  ``dtype``: default the training dtype under
+        mixed precision, else bf16.  At stage 3 the weights are gathered (one bucket at a time) only
+        when ``stage3_gather_16bit_weights_on_model_save`` is true; otherwise nothing is written and a
+        warning says so, as DeepSpeed does.  ``exclude_frozen_parameters`` leaves frozen ones out.
+        """
+        if not self.zero_gather_16bit_weights_on_model_save():
+            log_rank("save_16bit_model: nothing written: at stage 3 it needs zero_optimization."
+                     "stage3_gather_16bit_weights_on_model_save = true (or use save_checkpoint + "
+                     "zeroshard consolidate)", level=logging.WARNING)
+            return None
         dtype = dtype or (self.precision.compute if self.precision.mixed else torch.bfloat16)
-
         state = self.full_state_dict(rank0_only=True)
         if not self.world.is_main:
             return None
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
         target = Path(save_dir) / save_filename
         target.parent.mkdir(parents=True, exist_ok=True)
-        entries = [(k, tuple(v.shape), dtype if v.is_floating_point() else v.dtype) for k, v in state.items()]
-        write_safetensors_streaming(target, entries, state.__getitem__)
+        write_state_dict(target, state, dtype)
         return target
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """Whether ``save_16bit_model`` gathers full weights (always below stage 3; the config's
+        ``stage3_gather_16bit_weights_on_model_save`` at stage 3)."""
+        return self.stage < 3 or self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
 
     # ------------------------------------------------------------------ full weights
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
@@ -470,3 +531,13 @@ class Engine:
                                            12 if self.strategy.masters is not None else None).total
         return out
 
+
+
+def _rng_states() -> tuple[torch.Tensor, Optional[list[torch.Tensor]]]:
+    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+
+def _set_rng_states(states: tuple[torch.Tensor, Optional[list[torch.Tensor]]]) -> None:
+    torch.set_rng_state(states[0])
+    if states[1] is not None:
+        torch.cuda.set_rng_state_all(states[1])

@@ -6,10 +6,14 @@
 
 Every rank must enter the block with the same parameters (it issues collectives).  Inside, the full
 values are present; on exit, with ``modifier_rank=r``, rank r's values are broadcast and each rank
-keeps its own chunk of them; then the parameters are released again.  Parameters that zeroshard does
-not shard (stages 0-2, persistent ones) are simply available; with a modifier rank their values are
-still broadcast, so that every rank ends with rank r's.  Frozen parameters are not managed by
-zeroshard: with a modifier rank they are refused (change them on every rank instead).
+keeps its own chunk of them; then the parameters are released again.  Three kinds of parameters
+can be named, also mixed in one call:
+
+- parameters of an initialized stage-3 engine (their buckets are pinned gathered);
+- parameters built under ``zeroshard.Init`` before ``initialize()`` (each is gathered on its own:
+  the pattern of a module that initialises a weight in its ``__init__`` on one rank);
+- anything else (stages 0-2, persistent or frozen parameters, a plain module): simply available;
+  with a modifier rank their values are still broadcast, so that every rank ends with rank r's.
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ from typing import Any, Iterable, Optional, Union
 import torch
 from torch import nn
 
+from .distributed.collectives import Collectives
+from .distributed.world import init_distributed
+from .init_context import InitShardedParameter
+
 
 def _home(p: torch.Tensor) -> Any:
     return getattr(p, "_zeroshard_home", None)
@@ -27,8 +35,11 @@ def _home(p: torch.Tensor) -> Any:
 class GatheredParameters:
     """Context manager: full values of (possibly sharded) parameters inside the block."""
 
-    def __init__(self, params: Union[nn.Parameter, Iterable[nn.Parameter]], modifier_rank: Optional[int] = None,
+    def __init__(self, params: Union[nn.Parameter, Iterable[nn.Parameter], None],
+                 modifier_rank: Optional[int] = None, fwd_module: Optional[nn.Module] = None,
                  enabled: bool = True) -> None:
+        if params is None:
+            params = []
         self.params = [params] if isinstance(params, torch.Tensor) else list(params)
         self.modifier_rank = modifier_rank
         self.enabled = enabled
@@ -39,26 +50,35 @@ class GatheredParameters:
                 storage, index = home
                 homes[(id(storage), index)] = (storage, index)
         self._buckets = [homes[k] for k in sorted(homes, key=lambda k: k[1])]
-        if modifier_rank is not None and any(_home(p) is None for p in self.params):
-            raise ValueError("GatheredParameters(modifier_rank=...) got a parameter zeroshard does not manage "
-                             "(frozen, or not part of an initialized engine); modify it on every rank instead")
+        self._init_params = list({id(p): p for p in self.params if isinstance(p, InitShardedParameter)}.values())
+        self._plain = [p for p in self.params if _home(p) is None and not isinstance(p, InitShardedParameter)]
 
     def __enter__(self) -> "GatheredParameters":
         if self.enabled:
             for storage, index in self._buckets:
                 storage.pin(index, f"gathered_parameters{index}")
+            for p in self._init_params:
+                p.materialize()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if not self.enabled:
             return
-        if self.modifier_rank is not None and exc[0] is None:
+        modify = self.modifier_rank is not None and exc[0] is None
+        if modify:
             self._write_back(self.modifier_rank)
+        for p in self._init_params:
+            p.dematerialize(self.modifier_rank if modify else None)
         for storage, index in self._buckets:
             storage.unpin(index)
 
-    def _write_back(self, src: int) -> None:
+    def _write_back(self, src: Any) -> None:
         with torch.no_grad():
             for storage, index in self._buckets:
                 storage.comm.broadcast(storage.full[index], src, f"gathered_parameters_modify{index}")
                 storage.commit_full(index)
+            if self._plain:
+                comm = Collectives(init_distributed())
+                if comm.world.is_distributed:
+                    for p in self._plain:
+                        comm.broadcast(p.data, src, "gathered_parameters_modify_plain")

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_map
 from .distributed.collectives import Collectives
 from .distributed.world import World, init_distributed
 from .sharding.placeholder import METADATA_FUNCTIONS
+from .sharding.units import rebind_external_parameters
 
 
 
@@ -51,16 +52,20 @@ class InitShardedParameter(nn.Parameter):
 
     _zeroshard_shard: torch.Tensor  # 1D, this rank's chunk of the padded flat parameter
     _zeroshard_comm: Collectives
+    _zeroshard_full: Optional[torch.Tensor] = None  # the full values while inside GatheredParameters
 
     def __new__(cls, data: torch.Tensor, requires_grad: bool = True) -> "InitShardedParameter":
         return torch.Tensor._make_subclass(cls, data, requires_grad)  # type: ignore[return-value]
 
     @staticmethod
-    def shard_of(param: torch.Tensor, comm: Collectives) -> "InitShardedParameter":
+    def shard_of(param: torch.Tensor, comm: Collectives, dtype: Optional[torch.dtype] = None,
+                 device: Optional[torch.device] = None) -> "InitShardedParameter":
         n = comm.world.world_size
         chunk = -(-param.numel() // n)
+        if dtype is not None and param.is_floating_point():
+            param = param.to(dtype)
         flat = param.detach().reshape(-1)
-        own = torch.zeros(chunk, dtype=param.dtype, device=comm.world.device)
+        own = torch.zeros(chunk, dtype=param.dtype, device=device or comm.world.device)
         start = comm.world.rank * chunk
         real = max(0, min(chunk, flat.numel() - start))
         own[:real].copy_(flat[start:start + real])
@@ -76,6 +81,24 @@ class InitShardedParameter(nn.Parameter):
         padded = torch.empty(own.numel() * comm.world.world_size, dtype=own.dtype, device=own.device)
         comm.all_gather(padded, own, "init_gather")
         return padded[: self.numel()].view(self.shape)
+
+    def materialize(self) -> None:
+        """Gather the full values and keep them until :meth:`dematerialize` (``GatheredParameters``):
+        operations in between read and change them without collectives, so one rank alone may change
+        them (``modifier_rank``)."""
+        if self._zeroshard_full is None:
+            self._zeroshard_full = self.gather_full().clone()
+
+    def dematerialize(self, modifier_rank: Optional[int]) -> None:
+        """Leave the gathered state: with ``modifier_rank``, that rank's values become every rank's
+        (a broadcast), and each rank keeps its own chunk of them."""
+        full, self._zeroshard_full = self._zeroshard_full, None
+        if full is None or modifier_rank is None:
+            return
+        comm = self._zeroshard_comm
+        if comm.world.is_distributed:
+            comm.broadcast(full, modifier_rank, "gathered_parameters_modify")
+        self.keep_own(full)
 
     def keep_own(self, full: torch.Tensor) -> None:
         own = self._zeroshard_shard
@@ -94,7 +117,12 @@ class InitShardedParameter(nn.Parameter):
         target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
         overwrites = func in _OVERWRITING
 
+        gathered: dict[int, tuple[InitShardedParameter, torch.Tensor]] = {}
+
         def full(a: Any) -> Any:
+            if isinstance(a, InitShardedParameter) and a._zeroshard_full is not None:
+                gathered[id(a)] = (a, a._zeroshard_full)  # inside GatheredParameters: no collective
+                return a._zeroshard_full
             if isinstance(a, InitShardedParameter):
                 if id(a) not in materialized:
                     values = (torch.empty(a.shape, dtype=a.dtype, device=a._zeroshard_shard.device)
@@ -108,7 +136,7 @@ class InitShardedParameter(nn.Parameter):
             result = func(*plain_args, **plain_kwargs)
             for param, values in materialized.values():
                 param.keep_own(values)  # in place or not: keep whatever the operation left
-        for param, values in materialized.values():
+        for param, values in (*materialized.values(), *gathered.values()):
             if result is values:
                 return param  # an in-place operation returns its (sharded) target
         return result
@@ -117,10 +145,15 @@ class InitShardedParameter(nn.Parameter):
 class Init:
     """Context manager: parameters created inside are sharded over the data-parallel world at once."""
 
-    def __init__(self, config: Any = None, enabled: bool = True, world: Optional[World] = None) -> None:
+    def __init__(self, config: Any = None, enabled: bool = True, world: Optional[World] = None,
+                 dtype: Optional[torch.dtype] = None, shard_device: Optional[torch.device] = None) -> None:
+        """``dtype``: build floating-point parameters in this dtype (default: as the model makes them);
+        ``shard_device``: where the shards live until ``initialize()`` (default: the training device)."""
         from .config import load_config
 
         self.enabled = enabled
+        self.dtype = dtype
+        self.shard_device = shard_device
         self.config = load_config(config) if config is not None else None
         timeout = self.config.collective_timeout if self.config is not None else 1800.0
         self.world = world or init_distributed(timeout_s=timeout)
@@ -130,7 +163,7 @@ class Init:
     def _on_register(self, module: nn.Module, name: str, param: Optional[nn.Parameter]) -> Optional[nn.Parameter]:
         if param is None or isinstance(param, InitShardedParameter):
             return None  # already sharded (a tied weight registered a second time)
-        return InitShardedParameter.shard_of(param, self.comm)
+        return InitShardedParameter.shard_of(param, self.comm, self.dtype, self.shard_device)
 
     def __enter__(self) -> "Init":
         if self.enabled:
@@ -169,3 +202,4 @@ def adopt_init_params(model: nn.Module, device: torch.device) -> None:
                     fresh = nn.Parameter(p.gather_full().clone(), requires_grad=False)
                 replaced[id(p)] = fresh
             module._parameters[attr] = replaced[id(p)]
+    rebind_external_parameters(replaced)

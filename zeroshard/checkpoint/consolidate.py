@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -48,9 +48,17 @@ def consolidate(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", ta
         target = out / "model.safetensors"
         if model.get("hf_config"):
             (out / "config.json").write_text(json.dumps(model["hf_config"], indent=2))
+    entries, produce = _full_weights(reader, DTYPES[dtype])
+    write_safetensors_streaming(target, entries, produce)
+    return target
+
+
+def _full_weights(reader: CheckpointReader, cast: torch.dtype
+                  ) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], Callable[[str], torch.Tensor]]:
+    """Every state-dict entry's name, shape and dtype, and a function producing its full values."""
+    model = reader.data["model"]
     trainable_of: dict[str, str] = model["trainable_of"]
     extra = reader.extra()
-    cast = DTYPES[dtype]
     entries = []
     for key in model["state_dict_keys"]:
         if key in trainable_of:
@@ -62,8 +70,16 @@ def consolidate(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", ta
     def produce(key: str) -> torch.Tensor:
         return reader.tensor(trainable_of[key]) if key in trainable_of else extra[key]
 
-    write_safetensors_streaming(target, entries, produce)
-    return target
+    return entries, produce
+
+
+def full_state_dict(checkpoint: str | Path, tag: Optional[str] = None, dtype: torch.dtype = torch.float32
+                    ) -> dict[str, torch.Tensor]:
+    """A checkpoint's full weights as an ordinary state dict in host memory (the whole model at once:
+    for a file on disk with bounded memory use :func:`consolidate`)."""
+    reader = CheckpointReader(find_checkpoint(checkpoint, tag))
+    entries, produce = _full_weights(reader, dtype)
+    return {key: produce(key).to(want) for key, _, want in entries}
 
 
 def describe(checkpoint: str | Path, tag: Optional[str] = None) -> str:

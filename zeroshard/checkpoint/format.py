@@ -153,6 +153,25 @@ def write_safetensors_streaming(path: Path, entries: Iterable[tuple[str, tuple[i
     os.replace(tmp, path)
 
 
+#: file suffixes written as torch pickles (what DeepSpeed's and Hugging Face's ``pytorch_model.bin`` are)
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+
+
+def write_state_dict(path: Path, state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """Write a full state dict as the file name says: a torch pickle for ``.bin``/``.pt``/``.pth``,
+    safetensors otherwise; floating-point tensors in ``dtype``, others as they are.  Atomic."""
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.is_floating_point() else t
+
+    if path.suffix not in PICKLE_SUFFIXES:
+        entries = [(k, tuple(v.shape), dtype if v.is_floating_point() else v.dtype) for k, v in state.items()]
+        write_safetensors_streaming(path, entries, lambda k: cast(state[k]))
+        return
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    torch.save({k: cast(v).contiguous() for k, v in state.items()}, tmp)
+    os.replace(tmp, path)
+
+
 _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 
 

@@ -43,6 +43,11 @@ def load_config(source: Union[str, os.PathLike, Mapping[str, Any], ZeroshardConf
     return config
 
 
+def read_config_source(source: Any) -> dict:
+    """The raw JSON object of a config source (a path or a mapping), before validation."""
+    return _read(source)
+
+
 def _read(source: Any) -> dict:
     if source is None:
         return {}

@@ -13,7 +13,7 @@ flight at stage 2, and without it the engine could not keep up with ``Distribute
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any, Callable, Literal, Optional
 
 Check = Callable[[Any], Optional[str]]
@@ -190,6 +190,8 @@ class ZeroConfig:
     offload_param: OffloadParamConfig = key(OffloadParamConfig(), "Parameter offload (stage 3).")
     sub_group_size: int = key(1_000_000_000, "Offload: elements the optimizer updates at a time (one swap unit).",
                               positive)
+    stage3_gather_16bit_weights_on_model_save: bool = key(
+        False, "Stage 3: save_16bit_model gathers the full weights (false: it writes nothing and warns).")
 
 
 @dataclass(frozen=True)
@@ -236,6 +238,23 @@ class ZeroshardConfig:
     def stage(self) -> int:
         return self.zero_optimization.stage
 
+    def to_dict(self) -> dict[str, Any]:
+        """The config as DeepSpeed-shaped JSON data (every key, defaults and derived batch sizes included)."""
+        return asdict(self)
+
+    def __getitem__(self, name: str) -> Any:
+        """Read a top-level key as DeepSpeed's engine exposes its config (``config["train_batch_size"]``)."""
+        if name not in self.__dataclass_fields__:
+            raise KeyError(name)
+        value = getattr(self, name)
+        return asdict(value) if is_dataclass(value) and not isinstance(value, type) else value
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self[name] if name in self.__dataclass_fields__ else default
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.__dataclass_fields__
+
 
 # DeepSpeed keys that zeroshard knows but does not implement yet: naming one is an explicit error
 # (never silently ignored), keyed by the dotted path of the block that holds them.
@@ -250,7 +269,6 @@ NOT_SUPPORTED_YET: dict[str, tuple[str, ...]] = {
     "zero_optimization": (
         "round_robin_gradients",
         "load_from_fp32_weights", "elastic_checkpoint", "cpu_offload", "ignore_unused_parameters",
-        "stage3_gather_16bit_weights_on_model_save",
         "stage3_gather_fp16_weights_on_model_save", "zero_hpz_partition_size", "zero_quantized_weights",
         "zero_quantized_gradients", "mics_shard_size", "use_multi_rank_bucket_allreduce",
     ),

@@ -84,6 +84,7 @@ class WarmupCosineLR(LRScheduler):
 
 
 _SCHEDULERS = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR}
+VALID_LR_SCHEDULES = list(_SCHEDULERS)
 
 
 def build_scheduler(type_name: str, params: dict, optimizer: Optimizer) -> LRScheduler:

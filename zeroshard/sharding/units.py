@@ -17,14 +17,45 @@ all-gather after the step, exactly as at stage 2.  They never pay a gather laten
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Mapping, Sequence
 
 from torch import nn
 
 from .layout import BucketLayout, FlatLayout, ParamSlot
 
 ROOT = "<root>"
+
+# Parameters a module's forward uses although another module owns them (DeepSpeed's
+# ``register_external_parameter``): module -> those parameters.
+_EXTERNAL: "weakref.WeakKeyDictionary[nn.Module, list[nn.Parameter]]" = weakref.WeakKeyDictionary()
+
+
+def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """Declare that ``module``'s forward uses ``parameter``, which another module owns.
+
+    Stage 3 then gathers the parameter whenever ``module`` runs: it joins the root unit if it is not
+    already in the unit that holds ``module`` (see [Note: gather units]).
+    """
+    _EXTERNAL.setdefault(module, []).append(parameter)
+
+
+def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """Undo :func:`register_external_parameter`."""
+    held = _EXTERNAL.get(module, [])
+    _EXTERNAL[module] = [p for p in held if p is not parameter]
+
+
+def rebind_external_parameters(replaced: Mapping[int, nn.Parameter]) -> None:
+    """``zeroshard.Init``'s parameters are swapped for the engine's at initialize(): follow the swap."""
+    for module, held in _EXTERNAL.items():
+        _EXTERNAL[module] = [replaced.get(id(p), p) for p in held]
+
+
+def _external_parameters(module: nn.Module) -> Iterator[nn.Parameter]:
+    for m in module.modules():
+        yield from _EXTERNAL.get(m, [])
 
 
 @dataclass(frozen=True)
@@ -69,9 +100,13 @@ def plan_units(model: nn.Module, params: Sequence[nn.Parameter], names: Sequence
     owner: dict[int, str] = {}
     blocks = _block_modules(model)
     for block_name, block in blocks:
-        for p in block.parameters():
+        for p in (*block.parameters(), *_external_parameters(block)):
             if id(p) in index_of:
                 owner[id(p)] = ROOT if owner.get(id(p), block_name) != block_name else block_name
+    in_blocks = {id(m) for _, block in blocks for m in block.modules()}
+    for module, held in list(_EXTERNAL.items()):
+        if id(module) not in in_blocks:  # used by the root unit's own code: gathered for all of forward
+            owner.update({id(p): ROOT for p in held})
     unit_order = [ROOT] + [name for name, _ in blocks]
     module_of = {ROOT: model, **dict(blocks)}
     members: dict[tuple[str, int], list[int]] = {}

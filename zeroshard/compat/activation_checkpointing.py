@@ -1,0 +1,52 @@
+"""``deepspeed.checkpointing``: DeepSpeed's ``configure`` / ``is_configured`` / ``checkpoint`` signatures
+over zeroshard's activation checkpointing."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from .. import checkpointing as _impl
+from ..config import load_config
+from ..config.loader import read_config_source
+
+__all__ = ["configure", "is_configured", "checkpoint", "reset"]
+
+_configured = [False]
+
+
+def configure(mpu_: Any, deepspeed_config: Any = None, partition_activations: Optional[bool] = None,
+              contiguous_checkpointing: Optional[bool] = None, num_checkpoints: Optional[int] = None,
+              checkpoint_in_cpu: Optional[bool] = None, synchronize: Optional[bool] = None,
+              profile: Optional[bool] = None) -> None:
+    """Set the activation-checkpointing options, as DeepSpeed's ``configure`` does.
+
+    The config's ``activation_checkpointing`` block is read (``deepspeed_config``: a path or dict),
+    then the keyword arguments that are not None override it; the result is validated like the
+    config block (partitioning options need tensor parallelism and are refused).  ``mpu_`` must be
+    None: zeroshard has no model parallelism.
+    """
+    if mpu_ is not None:
+        raise ValueError("checkpointing.configure(mpu_=...): zeroshard has no model parallelism; pass None")
+    block = dict(read_config_source(deepspeed_config).get("activation_checkpointing", {})) \
+        if deepspeed_config is not None else {}
+    overrides = {"partition_activations": partition_activations,
+                 "contiguous_memory_optimization": contiguous_checkpointing,
+                 "number_checkpoints": num_checkpoints, "cpu_checkpointing": checkpoint_in_cpu,
+                 "synchronize_checkpoint_boundary": synchronize, "profile": profile}
+    block.update({k: v for k, v in overrides.items() if v is not None})
+    _impl.configure(load_config({"activation_checkpointing": block}).activation_checkpointing)
+    _configured[0] = True
+
+
+def is_configured() -> bool:
+    """True once :func:`configure` has been called in this process."""
+    return _configured[0]
+
+
+def reset() -> None:
+    """DeepSpeed clears its per-iteration buffers here; zeroshard keeps none between regions."""
+
+
+def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
+    """Run ``function(*args)`` without keeping its activations (DeepSpeed's positional form)."""
+    return _impl.checkpoint(function, *args)

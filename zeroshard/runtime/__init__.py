@@ -1,0 +1,1 @@
+"""``zeroshard.runtime`` (DeepSpeed's ``deepspeed.runtime``): the module paths DeepSpeed code imports from."""

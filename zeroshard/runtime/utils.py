@@ -1,0 +1,5 @@
+"""``zeroshard.runtime.utils``: ``set_random_seed``."""
+
+from ..compat.utils import set_random_seed
+
+__all__ = ["set_random_seed"]

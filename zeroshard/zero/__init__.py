@@ -1,0 +1,7 @@
+"""``zeroshard.zero`` (DeepSpeed's ``deepspeed.zero``): Init, GatheredParameters, ZeroParamStatus."""
+
+from ..compat.zero import (GatheredParameters, Init, ZeroParamStatus, register_external_parameter,
+                           unregister_external_parameter)
+
+__all__ = ["Init", "GatheredParameters", "ZeroParamStatus", "register_external_parameter",
+           "unregister_external_parameter"]
