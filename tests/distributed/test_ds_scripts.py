@@ -1,0 +1,64 @@
+"""DeepSpeed-style scripts (argparse + add_config_arguments, init_distributed, the accelerator, zero.Init +
+GatheredParameters(modifier_rank=0) in __init__, checkpoints with int tags, 16-bit export) run under
+torchrun at world 2 and train exactly as zeroshard's own API does on the same model and data."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from zeroshard.testing import free_port
+from zeroshard.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+SCRIPT = Path(__file__).parent / "ds_scripts" / "train_ds_style.py"
+
+
+def ds_config(stage: int, **extra) -> dict:
+    return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+            "steps_per_print": 1000,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_max_lr": 1e-2}},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 10,
+                                  "stage3_gather_16bit_weights_on_model_save": True}, **extra}
+
+
+def launch(tmp: Path, config: dict, *args: str, nproc: int = 2) -> dict:
+    cfg = tmp / "ds.json"
+    cfg.write_text(json.dumps(config))
+    out = tmp / f"out{free_port()}.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+           str(free_port()), str(SCRIPT), "--deepspeed", "--deepspeed_config", str(cfg), "--out", str(out), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_ds_style_script_equals_native_api(tmp_path, stage) -> None:
+    compat = launch(tmp_path, ds_config(stage), "--steps", "5")
+    native = launch(tmp_path, ds_config(stage), "--steps", "5", "--native")
+    assert len(compat["losses"]) == 10
+    torch.testing.assert_close(torch.tensor(compat["losses"]), torch.tensor(native["losses"]), rtol=1e-6, atol=0)
+    assert compat["lr"] == native["lr"]
+
+
+def test_ds_style_script_resumes_from_an_int_tag_and_exports(tmp_path) -> None:
+    config = ds_config(3)
+    straight = launch(tmp_path, config, "--steps", "6")
+    first = launch(tmp_path, config, "--steps", "3", "--save_dir", str(tmp_path / "ckpt"))
+    assert (tmp_path / "ckpt" / "3" / "manifest.json").is_file()
+    second = launch(tmp_path, config, "--start_step", "3", "--steps", "6", "--load_dir", str(tmp_path / "ckpt"),
+                    "--export_dir", str(tmp_path / "export"))
+    assert first["losses"] + second["losses"] == straight["losses"]
+    exported = torch.load(tmp_path / "export" / "pytorch_model.bin")  # a torch pickle, as its name says
+    consolidated = torch.load(tmp_path / "export" / "consolidated.pt")
+    assert set(exported) == set(consolidated) == {"body.0.weight", "body.0.bias", "body.2.weight", "body.2.bias",
+                                                  "head.weight", "head.bias"}
+    assert all(v.dtype == torch.bfloat16 for v in exported.values())  # fp32 training: bf16 by default
+    fp32 = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt")
+    assert fp32["head.weight"].dtype == torch.float32 and fp32["head.weight"].shape == (7, 40)
