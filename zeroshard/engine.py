@@ -54,17 +54,18 @@ class Engine(DeepSpeedEngineAPI):
     def __init__(self, model: nn.Module, config: ZeroshardConfig, world: World,
                  model_parameters: Any = None, optimizer: Any = None,
                  lr_scheduler: SchedulerSpec = None) -> None:
+        replaced: dict[int, nn.Parameter] = {}
         if has_init_params(model):
             if config.stage != 3:
                 raise ValueError(f"the model was built under zeroshard.Init, which needs ZeRO stage 3; the "
                                  f"config says zero_optimization.stage = {config.stage}")
-            adopt_init_params(model, world.device)
+            replaced = adopt_init_params(model, world.device)
         self.module = model.to(world.device)
         self.config = config
         self.world = world
         self.comm = Collectives(world)
         trainable = collect_trainable(model, model_parameters,
-                                      optimizer if isinstance(optimizer, Optimizer) else None)
+                                      optimizer if isinstance(optimizer, Optimizer) else None, replaced)
         self.param_names = trainable.names
         self.frozen_params = trainable.frozen
         self._sync_initial_state()

@@ -40,7 +40,8 @@ class GatheredParameters:
                  enabled: bool = True) -> None:
         if params is None:
             params = []
-        self.params = [params] if isinstance(params, torch.Tensor) else list(params)
+        given = [params] if isinstance(params, torch.Tensor) else list(params)
+        self.params = [p for p in given if p is not None]  # e.g. a Linear's absent bias
         self.modifier_rank = modifier_rank
         self.enabled = enabled
         homes: dict[tuple[int, int], tuple[Any, int]] = {}

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_map
 
 from .distributed.collectives import Collectives
 from .distributed.world import World, init_distributed
-from .sharding.placeholder import METADATA_FUNCTIONS
+from .sharding.placeholder import DEVICE_GETTER, METADATA_FUNCTIONS
 from .sharding.units import rebind_external_parameters
 
 
@@ -112,6 +112,8 @@ class InitShardedParameter(nn.Parameter):
         kwargs = kwargs or {}
         if func in METADATA_FUNCTIONS:
             return super().__torch_function__(func, types, args, kwargs)
+        if func == DEVICE_GETTER:  # the device it computes on (see placeholder.py)
+            return args[0]._zeroshard_comm.world.device
         materialized: dict[int, tuple[InitShardedParameter, torch.Tensor]] = {}
 
         target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
@@ -181,12 +183,13 @@ def has_init_params(model: nn.Module) -> bool:
     return any(isinstance(p, InitShardedParameter) for p in model.parameters())
 
 
-def adopt_init_params(model: nn.Module, device: torch.device) -> None:
+def adopt_init_params(model: nn.Module, device: torch.device) -> dict[int, nn.Parameter]:
     """Swap each :class:`InitShardedParameter` for a plain ``nn.Parameter`` the engine can own.
 
     A trainable one becomes a parameter with the full shape and no storage, carrying its shard in
     ``_zeroshard_init_shard`` (stage 3 fills its bucket from the shards, one parameter at a time); a
-    frozen one is gathered whole, since zeroshard keeps frozen parameters unsharded.
+    frozen one is gathered whole, since zeroshard keeps frozen parameters unsharded.  Returns
+    ``id(old) -> new`` (an optimizer built before initialize() holds the old ones).
     """
     replaced: dict[int, nn.Parameter] = {}
     for module in model.modules():
@@ -203,3 +206,4 @@ def adopt_init_params(model: nn.Module, device: torch.device) -> None:
                 replaced[id(p)] = fresh
             module._parameters[attr] = replaced[id(p)]
     rebind_external_parameters(replaced)
+    return replaced

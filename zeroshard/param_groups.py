@@ -8,7 +8,7 @@ that do not require grad are frozen: never sharded, never communicated, never up
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 import torch
 from torch import nn
@@ -26,7 +26,10 @@ class TrainableParams:
 
 
 def collect_trainable(model: nn.Module, model_parameters: Optional[Iterable[Any]] = None,
-                      optimizer: Optional[torch.optim.Optimizer] = None) -> TrainableParams:
+                      optimizer: Optional[torch.optim.Optimizer] = None,
+                      replaced: Optional[Mapping[int, nn.Parameter]] = None) -> TrainableParams:
+    """``replaced``: parameters the model no longer holds (built under ``zeroshard.Init``, swapped at
+    initialize()) -> the ones it holds now; groups naming the old ones mean the new ones."""
     named = list(model.named_parameters())  # de-duplicated: a tied weight appears once
     name_of = {id(p): n for n, p in named}
     groups = _groups(model, model_parameters, optimizer)
@@ -35,6 +38,7 @@ def collect_trainable(model: nn.Module, model_parameters: Optional[Iterable[Any]
     for gi, group in enumerate(groups):
         options.append({k: v for k, v in group.items() if k != "params"})
         for p in group["params"]:
+            p = (replaced or {}).get(id(p), p)
             if id(p) not in name_of:
                 raise ValueError("model_parameters holds a tensor that is not a parameter of the model")
             group_index.setdefault(id(p), gi)
