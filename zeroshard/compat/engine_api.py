@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..gathered import GatheredParameters
+from .refused import refuse
 
 if TYPE_CHECKING:  # only for the attribute types below; the engine imports this module, not the reverse
     from ..config import ZeroshardConfig
@@ -138,6 +139,15 @@ class DeepSpeedEngineAPI:
         frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad} \
             if exclude_frozen_parameters else set()
         return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items() if k not in frozen}
+
+    def offload_states(self, *args: Any, **kwargs: Any) -> None:
+        """DeepSpeed's temporary move of the engine's states off the device (between RLHF phases)."""
+        refuse("engine.offload_states()", "zeroshard places states once, from the config",
+               "Use zero_optimization.offload_optimizer / offload_param to keep them off the device.")
+
+    def reload_states(self, *args: Any, **kwargs: Any) -> None:
+        refuse("engine.reload_states()", "zeroshard has no offload_states()",
+               "Use zero_optimization.offload_optimizer / offload_param to keep states off the device.")
 
     def __getattr__(self, name: str) -> Any:
         """Anything else is the wrapped module's (``engine.config`` aside, as in DeepSpeed: e.g.

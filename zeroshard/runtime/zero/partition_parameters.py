@@ -109,7 +109,8 @@ class Init(_Init):
             for name, original in _CONSTRUCTORS.items():
                 self._replaced[name] = getattr(torch, name)
                 setattr(torch, name, wrap(original, self.dtype, target_device=self.world.device))
-        return super().__enter__()
+        super().__enter__()
+        return self
 
     def __exit__(self, *exc: Any) -> None:
         for name, previous in self._replaced.items():
