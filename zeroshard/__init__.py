@@ -8,7 +8,7 @@ DeepSpeed scripts run with ``import zeroshard as deepspeed``: the names and modu
 here, over zeroshard's own machinery (see zeroshard/compat/).
 """
 
-from . import accelerator, checkpointing, comm, moe, ops, runtime, utils, zero
+from . import accelerator, checkpointing, comm, moe, ops, pipe, runtime, utils, zero
 from .api import initialize
 from .compat.arguments import add_config_arguments
 from .compat.comm import init_distributed
@@ -25,4 +25,5 @@ from .version import __version__
 __all__ = ["initialize", "Engine", "GatheredParameters", "Init", "init_distributed", "World", "load_config",
            "ZeroshardConfig", "ConfigError", "CollectiveError", "model_state_bytes", "__version__",
            "add_config_arguments", "DeepSpeedEngine", "zero", "comm", "accelerator", "ops", "utils",
-           "checkpointing", "runtime", "moe"]
+           "checkpointing", "runtime", "moe", "pipe"]
+
