@@ -34,6 +34,7 @@ from .memory import model_state_bytes
 from .optim import build_scheduler, clip_, clip_coefficient, from_config, from_user, global_grad_norm
 from .param_groups import collect_trainable
 from .offload import OffloadIOError
+from .optim.nonfinite import NonFiniteGradientError, first_nonfinite_parameter, ranks_with_nonfinite_loss
 from .optim.updater import ShardUpdater
 from .precision import LossScaler, PrecisionPolicy
 from .sharding import STRATEGIES
@@ -73,6 +74,8 @@ class Engine(DeepSpeedEngineAPI):
         self.precision = PrecisionPolicy.from_config(config)
         self.loss_scaler = LossScaler.from_config(config)
         self.skipped_steps = 0
+        self._consecutive_skips = 0  # non-finite steps in a row (see optim/nonfinite.py)
+        self._nonfinite_loss_seen = False  # a micro step since the last step had a NaN/inf loss
         self.strategy = STRATEGIES[config.stage].build(
             model, trainable.params, trainable.names, trainable.group_of, self.comm, world,
             config.zero_optimization, self.precision)
@@ -216,6 +219,7 @@ class Engine(DeepSpeedEngineAPI):
         scaled.backward(retain_graph=retain_graph)
         self.strategy.finish_backward()
         self._last_loss = float(loss.detach())
+        self._nonfinite_loss_seen |= not math.isfinite(self._last_loss)
         self._timers.add("backward", started)
         return scaled
 
@@ -239,11 +243,13 @@ class Engine(DeepSpeedEngineAPI):
         scaled_norm = global_grad_norm(grads, self.comm if sharded else None)
         scale = self.loss_scaler.scale
         self._grad_norm = scaled_norm / scale
-        overflow = self.loss_scaler.checks_overflow and not math.isfinite(scaled_norm)
+        overflow = not math.isfinite(scaled_norm)  # the norm is summed over ranks: every rank sees it
         setattr(self.optimizer, "overflow", overflow)  # DeepSpeed's flag: Accelerate reads it to see a skip
         if overflow:
-            self._skip_step()  # the norm is summed over ranks: every rank sees the overflow
+            self._skip_step(grads)  # see [Note: non-finite gradients] in optim/nonfinite.py
             return
+        self._consecutive_skips = 0
+        self._nonfinite_loss_seen = False
         self.loss_scaler.update(overflow=False, step=self.global_steps + 1)
         clip = clip_coefficient(self._grad_norm, self.config.gradient_clipping)
         if self.strategy.masters is None:  # fp32: the optimizer reads the gradient buffers themselves
@@ -257,14 +263,31 @@ class Engine(DeepSpeedEngineAPI):
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
 
-    def _skip_step(self) -> None:
-        """fp16 overflow: parameters, optimizer state and LR schedule stay as they are."""
-        scale = self.loss_scaler.scale
-        self.strategy.zero_grad()
-        self.loss_scaler.update(overflow=True, step=self.global_steps + 1)  # raises at the minimum scale
+    def _skip_step(self, grads: list[torch.Tensor]) -> None:
+        """A non-finite gradient norm: parameters, optimizer state and LR schedule stay as they are."""
+        step = self.global_steps + 1
         self.skipped_steps += 1
-        log_rank(f"step {self.global_steps + 1}: gradient overflow at loss scale {scale:g}, step skipped "
-                 f"(loss scale now {self.loss_scaler.scale:g}, {self.skipped_steps} skipped so far)")
+        self._consecutive_skips += 1
+        if self.loss_scaler.checks_overflow:  # fp16: an overflow, handled by the loss scale
+            scale = self.loss_scaler.scale
+            self.strategy.zero_grad()
+            self.loss_scaler.update(overflow=True, step=step)  # raises at the minimum scale
+            log_rank(f"step {step}: gradient overflow at loss scale {scale:g}, step skipped "
+                     f"(loss scale now {self.loss_scaler.scale:g}, {self.skipped_steps} skipped so far)")
+            return
+        ranks = ranks_with_nonfinite_loss(self.comm, self._nonfinite_loss_seen)
+        self._nonfinite_loss_seen = False
+        source = f"non-finite loss on rank(s) {ranks}" if ranks else "every rank's loss was finite: it arose in backward"
+        if self._consecutive_skips >= self.config.max_consecutive_skips:
+            name = first_nonfinite_parameter(self.comm, self.flat.layout.buckets, grads, self.param_names)
+            raise NonFiniteGradientError(
+                f"{self._consecutive_skips} optimizer steps in a row (up to step {step}) had non-finite "
+                f"gradients ({source}; first parameter with a non-finite gradient: {name!r}); training "
+                f"stops instead of going on without updates (config key max_consecutive_skips)")
+        self.strategy.zero_grad()
+        log_rank(f"step {step}: non-finite gradient norm ({source}), step skipped: parameters, optimizer "
+                 f"state and LR schedule unchanged ({self._consecutive_skips} in a row, {self.skipped_steps} "
+                 f"skipped so far)", level=logging.WARNING)
 
     def _step_and_refresh(self, grads: list[torch.Tensor], factor: float) -> None:
         """Update the owned chunks bucket by bucket, gathering each one while the next is updated.

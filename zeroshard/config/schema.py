@@ -220,6 +220,9 @@ class ZeroshardConfig:
     metrics_path: Optional[str] = key(None, "zeroshard: append each metrics record as a JSON line to this file.")
     tensorboard: TensorboardConfig = key(TensorboardConfig(), "Metrics to TensorBoard.")
     seed: Optional[int] = key(None, "Seed torch on every rank in initialize() (same value everywhere).")
+    max_consecutive_skips: int = key(
+        10, "zeroshard: fp32/bf16 steps skipped in a row for non-finite gradients before training stops with "
+            "an error naming the rank and parameter.", positive)
     collective_timeout: float = key(
         1800.0, "Seconds a collective may wait before the job fails instead of hanging.", positive
     )
