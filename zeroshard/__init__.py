@@ -20,10 +20,12 @@ from .engine import Engine as DeepSpeedEngine
 from .gathered import GatheredParameters
 from .init_context import Init
 from .memory import model_state_bytes
+from .optim.nonfinite import NonFiniteGradientError
 from .version import __version__
 
 __all__ = ["initialize", "Engine", "GatheredParameters", "Init", "init_distributed", "World", "load_config",
            "ZeroshardConfig", "ConfigError", "CollectiveError", "model_state_bytes", "__version__",
            "add_config_arguments", "DeepSpeedEngine", "zero", "comm", "accelerator", "ops", "utils",
-           "checkpointing", "runtime", "moe", "pipe"]
+           "checkpointing", "runtime", "moe", "pipe", "NonFiniteGradientError"]
+
 
