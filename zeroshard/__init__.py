@@ -12,6 +12,7 @@ from . import accelerator, checkpointing, comm, moe, ops, pipe, runtime, utils, 
 from .api import initialize
 from .compat.arguments import add_config_arguments
 from .compat.comm import init_distributed
+from .compat.install import install_as_deepspeed
 from .config import ConfigError, ZeroshardConfig, load_config
 from .distributed.collectives import CollectiveError
 from .distributed.world import World
@@ -26,6 +27,7 @@ from .version import __version__
 __all__ = ["initialize", "Engine", "GatheredParameters", "Init", "init_distributed", "World", "load_config",
            "ZeroshardConfig", "ConfigError", "CollectiveError", "model_state_bytes", "__version__",
            "add_config_arguments", "DeepSpeedEngine", "zero", "comm", "accelerator", "ops", "utils",
-           "checkpointing", "runtime", "moe", "pipe", "NonFiniteGradientError"]
+           "checkpointing", "runtime", "moe", "pipe", "NonFiniteGradientError", "install_as_deepspeed"]
+
 
 

@@ -137,8 +137,16 @@ def _run(args: argparse.Namespace) -> int:
     return _torchrun(args.torchrun_args)
 
 
-def _torchrun(torchrun_args: Sequence[str]) -> int:
-    """torchrun with the user's arguments, unchanged: multi-node is torchrun's own flags."""
+def _torchrun(argv: Sequence[str]) -> int:
+    """torchrun with the user's arguments (multi-node: torchrun's own flags); DeepSpeed launcher flags
+    and ``--as-deepspeed`` are translated first (zeroshard/compat/launcher.py)."""
+    from .compat.launcher import LauncherArgumentError, torchrun_arguments
+
+    try:
+        torchrun_args = torchrun_arguments(argv)
+    except LauncherArgumentError as err:
+        print(f"zeroshard run: {err}", file=sys.stderr)
+        return 2
     command = [sys.executable, "-m", "torch.distributed.run", *torchrun_args]
     print("+ " + " ".join(command), flush=True)
     return subprocess.call(command)
@@ -191,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     plot.set_defaults(run=_plot)
     env = commands.add_parser("env", help="torch version, CUDA, distributed backends, optional extras")
     env.set_defaults(run=_env)
-    run = commands.add_parser("run", help="torchrun, unchanged: zeroshard run --nproc_per_node 2 train.py ...")
+    run = commands.add_parser("run", help="torchrun: zeroshard run [--as-deepspeed] [--num_gpus N] --nproc_per_node 2 "
+                                          "train.py ...")
     run.add_argument("torchrun_args", nargs=argparse.REMAINDER)
     run.set_defaults(run=_run)
     return parser

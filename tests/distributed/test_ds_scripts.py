@@ -47,6 +47,28 @@ def test_ds_style_script_equals_native_api(tmp_path, stage) -> None:
     assert compat["lr"] == native["lr"]
 
 
+def test_an_unmodified_import_deepspeed_script_under_zeroshard_run_as_deepspeed(tmp_path) -> None:
+    """`zeroshard run --as-deepspeed --num_gpus 2` runs a script that says `import deepspeed`, passing
+    --local_rank as the deepspeed launcher does; it trains exactly as zeroshard's own API."""
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps(ds_config(3)))
+    out = tmp_path / "out.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "zeroshard.cli", "run", "--as-deepspeed", "--num_gpus", "2",
+                           "--master_port", str(free_port()), str(SCRIPT), "--import-deepspeed", "--deepspeed",
+                           "--deepspeed_config", str(cfg), "--out", str(out), "--steps", "3"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    native = launch(tmp_path, ds_config(3), "--steps", "3", "--native")
+    assert json.loads(out.read_text())["losses"] == native["losses"]
+
+
+def test_run_refuses_several_nodes_by_deepspeed_flags() -> None:
+    proc = subprocess.run([sys.executable, "-m", "zeroshard.cli", "run", "--num_nodes", "2", "x.py"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "--rdzv-endpoint" in proc.stderr
+
+
 def test_ds_style_script_resumes_from_an_int_tag_and_exports(tmp_path) -> None:
     config = ds_config(3)
     straight = launch(tmp_path, config, "--steps", "6")

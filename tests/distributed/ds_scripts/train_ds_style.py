@@ -11,6 +11,7 @@ With ``--import-deepspeed`` the script does ``import deepspeed`` (run it with
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -70,6 +71,8 @@ def batch(step: int, rank: int, micro: int):
 
 def main():
     args = add_argument()
+    if args.import_deepspeed:  # launched by `zeroshard run --as-deepspeed`, as by the deepspeed launcher
+        assert args.local_rank == int(os.environ["LOCAL_RANK"]), (args.local_rank, os.environ["LOCAL_RANK"])
     config = json.load(open(args.deepspeed_config))
     if args.native:
         import zeroshard
