@@ -26,6 +26,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from . import checkpointing
 from .config import ZeroshardConfig
 from .distributed.collectives import Collectives
+from .distributed.consistency import Call, ConsistencyCheck, EngineUsageError
 from .distributed.world import World
 from .init_context import adopt_init_params, has_init_params
 from .logging import log_rank
@@ -65,6 +66,8 @@ class Engine(DeepSpeedEngineAPI):
         self.config = config
         self.world = world
         self.comm = Collectives(world)
+        self._agree = ConsistencyCheck(self.comm)
+        self._backwards_since_step = 0  # API misuse checks: step() needs a backward() before it
         trainable = collect_trainable(model, model_parameters,
                                       optimizer if isinstance(optimizer, Optimizer) else None, replaced)
         self.param_names = trainable.names
@@ -174,6 +177,8 @@ class Engine(DeepSpeedEngineAPI):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
+        if self.strategy.forward_communicates:
+            self._agree.agree(Call.FORWARD, self.micro_steps, self.global_steps)
         self.strategy.before_forward()
         tokens = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
         if tokens is not None and not tokens.is_floating_point() and torch.is_grad_enabled():
@@ -210,6 +215,11 @@ class Engine(DeepSpeedEngineAPI):
         """Backpropagate ``loss / gradient_accumulation_steps`` (times the fp16 loss scale) and reduce
         gradients as the stage says.  ``scale_wrt_gas=False``: the caller already divided the loss."""
         started = time.perf_counter()
+        self._agree.agree(Call.BACKWARD, self.micro_steps, self.global_steps)  # first: ranks may disagree
+        if self._backwards_since_step and self.is_gradient_accumulation_boundary():
+            raise EngineUsageError("backward() called twice at a gradient accumulation boundary without step() "
+                                   "in between: call engine.step() after each backward()")
+        self._backwards_since_step += 1
         divisor = self.gradient_accumulation_steps() if scale_wrt_gas else 1
         if self.loss_scaler.scale != 1.0:  # fp16: in fp32, so that the scaled loss cannot overflow
             scaled = loss.float() * (self.loss_scaler.scale / divisor)
@@ -226,7 +236,14 @@ class Engine(DeepSpeedEngineAPI):
     def step(self) -> None:
         """Update the parameters at an accumulation boundary; otherwise only count the micro step."""
         started = time.perf_counter()
-        if self.is_gradient_accumulation_boundary():
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary or not self._backwards_since_step:  # first: another rank may be in its backward
+            self._agree.agree(Call.STEP, self.micro_steps, self.global_steps)
+        if not self._backwards_since_step:
+            raise EngineUsageError("step() called without a backward() since the last step(): each micro "
+                                   "step is engine(batch) -> engine.backward(loss) -> engine.step()")
+        self._backwards_since_step = 0
+        if boundary:
             self._optimizer_step()
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
@@ -433,7 +450,9 @@ class Engine(DeepSpeedEngineAPI):
         """
         from .checkpoint import save_checkpoint
 
-        return save_checkpoint(self, save_dir, None if tag is None else str(tag), client_state, save_latest)
+        tag_name = f"global_step{self.global_steps}" if tag is None else str(tag)
+        self._agree.agree(Call.SAVE, self.micro_steps, self.global_steps, tag_name)
+        return save_checkpoint(self, save_dir, tag_name, client_state, save_latest)
 
     def load_checkpoint(self, load_dir: Union[str, Path], tag: Any = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
@@ -451,6 +470,7 @@ class Engine(DeepSpeedEngineAPI):
         from .checkpoint import load_checkpoint
 
         restore_rng = self.data_loader is not None if load_rng_state is None else load_rng_state
+        self._agree.agree(Call.LOAD, self.micro_steps, self.global_steps, None if tag is None else str(tag))
         kept = _rng_states()
         result = load_checkpoint(self, load_dir, None if tag is None else str(tag), load_module_strict,
                                  load_optimizer_states, load_lr_scheduler_states, load_module_only)

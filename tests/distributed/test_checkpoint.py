@@ -45,7 +45,7 @@ def resume_worker(rank: int, world: int, stage: int, phase: str, directory: str)
     torch.manual_seed(100 + rank)
     losses = []
     if phase == "second":
-        path, client = engine.load_checkpoint(directory)
+        path, client = engine.load_checkpoint(directory, load_rng_state=True)  # batches come from torch's RNG
         assert client == {"next": K} and path.name == f"global_step{K}"
     steps = {"full": 2 * K, "first": K, "second": K}[phase]
     for _ in range(steps):
@@ -166,7 +166,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path: 
 
 
 def saved_worker(rank: int, world: int, directory: str, stage: int) -> dict:
-    engine = make_engine(stage)
+    engine = make_engine(stage, stage3_gather_16bit_weights_on_model_save=True)
     random_step(engine)
     engine.save_checkpoint(directory, tag="t")
     engine.save_16bit_model(directory, "weights16.safetensors")

@@ -100,4 +100,22 @@ def describe(checkpoint: str | Path, tag: Optional[str] = None) -> str:
         f"{'saved' if d.get('loader') else 'none'}; client state {'saved' if d.get('client_state') else 'none'}",
         f"files        {len(d['files'])}, {sum(f['bytes'] for f in d['files'].values()):,} bytes (checksums verified)",
     ]
+    bad = nonfinite_tensors(reader)
+    lines.append(f"values       {'all finite' if not bad else 'NOT FINITE: ' + ', '.join(bad)}")
     return "\n".join(lines)
+
+
+def nonfinite_tensors(reader: CheckpointReader) -> list[str]:
+    """Every saved tensor (parameters, optimizer state, frozen parameters and buffers) holding a NaN or
+    an infinity, read one parameter at a time."""
+    bad = []
+    keys = ["param"] + [f"optim.{k}" for k in reader.optimizer_state_keys()]
+    for name in reader.param_names():
+        for key in keys:
+            values = reader.read(name, key)
+            if values.is_floating_point() and not bool(torch.isfinite(values).all()):
+                bad.append(name if key == "param" else f"{name} ({key[len('optim.'):]})")
+    for name, tensor in reader.extra().items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad.append(name)
+    return bad

@@ -51,6 +51,8 @@ class Stage3(Stage2):
                                     precision.compute, masters, zero.offload_param)
         return cls(storage, params, comm, world, zero, plan, model, precision)
 
+    forward_communicates = True
+
     def before_forward(self) -> None:
         self.scheduler.release_all()
         self.scheduler.begin_pass()

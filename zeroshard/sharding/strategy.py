@@ -185,6 +185,10 @@ class ShardingStrategy(ABC):
             return None
         return MasterWeights(layout, world.rank, cls.owns_whole_buckets, device)
 
+    #: whether forward issues collectives (stage 3 gathers): the engine then checks that every rank
+    #: is in the same forward first (see [Note: the consistency check] in distributed/consistency.py)
+    forward_communicates = False
+
     def before_forward(self) -> None:
         """Called at the start of every engine forward."""
 

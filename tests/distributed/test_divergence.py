@@ -1,0 +1,56 @@
+"""Divergent ranks and API misuse get named errors on every rank, never gloo's abort or a hang."""
+
+import pytest
+import torch
+
+import zeroshard
+from zeroshard.distributed.consistency import DivergenceError, EngineUsageError
+from zeroshard.testing import run_world
+
+from zs_common import make_model, rank_micro_batches, zero_config
+
+
+def diverging(rank: int, world: int, stage: int, what: str, tmp: str) -> str:
+    engine, *_ = zeroshard.initialize(model=make_model(), config={**zero_config(stage, 2, 1), "collective_timeout": 20})
+    try:
+        for step in range(3):
+            (x, y), = rank_micro_batches(step, rank, world, 2, 1)
+            loss = engine(x, y)
+            if what == "skip_backward" and step == 1 and rank == 1:
+                engine.step()  # this rank forgot backward()
+                continue
+            engine.backward(loss)
+            if what == "skip_step" and step == 1 and rank == 0:
+                continue  # this rank forgot step()
+            engine.step()
+        if what == "save_on_one_rank":
+            if rank == 0:
+                engine.save_checkpoint(tmp, tag="one")
+            engine.save_checkpoint(tmp, tag="both")
+        if what == "different_tags":
+            engine.save_checkpoint(tmp, tag=f"rank{rank}")
+    except DivergenceError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("what", ["skip_backward", "skip_step", "save_on_one_rank", "different_tags"])
+def test_divergence_is_a_named_error_on_every_rank(tmp_path, stage, what) -> None:
+    messages = run_world(diverging, 2, args=(stage, what, str(tmp_path)), pg_timeout_s=30, timeout=120)
+    assert all(m.startswith("ranks diverged") for m in messages), messages
+    if what in ("save_on_one_rank", "different_tags"):
+        assert all("checkpoint tag" in m or "call" in m for m in messages), messages
+
+
+def test_api_misuse_is_refused() -> None:
+    engine, *_ = zeroshard.initialize(model=make_model(), config=zero_config(1, 2, 1))
+    (x, y), = rank_micro_batches(0, 0, 1, 2, 1)
+    with pytest.raises(EngineUsageError, match="without a backward"):
+        engine.step()
+    engine.backward(engine(x, y))
+    with pytest.raises(EngineUsageError, match="twice at a gradient accumulation boundary"):
+        engine.backward(engine(x, y))
+    engine.step()
+    with pytest.raises(EngineUsageError, match="without a backward"):
+        engine.step()

@@ -1,0 +1,41 @@
+"""Single-process reliability checks: ckpt-info reports non-finite values; non-finite steps are skipped."""
+
+import math
+
+import torch
+from torch import nn
+
+import zeroshard
+from zeroshard.checkpoint import describe
+
+
+def engine_for(model: nn.Module, **extra):
+    config = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 1000,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 1}, **extra}
+    engine, *_ = zeroshard.initialize(model=model, config=config)
+    return engine
+
+
+def test_ckpt_info_reports_non_finite_tensors(tmp_path) -> None:
+    engine = engine_for(nn.Linear(3, 2))
+    engine.save_checkpoint(tmp_path, tag="ok")
+    assert "values       all finite" in describe(tmp_path, "ok")
+    with torch.no_grad():
+        engine.module.bias.fill_(float("nan"))
+    engine.save_checkpoint(tmp_path, tag="bad")
+    report = describe(tmp_path, "bad")
+    assert "NOT FINITE: bias" in report and "weight" not in report.split("NOT FINITE:")[1]
+
+
+def test_a_nan_loss_in_one_process_skips_the_step_and_keeps_the_parameters() -> None:
+    engine = engine_for(nn.Linear(3, 2))
+    before = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    loss = engine(torch.ones(1, 3)).sum() * float("nan")
+    engine.backward(loss)
+    engine.step()
+    assert engine.skipped_steps == 1 and engine.optimizer.overflow and not engine.was_step_applied()
+    for k, v in engine.module.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    engine.backward(engine(torch.ones(1, 3)).sum())
+    engine.step()
+    assert engine.was_step_applied() and all(math.isfinite(float(p.sum())) for p in engine.module.parameters())

@@ -1,0 +1,94 @@
+"""Ranks that went different ways are diagnosed before their collectives cross: ``DivergenceError``.
+
+[Note: the consistency check]
+Every engine call that issues collectives (forward where the stage gathers, backward, the optimizer
+step, checkpoint save and load) first all-gathers one small row per rank: which call this is, the
+micro step, the optimizer step, how many collectives the engine has issued, and a digest of the
+checkpoint tag being saved or loaded.  All ranks issue this same-shaped collective whatever call
+they are in, so a rank that skipped a backward, a step or a save meets the others *here*, where the
+rows differ and every rank raises the same :class:`DivergenceError` naming the ranks, the step and
+what differs, instead of pairing a reduce-scatter with an all-gather (gloo's "Received data size
+doesn't match", or a hang until the timeout).  The check runs in a process group of its own (gloo,
+on host memory), so that when ranks diverge *inside* a call (a module skipped on one rank at stage
+3), a check never pairs with a ZeRO collective of another size (which aborts gloo): the ZeRO
+collective then times out with its own named error.  The cost is one all-gather of five integers per call,
+counted in its own collectives counters (``ConsistencyCheck.own``), apart from ZeRO's traffic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from enum import IntEnum
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .collectives import CollectiveError, Collectives
+
+
+class DivergenceError(CollectiveError):
+    """Ranks called the engine differently (a skipped backward, step or save on some rank)."""
+
+
+class EngineUsageError(RuntimeError):
+    """The engine was called in an order that cannot be right on any rank (e.g. ``step()`` without
+    ``backward()``)."""
+
+
+class Call(IntEnum):
+    FORWARD = 1
+    BACKWARD = 2
+    STEP = 3
+    SAVE = 4
+    LOAD = 5
+
+
+_FIELDS = ("call", "micro step", "optimizer step", "collectives issued", "checkpoint tag")
+
+
+def tag_digest(tag: Optional[str]) -> int:
+    return 0 if tag is None else zlib.crc32(tag.encode()) + 1
+
+
+class ConsistencyCheck:
+    """The per-call agreement check of [Note: the consistency check]."""
+
+    def __init__(self, comm: Collectives) -> None:
+        self.comm = comm  # the engine's: how many collectives it has issued is one of the fields
+        world = comm.world
+        if world.is_distributed:  # a group of its own: a check never pairs with a ZeRO collective
+            world = dataclasses.replace(world, group=dist.new_group(backend="gloo"), device=torch.device("cpu"),
+                                        backend="gloo")
+        #: the check's own traffic, counted apart so that the engine's counters stay ZeRO's traffic
+        self.own = Collectives(world)
+
+    def agree(self, call: Call, micro_steps: int, global_steps: int, tag: Optional[str] = None) -> None:
+        """All ranks are making the same call at the same point, or every rank raises."""
+        world = self.comm.world
+        if not world.is_distributed:
+            return
+        issued = sum(c.calls for c in self.comm.counters.values())
+        mine = torch.tensor([int(call), micro_steps, global_steps, issued, tag_digest(tag)], dtype=torch.int64)
+        rows = torch.empty(world.world_size * mine.numel(), dtype=torch.int64)
+        self.own.all_gather(rows, mine, "consistency_check")
+        table = rows.view(world.world_size, -1).tolist()
+        if all(row == table[0] for row in table):
+            return
+        raise DivergenceError(_describe(table, world.rank))
+
+
+def _describe(table: list[list[int]], me: int) -> str:
+    differing = [i for i, name in enumerate(_FIELDS) if len({row[i] for row in table}) > 1]
+    per_rank = []
+    for rank, row in enumerate(table):
+        shown = []
+        for i in differing:
+            value = Call(row[i]).name.lower() if i == 0 else row[i]
+            shown.append(f"{_FIELDS[i]} {value}")
+        per_rank.append(f"rank {rank}: " + ", ".join(shown))
+    step = min(row[2] for row in table)
+    return (f"ranks diverged at optimizer step {step} (seen from rank {me}): " + "; ".join(per_rank) +
+            ". Every rank must call forward/backward/step/save_checkpoint/load_checkpoint the same number "
+            "of times with the same checkpoint tag (a rank that skips a batch or a save desynchronises the job)")
