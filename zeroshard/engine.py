@@ -27,7 +27,7 @@ from . import checkpointing
 from .config import ZeroshardConfig
 from .distributed.collectives import Collectives
 from .distributed.consistency import Call, ConsistencyCheck, EngineUsageError
-from .distributed.world import World
+from .distributed.world import World, release_at_exit
 from .init_context import adopt_init_params, has_init_params
 from .logging import log_rank
 from .metrics import MetricsWriter, PhaseTimers, device_peak_bytes, host_peak_bytes
@@ -67,7 +67,9 @@ class Engine(DeepSpeedEngineAPI):
         self.world = world
         self.comm = Collectives(world)
         self._agree = ConsistencyCheck(self.comm)
-        self._backwards_since_step = 0  # API misuse checks: step() needs a backward() before it
+        # API misuse checks: step() needs a backward() before it; one backward() per boundary
+        self._backwards_since_step = 0
+        self._boundary_backward_done = False
         trainable = collect_trainable(model, model_parameters,
                                       optimizer if isinstance(optimizer, Optimizer) else None, replaced)
         self.param_names = trainable.names
@@ -106,9 +108,13 @@ class Engine(DeepSpeedEngineAPI):
         self._timers = PhaseTimers()
         self.last_metrics: Optional[dict[str, Any]] = None
         tb = config.tensorboard
-        self._writer = MetricsWriter(config.metrics_path if world.is_main else None,
-                                     f"{tb.output_path}/{tb.job_name}" if tb.enabled and world.is_main else None)
+        csv = config.csv_monitor
+        self._writer = MetricsWriter(
+            config.metrics_path if world.is_main else None,
+            f"{tb.output_path}/{tb.job_name}" if tb.enabled and world.is_main else None,
+            str(Path(csv.output_path or ".") / csv.job_name) if csv.enabled and world.is_main else None)
         self.comm.reset_counters()  # the initial broadcast is set-up, not training traffic
+        release_at_exit(self._release_at_exit)
 
     # ------------------------------------------------------------------ construction helpers
     def _sync_initial_state(self) -> None:
@@ -216,9 +222,11 @@ class Engine(DeepSpeedEngineAPI):
         gradients as the stage says.  ``scale_wrt_gas=False``: the caller already divided the loss."""
         started = time.perf_counter()
         self._agree.agree(Call.BACKWARD, self.micro_steps, self.global_steps)  # first: ranks may disagree
-        if self._backwards_since_step and self.is_gradient_accumulation_boundary():
+        at_boundary = self.is_gradient_accumulation_boundary()
+        if at_boundary and self._boundary_backward_done:
             raise EngineUsageError("backward() called twice at a gradient accumulation boundary without step() "
                                    "in between: call engine.step() after each backward()")
+        self._boundary_backward_done = at_boundary
         self._backwards_since_step += 1
         divisor = self.gradient_accumulation_steps() if scale_wrt_gas else 1
         if self.loss_scaler.scale != 1.0:  # fp16: in fp32, so that the scaled loss cannot overflow
@@ -243,6 +251,7 @@ class Engine(DeepSpeedEngineAPI):
             raise EngineUsageError("step() called without a backward() since the last step(): each micro "
                                    "step is engine(batch) -> engine.backward(loss) -> engine.step()")
         self._backwards_since_step = 0
+        self._boundary_backward_done = False
         if boundary:
             self._optimizer_step()
             self.global_steps += 1
@@ -350,6 +359,12 @@ class Engine(DeepSpeedEngineAPI):
         if failed:
             raise OffloadIOError(f"swap I/O failed on {int(failed)} other rank(s) (their error names the file); "
                                  f"this rank stops with them")
+
+    def _release_at_exit(self) -> None:
+        """See [Note: a clean exit] in distributed/world.py."""
+        self.strategy.finish_refresh()
+        self._agree.release()
+        self.close()
 
     def close(self) -> None:
         """Remove this engine's swap files now (NVMe offload; otherwise they go when the process exits)."""

@@ -151,12 +151,15 @@ class Init:
                  dtype: Optional[torch.dtype] = None, shard_device: Optional[torch.device] = None) -> None:
         """``dtype``: build floating-point parameters in this dtype (default: as the model makes them);
         ``shard_device``: where the shards live until ``initialize()`` (default: the training device)."""
-        from .config import load_config
+        from .config import ZeroshardConfig, load_config
+        from .config.loader import read_config_source, without_auto
 
         self.enabled = enabled
         self.dtype = dtype
         self.shard_device = shard_device
-        self.config = load_config(config) if config is not None else None
+        # "auto" values (a Hugging Face config before the Trainer fills them) do not concern Init
+        self.config = config if config is None or isinstance(config, ZeroshardConfig) else \
+            load_config(without_auto(read_config_source(config)))
         timeout = self.config.collective_timeout if self.config is not None else 1800.0
         self.world = world or init_distributed(timeout_s=timeout)
         self.comm = Collectives(self.world)

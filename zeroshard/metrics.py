@@ -55,8 +55,14 @@ class PhaseTimers:
 class MetricsWriter:
     """Appends one JSON object per record to ``path`` (rank 0 only), and to TensorBoard if asked."""
 
-    def __init__(self, path: Optional[str], tensorboard_dir: Optional[str] = None) -> None:
+    def __init__(self, path: Optional[str], tensorboard_dir: Optional[str] = None,
+                 csv_dir: Optional[str] = None) -> None:
+        """``csv_dir``: also append each numeric metric to ``csv_dir/<metric>.csv`` (``step,<metric>``
+        rows under a header line), one file per metric as DeepSpeed's csv_monitor lays them out."""
         self.path = Path(path) if path else None
+        self.csv_dir = Path(csv_dir) if csv_dir else None
+        if self.csv_dir is not None:
+            self.csv_dir.mkdir(parents=True, exist_ok=True)
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self._tb: Any = None
@@ -77,3 +83,10 @@ class MetricsWriter:
                 if isinstance(value, (int, float)) and key != "step":
                     self._tb.add_scalar(key, value, record["step"])
             self._tb.flush()
+        if self.csv_dir is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    file = self.csv_dir / f"{key}.csv"
+                    new = not file.exists()
+                    with open(file, "a") as f:
+                        f.write((f"step,{key}\n" if new else "") + f"{record['step']},{value}\n")

@@ -103,8 +103,8 @@ def test_activation_checkpointing_keys() -> None:
 @pytest.mark.parametrize("raw, expected", [
     ({"gradient_clipping": "1.0"}, "'gradient_clipping' must be a number"),
     ({"gradient_clipping": -1}, "'gradient_clipping' = -1 is not allowed; it must be a number >= 0"),
-    ({"steps_per_print": 0}, "'steps_per_print' = 0 is not allowed; it must be a number > 0"),
-    ({"steps_per_print": 1.5}, "'steps_per_print' must be an integer"),
+    ({"steps_per_print": 0}, "'steps_per_print' = 0 is not allowed; it must be a whole number > 0, or Infinity"),
+    ({"steps_per_print": 1.5}, "'steps_per_print' = 1.5 is not allowed; it must be a whole number > 0, or Infinity"),
     ({"train_batch_size": 0}, "'train_batch_size' = 0 is not allowed"),
     ({"zero_optimization": {"stage": 4}}, "'zero_optimization.stage' = 4 is not allowed; it must be 0, 1, 2 or 3"),
     ({"zero_optimization": {"stage3_prefetch_bucket_size": -1}}, "must be a number >= 0"),
@@ -159,3 +159,35 @@ def test_offload_keys() -> None:
         {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "nvme", "buffer_count": 1}}})
     assert "did you mean 'zero_optimization.offload_param.max_in_cpu'?" in err(
         {"zero_optimization": {"stage": 3, "offload_param": {"max_in_cpus": 1}}})
+
+
+def test_what_real_deepspeed_and_hugging_face_configs_carry() -> None:
+    config = load_config({
+        "steps_per_print": float("inf"), "bfloat16": {"enabled": True}, "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False, "prescale_gradients": False, "gradient_predivide_factor": 1.0,
+        "sparse_gradients": False, "wandb": {"enabled": False, "project": "x"}, "comms_logger": {"enabled": False},
+        "flops_profiler": {"enabled": False, "profile_step": 1}, "hybrid_engine": {"enabled": False, "max_out_tokens": 512},
+        "checkpoint": {"load_universal": True}, "csv_monitor": {"enabled": True, "output_path": "o", "job_name": "j"},
+        "fp16": {"enabled": False, "auto_cast": False},
+        "zero_optimization": {"stage": 3, "allgather_partitions": True, "round_robin_gradients": False,
+                              "ignore_unused_parameters": True, "memory_efficient_linear": False,
+                              "stage3_gather_fp16_weights_on_model_save": True, "offload_optimizer": {
+                                  "device": "cpu", "nvme_path": None}},
+    })
+    assert config.steps_per_print == float("inf") and config.bf16.enabled and config.stage == 3
+    assert config.zero_optimization.stage3_gather_16bit_weights_on_model_save and config.csv_monitor.job_name == "j"
+    assert load_config({"zero_optimization": True}).stage == 1 and load_config({"zero_optimization": False}).stage == 0
+    assert config["zero_optimization"]["stage"] == 3 and "bf16" in config  # readable as DeepSpeed's dict
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"optimizer": {"type": "AdamW", "params": {"lr": float("inf")}}}, "'optimizer.params.lr' = inf is not a finite"),
+    ({"gradient_clipping": float("nan")}, "'gradient_clipping' = nan is not a finite number"),
+    ({"wandb": {"enabled": True}}, "'wandb.enabled' is true, which zeroshard does not support: zeroshard does not log"),
+    ({"zero_optimization": {"allgather_partitions": False}}, "it must be true (zeroshard always all-gathers"),
+    ({"zero_optimization": {"reduce_bucket_size": "auto"}}, "'zero_optimization.reduce_bucket_size' is \"auto\""),
+    ({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}}, "both 'bfloat16' and 'bf16' are set"),
+    ({"zero_optimization": {"round_robin_gradients": True}}, "does not support yet"),
+])
+def test_deepspeed_forms_that_are_refused(raw, message) -> None:
+    assert message in err(raw)

@@ -9,18 +9,17 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, Mapping, Union
 
+from .deepspeed_forms import normalize
+from .errors import ConfigError
 from .schema import NOT_SUPPORTED_YET, OptimizerConfig, SchedulerConfig, ZeroshardConfig
 from .spec_params import OPTIMIZER_PARAMS, SCHEDULER_PARAMS, ParamSpec
-
-
-class ConfigError(ValueError):
-    """A configuration value zeroshard refuses, with the key that holds it and how to fix it."""
 
 
 def load_config(source: Union[str, os.PathLike, Mapping[str, Any], ZeroshardConfig, None],
@@ -33,7 +32,7 @@ def load_config(source: Union[str, os.PathLike, Mapping[str, Any], ZeroshardConf
     if isinstance(source, ZeroshardConfig):
         config = source
     else:
-        raw = _read(source)
+        raw = normalize(_read(source))
         config = _build(ZeroshardConfig, raw, "")
         _check_params(config)
         _check_precision(config)
@@ -46,6 +45,12 @@ def load_config(source: Union[str, os.PathLike, Mapping[str, Any], ZeroshardConf
 def read_config_source(source: Any) -> dict:
     """The raw JSON object of a config source (a path or a mapping), before validation."""
     return _read(source)
+
+
+def without_auto(raw: Mapping[str, Any]) -> dict:
+    """``raw`` without the keys whose value is ``"auto"`` (at any depth): what ``zero.Init`` reads of a
+    Hugging Face config before the Trainer has filled those values in (it needs none of them)."""
+    return {k: without_auto(v) if isinstance(v, Mapping) else v for k, v in raw.items() if v != "auto"}
 
 
 def _read(source: Any) -> dict:
@@ -90,6 +95,11 @@ def _build(cls: type, data: Any, path: str) -> Any:
     values = {}
     for name, value in data.items():
         dotted = _dotted(path, name)
+        if value == "auto":
+            raise ConfigError(f"{dotted!r} is \"auto\": Hugging Face's Trainer fills \"auto\" values in before it "
+                              f"calls initialize(); outside it, give a value (or remove the key for the default)")
+        if isinstance(value, float) and not math.isfinite(value) and not fields[name].metadata.get("infinite_ok"):
+            raise ConfigError(f"{dotted!r} = {value} is not a finite number; give a finite value")
         converted = _convert(hints[name], value, dotted)
         check = fields[name].metadata.get("check")
         problem = check(converted) if check is not None and converted is not None else None
@@ -161,6 +171,10 @@ def _check_precision(config: ZeroshardConfig) -> None:
 
 def _check_offload(config: ZeroshardConfig) -> None:
     zero = config.zero_optimization
+    for block, name in ((zero.offload_optimizer, "offload_optimizer"), (zero.offload_param, "offload_param")):
+        if block.device == "nvme" and block.nvme_path is None:
+            raise ConfigError(f"'zero_optimization.{name}.device' is nvme but 'zero_optimization.{name}.nvme_path' "
+                              f"is null; give the directory for the swap files")
     if zero.offload_optimizer.device != "none" and zero.stage == 0:
         raise ConfigError("'zero_optimization.offload_optimizer' needs ZeRO stage 1, 2 or 3 (the offloaded "
                           "optimizer updates this rank's shard); set 'zero_optimization.stage' to 1 or more")
@@ -185,6 +199,8 @@ def _check_params(config: ZeroshardConfig) -> None:
 
 def _check_param_block(params: dict, spec: dict[str, ParamSpec], path: str, type_name: str) -> None:
     for name, value in params.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{path + '.' + name!r} = {value} is not a finite number; give a finite value")
         if name not in spec:
             close = difflib.get_close_matches(name, list(spec), n=1, cutoff=0.6)
             hint = f"; did you mean {close[0]!r}?" if close else f"; {type_name} takes {', '.join(spec)}"

@@ -19,12 +19,13 @@ from typing import Any, Callable, Literal, Optional
 Check = Callable[[Any], Optional[str]]
 
 
-def key(default: Any, doc: str, check: Check | None = None) -> Any:
+def key(default: Any, doc: str, check: Check | None = None, infinite_ok: bool = False) -> Any:
     """Declare a config field with its documentation and an optional value check.
 
-    ``check`` returns ``None`` when the value is fine, or a phrase saying what is allowed.
+    ``check`` returns ``None`` when the value is fine, or a phrase saying what is allowed; numbers must
+    be finite unless ``infinite_ok``.
     """
-    meta = {"doc": doc, "check": check}
+    meta = {"doc": doc, "check": check, "infinite_ok": infinite_ok}
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -136,10 +137,18 @@ class OffloadOptimizerConfig:
 
     device: Literal["none", "cpu", "nvme"] = key(
         "none", "none: with the parameters; cpu: host memory; nvme: files under nvme_path (ZeRO-Infinity).")
-    nvme_path: str = key("/local_nvme", "Directory of the swap files when device is nvme.")
+    nvme_path: Optional[str] = key("/local_nvme", "Directory of the swap files when device is nvme (null: "
+                                                  "unset, as Hugging Face writes it).")
     pin_memory: bool = key(False, "Page-locked host buffers (faster device copies; CUDA only, ignored on CPU).")
     buffer_count: int = key(4, "nvme: sub-groups held in host memory at once (>= 2 to read the next while "
                                "updating one).", lambda v: None if v >= 2 else "an integer >= 2")
+
+    @property
+    def nvme_directory(self) -> str:
+        """``nvme_path``, which the loader requires whenever ``device`` is nvme."""
+        if self.nvme_path is None:
+            raise ValueError("nvme_path is not set (the config loader requires it with device nvme)")
+        return self.nvme_path
 
 
 @dataclass(frozen=True)
@@ -148,7 +157,8 @@ class OffloadParamConfig:
 
     device: Literal["none", "cpu", "nvme"] = key(
         "none", "Stage 3 only. cpu: shards in host memory; nvme: shards in files under nvme_path.")
-    nvme_path: str = key("/local_nvme", "Directory of the swap files when device is nvme.")
+    nvme_path: Optional[str] = key("/local_nvme", "Directory of the swap files when device is nvme (null: "
+                                                  "unset, as Hugging Face writes it).")
     pin_memory: bool = key(False, "Page-locked host buffers (CUDA only, ignored on CPU).")
     buffer_count: int = key(5, "nvme: staging buffers for shards being read or written (writes in flight).",
                             positive)
@@ -156,6 +166,13 @@ class OffloadParamConfig:
                            positive)
     max_in_cpu: int = key(1_000_000_000, "nvme: elements of shards kept in host memory (first buckets); "
                                          "the rest live on NVMe.", non_negative)
+
+    @property
+    def nvme_directory(self) -> str:
+        """``nvme_path``, which the loader requires whenever ``device`` is nvme."""
+        if self.nvme_path is None:
+            raise ValueError("nvme_path is not set (the config loader requires it with device nvme)")
+        return self.nvme_path
 
 
 @dataclass(frozen=True)
@@ -190,6 +207,12 @@ class ZeroConfig:
     offload_param: OffloadParamConfig = key(OffloadParamConfig(), "Parameter offload (stage 3).")
     sub_group_size: int = key(1_000_000_000, "Offload: elements the optimizer updates at a time (one swap unit).",
                               positive)
+    allgather_partitions: bool = key(
+        True, "Stages 1-2: all-gather the updated partitions after the step (zeroshard always does).",
+        lambda v: None if v is True else "true (zeroshard always all-gathers the updated partitions; the "
+                                         "all-reduce alternative would move twice the bytes)")
+    memory_efficient_linear: bool = key(
+        True, "Accepted: zeroshard computes with torch's own linear layers either way.")
     stage3_gather_16bit_weights_on_model_save: bool = key(
         False, "Stage 3: save_16bit_model gathers the full weights (false: it writes nothing and warns).")
 
@@ -204,6 +227,23 @@ class TensorboardConfig:
 
 
 @dataclass(frozen=True)
+class CSVMonitorConfig:
+    """``csv_monitor``: each metric of the per-step records appended to ``output_path/job_name/<metric>.csv``."""
+
+    enabled: bool = key(False, "Write the metrics to CSV files (rank 0).")
+    output_path: str = key("", "Directory of the CSV files (default: the working directory).")
+    job_name: str = key("DeepSpeedJobName", "Subdirectory for this run.")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """``checkpoint``: how checkpoints are loaded."""
+
+    load_universal: bool = key(
+        False, "Accepted: every zeroshard checkpoint loads at any world size and stage, as a universal one does.")
+
+
+@dataclass(frozen=True)
 class ZeroshardConfig:
     """The whole training configuration, after validation and batch-size derivation."""
 
@@ -215,11 +255,25 @@ class ZeroshardConfig:
                                                      optional_positive)
     gradient_clipping: float = key(0.0, "Clip the global gradient norm to this value; 0 turns it off.",
                                    non_negative)
-    steps_per_print: int = key(10, "Log a line of metrics every this many optimizer steps.", positive)
+    steps_per_print: float = key(
+        10, "Log a line of metrics every this many optimizer steps (Infinity: never).",
+        lambda v: None if v > 0 and (v == float("inf") or float(v).is_integer()) else "a whole number > 0, or Infinity",
+        infinite_ok=True)
     wall_clock_breakdown: bool = key(False, "Add seconds spent in forward, backward and step to the metrics.")
     metrics_path: Optional[str] = key(None, "zeroshard: append each metrics record as a JSON line to this file.")
     tensorboard: TensorboardConfig = key(TensorboardConfig(), "Metrics to TensorBoard.")
     seed: Optional[int] = key(None, "Seed torch on every rank in initialize() (same value everywhere).")
+    prescale_gradients: bool = key(
+        False, "Divide gradients by gradient_predivide_factor before the reduction and by world/factor after it.")
+    gradient_predivide_factor: float = key(1.0, "The divisor applied before the reduction with prescale_gradients.",
+                                           positive)
+    zero_allow_untested_optimizer: bool = key(
+        False, "Accepted: zeroshard wraps any torch optimizer the same way, so none is untested.")
+    zero_force_ds_cpu_optimizer: bool = key(
+        True, "Accepted: under CPU offload zeroshard always steps the given torch optimizer on the host "
+              "(Adam/AdamW with torch's fused CPU kernel).")
+    csv_monitor: CSVMonitorConfig = key(CSVMonitorConfig(), "Metrics to CSV files, one per metric.")
+    checkpoint: CheckpointConfig = key(CheckpointConfig(), "Checkpoint loading options.")
     max_consecutive_skips: int = key(
         10, "zeroshard: fp32/bf16 steps skipped in a row for non-finite gradients before training stops with "
             "an error naming the rank and parameter.", positive)
@@ -263,16 +317,14 @@ class ZeroshardConfig:
 # (never silently ignored), keyed by the dotted path of the block that holds them.
 NOT_SUPPORTED_YET: dict[str, tuple[str, ...]] = {
     "": (
-        "amp", "prescale_gradients",
-        "gradient_predivide_factor", "sparse_gradients", "memory_breakdown",
-        "flops_profiler", "wandb", "csv_monitor", "comms_logger", "elasticity",
-        "pipeline", "checkpoint", "aio", "autotuning", "compression_training", "dump_state",
-        "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "bfloat16",
+        "amp", "sparse_gradients", "memory_breakdown",
+        "flops_profiler", "wandb", "comms_logger", "elasticity",
+        "pipeline", "aio", "autotuning", "compression_training", "dump_state", "hybrid_engine",
     ),
     "zero_optimization": (
         "round_robin_gradients",
         "load_from_fp32_weights", "elastic_checkpoint", "cpu_offload", "ignore_unused_parameters",
-        "stage3_gather_fp16_weights_on_model_save", "zero_hpz_partition_size", "zero_quantized_weights",
+        "zero_hpz_partition_size", "zero_quantized_weights",
         "zero_quantized_gradients", "mics_shard_size", "use_multi_rank_bucket_allreduce",
     ),
     "fp16": ("auto_cast", "fp16_master_weights_and_grads"),

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import ConfigError
+
 _REQUIRED = object()
 
 
@@ -47,7 +49,6 @@ class ParamSpec:
 
 def resolve(params: dict, spec: dict[str, ParamSpec], where: str) -> dict:
     """Defaults filled in; a missing required key is an error naming ``where``."""
-    from .loader import ConfigError
 
     out = {}
     for name, s in spec.items():

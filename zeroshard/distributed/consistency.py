@@ -64,6 +64,10 @@ class ConsistencyCheck:
         #: the check's own traffic, counted apart so that the engine's counters stay ZeRO's traffic
         self.own = Collectives(world)
 
+    def release(self) -> None:
+        """Drop the side group (at exit, before the process groups are destroyed)."""
+        self.own.world = dataclasses.replace(self.own.world, group=None)
+
     def agree(self, call: Call, micro_steps: int, global_steps: int, tag: Optional[str] = None) -> None:
         """All ranks are making the same call at the same point, or every rank raises."""
         world = self.comm.world

@@ -7,10 +7,12 @@ started without torchrun gets a world of size 1 with no process group at all.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
+import weakref
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,6 +29,7 @@ class World:
     local_rank: int
     device: torch.device
     backend: str  # "gloo", "nccl" or "none" for a lone process without a process group
+    #: None: the default (whole-world) group, without holding a reference to it (see [Note: a clean exit])
     group: Optional[dist.ProcessGroup] = None
     timeout_s: float = DEFAULT_TIMEOUT_S
 
@@ -51,6 +54,38 @@ def _pick_backend() -> tuple[str, torch.device]:
     return "gloo", torch.device("cpu")
 
 
+_exit_callbacks: list[Callable[[], Optional[Callable[[], None]]]] = []  # weak references to bound methods
+
+
+def release_at_exit(method: Callable[[], None]) -> None:
+    """Call ``method`` (a bound method, held weakly) at exit, before the process group is destroyed: it
+    must finish this object's collectives and drop its references to process groups."""
+    _exit_callbacks.append(weakref.WeakMethod(method))
+    if len(_exit_callbacks) == 1:
+        atexit.register(_clean_exit)
+
+
+def _clean_exit() -> None:
+    """[Note: a clean exit]
+    A process that reaches interpreter shutdown while Python objects still reference a gloo process
+    group (its ``ProcessGroup`` object, a side group, an unfinished ``Work``) destroys the group's C++
+    state during finalization, and in about one run in four (measured with collectives issued from
+    autograd hooks, as every ZeRO backward does) dies in ``terminate called without an active
+    exception`` (SIGABRT) after finishing its work: torchrun then reports a failed job.  Destroying
+    the groups while the interpreter is intact, with nothing else holding them, never aborts
+    (0 in 32 runs).  So zeroshard keeps no reference to the default group (``World.group`` is None for
+    it), and at exit each live engine finishes its collectives and drops its side groups, then the
+    process groups are destroyed, whoever created them (Hugging Face and Accelerate never destroy
+    theirs)."""
+    for ref in _exit_callbacks:
+        method = ref()
+        if method is not None:
+            method()
+    _exit_callbacks.clear()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> World:
     """Join (or create) the default process group and describe it.
 
@@ -73,5 +108,4 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
     device = torch.device("cuda", local_rank) if used == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    return World(dist.get_rank(), dist.get_world_size(), local_rank, device, used,
-                 dist.group.WORLD, timeout_s)
+    return World(dist.get_rank(), dist.get_world_size(), local_rank, device, used, None, timeout_s)

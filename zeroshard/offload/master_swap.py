@@ -51,9 +51,9 @@ class MasterSwap:
         owned = sum(end - start for start, end in spans)
         largest = max(n for pieces in self.pieces for _, n in pieces)
         self.buffer_count = offload.buffer_count
-        preflight_nvme(comm, offload.nvme_path, "zero_optimization.offload_optimizer.nvme_path",
+        preflight_nvme(comm, offload.nvme_directory, "zero_optimization.offload_optimizer.nvme_path",
                        TENSORS_PER_ELEMENT * owned * 4, offload.buffer_count * TENSORS_PER_ELEMENT * largest * 4)
-        self.swap = SwapDirectory(offload.nvme_path, comm.world.rank, "optimizer")
+        self.swap = SwapDirectory(offload.nvme_directory, comm.world.rank, "optimizer")
         self.io = SwapIO()
         # the swap files are this run's scratch space: removed when the engine goes or the process exits
         self.finalizer = weakref.finalize(self, close_swap, self.io, self.swap)

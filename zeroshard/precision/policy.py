@@ -38,6 +38,25 @@ class PrecisionPolicy:
     compute: torch.dtype = torch.float32
     comm: torch.dtype = torch.float32
     grad_accum: torch.dtype = torch.float32
+    #: DeepSpeed's prescale_gradients: divide by ``predivide_factor`` before the reduction and by
+    #: ``world_size / predivide_factor`` after it, instead of by ``world_size`` before (see
+    #: [Note: averaging gradients over ranks])
+    prescale: bool = False
+    predivide_factor: float = 1.0
+
+    def before_reduction(self, grad: torch.Tensor, world_size: int) -> None:
+        """[Note: averaging gradients over ranks]
+        The average over N ranks is a sum of g_i / N.  By default each rank divides by N before the
+        sum (the summed values stay the size of one gradient: no overflow in 16 bits).  With
+        ``prescale_gradients`` each rank divides by ``gradient_predivide_factor`` f before the sum and
+        the result is multiplied by f / N after it, DeepSpeed's knob for keeping fp16 sums in range
+        for large N; the result is the same average up to rounding."""
+        grad.div_(self.predivide_factor if self.prescale else world_size)
+
+    def after_reduction(self, reduced: torch.Tensor, world_size: int) -> None:
+        """The second half of [Note: averaging gradients over ranks] (nothing by default)."""
+        if self.prescale:
+            reduced.mul_(self.predivide_factor / world_size)
 
     @property
     def mixed(self) -> bool:
@@ -53,4 +72,5 @@ class PrecisionPolicy:
         compute = "fp16" if config.fp16.enabled else "bf16" if config.bf16.enabled else "fp32"
         accum = config.data_types.grad_accum_dtype or ("fp16" if compute == "fp16" else "fp32")
         comm = config.communication_data_type or compute
-        return cls(DTYPES[compute], DTYPES[comm], DTYPES[accum])
+        return cls(DTYPES[compute], DTYPES[comm], DTYPES[accum], config.prescale_gradients,
+                   config.gradient_predivide_factor)

@@ -75,9 +75,9 @@ class ShardStore:
                              f"reduce_bucket_size")
         disk = sum(b.shard_numel for b in buckets) * size
         staging = min(offload.buffer_size, largest)
-        preflight_nvme(comm, offload.nvme_path, "zero_optimization.offload_param.nvme_path", disk,
+        preflight_nvme(comm, offload.nvme_directory, "zero_optimization.offload_param.nvme_path", disk,
                        offload.buffer_count * staging * size)
-        swap = SwapDirectory(offload.nvme_path, comm.world.rank, "params")
+        swap = SwapDirectory(offload.nvme_directory, comm.world.rank, "params")
         self._io = SwapIO()
         self._finalizer = weakref.finalize(self, _close, self._io, swap)
         self._swap = swap

@@ -18,7 +18,7 @@ class Stage0(FullGradientStrategy):
 
     def launch(self, bucket: BucketLayout, async_op: bool) -> PendingCollective:
         view = self.to_comm_dtype(bucket)
-        view.div_(self.world.world_size)
+        self.precision.before_reduction(view, self.world.world_size)
         return self.comm.all_reduce(view, f"grad_bucket{bucket.index}", async_op=async_op)
 
     def complete(self, bucket: BucketLayout) -> None:
@@ -26,6 +26,7 @@ class Stage0(FullGradientStrategy):
         if cast is not None:
             self.grad_bucket(bucket).copy_(cast)
             self.cast_pool.release(cast)
+        self.precision.after_reduction(self.grad_bucket(bucket), self.world.world_size)
 
     def owned_param(self, bucket: BucketLayout) -> torch.Tensor:
         return self.flat.bucket_view(bucket)

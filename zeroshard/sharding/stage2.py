@@ -54,13 +54,13 @@ class Stage2(ShardingStrategy):
 
     def complete(self, bucket: BucketLayout) -> None:
         full = self._buffers.pop(bucket.index)
-        received = self.take_received(bucket)
-        if received is None:
-            start, end = bucket.shard_range(self.world.rank)
-            self.owned_grad(bucket).add_(full[start:end])
-        else:
-            self.owned_grad(bucket).add_(received)
-            self.shard_pool.release(received)
+        pooled = self.take_received(bucket)
+        start, end = bucket.shard_range(self.world.rank)
+        received = full[start:end] if pooled is None else pooled
+        self.precision.after_reduction(received, self.world.world_size)
+        self.owned_grad(bucket).add_(received)
+        if pooled is not None:
+            self.shard_pool.release(pooled)
         self._bucket_pool.release(full)
 
     def owned_grad(self, bucket: BucketLayout) -> torch.Tensor:

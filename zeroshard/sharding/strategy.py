@@ -226,7 +226,7 @@ class ShardingStrategy(ABC):
         With ``reduce_scatter`` the chunk lands in a pooled buffer, handed back by
         :meth:`take_received`; otherwise the bucket is all-reduced in place and the chunk is read from it.
         """
-        full.div_(self.world.world_size)
+        self.precision.before_reduction(full, self.world.world_size)
         label = f"grad_bucket{bucket.index}"
         if not self.zero.reduce_scatter:
             return self.comm.all_reduce(full, label, async_op=async_op)

@@ -1,0 +1,31 @@
+"""A finished run exits 0 every time (see [Note: a clean exit] in zeroshard/distributed/world.py)."""
+
+import os
+import subprocess
+import sys
+
+from zeroshard.testing import free_port
+
+JOB = """
+import torch, zeroshard
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+engine, *_ = zeroshard.initialize(model=model, config={
+    "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    "zero_optimization": {"stage": 2, "reduce_bucket_size": 40}})
+for _ in range(3):
+    engine.backward(engine(torch.randn(2, 8)).sum())
+    engine.step()
+print("finished", flush=True)
+"""
+
+
+def test_ten_finished_runs_in_a_row_all_exit_zero(tmp_path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for attempt in range(10):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                               "--master_port", str(free_port()), str(script)],
+                              capture_output=True, text=True, timeout=120, env=env)
+        assert proc.returncode == 0, f"run {attempt}: {proc.stdout[-1000:]}{proc.stderr[-3000:]}"
+        assert proc.stdout.count("finished") == 2

@@ -1,0 +1,105 @@
+"""Hugging Face Trainer and Accelerate, unmodified, with DeepSpeed configs, train on zeroshard.
+
+The reference is the same script without DeepSpeed (Trainer's / Accelerate's own DDP on gloo): with
+fp32, losses and the saved weights agree to float rounding.  Each script is launched by torchrun.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from zeroshard.testing import free_port
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+SCRIPTS = Path(__file__).parent / "hf_scripts"
+
+
+def launch(script: str, out: Path, *args: str, nproc: int = 2) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+           str(free_port()), str(SCRIPTS / script), "--out", str(out), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
+    return json.loads((out / "result.json").read_text())
+
+
+def final_weights(directory: Path) -> dict[str, torch.Tensor]:
+    from transformers import GPT2LMHeadModel
+
+    return GPT2LMHeadModel.from_pretrained(directory).state_dict()
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory) -> dict[int, dict]:
+    """Trainer without DeepSpeed at worlds 1 and 2: the reference losses and final weights."""
+    runs = {}
+    for world in (1, 2):
+        out = tmp_path_factory.mktemp(f"ddp{world}")
+        runs[world] = {**launch("trainer_script.py", out, "--ddp", nproc=world), "dir": out}
+    return runs
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_trainer_with_a_deepspeed_config_equals_ddp(tmp_path, ddp_runs, stage, world) -> None:
+    result = launch("trainer_script.py", tmp_path, "--stage", str(stage), nproc=world)
+    assert result["wrapped"] == "zeroshard.engine.Engine" and result["world_size"] == world
+    reference = ddp_runs[world]
+    assert result["global_step"] == 4 and len(result["losses"]) == 4
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=0)
+    ours, theirs = final_weights(tmp_path / "final"), final_weights(reference["dir"] / "final")
+    assert ours.keys() == theirs.keys()
+    for name in ours:  # save_model() wrote a from_pretrained-loadable model with the trained weights
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert (tmp_path / "checkpoint-2" / "global_step2" / "manifest.json").is_file()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_trainer_bf16(tmp_path, ddp_runs, stage) -> None:
+    result = launch("trainer_script.py", tmp_path, "--stage", str(stage), "--bf16")
+    assert result["wrapped"] == "zeroshard.engine.Engine"
+    losses = torch.tensor(result["losses"])
+    torch.testing.assert_close(losses, torch.tensor(ddp_runs[2]["losses"]), rtol=2e-2, atol=0)
+    # save_model() writes the training dtype, as under DeepSpeed
+    assert final_weights(tmp_path / "final")["transformer.wte.weight"].dtype == torch.bfloat16
+
+
+def test_trainer_resumes_exactly_at_stage3(tmp_path) -> None:
+    straight = launch("trainer_script.py", tmp_path / "a", "--stage", "3")
+    resumed = launch("trainer_script.py", tmp_path / "b", "--stage", "3", "--resume",
+                     str(tmp_path / "a" / "checkpoint-2"))
+    assert resumed["steps_run"] == 2 and resumed["global_step"] == 4  # it really started at step 2
+    assert resumed["losses"][2:] == straight["losses"][2:]  # bitwise: same RNG, data order and state
+
+
+def test_from_pretrained_under_zero_init_at_world2_with_resize(tmp_path, ddp_runs) -> None:
+    """Stage 3: from_pretrained builds the model under zero.Init (HfDeepSpeedConfig), resize_token_embeddings
+    works on the sharded model, model.dtype / model.device answer, and training matches DDP from the
+    same pretrained weights."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=97, n_positions=32, n_embd=32, n_layer=2, n_head=2)) \
+        .save_pretrained(tmp_path / "pretrained")
+    result = launch("trainer_script.py", tmp_path / "z3", "--stage", "3", "--pretrained", str(tmp_path / "pretrained"))
+    assert (result["dtype"], result["device"]) == ("torch.float32", "cpu")
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ddp_runs[2]["losses"]), rtol=1e-5, atol=0)
+    resized = launch("trainer_script.py", tmp_path / "rz", "--stage", "3", "--pretrained", str(tmp_path / "pretrained"),
+                     "--resize", "101")
+    assert resized["embedding_rows"] == 101
+    assert final_weights(tmp_path / "rz" / "final")["transformer.wte.weight"].shape == (101, 32)
+
+
+def test_accelerate_loop_with_a_deepspeed_plugin_equals_ddp(tmp_path) -> None:
+    ours = launch("accelerate_script.py", tmp_path / "ds", "--stage", "2")
+    theirs = launch("accelerate_script.py", tmp_path / "ddp", "--ddp")
+    assert ours["wrapped"] == "Engine" and theirs["wrapped"] == "DistributedDataParallel"
+    assert ours["processes"] == 2
+    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(theirs["losses"]), rtol=1e-5, atol=0)

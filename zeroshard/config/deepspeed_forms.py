@@ -1,0 +1,86 @@
+"""DeepSpeed's other ways of writing a config, brought to zeroshard's one form before validation.
+
+[Note: what real configs carry]
+Configs written for DeepSpeed, and those Hugging Face and Accelerate generate, carry spellings and
+keys that say nothing beyond DeepSpeed's defaults.  Refusing them would make every real config fail;
+ignoring keys that *do* ask for something would be silent.  The rule: a key that states DeepSpeed's
+default, or a feature block with ``"enabled": false``, describes what zeroshard does anyway and is
+dropped here; an alias is renamed to zeroshard's key; everything else reaches the strict loader,
+where an unsupported feature that is switched on is refused with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from .errors import ConfigError
+
+#: DeepSpeed keys zeroshard does not implement, with the DeepSpeed default that is zeroshard's own
+#: behaviour (by block: "" is the top level).
+DEFAULTS_THAT_MATCH: dict[str, dict[str, Any]] = {
+    "": {"sparse_gradients": False, "memory_breakdown": False, "dump_state": False},
+    "zero_optimization": {
+        "round_robin_gradients": False, "load_from_fp32_weights": True, "elastic_checkpoint": False,
+        "cpu_offload": False, "cpu_offload_param": False, "cpu_offload_use_pin_memory": False,
+        "ignore_unused_parameters": True, "zero_hpz_partition_size": 1, "zero_quantized_weights": False,
+        "zero_quantized_nontrainable_weights": False, "zero_quantized_gradients": False, "mics_shard_size": -1,
+        "mics_hierarchical_params_gather": False, "use_multi_rank_bucket_allreduce": True,
+    },
+    "fp16": {"auto_cast": False, "fp16_master_weights_and_grads": False},
+}
+
+#: DeepSpeed feature blocks switched by ``enabled``; switched on, each is refused with this reason.
+FEATURE_BLOCKS: dict[str, str] = {
+    "wandb": "zeroshard does not log to Weights & Biases; use csv_monitor, tensorboard or metrics_path",
+    "comms_logger": "zeroshard always counts its collectives: see comm_mib / comm_s in the metrics and "
+                    "engine.comm.snapshot()",
+    "flops_profiler": "zeroshard reports an estimated TFLOP/s in every metrics record; use torch.profiler for "
+                      "per-module FLOPs",
+    "amp": "NVIDIA Apex AMP is not used; use bf16 or fp16",
+    "elasticity": "elastic batch sizes are not supported; restarts are torchrun's (--max-restarts)",
+    "autotuning": "there is no autotuner",
+    "hybrid_engine": "there is no inference engine for RLHF generation",
+    "nebula": "checkpoints are zeroshard's own sharded format",
+    "data_efficiency": "data sampling and routing are the script's",
+    "curriculum_learning": "curriculum learning is the script's data pipeline",
+    "eigenvalue": "there is no eigenvalue computation",
+    "progressive_layer_drop": "progressive layer drop is not supported",
+}
+
+_ALIASES = {("", "bfloat16"): "bf16",
+            ("zero_optimization", "stage3_gather_fp16_weights_on_model_save"):
+                "stage3_gather_16bit_weights_on_model_save"}
+
+
+def normalize(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """The config with DeepSpeed's aliases renamed and inert keys dropped (see the Note)."""
+    out = _block(dict(raw), "")
+    zero = out.get("zero_optimization")
+    if isinstance(zero, bool):  # DeepSpeed's legacy form: true means stage 1
+        out["zero_optimization"] = {"stage": 1 if zero else 0}
+    elif isinstance(zero, Mapping):
+        out["zero_optimization"] = _block(dict(zero), "zero_optimization")
+    if isinstance(out.get("fp16"), Mapping):
+        out["fp16"] = _block(dict(out["fp16"]), "fp16")
+    for name, reason in FEATURE_BLOCKS.items():
+        block = out.get(name)
+        if isinstance(block, Mapping):
+            if block.get("enabled", False) is False:
+                del out[name]
+            else:
+                raise ConfigError(f"{name + '.enabled'!r} is true, which zeroshard does not support: {reason}; "
+                                  f"set it to false or remove the block")
+    return out
+
+
+def _block(block: dict[str, Any], path: str) -> dict[str, Any]:
+    for (where, alias), name in _ALIASES.items():
+        if where == path and alias in block:
+            if name in block:
+                raise ConfigError(f"both {alias!r} and {name!r} are set in {path or 'the config'}; they are the same "
+                                  f"key under two names: keep {name!r}")
+            block[name] = block.pop(alias)
+    for name, default in DEFAULTS_THAT_MATCH.get(path, {}).items():
+        if name in block and block[name] == default and type(block[name]) is type(default):
+            del block[name]
+    return block
