@@ -57,8 +57,8 @@ class OptimizerConfig:
 class SchedulerConfig:
     """``scheduler``: a DeepSpeed learning-rate schedule, stepped once per optimizer step."""
 
-    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"] = key(
-        "WarmupLR", "WarmupLR, WarmupDecayLR or WarmupCosineLR."
+    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"] = key(
+        "WarmupLR", "WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle or LRRangeTest."
     )
     params: dict = key({}, "Parameters of the schedule (validated per type).")
 

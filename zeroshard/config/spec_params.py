@@ -26,6 +26,8 @@ class ParamSpec:
         return self.default is _REQUIRED
 
     def problem(self, value: Any) -> str | None:
+        if self.kind.startswith("optional_"):
+            return None if value is None else ParamSpec(self.default, self.kind[len("optional_"):]).problem(value)
         is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if self.kind == "bool":
             return None if isinstance(value, bool) else "true or false"
@@ -88,11 +90,23 @@ _WARMUP = {
 
 SCHEDULER_PARAMS: dict[str, dict[str, ParamSpec]] = {
     "WarmupLR": {"warmup_min_lr": ParamSpec(0.0, "non_negative"),
-                 "warmup_max_lr": ParamSpec(1e-3, "non_negative"), **_WARMUP},
+                 "warmup_max_lr": ParamSpec(None, "optional_non_negative"), **_WARMUP},
     "WarmupDecayLR": {"warmup_min_lr": ParamSpec(0.0, "non_negative"),
                       "warmup_max_lr": ParamSpec(1e-3, "non_negative"), **_WARMUP,
                       "total_num_steps": ParamSpec(_REQUIRED, "int_positive")},
     "WarmupCosineLR": {"total_num_steps": ParamSpec(_REQUIRED, "int_positive"),
                        "warmup_min_ratio": ParamSpec(0.0, "non_negative"),
                        "cos_min_ratio": ParamSpec(1e-4, "non_negative"), **_WARMUP},
+    "LRRangeTest": {"lr_range_test_min_lr": ParamSpec(1e-3, "positive"),
+                    "lr_range_test_step_size": ParamSpec(2000, "int_positive"),
+                    "lr_range_test_step_rate": ParamSpec(1.0, "non_negative"),
+                    "lr_range_test_staircase": ParamSpec(False, "bool")},
+    "OneCycle": {"cycle_min_lr": ParamSpec(_REQUIRED, "non_negative"), "cycle_max_lr": ParamSpec(_REQUIRED, "non_negative"),
+                 "decay_lr_rate": ParamSpec(0.0, "non_negative"), "cycle_first_step_size": ParamSpec(2000, "int_positive"),
+                 "cycle_second_step_size": ParamSpec(None, "optional_int_positive"),
+                 "cycle_first_stair_count": ParamSpec(0, "non_negative"),
+                 "cycle_second_stair_count": ParamSpec(None, "optional_non_negative"),
+                 "decay_step_size": ParamSpec(0, "non_negative"), "cycle_momentum": ParamSpec(True, "bool"),
+                 "cycle_min_mom": ParamSpec(0.8, "non_negative"), "cycle_max_mom": ParamSpec(0.9, "non_negative"),
+                 "decay_mom_rate": ParamSpec(0.0, "non_negative")},
 }
