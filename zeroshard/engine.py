@@ -23,7 +23,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from . import checkpointing
+from . import activation_checkpointing
 from .config import ZeroshardConfig
 from .distributed.collectives import Collectives
 from .distributed.consistency import Call, ConsistencyCheck, EngineUsageError
@@ -75,7 +75,7 @@ class Engine(DeepSpeedEngineAPI):
         self.param_names = trainable.names
         self.frozen_params = trainable.frozen
         self._sync_initial_state()
-        checkpointing.configure(config.activation_checkpointing)
+        activation_checkpointing.use_settings(config.activation_checkpointing)
         self.precision = PrecisionPolicy.from_config(config)
         self.loss_scaler = LossScaler.from_config(config)
         self.skipped_steps = 0
@@ -413,7 +413,7 @@ class Engine(DeepSpeedEngineAPI):
         if self.config.wall_clock_breakdown:
             record.update({f"{k}_s": v for k, v in self._timers.take().items()})
         if self.config.activation_checkpointing.profile:
-            profile = checkpointing.take_profile()
+            profile = activation_checkpointing.take_profile()
             record.update({"checkpoint_regions": profile.regions, "checkpoint_forward_s": profile.forward_s,
                            "checkpoint_recomputations": profile.recomputations,
                            "checkpoint_recompute_s": profile.recompute_s})

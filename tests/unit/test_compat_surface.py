@@ -187,3 +187,25 @@ def test_gathered_parameters_on_init_and_plain_parameters() -> None:
     with deepspeed.zero.GatheredParameters(inside.weight):
         assert torch.equal(inside.weight.data, torch.full((2, 3), 2.0))
     assert inside.weight.device == torch.device("cpu") and inside.weight.is_floating_point()
+
+
+def test_deepspeed_checkpointing_signatures() -> None:
+    from zeroshard import activation_checkpointing
+
+    try:
+        assert not deepspeed.checkpointing.is_configured()
+        deepspeed.checkpointing.configure(None, deepspeed_config={"activation_checkpointing": {"profile": True}},
+                                          checkpoint_in_cpu=True)
+        assert deepspeed.checkpointing.is_configured()
+        settings = activation_checkpointing._settings
+        assert settings.profile and settings.cpu_checkpointing
+        layer = nn.Linear(3, 3)
+        x = torch.ones(2, 3, requires_grad=True)
+        deepspeed.checkpointing.checkpoint(layer, x).sum().backward()
+        assert x.grad is not None and activation_checkpointing.take_profile().regions == 1
+        with pytest.raises(ValueError, match="model parallelism"):
+            deepspeed.checkpointing.configure(object())
+        with pytest.raises(Exception, match="partition_activations"):
+            deepspeed.checkpointing.configure(None, partition_activations=True)
+    finally:
+        activation_checkpointing.use_settings(None)

@@ -3,13 +3,13 @@ over zeroshard's activation checkpointing."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-from .. import checkpointing as _impl
+from .. import activation_checkpointing as _impl
 from ..config import load_config
 from ..config.loader import read_config_source
 
-__all__ = ["configure", "is_configured", "checkpoint", "reset"]
+__all__ = ["configure", "is_configured", "reset"]
 
 _configured = [False]
 
@@ -34,7 +34,7 @@ def configure(mpu_: Any, deepspeed_config: Any = None, partition_activations: Op
                  "number_checkpoints": num_checkpoints, "cpu_checkpointing": checkpoint_in_cpu,
                  "synchronize_checkpoint_boundary": synchronize, "profile": profile}
     block.update({k: v for k, v in overrides.items() if v is not None})
-    _impl.configure(load_config({"activation_checkpointing": block}).activation_checkpointing)
+    _impl.use_settings(load_config({"activation_checkpointing": block}).activation_checkpointing)
     _configured[0] = True
 
 
@@ -47,6 +47,3 @@ def reset() -> None:
     """DeepSpeed clears its per-iteration buffers here; zeroshard keeps none between regions."""
 
 
-def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
-    """Run ``function(*args)`` without keeping its activations (DeepSpeed's positional form)."""
-    return _impl.checkpoint(function, *args)

@@ -289,7 +289,7 @@ class ZeroshardConfig:
         None, "dtype gradients are reduced in: fp32 or the training dtype; default the training dtype.")
     data_types: DataTypesConfig = key(DataTypesConfig(), "Gradient accumulation dtype.")
     activation_checkpointing: ActivationCheckpointingConfig = key(
-        ActivationCheckpointingConfig(), "Settings of zeroshard.checkpointing.checkpoint.")
+        ActivationCheckpointingConfig(), "Settings of zeroshard.checkpointing.checkpoint (zeroshard/activation_checkpointing.py).")
 
     @property
     def stage(self) -> int:

@@ -74,7 +74,7 @@ class GatherScheduler:
     @staticmethod
     def in_backward() -> bool:
         """True inside autograd's backward, where a forward hook can only be activation
-        checkpointing recomputing a region (see zeroshard/checkpointing.py)."""
+        checkpointing recomputing a region (see zeroshard/activation_checkpointing.py)."""
         return torch._C._current_graph_task_id() != -1
 
     def _used_last(self, unit: Unit) -> bool:
