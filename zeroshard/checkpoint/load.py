@@ -17,7 +17,7 @@ from .format import LATEST, CheckpointError
 from .reader import CheckpointReader
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from .interface import TrainingState
     from ..sharding.layout import BucketLayout
 
 
@@ -31,7 +31,7 @@ def resolve_tag(load_dir: Path, tag: Optional[str]) -> str:
     return latest.read_text().strip()
 
 
-def _check_model(engine: "Engine", reader: CheckpointReader, strict: bool) -> None:
+def _check_model(engine: "TrainingState", reader: CheckpointReader, strict: bool) -> None:
     ours = {s.name: tuple(s.shape) for b in engine.flat.layout.buckets for s in b.slots}
     theirs = {name: reader.shape(name) for name in reader.param_names()}
     wrong = [f"{n} (checkpoint {theirs[n]}, model {ours[n]})" for n in ours if n in theirs and theirs[n] != ours[n]]
@@ -48,7 +48,7 @@ def _check_model(engine: "Engine", reader: CheckpointReader, strict: bool) -> No
         raise CheckpointError(f"{reader.directory}: does not fit this model; " + "; ".join(problems))
 
 
-def _own_range(engine: "Engine", bucket: "BucketLayout", chunk: torch.Tensor) -> int:
+def _own_range(engine: "TrainingState", bucket: "BucketLayout", chunk: torch.Tensor) -> int:
     """Where this rank's chunk starts inside the bucket (stage 0 owns the whole bucket)."""
     return 0 if chunk.numel() == bucket.padded_numel else engine.world.rank * chunk.numel()
 
@@ -65,7 +65,7 @@ def _fill(reader: CheckpointReader, bucket: "BucketLayout", start: int, target: 
         target[lo - start: hi - start].copy_(values.to(target.dtype))
 
 
-def load_checkpoint(engine: "Engine", load_dir: str | Path, tag: Optional[str] = None,
+def load_checkpoint(engine: "TrainingState", load_dir: str | Path, tag: Optional[str] = None,
                     load_module_strict: bool = True, load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True, load_module_only: bool = False
                     ) -> tuple[Optional[Path], Any]:
@@ -107,14 +107,14 @@ def load_checkpoint(engine: "Engine", load_dir: str | Path, tag: Optional[str] =
     return directory, manifest.get("client_state")
 
 
-def _load_extra(engine: "Engine", reader: CheckpointReader) -> None:
+def _load_extra(engine: "TrainingState", reader: CheckpointReader) -> None:
     current = engine.module.state_dict(keep_vars=True)
     for name, value in reader.extra().items():
         if name in current:
             current[name].data.copy_(value)
 
 
-def _load_engine_state(engine: "Engine", reader: CheckpointReader, manifest: dict, with_optimizer: bool,
+def _load_engine_state(engine: "TrainingState", reader: CheckpointReader, manifest: dict, with_optimizer: bool,
                        with_scheduler: bool) -> None:
     counters = manifest["engine"]
     engine.global_steps = counters["global_steps"]

@@ -22,10 +22,10 @@ from .format import (EXTRA_FILE, FORMAT_NAME, FORMAT_VERSION, LATEST, MANIFEST, 
                      sha256_of, write_json_atomic, write_text_atomic)
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from .interface import TrainingState
 
 
-def barrier(engine: "Engine", label: str) -> None:
+def barrier(engine: "TrainingState", label: str) -> None:
     engine.comm.all_reduce_scalar(0.0, label)
 
 
@@ -37,13 +37,13 @@ def _json_or_error(value: Any, what: str) -> Any:
     return value
 
 
-def chunk_layout(engine: "Engine") -> list[tuple[int, int]]:
+def chunk_layout(engine: "TrainingState") -> list[tuple[int, int]]:
     """Per bucket: (chunk size, number of chunks) as this engine owns them (stage 0: one whole chunk)."""
     return [(engine.updater.owned_numel(bucket), bucket.padded_numel // engine.updater.owned_numel(bucket))
             for bucket in engine.flat.layout.buckets]
 
 
-def rank_tensors(engine: "Engine") -> dict[str, torch.Tensor]:
+def rank_tensors(engine: "TrainingState") -> dict[str, torch.Tensor]:
     """What this rank writes: its chunks (fp32 masters when there are any), their optimizer state
     (read back from host memory or NVMe where offloaded), and its RNG state."""
     out: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state()}
@@ -61,7 +61,7 @@ def rank_tensors(engine: "Engine") -> dict[str, torch.Tensor]:
     return out
 
 
-def _model_description(engine: "Engine") -> dict[str, Any]:
+def _model_description(engine: "TrainingState") -> dict[str, Any]:
     """State-dict keys in order, which trainable parameter each key is (tied weights), the rest."""
     index_of = {id(p): i for i, p in enumerate(engine.strategy.params)}
     keys, trainable_of = [], {}
@@ -79,12 +79,12 @@ def _model_description(engine: "Engine") -> dict[str, Any]:
             "class": type(engine.module).__name__}
 
 
-def _extra_tensors(engine: "Engine", trainable_keys: set[str]) -> dict[str, torch.Tensor]:
+def _extra_tensors(engine: "TrainingState", trainable_keys: set[str]) -> dict[str, torch.Tensor]:
     return {name: t.detach().to("cpu", copy=True).contiguous()
             for name, t in engine.module.state_dict(keep_vars=True).items() if name not in trainable_keys}
 
 
-def _manifest(engine: "Engine", tag: str, client_state: Any, files: dict[str, Any]) -> dict[str, Any]:
+def _manifest(engine: "TrainingState", tag: str, client_state: Any, files: dict[str, Any]) -> dict[str, Any]:
     model = _model_description(engine)
     buckets = []
     for bucket, (chunk_numel, chunks) in zip(engine.flat.layout.buckets, chunk_layout(engine)):
@@ -117,7 +117,7 @@ def _manifest(engine: "Engine", tag: str, client_state: Any, files: dict[str, An
     }
 
 
-def save_checkpoint(engine: "Engine", save_dir: str | Path, tag: Optional[str] = None,
+def save_checkpoint(engine: "TrainingState", save_dir: str | Path, tag: Optional[str] = None,
                     client_state: Any = None, save_latest: bool = True) -> Path:
     """Write a checkpoint of ``engine`` under ``save_dir/tag``; every rank must call it."""
     tag = tag or f"global_step{engine.global_steps}"
