@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .format import LATEST, write_safetensors_streaming
+from .format import LATEST, published_dir, write_safetensors_streaming
 from .reader import CheckpointReader
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -24,10 +24,10 @@ def find_checkpoint(path: str | Path, tag: Optional[str] = None) -> Path:
     """A checkpoint directory: ``path`` itself, ``path/tag``, or ``path/<latest>``."""
     path = Path(path)
     if tag is not None:
-        return path / tag
+        return published_dir(path, tag)
     if (path / "manifest.json").is_file() or not (path / LATEST).is_file():
         return path
-    return path / (path / LATEST).read_text().strip()
+    return published_dir(path, (path / LATEST).read_text().strip())
 
 
 def consolidate(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", tag: Optional[str] = None) -> Path:

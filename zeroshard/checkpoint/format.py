@@ -44,6 +44,20 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message names the file and what is wrong."""
 
 
+def replaced_dir(root: Path, tag: str) -> Path:
+    """Where a re-saved tag's previous checkpoint waits while the new one is moved into place."""
+    return root / f".{tag}.replaced"
+
+
+def published_dir(root: Path, tag: str) -> Path:
+    """The complete checkpoint for ``tag``: ``root/tag``, or, if a re-save of that tag was cut off
+    between moving the old one aside and moving the new one in, the old one where it waits."""
+    directory = root / tag
+    if not directory.exists() and replaced_dir(root, tag).is_dir():
+        return replaced_dir(root, tag)
+    return directory
+
+
 def rank_file(rank: int) -> str:
     return f"rank{rank:05d}.safetensors"
 

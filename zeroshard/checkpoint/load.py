@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from .format import LATEST, CheckpointError
+from .format import LATEST, CheckpointError, published_dir
 from .reader import CheckpointReader
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ def load_checkpoint(engine: "TrainingState", load_dir: str | Path, tag: Optional
     Returns ``(path, client_state)`` as DeepSpeed does.
     """
     root = Path(load_dir)
-    directory = root / resolve_tag(root, tag)
+    directory = published_dir(root, resolve_tag(root, tag))
     reader = CheckpointReader(directory)
     _check_model(engine, reader, load_module_strict)
     known = set(reader.param_names())

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..version import __version__
-from .format import (EXTRA_FILE, FORMAT_NAME, FORMAT_VERSION, LATEST, MANIFEST, CheckpointError, rank_file,
+from .format import (replaced_dir, EXTRA_FILE, FORMAT_NAME, FORMAT_VERSION, LATEST, MANIFEST, CheckpointError, rank_file,
                      sha256_of, write_json_atomic, write_text_atomic)
 
 if TYPE_CHECKING:
@@ -150,13 +150,13 @@ def save_checkpoint(engine: "TrainingState", save_dir: str | Path, tag: Optional
             files.update(json.loads(part.read_text()))
             part.unlink()
         write_json_atomic(staging / MANIFEST, _manifest(engine, tag, client_state, files))
-        if final.exists():
-            old = root / f".{tag}.replaced"
+        old = replaced_dir(root, tag)
+        if final.exists():  # re-saving a tag: the old one stays readable until the new one is in place
             shutil.rmtree(old, ignore_errors=True)
             final.rename(old)
-            shutil.rmtree(old)
         staging.rename(final)
         if save_latest:
             write_text_atomic(root / LATEST, tag)
+        shutil.rmtree(old, ignore_errors=True)
     barrier(engine, "checkpoint_done")
     return final
