@@ -292,15 +292,16 @@ class Engine(DeepSpeedEngineAPI):
     def _skip_step(self, grads: list[torch.Tensor]) -> None:
         """A non-finite gradient norm: parameters, optimizer state and LR schedule stay as they are."""
         step = self.global_steps + 1
-        self.skipped_steps += 1
-        self._consecutive_skips += 1
         if self.loss_scaler.checks_overflow:  # fp16: an overflow, handled by the loss scale
             scale = self.loss_scaler.scale
             self.strategy.zero_grad()
             self.loss_scaler.update(overflow=True, step=step)  # raises at the minimum scale
+            self.skipped_steps += 1
             log_rank(f"step {step}: gradient overflow at loss scale {scale:g}, step skipped "
                      f"(loss scale now {self.loss_scaler.scale:g}, {self.skipped_steps} skipped so far)")
             return
+        self.skipped_steps += 1
+        self._consecutive_skips += 1
         ranks = ranks_with_nonfinite_loss(self.comm, self._nonfinite_loss_seen)
         self._nonfinite_loss_seen = False
         source = f"non-finite loss on rank(s) {ranks}" if ranks else "every rank's loss was finite: it arose in backward"

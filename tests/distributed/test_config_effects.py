@@ -20,7 +20,7 @@ def train(rank: int, world: int, stage: int, extra: dict, steps: int = 3):
     return engine.full_state_dict()
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_prescaled_gradient_averaging_equals_the_default_average(stage) -> None:
     default = run_world(train, 3, args=(stage, {}))[0]
     prescaled = run_world(train, 3, args=(stage, {"prescale_gradients": True, "gradient_predivide_factor": 2.0}))[0]

@@ -67,8 +67,9 @@ def run(code: str, *args: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-@pytest.mark.parametrize("tag", ["last", "other"])
+@pytest.mark.parametrize("tag", ["last", pytest.param("other", marks=pytest.mark.slow)])
 def test_a_crash_at_any_filesystem_operation_leaves_a_loadable_checkpoint(tmp_path, tag) -> None:
+    """``last`` re-saves the tag ``latest`` names (the delicate case); ``other`` saves a new tag."""
     full = run(SCRIPT, str(tmp_path / "count"), tag, "0")
     assert full.returncode == 0, full.stderr
     operations = int(full.stdout.split("OPS")[1])

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 import zeroshard
 from zeroshard.demo.data import ByteWindows, stdlib_bytes
@@ -25,28 +26,12 @@ from zeroshard.logging import log_rank
 MODEL = GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_layer=4, n_head=4)
 
 
-class ProgressBar:
-    """A one-line progress bar on rank 0: redrawn in place on a terminal, every 10% otherwise."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.enabled = total, enabled
-        self.interactive = sys.stderr.isatty()
-        self._last_tenth = -1
-
-    def update(self, step: int, text: str) -> None:
-        if not self.enabled:
-            return
-        done = int(30 * step / self.total)
-        line = f"[{'#' * done}{'.' * (30 - done)}] {step}/{self.total} {text}"
-        if self.interactive:
-            print("\r" + line, end="", file=sys.stderr, flush=True)
-        elif step * 10 // self.total != self._last_tenth:
-            self._last_tenth = step * 10 // self.total
-            print(line, file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.enabled and self.interactive:
-            print(file=sys.stderr)
+def progress_bar(total: int, enabled: bool) -> tqdm:
+    """The ecosystem's progress bar on rank 0, the metrics as its postfix; off a terminal (CI logs)
+    it redraws about every 10% of the run instead of continuously."""
+    interactive = sys.stderr.isatty()
+    return tqdm(total=total, disable=not enabled, file=sys.stderr, dynamic_ncols=interactive, unit="step",
+                mininterval=0.1 if interactive else 0.0, miniters=1 if interactive else max(1, total // 10))
 
 
 def default_config(stage: int, steps: int, precision: str = "fp32") -> dict:
@@ -109,7 +94,7 @@ def main() -> None:
     start_loss = held_out_loss(engine, data)
     started = time.perf_counter()
     batches = iter(loader)
-    bar = ProgressBar(args.steps, engine.world.is_main)
+    bar = progress_bar(args.steps, engine.world.is_main)
     tokens_done = 0
     while engine.global_steps < args.steps:
         try:
@@ -121,8 +106,9 @@ def main() -> None:
         engine.backward(loss)
         engine.step()
         tokens_done += x.numel() * engine.world.world_size
-        bar.update(engine.global_steps, f"loss {float(loss):.3f} "
-                                        f"{tokens_done / (time.perf_counter() - started):,.0f} tokens/s")
+        bar.set_postfix_str(f"loss {loss.item():.3f} {tokens_done / (time.perf_counter() - started):,.0f} tokens/s",
+                            refresh=False)
+        bar.update(engine.global_steps - bar.n)
     bar.close()
     elapsed = time.perf_counter() - started
     end_loss = held_out_loss(engine, data)
