@@ -123,7 +123,8 @@ def test_activation_checkpointing_keys() -> None:
     ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": "yes"}}}, "must be true or false"),
     ({"scheduler": {"type": "WarmupDecayLR", "params": {}}}, "'scheduler.params.total_num_steps' is required"),
     ({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cubic"}}}, "one of log, linear"),
-    ({"scheduler": {"type": "OneCycle"}}, "is not one of WarmupLR, WarmupDecayLR, WarmupCosineLR"),
+    ({"scheduler": {"type": "CyclicLR"}}, "is not one of WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest"),
+    ({"scheduler": {"type": "OneCycle"}}, "'scheduler.params.cycle_min_lr' is required for OneCycle"),
     ({"seed": "x"}, "'seed' must be an integer"),
 ])
 def test_wrong_values_name_the_key_and_what_is_allowed(raw: dict, expected: str) -> None:

@@ -135,22 +135,24 @@ def test_deepspeed_schedules() -> None:
         lrs.append(lin.get_last_lr()[0])
         lin.optimizer.step()
         lin.step()
-    assert lrs == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    assert lrs == [0.0, 0.0, 0.25, 0.5, 0.75, 1.0]  # DeepSpeed's: the schedule starts at iteration -1
     log = WarmupLR(torch.optim.SGD(p, lr=1.0), 0.0, 1.0, warmup_num_steps=10)
-    log.optimizer.step()
-    log.step()
+    for _ in range(2):
+        log.optimizer.step()
+        log.step()
     assert log.get_last_lr()[0] == pytest.approx(math.log(2) / math.log(10))
     decay = WarmupDecayLR(torch.optim.SGD(p, lr=1.0), total_num_steps=10, warmup_max_lr=1.0,
                           warmup_num_steps=2, warmup_type="linear")
     for _ in range(6):
         decay.optimizer.step()
         decay.step()
-    assert decay.get_last_lr()[0] == pytest.approx(0.5)  # (10 - 6) / (10 - 2)
+    assert decay.get_last_lr()[0] == pytest.approx(0.625)  # iteration 5: (10 - 5) / (10 - 2)
     cos = WarmupCosineLR(torch.optim.SGD(p, lr=2.0), total_num_steps=10, warmup_num_steps=2,
                          cos_min_ratio=0.0, warmup_type="linear")
     for _ in range(6):
         cos.optimizer.step()
         cos.step()
+    # iteration 5: cosine progress (5 - 2 + 1) / (10 - 2)
     assert cos.get_last_lr()[0] == pytest.approx(2.0 * 0.5 * (1 + math.cos(math.pi * 0.5)))
 
 
