@@ -140,6 +140,13 @@ class DeepSpeedEngineAPI:
             if exclude_frozen_parameters else set()
         return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items() if k not in frozen}
 
+    def destroy(self) -> None:
+        """DeepSpeed's name for releasing the engine (Accelerate's ``free_memory()`` calls it)."""
+        self.close()
+
+    def close(self) -> None:  # provided by the engine
+        raise NotImplementedError
+
     def offload_states(self, *args: Any, **kwargs: Any) -> None:
         """DeepSpeed's temporary move of the engine's states off the device (between RLHF phases)."""
         refuse("engine.offload_states()", "zeroshard places states once, from the config",

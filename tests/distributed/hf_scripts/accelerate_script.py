@@ -9,6 +9,7 @@ as Hugging Face's Trainer sets it up.)
 """
 
 import argparse
+import gc
 import json
 import os
 
@@ -57,6 +58,10 @@ def main():
     if acc.is_main_process:
         json.dump({"losses": gathered, "wrapped": type(model).__name__, "processes": acc.num_processes},
                   open(os.path.join(a.out, "result.json"), "w"))
+    if a.ddp:  # the reference ends as PyTorch recommends (zeroshard does this for its own runs at exit)
+        del model, optimizer, loader, acc
+        gc.collect()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -82,6 +82,20 @@ def main():
                    "steps_run": CountSteps.steps, "global_step": trainer.state.global_step,
                    "world_size": args.world_size, "wrapped": wrapped, **checks},
                   open(os.path.join(a.out, "result.json"), "w"))
+    del trainer, model
+    if a.ddp:
+        end_ddp()
+
+
+def end_ddp() -> None:
+    """The DDP reference ends as PyTorch recommends: nothing referencing the process group, then
+    destroy it (a gloo group torn down at interpreter exit can abort the process; zeroshard does this
+    for its own runs, see zeroshard/distributed/world.py)."""
+    import gc
+
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
