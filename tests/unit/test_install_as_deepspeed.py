@@ -22,6 +22,7 @@ def test_import_deepspeed_is_zeroshard_and_hugging_face_sees_it() -> None:
         from deepspeed.ops.adam import FusedAdam
         from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
         assert deepspeed is zeroshard and deepspeed.zero is zeroshard.zero
+        assert zeroshard.__spec__.name == "zeroshard" and zeroshard.runtime.zero.__spec__.name == "zeroshard.runtime.zero"
         assert ZeroParamStatus is zeroshard.zero.ZeroParamStatus
         assert importlib.util.find_spec("deepspeed") is not None
         assert importlib.metadata.version("deepspeed") == "0.16.4"
@@ -47,6 +48,19 @@ def test_without_install_there_is_no_deepspeed() -> None:
         print(importlib.util.find_spec("deepspeed") is None)
     """)
     assert proc.stdout.strip() == "True", proc.stderr
+
+
+def test_installing_after_hugging_face_is_imported_is_refused() -> None:
+    proc = python("""
+        import accelerate.utils
+        import zeroshard
+        try:
+            zeroshard.install_as_deepspeed()
+        except ImportError as err:
+            print(type(err).__name__, err)
+    """)
+    assert proc.stdout.startswith("InstalledTooLateError accelerate.utils") and "already imported" in proc.stdout, \
+        proc.stderr
 
 
 def test_a_real_deepspeed_already_imported_is_refused() -> None:

@@ -42,6 +42,15 @@ class DeepSpeedAlreadyImportedError(ImportError):
     """A real DeepSpeed is imported in this process: zeroshard cannot also stand in for it."""
 
 
+class InstalledTooLateError(ImportError):
+    """Hugging Face modules that decide at import time whether DeepSpeed exists were imported first."""
+
+
+#: modules that look for DeepSpeed once, when they are imported
+_DECIDED_AT_IMPORT = ("transformers.integrations.deepspeed", "transformers.trainer", "accelerate.utils",
+                      "accelerate.accelerator")
+
+
 def _real_name(fullname: str) -> Optional[str]:
     if fullname == _ALIAS:
         return _REAL
@@ -55,12 +64,19 @@ class _AliasLoader(importlib.abc.Loader):
 
     def __init__(self, real: str) -> None:
         self.real = real
+        self._real_spec: Optional[importlib.machinery.ModuleSpec] = None
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        return importlib.import_module(self.real)
+        module = importlib.import_module(self.real)
+        self._real_spec = module.__spec__
+        return module
 
     def exec_module(self, module: ModuleType) -> None:
-        """Nothing to run: the module is zeroshard's, executed under its own name."""
+        """Nothing to run: the module is zeroshard's, executed under its own name.  The import system
+        has just stamped the alias's spec on it; its own spec goes back (reloads and relative imports
+        inside zeroshard keep working)."""
+        if self._real_spec is not None:
+            module.__spec__ = self._real_spec
 
 
 class _StandInDistribution(importlib.metadata.Distribution):
@@ -113,6 +129,12 @@ def install_as_deepspeed() -> None:
             f"zeroshard.install_as_deepspeed() before anything imports deepspeed, or use one of the two")
     if any(isinstance(f, DeepSpeedFinder) for f in sys.meta_path):
         return
+    early = [name for name in _DECIDED_AT_IMPORT if name in sys.modules]
+    if early:
+        raise InstalledTooLateError(
+            f"{', '.join(early)} already imported: they decided at import time that DeepSpeed is absent. "
+            f"Call zeroshard.install_as_deepspeed() before importing transformers or accelerate (first "
+            f"thing in the script), or launch the script with `zeroshard run --as-deepspeed`")
     importlib.import_module(_REAL)
     sys.meta_path.insert(0, DeepSpeedFinder())
     importlib.invalidate_caches()
