@@ -38,6 +38,7 @@ from .offload import OffloadIOError
 from .optim.nonfinite import NonFiniteGradientError, first_nonfinite_parameter, ranks_with_nonfinite_loss
 from .optim.updater import ShardUpdater
 from .precision import LossScaler, PrecisionPolicy
+from .rng import rng_states, set_rng_states
 from .sharding import STRATEGIES
 from .compat.engine_api import DeepSpeedEngineAPI
 from .checkpoint.format import write_state_dict
@@ -487,11 +488,11 @@ class Engine(DeepSpeedEngineAPI):
 
         restore_rng = self.data_loader is not None if load_rng_state is None else load_rng_state
         self._agree.agree(Call.LOAD, self.micro_steps, self.global_steps, None if tag is None else str(tag))
-        kept = _rng_states()
+        kept = rng_states()
         result = load_checkpoint(self, load_dir, None if tag is None else str(tag), load_module_strict,
                                  load_optimizer_states, load_lr_scheduler_states, load_module_only)
         if not restore_rng:
-            _set_rng_states(kept)
+            set_rng_states(kept)
         return result
 
     def save_16bit_model(self, save_dir: Union[str, Path], save_filename: str = "model.safetensors",
@@ -590,14 +591,3 @@ class Engine(DeepSpeedEngineAPI):
                                            "mixed" if mixed else "fp32", grad_size,
                                            12 if self.strategy.masters is not None else None).total
         return out
-
-
-
-def _rng_states() -> tuple[torch.Tensor, Optional[list[torch.Tensor]]]:
-    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-
-
-def _set_rng_states(states: tuple[torch.Tensor, Optional[list[torch.Tensor]]]) -> None:
-    torch.set_rng_state(states[0])
-    if states[1] is not None:
-        torch.cuda.set_rng_state_all(states[1])
