@@ -32,11 +32,13 @@ from .init_context import adopt_init_params, has_init_params
 from .logging import log_rank
 from .metrics import MetricsWriter, PhaseTimers, device_peak_bytes, host_peak_bytes
 from .memory import model_state_bytes
-from .optim import build_scheduler, clip_, clip_coefficient, from_config, from_user, global_grad_norm
+from .optim import build_scheduler, clip_coefficient, from_config, from_user, global_grad_norm
 from .param_groups import collect_trainable
 from .offload import OffloadIOError
 from .optim.nonfinite import NonFiniteGradientError, first_nonfinite_parameter, ranks_with_nonfinite_loss
-from .optim.updater import ShardUpdater
+from .optim.updaters import build_updater
+from .offload.policy import OffloadPolicies
+from .sharding.storage import HOMES, InitialValues
 from .precision import LossScaler, PrecisionPolicy
 from .rng import rng_states, set_rng_states
 from .sharding import STRATEGIES
@@ -58,11 +60,12 @@ class Engine(DeepSpeedEngineAPI):
                  model_parameters: Any = None, optimizer: Any = None,
                  lr_scheduler: SchedulerSpec = None) -> None:
         replaced: dict[int, nn.Parameter] = {}
+        from_init: dict[int, Callable[[], torch.Tensor]] = {}  # id(param) -> gathers its Init shards
         if has_init_params(model):
             if config.stage != 3:
                 raise ValueError(f"the model was built under zeroshard.Init, which needs ZeRO stage 3; the "
                                  f"config says zero_optimization.stage = {config.stage}")
-            replaced = adopt_init_params(model, world.device)
+            replaced, from_init = adopt_init_params(model, world.device)
         self.module = model.to(world.device)
         self.config = config
         self.world = world
@@ -75,21 +78,23 @@ class Engine(DeepSpeedEngineAPI):
                                       optimizer if isinstance(optimizer, Optimizer) else None, replaced)
         self.param_names = trainable.names
         self.frozen_params = trainable.frozen
-        self._sync_initial_state()
+        self._sync_initial_state(from_init)
         activation_checkpointing.use_settings(config.activation_checkpointing)
         self.precision = PrecisionPolicy.from_config(config)
         self.loss_scaler = LossScaler.from_config(config)
         self.skipped_steps = 0
         self._consecutive_skips = 0  # non-finite steps in a row (see optim/nonfinite.py)
         self._nonfinite_loss_seen = False  # a micro step since the last step had a NaN/inf loss
+        self.offload = OffloadPolicies.from_config(config.zero_optimization)
+        initial = InitialValues({i: from_init[id(p)] for i, p in enumerate(trainable.params) if id(p) in from_init})
         self.strategy = STRATEGIES[config.stage].build(
             model, trainable.params, trainable.names, trainable.group_of, self.comm, world,
-            config.zero_optimization, self.precision)
+            config.zero_optimization, self.precision, self.offload, initial)
         self.flat = self.strategy.flat
         self._convert_rest_of_model()
         # What the optimizer updates, and where it lives (see [Note: pieces] in optim/updater.py).
-        zero = config.zero_optimization
-        self.updater = ShardUpdater(self.strategy, zero.offload_optimizer, zero.sub_group_size)
+        self.updater = build_updater(self.strategy, self.offload)
+        self.strategy.add_reduced_listener(self.updater.grad_reduced)
         self.optimizer = self._build_optimizer(optimizer, trainable.group_options)
         self.updater.attach(self.optimizer)
         setattr(self.optimizer, "overflow", False)
@@ -118,11 +123,11 @@ class Engine(DeepSpeedEngineAPI):
         release_at_exit(self._release_at_exit)
 
     # ------------------------------------------------------------------ construction helpers
-    def _sync_initial_state(self) -> None:
+    def _sync_initial_state(self, from_init: dict[int, Any]) -> None:
         """Start every rank from rank 0's parameters and buffers, as DistributedDataParallel does."""
         with torch.no_grad():
             for p in self.module.parameters():
-                if not hasattr(p, "_zeroshard_init_shard"):  # built under Init: identical on every rank
+                if id(p) not in from_init:  # built under Init: identical on every rank
                     self.comm.broadcast(p.data, 0, "init_params")
             for b in self.module.buffers():
                 self.comm.broadcast(b.data, 0, "init_buffers")
@@ -279,13 +284,9 @@ class Engine(DeepSpeedEngineAPI):
         self._nonfinite_loss_seen = False
         self.loss_scaler.update(overflow=False, step=self.global_steps + 1)
         clip = clip_coefficient(self._grad_norm, self.config.gradient_clipping)
-        if self.strategy.masters is None:  # fp32: the optimizer reads the gradient buffers themselves
-            if clip < 1.0:
-                with torch.no_grad():
-                    clip_(grads, clip)
-            self._step_and_refresh(grads, 1.0)
-        else:  # masters: the update reads fp32 copies (host copies under cpu offload), unscaled and clipped
-            self._step_and_refresh(self.updater.step_grads(), clip / scale)
+        # fp32: the gradient buffers, clipped in place; masters: fp32 copies (on the host under
+        # offload), unscaled and clipped by the factor
+        self._step_and_refresh(*self.updater.prepare_step(grads, clip, scale))
         self.strategy.zero_grad()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
@@ -348,12 +349,9 @@ class Engine(DeepSpeedEngineAPI):
         sub-groups] in optim/updater.py); here one scalar all-reduce tells every rank, and each raises
         an OffloadIOError: the failing ones with the file and the reason, the others naming them.
         """
-        zero = self.config.zero_optimization
-        if "nvme" not in (zero.offload_optimizer.device, zero.offload_param.device):
+        if not self.offload.uses_nvme:
             return
-        store = getattr(self.flat, "store", None)
-        failures = [f for f in (self.updater.take_failure(), store.take_failure() if store is not None else None)
-                    if f is not None]
+        failures = [f for f in (self.updater.take_failure(), self.flat.take_failure()) if f is not None]
         failed = self.comm.all_reduce_scalar(float(bool(failures)), "offload_io_check") \
             if self.world.is_distributed else float(bool(failures))
         if failures:
@@ -551,11 +549,10 @@ class Engine(DeepSpeedEngineAPI):
         index_of = {id(p): i for i, p in enumerate(self.strategy.params)}
         out: dict[str, torch.Tensor] = {}
         for name, tensor in self.module.state_dict(keep_vars=True).items():
-            home = getattr(tensor, "_zeroshard_home", None)
+            home = HOMES.home_of(tensor)
             i = index_of.get(id(tensor))
             if i is None and home is not None:  # a released stage-3 parameter's placeholder
-                i = next(s.index for s in storage.layout.buckets[home[1]].slots
-                         if s.name == getattr(tensor, "_zeroshard_name", None))
+                i = next(s.index for s in storage.layout.buckets[home.bucket].slots if s.name == home.name)
             out[name] = values[i] if i is not None else tensor.detach().to("cpu", copy=True)
         return out
 

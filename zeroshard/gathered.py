@@ -26,10 +26,12 @@ from torch import nn
 from .distributed.collectives import Collectives
 from .distributed.world import init_distributed
 from .init_context import InitShardedParameter
+from .sharding.storage import HOMES, ParameterStorage
 
 
-def _home(p: torch.Tensor) -> Any:
-    return getattr(p, "_zeroshard_home", None)
+def _home(p: torch.Tensor) -> Optional[tuple[ParameterStorage, int]]:
+    home = HOMES.home_of(p)
+    return None if home is None else (home.storage, home.bucket)
 
 
 class GatheredParameters:
@@ -44,7 +46,7 @@ class GatheredParameters:
         self.params = [p for p in given if p is not None]  # e.g. a Linear's absent bias
         self.modifier_rank = modifier_rank
         self.enabled = enabled
-        homes: dict[tuple[int, int], tuple[Any, int]] = {}
+        homes: dict[tuple[int, int], tuple[ParameterStorage, int]] = {}
         for p in self.params:
             home = _home(p)
             if home is not None:

@@ -20,7 +20,7 @@ construction code (it issues collectives), as under torchrun it does.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 from torch import nn
@@ -55,7 +55,7 @@ class InitShardedParameter(nn.Parameter):
     _zeroshard_full: Optional[torch.Tensor] = None  # the full values while inside GatheredParameters
 
     def __new__(cls, data: torch.Tensor, requires_grad: bool = True) -> "InitShardedParameter":
-        return torch.Tensor._make_subclass(cls, data, requires_grad)  # type: ignore[return-value]
+        return cast("InitShardedParameter", torch.Tensor._make_subclass(cls, data, requires_grad))
 
     @staticmethod
     def shard_of(param: torch.Tensor, comm: Collectives, dtype: Optional[torch.dtype] = None,
@@ -165,15 +165,16 @@ class Init:
         self.comm = Collectives(self.world)
         self._handle: Any = None
 
-    def _on_register(self, module: nn.Module, name: str, param: Optional[nn.Parameter]) -> Optional[nn.Parameter]:
+    def _on_register(self, module: nn.Module, name: str, param: nn.Parameter) -> Optional[nn.Parameter]:
         if param is None or isinstance(param, InitShardedParameter):
             return None  # already sharded (a tied weight registered a second time)
         return InitShardedParameter.shard_of(param, self.comm, self.dtype, self.shard_device)
 
     def __enter__(self) -> "Init":
         if self.enabled:
-            self._handle = torch.nn.modules.module.register_module_parameter_registration_hook(
-                self._on_register)  # type: ignore[arg-type]
+            # torch's stub says the hook returns None; its documentation says it may return a replacement
+            hook = cast(Callable[..., None], self._on_register)
+            self._handle = torch.nn.modules.module.register_module_parameter_registration_hook(hook)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -186,15 +187,18 @@ def has_init_params(model: nn.Module) -> bool:
     return any(isinstance(p, InitShardedParameter) for p in model.parameters())
 
 
-def adopt_init_params(model: nn.Module, device: torch.device) -> dict[int, nn.Parameter]:
+def adopt_init_params(model: nn.Module, device: torch.device
+                      ) -> tuple[dict[int, nn.Parameter], dict[int, Callable[[], torch.Tensor]]]:
     """Swap each :class:`InitShardedParameter` for a plain ``nn.Parameter`` the engine can own.
 
-    A trainable one becomes a parameter with the full shape and no storage, carrying its shard in
-    ``_zeroshard_init_shard`` (stage 3 fills its bucket from the shards, one parameter at a time); a
-    frozen one is gathered whole, since zeroshard keeps frozen parameters unsharded.  Returns
-    ``id(old) -> new`` (an optimizer built before initialize() holds the old ones).
+    A trainable one becomes a parameter with the full shape and no storage, whose values stage 3
+    gathers from the shards when it fills its bucket (one parameter at a time); a frozen one is
+    gathered whole, since zeroshard keeps frozen parameters unsharded.  Returns ``id(old) -> new``
+    (an optimizer built before initialize() holds the old ones) and ``id(new) -> gather`` for the
+    trainable ones.
     """
     replaced: dict[int, nn.Parameter] = {}
+    pending: dict[int, Callable[[], torch.Tensor]] = {}
     for module in model.modules():
         for attr, p in list(module._parameters.items()):
             if not isinstance(p, InitShardedParameter):
@@ -203,10 +207,10 @@ def adopt_init_params(model: nn.Module, device: torch.device) -> dict[int, nn.Pa
                 if p.requires_grad:
                     fresh = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device))
                     fresh.untyped_storage().resize_(0)
-                    fresh._zeroshard_init_shard = p  # type: ignore[attr-defined]
+                    pending[id(fresh)] = p.gather_full
                 else:
                     fresh = nn.Parameter(p.gather_full().clone(), requires_grad=False)
                 replaced[id(p)] = fresh
             module._parameters[attr] = replaced[id(p)]
     rebind_external_parameters(replaced)
-    return replaced
+    return replaced, pending

@@ -72,8 +72,8 @@ def _expected_sizes(engine) -> dict[str, int]:
             for key in piece.files:
                 out[f"optimizer/b{piece.bucket}_{piece.start}.{key}"] = piece.numel * 4
     store = getattr(engine.flat, "store", None)
-    if store is not None:
-        for index in store._files:
+    if store is not None and store.swap is not None:
+        for index in store.swap.files:
             out[f"params/b{index}.shard"] = engine.flat.layout.buckets[index].shard_numel * 4
     return out
 

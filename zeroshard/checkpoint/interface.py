@@ -16,7 +16,7 @@ from ..distributed.collectives import Collectives
 from ..distributed.world import World
 from ..optim.updater import ShardUpdater
 from ..precision import LossScaler
-from ..sharding.flat_params import FlatParameters
+from ..sharding.storage import ParameterStorage
 from ..sharding.strategy import ShardingStrategy
 
 
@@ -26,7 +26,7 @@ class TrainingState(Protocol):
     module: nn.Module
     world: World
     comm: Collectives
-    flat: FlatParameters  # the parameter storage (stage 3: the sharded one, same interface)
+    flat: ParameterStorage  # the parameter storage (flat at stages 0-2, sharded at stage 3)
     strategy: ShardingStrategy
     updater: ShardUpdater  # the optimizer's pieces and where they live
     optimizer: Optimizer

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from safetensors.torch import save_file
 
+from ..sharding.storage import HOMES
 from ..version import __version__
 from .format import (replaced_dir, EXTRA_FILE, FORMAT_NAME, FORMAT_VERSION, LATEST, MANIFEST, CheckpointError, rank_file,
                      sha256_of, write_json_atomic, write_text_atomic)
@@ -70,8 +71,8 @@ def _model_description(engine: "TrainingState") -> dict[str, Any]:
         i = index_of.get(id(tensor))
         if i is not None:
             trainable_of[name] = engine.param_names[i]
-        elif getattr(tensor, "_zeroshard_name", None) is not None:  # a released stage-3 parameter
-            trainable_of[name] = tensor._zeroshard_name  # type: ignore[attr-defined]
+        elif (home := HOMES.home_of(tensor)) is not None:  # a released stage-3 parameter's placeholder
+            trainable_of[name] = home.name
     config = getattr(engine.module, "config", None)
     hf_config = config.to_dict() if config is not None and hasattr(config, "to_dict") else None
     return {"state_dict_keys": keys, "trainable_of": trainable_of,

@@ -3,23 +3,20 @@
 The masters of a rank's shard are never all in host memory at once: while the parameter storage is
 built, bucket by bucket, each bucket's owned fp32 values are cut into pieces (see
 [Note: cutting pieces]) and written to one swap file per piece; the optimizer later reads them a few
-pieces at a time (optim/updater.py).  The pre-flight check runs before the first byte is written.
+pieces at a time (optim/updaters.py).  The pre-flight check runs before the first byte is written.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING
 
 import torch
 
-from ..config.schema import OffloadOptimizerConfig
 from .preflight import preflight_nvme
-from .swap_files import SwapDirectory, SwapFile, SwapIO
+from .swap_files import SwapFile, SwapSpace
 
 if TYPE_CHECKING:
     from ..distributed.collectives import Collectives
-    from ..sharding.layout import BucketLayout
 
 #: pieces start at multiples of this many elements (see [Note: cutting pieces])
 PIECE_ALIGNMENT = 64
@@ -41,42 +38,34 @@ def split_pieces(numel: int, size: int) -> list[tuple[int, int]]:
     return [(s, min(size, numel - s)) for s in range(0, numel, size)] or [(0, 0)]
 
 
-class MasterSwap:
-    """The swap directory, I/O thread and per-piece master files of NVMe optimizer offload."""
+class MasterSwap(SwapSpace):
+    """The per-piece master files of NVMe optimizer offload (and, later, their state files)."""
 
-    def __init__(self, spans: list[tuple[int, int]], offload: OffloadOptimizerConfig, sub_group_size: int,
-                 comm: "Collectives") -> None:
+    def __init__(self, spans: list[tuple[int, int]], nvme_path: str, config_key: str, buffer_count: int,
+                 sub_group_size: int, comm: "Collectives") -> None:
         """``spans``: per bucket, the (start, end) of the owned range inside the bucket."""
         self.pieces = [split_pieces(end - start, sub_group_size) for start, end in spans]
         owned = sum(end - start for start, end in spans)
         largest = max(n for pieces in self.pieces for _, n in pieces)
-        self.buffer_count = offload.buffer_count
-        preflight_nvme(comm, offload.nvme_directory, "zero_optimization.offload_optimizer.nvme_path",
-                       TENSORS_PER_ELEMENT * owned * 4, offload.buffer_count * TENSORS_PER_ELEMENT * largest * 4)
-        self.swap = SwapDirectory(offload.nvme_directory, comm.world.rank, "optimizer")
-        self.io = SwapIO()
-        # the swap files are this run's scratch space: removed when the engine goes or the process exits
-        self.finalizer = weakref.finalize(self, close_swap, self.io, self.swap)
+        self.buffer_count = buffer_count
+        preflight_nvme(comm, nvme_path, config_key, TENSORS_PER_ELEMENT * owned * 4,
+                       buffer_count * TENSORS_PER_ELEMENT * largest * 4)
+        super().__init__(nvme_path, comm.world.rank, "optimizer")
         self.files: dict[tuple[int, int], SwapFile] = {
-            (b, s): self.swap.file(f"b{b}_{s}.param", n * 4)
+            (b, s): self.file(f"b{b}_{s}.param", n * 4)
             for b, pieces in enumerate(self.pieces) for s, n in pieces}
 
     def state_file(self, bucket: int, start: int, numel: int, key: str) -> SwapFile:
-        return self.swap.file(f"b{bucket}_{start}.{key}", numel * 4)
+        return self.file(f"b{bucket}_{start}.{key}", numel * 4)
 
-    def write_owned(self, bucket: "BucketLayout", owned: torch.Tensor) -> None:
-        """Write the bucket's owned fp32 values (1D) into its pieces' files (in order with queued I/O)."""
-        for start, n in self.pieces[bucket.index]:
-            self.io.write(self.files[(bucket.index, start)], owned[start: start + n].contiguous()).result()
+    def write_owned(self, bucket: int, owned: torch.Tensor) -> None:
+        """Write bucket ``bucket``'s owned fp32 values (1D) into its pieces' files (in order with queued I/O)."""
+        for start, n in self.pieces[bucket]:
+            self.io.write(self.files[(bucket, start)], owned[start: start + n].contiguous()).result()
 
-    def read_owned(self, bucket: "BucketLayout") -> torch.Tensor:
-        pieces = self.pieces[bucket.index]
+    def read_owned(self, bucket: int) -> torch.Tensor:
+        pieces = self.pieces[bucket]
         out = torch.empty(sum(n for _, n in pieces), dtype=torch.float32)
         for start, n in pieces:
-            self.io.read(self.files[(bucket.index, start)], out[start: start + n]).result()
+            self.io.read(self.files[(bucket, start)], out[start: start + n]).result()
         return out
-
-
-def close_swap(io: SwapIO, swap: SwapDirectory) -> None:
-    io.shutdown()
-    swap.remove()

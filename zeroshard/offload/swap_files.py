@@ -18,9 +18,10 @@ import os
 import shutil
 import time
 import uuid
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -147,3 +148,49 @@ class SwapIO:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+class SwapSpace:
+    """A swap directory with its I/O thread, its first failure, and its removal: what every kind of
+    swapped state (optimizer masters and state, stage-3 parameter shards) shares.
+
+    [Note: swap failures stop every rank together]
+    A read or write that fails on one rank must not stop that rank alone (the others would wait in
+    the next collective): the failure is kept (:meth:`record`) while the rank goes on issuing its
+    collectives, and the engine raises it on every rank at once (:meth:`take_failure`).
+    """
+
+    def __init__(self, nvme_path: str, rank: int, what: str) -> None:
+        self.directory = SwapDirectory(nvme_path, rank, what)
+        self.io = SwapIO()
+        self.failure: Optional[OffloadIOError] = None
+        # this run's scratch space: removed when its owner goes, is closed, or the process exits
+        self._finalizer = weakref.finalize(self, _remove, self.io, self.directory)
+
+    def file(self, name: str, nbytes: int) -> SwapFile:
+        return self.directory.file(name, nbytes)
+
+    def wait(self, future: "Optional[Future[None]]") -> None:
+        """Wait for ``future``; a swap error is recorded, not raised (see the Note)."""
+        if future is None:
+            return
+        try:
+            future.result()
+        except OffloadIOError as err:
+            self.record(err)
+
+    def record(self, err: OffloadIOError) -> None:
+        self.failure = self.failure or err
+
+    def take_failure(self) -> Optional[OffloadIOError]:
+        failure, self.failure = self.failure, None
+        return failure
+
+    def close(self) -> None:
+        """Stop the I/O thread and remove the files (idempotent)."""
+        self._finalizer()
+
+
+def _remove(io: SwapIO, directory: SwapDirectory) -> None:
+    io.shutdown()
+    directory.remove()

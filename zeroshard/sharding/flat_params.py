@@ -13,8 +13,10 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..distributed.collectives import Collectives
+from ..offload.policy import SwapFailure
 from .layout import BucketLayout, FlatLayout
 from .master_weights import MasterWeights
+from .storage import HOMES, ParamHome
 
 
 def bucket_values(bucket: BucketLayout, values_of: Callable[[int], torch.Tensor], into: torch.Tensor,
@@ -50,6 +52,7 @@ class FlatParameters:
                  dtype: Optional[torch.dtype] = None, masters: Optional[MasterWeights] = None) -> None:
         first = params[0]
         check_uniform(params)
+        self.params = list(params)
         self.layout = layout
         self.comm = comm
         self.dtype = dtype or first.dtype
@@ -62,7 +65,7 @@ class FlatParameters:
                 for slot in bucket.slots:
                     view = self.slot_view(bucket, slot.offset, slot.numel).view(slot.shape)
                     params[slot.index].data = view
-                    params[slot.index]._zeroshard_home = (self, bucket.index)  # type: ignore[attr-defined]
+                    HOMES.add(params[slot.index], ParamHome(self, bucket.index, slot.name, self.device))
 
     def bucket_view(self, bucket: BucketLayout) -> torch.Tensor:
         """The whole bucket, padding included (1D, padded_numel)."""
@@ -94,6 +97,20 @@ class FlatParameters:
         """The buffer was modified in place (GatheredParameters): the masters follow it, if any."""
         if self.masters is not None:
             self.masters.take(self.layout.buckets[index], self.bucket_view(self.layout.buckets[index]), only_changed=True)
+
+    def take_failure(self) -> SwapFailure:
+        """Stages 0-2 never swap parameters."""
+        return None
+
+    def detach_parameters(self) -> None:
+        """Each parameter gets its own copy of its values; the flat buffer can then be freed."""
+        with torch.no_grad():
+            for p in self.params:
+                p.data = p.data.clone()
+        HOMES.forget(self.params)
+
+    def close(self) -> None:
+        """Nothing to close at stages 0-2."""
 
     def slot_view(self, bucket: BucketLayout, offset: int, numel: int) -> torch.Tensor:
         start = bucket.offset + offset

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 import torch
+from torch import nn
 
-from typing import Optional
-
+from ..config import ZeroConfig
+from ..distributed.collectives import Collectives
+from ..distributed.world import World
+from ..precision import PrecisionPolicy
 from .buffer_pool import BufferPool
 from .layout import BucketLayout
+from .storage import ParameterStorage
 from .strategy import ShardingStrategy
 
 
@@ -18,8 +24,9 @@ class FullGradientStrategy(ShardingStrategy):
     over K micro steps costs one reduction, exactly like ``DistributedDataParallel.no_sync``.
     """
 
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(*args, **kwargs)
+    def __init__(self, flat: ParameterStorage, params: Sequence[nn.Parameter], comm: Collectives, world: World,
+                 zero: ZeroConfig, precision: PrecisionPolicy = PrecisionPolicy()) -> None:
+        super().__init__(flat, params, comm, world, zero, precision)
         # 1D, padded, same layout as the parameters, in the accumulation dtype
         self.grads = torch.zeros(self.layout.padded_numel, dtype=self.precision.grad_accum, device=self.flat.device)
         largest = max(b.padded_numel for b in self.layout.buckets)

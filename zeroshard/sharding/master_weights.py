@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
+from ..offload.policy import MasterSwap
 from .layout import BucketLayout, FlatLayout
-
-if TYPE_CHECKING:
-    from ..offload.master_swap import MasterSwap
 
 
 def owned_spans(layout: FlatLayout, rank: int, whole_buckets: bool) -> list[tuple[int, int]]:
@@ -28,7 +26,7 @@ class MasterWeights:
     NVMe optimizer offload (``spill``), no buffer at all: values go straight to swap files."""
 
     def __init__(self, layout: FlatLayout, rank: int, whole_buckets: bool, device: torch.device,
-                 pin_memory: bool = False, spill: Optional["MasterSwap"] = None) -> None:
+                 pin_memory: bool = False, spill: Optional[MasterSwap] = None) -> None:
         self.layout = layout
         self.rank = rank
         self.whole_buckets = whole_buckets
@@ -67,17 +65,11 @@ class MasterWeights:
                 if self.spill is None:
                     self.chunk(bucket).copy_(owned)
                 else:
-                    self.spill.write_owned(bucket, owned.to(torch.float32).contiguous())
+                    self.spill.write_owned(bucket.index, owned.to(torch.float32).contiguous())
                 return
             # in memory the chunk is edited in place; on NVMe a copy is edited and written back
-            values = self.spill.read_owned(bucket) if self.spill is not None else self.chunk(bucket)
+            values = self.spill.read_owned(bucket.index) if self.spill is not None else self.chunk(bucket)
             changed = owned != values.to(owned.dtype)
             values[changed] = owned[changed].to(torch.float32)
             if self.spill is not None:
-                self.spill.write_owned(bucket, values)
-
-    def real_numel(self) -> int:
-        """Elements that hold parameters (the rest is bucket padding)."""
-        if self.whole_buckets:
-            return self.layout.numel
-        return self.layout.real_numel_in_shard(self.rank)
+                self.spill.write_owned(bucket.index, values)

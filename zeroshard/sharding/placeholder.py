@@ -11,10 +11,14 @@ Inside that block (and during forward and backward) the real parameter is back i
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+#: placeholder -> the name and compute device of the parameter it stands for
+_SHOWN_AS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 _METADATA_PROPERTIES = ("shape", "dtype", "requires_grad", "ndim", "is_leaf", "grad", "layout", "is_meta",
                         "itemsize")
@@ -30,38 +34,36 @@ METADATA_FUNCTIONS = frozenset(
 #: ``tensor.device``: a parameter whose values are elsewhere reports the device it computes on (Hugging
 #: Face's ``model.device``, and code that builds new tensors "next to" a parameter, rely on it), as a
 #: DeepSpeed stage-3 parameter reports its accelerator although its own data is empty.
-DEVICE_GETTER = torch.Tensor.device.__get__  # type: ignore[attr-defined]
+DEVICE_GETTER = getattr(torch.Tensor.device, "__get__")  # typeshed does not describe the descriptor
 
 
 class ShardedParameterPlaceholder(nn.Parameter):
     """A released stage-3 parameter, as its module shows it outside forward."""
 
     @staticmethod
-    def create(real: nn.Parameter, name: str) -> "ShardedParameterPlaceholder":
+    def create(real: nn.Parameter, name: str = "a parameter") -> "ShardedParameterPlaceholder":
         meta = torch.empty(real.shape, dtype=real.dtype, device="meta")
         holder = ShardedParameterPlaceholder(meta, requires_grad=real.requires_grad)
-        holder._zeroshard_home = real._zeroshard_home  # type: ignore[attr-defined]
-        holder._zeroshard_name = name  # type: ignore[attr-defined]
-        holder._zeroshard_device = real.device  # type: ignore[attr-defined]
+        _SHOWN_AS[holder] = (name, real.device)
         return holder
 
     def __new__(cls, data: torch.Tensor, requires_grad: bool = True) -> "ShardedParameterPlaceholder":
-        return torch.Tensor._make_subclass(cls, data, requires_grad)  # type: ignore[return-value]
+        return cast("ShardedParameterPlaceholder", torch.Tensor._make_subclass(cls, data, requires_grad))
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.__repr__:  # "Parameter containing:" + this
+            name = _SHOWN_AS[args[0]][0] if args[0] in _SHOWN_AS else "?"
+            return f"ShardedParameterPlaceholder({name}, shape={tuple(args[0].shape)})"
         if func in METADATA_FUNCTIONS:
             return super().__torch_function__(func, types, args, kwargs or {})
         if func == DEVICE_GETTER:
-            return args[0]._zeroshard_device
-        name = next((getattr(a, "_zeroshard_name", None) for a in args if isinstance(a, cls)), "a parameter")
+            return _SHOWN_AS[args[0]][1]
+        name = next((_SHOWN_AS[a][0] for a in args if isinstance(a, cls) and a in _SHOWN_AS), "a parameter")
         raise RuntimeError(
             f"{name!r} is sharded by zeroshard stage 3 and is not gathered now; read or change it inside "
             f"`with zeroshard.GatheredParameters(...)`, or use engine.full_state_dict()"
         )
-
-    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
-        return f"ShardedParameterPlaceholder({getattr(self, '_zeroshard_name', '?')}, shape={tuple(self.shape)})"
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise RuntimeError("a sharded zeroshard parameter cannot be pickled; use engine.full_state_dict()")

@@ -20,13 +20,14 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from ..config.schema import OffloadParamConfig
 from ..distributed.collectives import Collectives, PendingCollective
+from ..offload.policy import NoOffload, OffloadPolicy, SwapFailure
 from .flat_params import bucket_values
 from .layout import BucketLayout, FlatLayout
 from .master_weights import MasterWeights
 from .shard_store import ShardStore
 from .placeholder import ShardedParameterPlaceholder
+from .storage import HOMES, InitialValues, ParamHome
 
 # What a released parameter's own .data becomes: zero elements, so that a stale reference to the
 # Parameter object reads nothing rather than freed memory.
@@ -45,7 +46,7 @@ class ShardedParameters:
     def __init__(self, layout: FlatLayout, params: Sequence[nn.Parameter], comm: Collectives,
                  model: nn.Module, persistent: frozenset[int] = frozenset(),
                  dtype: Optional[torch.dtype] = None, masters: Optional[MasterWeights] = None,
-                 offload: OffloadParamConfig = OffloadParamConfig()) -> None:
+                 offload: OffloadPolicy = NoOffload(), initial: InitialValues = InitialValues()) -> None:
         first = params[0]
         self.layout = layout
         self.comm = comm
@@ -64,23 +65,19 @@ class ShardedParameters:
         self._pins: dict[int, int] = {}  # bucket index -> GatheredParameters blocks holding it
         self.masters = masters
 
-        def values_of(i: int) -> torch.Tensor:
-            source = getattr(params[i], "_zeroshard_init_shard", None)
-            if source is None:
-                return params[i].data
-            del params[i]._zeroshard_init_shard  # type: ignore[attr-defined]
-            return source.gather_full()  # built under zeroshard.Init: gather this one parameter
-
         with torch.no_grad():
             for bucket in layout.buckets:
                 full = torch.zeros(bucket.padded_numel, dtype=self.dtype, device=self.device)
-                bucket_values(bucket, values_of, full, masters)
+                # built under zeroshard.Init: gathered one parameter at a time
+                bucket_values(bucket, lambda i: initial.of(i, params[i]), full, masters)
                 for slot in bucket.slots:
                     view = full[slot.offset: slot.offset + slot.numel].view(slot.shape)
                     params[slot.index].data = view
-                    params[slot.index]._zeroshard_home = (self, bucket.index)  # type: ignore[attr-defined]
+                    home = ParamHome(self, bucket.index, slot.name, self.device)
                     self._views[slot.index] = view
                     self._placeholders[slot.index] = ShardedParameterPlaceholder.create(params[slot.index], slot.name)
+                    HOMES.add(params[slot.index], home)
+                    HOMES.add(self._placeholders[slot.index], home)
                 start, end = bucket.shard_range(self.rank)
                 self.store.write(bucket, 0, full[start:end])
                 self.full.append(full)
@@ -104,8 +101,11 @@ class ShardedParameters:
             param = self.params[slot.index]
             shown = param if gathered else self._placeholders[slot.index]
             param.data = self._views[slot.index] if gathered else _EMPTY
-            for module, attr in self._registrations.get(slot.index, ()):
-                module._parameters[attr] = shown
+            self._show_param(slot.index, shown)
+
+    def _show_param(self, index: int, shown: nn.Parameter) -> None:
+        for module, attr in self._registrations.get(index, ()):
+            module._parameters[attr] = shown
 
     # ------------------------------------------------------------------ views (the FlatParameters interface)
     @property
@@ -182,6 +182,26 @@ class ShardedParameters:
             self.store.write(bucket, 0, self.full[index][start:end])
             if self.masters is not None:
                 self.masters.take(bucket, self.full[index], only_changed=True)
+
+    def take_failure(self) -> SwapFailure:
+        return self.store.take_failure()
+
+    def detach_parameters(self) -> None:
+        """Gather each bucket once more and give its parameters their own full values; the modules
+        hold the real parameters again, no placeholder is left, and the registry forgets them."""
+        with torch.no_grad():
+            for bucket in self.layout.buckets:
+                self.gather(bucket.index, f"detach{bucket.index}")
+                for slot in bucket.slots:
+                    self.params[slot.index].data = self._views[slot.index].clone()
+                    self._show_param(slot.index, self.params[slot.index])
+                self._pins.pop(bucket.index, None)
+                self.full[bucket.index].untyped_storage().resize_(0)
+                self.state[bucket.index] = GatherState.SHARDED
+        HOMES.forget([*self.params, *self._placeholders.values()])
+
+    def close(self) -> None:
+        self.store.close()
 
     def gathered_bytes(self) -> int:
         """Bytes of non-persistent full buffers currently present (0 between steps)."""

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-import torch
+from typing import Sequence
 
-from ..distributed.collectives import PendingCollective
+import torch
+from torch import nn
+
+from ..config import ZeroConfig
+from ..distributed.collectives import Collectives, PendingCollective
+from ..distributed.world import World
+from ..precision import PrecisionPolicy
 from .buffer_pool import BufferPool
 from .layout import BucketLayout
+from .storage import ParameterStorage
 from .strategy import ShardingStrategy
 
 
@@ -23,8 +30,9 @@ class Stage2(ShardingStrategy):
     stage = 2
     reduces_every_micro_step = True
 
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(*args, **kwargs)
+    def __init__(self, flat: ParameterStorage, params: Sequence[nn.Parameter], comm: Collectives, world: World,
+                 zero: ZeroConfig, precision: PrecisionPolicy = PrecisionPolicy()) -> None:
+        super().__init__(flat, params, comm, world, zero, precision)
         self.grad_shard = torch.zeros(self.layout.shard_numel(), dtype=self.precision.grad_accum,
                                       device=self.flat.device)  # 1D: this rank's chunk of each bucket
         self._shard_offset = {}

@@ -17,10 +17,12 @@ from torch import nn
 from ..config import ZeroConfig
 from ..distributed.collectives import Collectives
 from ..distributed.world import World
+from ..offload.policy import OffloadPolicies, Place
 from ..precision import PrecisionPolicy
 from .gather_scheduler import GatherScheduler
 from .layout import BucketLayout
 from .sharded_params import ShardedParameters
+from .storage import InitialValues
 from .stage2 import Stage2
 from .strategy import BucketProgress
 from .units import Stage3Plan, plan_units
@@ -35,7 +37,7 @@ class Stage3(Stage2):
     def __init__(self, storage: ShardedParameters, params: Sequence[nn.Parameter], comm: Collectives,
                  world: World, zero: ZeroConfig, plan: Stage3Plan, model: nn.Module,
                  precision: PrecisionPolicy = PrecisionPolicy()) -> None:
-        super().__init__(storage, params, comm, world, zero, precision)  # type: ignore[arg-type]
+        super().__init__(storage, params, comm, world, zero, precision)
         self.storage = storage
         self.plan = plan
         self.scheduler = GatherScheduler(storage, plan.units, zero, model)
@@ -43,12 +45,13 @@ class Stage3(Stage2):
     @classmethod
     def build(cls, model: nn.Module, params: Sequence[nn.Parameter], names: Sequence[str],
               group_of: Sequence[int], comm: Collectives, world: World, zero: ZeroConfig,
-              precision: PrecisionPolicy = PrecisionPolicy()) -> "Stage3":
+              precision: PrecisionPolicy = PrecisionPolicy(), offload: OffloadPolicies = OffloadPolicies(),
+              initial: InitialValues = InitialValues()) -> "Stage3":
         plan = plan_units(model, params, names, group_of, zero.stage3_param_persistence_threshold,
                           zero.reduce_bucket_size, world.world_size)
-        masters = cls.make_masters(plan.layout, world, precision, zero, params[0].device, comm)
+        masters = cls.make_masters(plan.layout, world, precision, offload, params[0].device, comm)
         storage = ShardedParameters(plan.layout, params, comm, model, plan.persistent_buckets,
-                                    precision.compute, masters, zero.offload_param)
+                                    precision.compute, masters, offload.params, initial)
         return cls(storage, params, comm, world, zero, plan, model, precision)
 
     forward_communicates = True
@@ -82,7 +85,7 @@ class Stage3(Stage2):
     def param_placement(self) -> tuple[int, int]:
         size = self.storage.shard.element_size()
         store, rank = self.storage.store, self.world.rank
-        return store.real_numel_at("host", rank) * size, store.real_numel_at("nvme", rank) * size
+        return store.real_numel_at(Place.HOST, rank) * size, store.real_numel_at(Place.NVME, rank) * size
 
     def publish_piece(self, bucket: BucketLayout, start: int, values: torch.Tensor) -> None:
         """The owned chunk may be off the device (parameter offload): the store writes it in place."""

@@ -2,7 +2,8 @@
 
 A stage is a :class:`ShardingStrategy` subclass that says only where ZeRO differs: where gradients
 accumulate, which collective reduces a bucket, which part of the buffer this rank's optimizer owns,
-and whether parameters are gathered after the step.  The engine never branches on a stage number.
+and whether parameters are gathered after the step.  The engine asks the strategy's class attributes
+(``grads_are_sharded``, ``forward_communicates``, ...) instead of comparing stage numbers.
 
 [Note: launching buckets in order]
 Collectives must be issued in the same order on every rank.  A bucket is launched only when all of its
@@ -25,16 +26,13 @@ from torch import nn
 from ..config import ZeroConfig
 from ..distributed.collectives import Collectives, PendingCollective
 from ..distributed.world import World
-from ..offload.master_swap import MasterSwap
+from ..offload.policy import OffloadPolicies, OffloadPolicy
 from ..precision import PrecisionPolicy
 from .buffer_pool import BufferPool
 from .flat_params import FlatParameters
 from .layout import BucketLayout, FlatLayout, plan_buckets
 from .master_weights import MasterWeights, owned_spans
-
-
-#: launched gradient buckets allowed in flight before the oldest is waited for (see ``_retire``)
-MAX_BUCKETS_IN_FLIGHT = 2
+from .storage import InitialValues, ParameterStorage
 
 
 class BucketState(Enum):
@@ -61,18 +59,18 @@ class ShardingStrategy(ABC):
     #: whether the grad norm needs a sum across ranks (each rank holds a different part)
     grads_are_sharded: ClassVar[bool] = True
     #: launched gradient buckets allowed in flight before the oldest is waited for (see ``_retire``)
-    max_buckets_in_flight: ClassVar[int] = MAX_BUCKETS_IN_FLIGHT
+    max_buckets_in_flight: ClassVar[int] = 2
     #: whether this rank's optimizer updates every bucket whole (stage 0) or only its chunks
     owns_whole_buckets: ClassVar[bool] = False
 
-    def __init__(self, flat: FlatParameters, params: Sequence[torch.nn.Parameter], comm: Collectives,
+    def __init__(self, flat: ParameterStorage, params: Sequence[torch.nn.Parameter], comm: Collectives,
                  world: World, zero: ZeroConfig, precision: PrecisionPolicy = PrecisionPolicy()) -> None:
         self.flat = flat
         self.precision = precision
         #: fp32 copies of the owned parameters when the model computes in 16 bits (else None)
         self.masters: Optional[MasterWeights] = flat.masters
-        #: called with each bucket once its gradients are averaged at an accumulation boundary (offload)
-        self.on_reduced: Optional[Callable[[BucketLayout], None]] = None
+        #: called with each bucket once its gradients are averaged at an accumulation boundary
+        self._reduced_listeners: list[Callable[[BucketLayout], None]] = []
         self.layout = flat.layout
         self.params = list(params)
         self.comm = comm
@@ -146,8 +144,9 @@ class ShardingStrategy(ABC):
                 progress.pending.wait()
                 self.complete(bucket)
                 progress.state = BucketState.REDUCED
-                if self.on_reduced is not None and self.sync_gradients:
-                    self.on_reduced(bucket)
+                if self.sync_gradients:
+                    for listener in self._reduced_listeners:
+                        listener(bucket)
 
     def finish_backward(self) -> None:
         """End of a backward: launch what is left (in order), wait for everything, store results."""
@@ -157,33 +156,36 @@ class ShardingStrategy(ABC):
         self._progress = [BucketProgress() for _ in self.layout.buckets]
         self._next_launch = 0
 
+    def add_reduced_listener(self, listener: Callable[[BucketLayout], None]) -> None:
+        """Call ``listener(bucket)`` once each bucket's gradients are averaged at a boundary (the host
+        optimizer copies them out while backward goes on)."""
+        self._reduced_listeners.append(listener)
+
     # ------------------------------------------------------------------ construction and hooks for subclasses
     @classmethod
     def build(cls, model: nn.Module, params: Sequence[nn.Parameter], names: Sequence[str],
               group_of: Sequence[int], comm: Collectives, world: World, zero: ZeroConfig,
-              precision: PrecisionPolicy = PrecisionPolicy()) -> "ShardingStrategy":
+              precision: PrecisionPolicy = PrecisionPolicy(), offload: OffloadPolicies = OffloadPolicies(),
+              initial: InitialValues = InitialValues()) -> "ShardingStrategy":
         """Lay out the trainable parameters and take them over (stages 0-2: one flat buffer)."""
         layout = plan_buckets(params, names, group_of, zero.reduce_bucket_size, world.world_size)
-        masters = cls.make_masters(layout, world, precision, zero, params[0].device, comm)
+        masters = cls.make_masters(layout, world, precision, offload, params[0].device, comm)
         flat = FlatParameters(layout, params, comm, precision.compute, masters)
         return cls(flat, params, comm, world, zero, precision)
 
     @classmethod
-    def make_masters(cls, layout: FlatLayout, world: World, precision: PrecisionPolicy, zero: ZeroConfig,
+    def make_masters(cls, layout: FlatLayout, world: World, precision: PrecisionPolicy, offload: OffloadPolicies,
                      device: torch.device, comm: Collectives) -> Optional[MasterWeights]:
-        """fp32 master weights over what this stage's optimizer owns: with mixed precision (on the
-        device) or optimizer offload (in host memory, or straight to swap files under NVMe offload,
-        also for fp32 training); otherwise None."""
-        offload = zero.offload_optimizer
-        if offload.device == "nvme":
-            spans = owned_spans(layout, world.rank, cls.owns_whole_buckets)
-            swap = MasterSwap(spans, offload, zero.sub_group_size, comm)
-            return MasterWeights(layout, world.rank, cls.owns_whole_buckets, torch.device("cpu"), spill=swap)
-        if offload.device == "cpu":
-            return MasterWeights(layout, world.rank, cls.owns_whole_buckets, torch.device("cpu"), offload.pin_memory)
-        if not precision.mixed:
+        """fp32 master weights over what this stage's optimizer owns: with mixed precision, or whenever
+        the optimizer is offloaded (also for fp32 training); where the policy places them (the
+        device, host memory, or straight into swap files); otherwise None."""
+        policy: OffloadPolicy = offload.optimizer
+        if not (precision.mixed or policy.needs_masters):
             return None
-        return MasterWeights(layout, world.rank, cls.owns_whole_buckets, device)
+        spans = owned_spans(layout, world.rank, cls.owns_whole_buckets)
+        spill = policy.open_master_swap(spans, offload.sub_group_size, comm)
+        return MasterWeights(layout, world.rank, cls.owns_whole_buckets, policy.masters_device(device),
+                             policy.pin_memory, spill)
 
     #: whether forward issues collectives (stage 3 gathers): the engine then checks that every rank
     #: is in the same forward first (see [Note: the consistency check] in distributed/consistency.py)
@@ -197,7 +199,7 @@ class ShardingStrategy(ABC):
 
     def param_bytes(self) -> tuple[int, int]:
         """(bytes of real parameter elements held, bytes of padding)."""
-        size = self.flat.data.element_size()
+        size = self.flat.dtype.itemsize
         return self.layout.numel * size, (self.layout.padded_numel - self.layout.numel) * size
 
     def param_placement(self) -> tuple[int, int]:

@@ -1,0 +1,58 @@
+"""Host offload (ZeRO-Offload): masters and optimizer state in host memory, stepped in sub-groups.
+
+As each bucket's gradients are averaged at a boundary, its owned chunk is copied to a host fp32
+buffer (asynchronously from a GPU, into page-locked memory with ``pin_memory``) while backward goes
+on; the optimizer then steps the host pieces (at most ``sub_group_size`` elements each, see
+[Note: cutting pieces] in offload/master_swap.py) and publishes each into the parameters.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..offload.master_swap import split_pieces
+from ..offload.policy import Place
+from ..sharding.layout import BucketLayout
+from .updater import MasterUpdater
+
+if TYPE_CHECKING:
+    from ..sharding.strategy import ShardingStrategy
+
+
+class HostUpdater(MasterUpdater):
+    """fp32 masters and optimizer state in host memory; gradients copied there as they are reduced."""
+
+    place = Place.HOST
+
+    def __init__(self, strategy: "ShardingStrategy", sub_group_size: int) -> None:
+        self.sub_group_size = sub_group_size
+        super().__init__(strategy)
+        masters = self.master_weights.data
+        # filled as buckets are reduced
+        self.host_grads = torch.zeros(masters.numel(), dtype=torch.float32, pin_memory=masters.is_pinned())
+        self._copies: list[torch.cuda.Event] = []
+
+    def spans(self, numel: int) -> list[tuple[int, int]]:
+        return split_pieces(numel, self.sub_group_size)
+
+    def grad_reduced(self, bucket: BucketLayout) -> None:
+        """Copy the bucket's averaged owned gradient to host memory as soon as it is reduced."""
+        target = self.master_weights.view_of(self.host_grads, bucket)
+        source = self.strategy.owned_grad(bucket)
+        target.copy_(source, non_blocking=target.is_pinned())
+        if source.is_cuda and target.is_pinned():  # on the stream backward ran on: waited for in step_grads
+            event = torch.cuda.Event()
+            event.record()
+            self._copies.append(event)
+
+    def step_grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The host copies, once the non-blocking device-to-host copies have landed."""
+        for event in self._copies:
+            event.synchronize()
+        self._copies = []
+        return [self.master_weights.view_of(self.host_grads, b) for b in self.layout.buckets]
+
+    def host_buffer_bytes(self) -> int:
+        return self.host_grads.numel() * 4

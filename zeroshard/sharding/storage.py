@@ -1,0 +1,111 @@
+"""The parameter storage's declared interface, and the one registry of which parameter lives where.
+
+Stages 0-2 keep every bucket whole in one flat buffer (:class:`~.flat_params.FlatParameters`); stage 3
+keeps only this rank's chunk of each and gathers a bucket on demand
+(:class:`~.sharded_params.ShardedParameters`).  Everything above the storage (the strategies,
+``GatheredParameters``, full state dicts, checkpoints) talks to it through :class:`ParameterStorage`.
+
+[Note: the parameter registry]
+``GatheredParameters(model.lm_head.weight)`` is handed a bare parameter and must find the storage
+and bucket that hold it.  Rather than hiding attributes on the user's tensors, each storage records
+its parameters (and stage 3's placeholders for them) in :data:`HOMES`, keyed by tensor identity and
+held weakly, and removes them when it is closed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping, Optional, Protocol
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..distributed.collectives import Collectives
+from ..offload.policy import SwapFailure
+from .layout import BucketLayout, FlatLayout
+from .master_weights import MasterWeights
+
+
+class ParameterStorage(Protocol):
+    """Where the trainable parameters' values live, bucket by bucket."""
+
+    layout: FlatLayout
+    comm: Collectives
+    dtype: torch.dtype  # the compute dtype of the parameters
+    device: torch.device  # the training device
+    masters: Optional[MasterWeights]  # fp32 masters of the owned chunks, if any
+
+    @property
+    def full(self) -> list[torch.Tensor]:
+        """Per bucket, its full 1D padded buffer (stage 3: only meaningful while gathered)."""
+
+    def bucket_view(self, bucket: BucketLayout) -> torch.Tensor: ...
+
+    def shard_view(self, bucket: BucketLayout, rank: int) -> torch.Tensor:
+        """``rank``'s chunk of ``bucket`` (stage 3 holds only its own)."""
+
+    def gather(self, index: int, label: str, async_op: bool = False) -> None:
+        """Make bucket ``index``'s full values present (a collective at stage 3; else nothing)."""
+
+    def release(self, index: int) -> None:
+        """Free bucket ``index``'s full values again (stage 3)."""
+
+    def pin(self, index: int, label: str) -> None:
+        """Gather and keep until :meth:`unpin` (``GatheredParameters``)."""
+
+    def unpin(self, index: int) -> None: ...
+
+    def commit_full(self, index: int) -> None:
+        """The full bucket was modified in place: the owned chunk (and the masters) follow it."""
+
+    def take_failure(self) -> SwapFailure:
+        """A swap failure to raise on every rank (NVMe parameter offload), once."""
+
+    def detach_parameters(self) -> None:
+        """Give every parameter its own full, current values and forget it (``Engine.close()``)."""
+
+    def close(self) -> None:
+        """Release files and threads (NVMe); idempotent."""
+
+
+@dataclass(frozen=True)
+class ParamHome:
+    """Where one trainable parameter lives: its storage, bucket, name and compute device."""
+
+    storage: ParameterStorage
+    bucket: int
+    name: str
+    device: torch.device
+
+
+class ParameterRegistry:
+    """Parameter (or placeholder) -> :class:`ParamHome`, weakly held (see [Note: the parameter registry])."""
+
+    def __init__(self) -> None:
+        self._homes: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def add(self, tensor: torch.Tensor, home: ParamHome) -> None:
+        self._homes[tensor] = home
+
+    def home_of(self, tensor: torch.Tensor) -> Optional[ParamHome]:
+        return self._homes.get(tensor)
+
+    def forget(self, tensors: Iterable[torch.Tensor]) -> None:
+        for tensor in tensors:
+            self._homes.pop(tensor, None)
+
+
+#: the process's registry: every storage records its parameters here
+HOMES = ParameterRegistry()
+
+
+@dataclass(frozen=True)
+class InitialValues:
+    """Full values for parameters that have none yet (built under ``zeroshard.Init``): trainable
+    parameter index -> a function that gathers them (a collective: every rank calls it in order)."""
+
+    by_index: Mapping[int, Callable[[], torch.Tensor]] = field(default_factory=dict)
+
+    def of(self, index: int, param: torch.Tensor) -> torch.Tensor:
+        source = self.by_index.get(index)
+        return param.data if source is None else source()
