@@ -63,9 +63,6 @@ class SchedulerConfig:
     params: dict = key({}, "Parameters of the schedule (validated per type).")
 
 
-DTYPE_NAMES = ("fp32", "fp16", "bf16")
-
-
 @dataclass(frozen=True)
 class BF16Config:
     """``bf16``: compute in bfloat16; fp32 master weights and optimizer state (see zeroshard/precision)."""
@@ -126,9 +123,6 @@ class ActivationCheckpointingConfig:
     synchronize_checkpoint_boundary: bool = key(
         False, "Synchronize the device before and after each checkpointed region (CUDA; CPU work is synchronous).")
     profile: bool = key(False, "Time each checkpointed forward and recomputation; totals in engine.last_metrics.")
-
-
-OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
 
 @dataclass(frozen=True)
