@@ -5,7 +5,8 @@ Each field carries a ``doc`` and, where a value has limits, a ``check`` in its m
 (:mod:`zeroshard.config.loader`) walks these classes generically, so adding a key is adding a field.
 
 [Note: defaults]
-Defaults are DeepSpeed's (see ``shared/REFERENCE.md``) with one deliberate exception:
+Defaults are DeepSpeed's, as its configuration documentation gives them
+(https://www.deepspeed.ai/docs/config-json/), with one deliberate exception:
 ``zero_optimization.overlap_comm`` defaults to true at every stage.  DeepSpeed turns it on only at
 stage 3, but in zeroshard overlapping costs no extra memory at stages 0-1 and only the buckets in
 flight at stage 2, and without it the engine could not keep up with ``DistributedDataParallel``.
