@@ -19,9 +19,11 @@ the ``activation_checkpointing`` config block, and making it work with ZeRO:
 [Note: why module-level settings]
 ``checkpoint(function, *args)`` is a free function, as in DeepSpeed and torch, called from deep inside
 model code that has no handle on the engine.  The settings therefore live in this module, set by
-:func:`use_settings`: the engine calls it with the config's block when it is built, and DeepSpeed's
-``deepspeed.checkpointing.configure(...)`` (``zeroshard.checkpointing``) calls it too.  This module
-is the implementation; ``zeroshard.checkpointing`` is the DeepSpeed-named face over it.
+:func:`use_settings`, which has two callers: the engine, with its config's block, when it is built;
+and DeepSpeed's ``deepspeed.checkpointing.configure(...)``, which a user script may call (defined in
+:mod:`zeroshard.compat.activation_checkpointing`, re-exported by ``zeroshard.checkpointing``).
+Whichever runs last wins.  This module is the implementation; ``zeroshard.checkpointing`` is the
+DeepSpeed-named face over it.
 """
 
 from __future__ import annotations

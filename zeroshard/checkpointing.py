@@ -1,8 +1,12 @@
 """``zeroshard.checkpointing`` (DeepSpeed's ``deepspeed.checkpointing``): activation checkpointing.
 
-The implementation is :mod:`zeroshard.activation_checkpointing` (this name is kept because DeepSpeed
-scripts import it): ``checkpoint``, ``checkpoint_modules``, and DeepSpeed's ``configure`` /
-``is_configured`` / ``reset``.
+This module only re-exports, at the path DeepSpeed scripts import: ``checkpoint``,
+``checkpoint_modules``, ``use_settings``, ``take_profile`` and ``CheckpointProfile`` from
+:mod:`zeroshard.activation_checkpointing` (the implementation), and DeepSpeed's ``configure`` /
+``is_configured`` / ``reset`` from :mod:`zeroshard.compat.activation_checkpointing`.
+``configure`` is called by user scripts, never by zeroshard: it builds the settings from a config's
+``activation_checkpointing`` block and its keyword arguments and hands them to ``use_settings``, as
+the engine does with its own config's block when it is built.
 """
 
 from .activation_checkpointing import CheckpointProfile, checkpoint, checkpoint_modules, take_profile, use_settings

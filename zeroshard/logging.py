@@ -1,4 +1,11 @@
-"""zeroshard's one logging module: rank-aware messages, warn-once, and a per-step metrics line."""
+"""The ``zeroshard`` logger and rank-aware logging.
+
+The logger writes to stderr as ``[zeroshard LEVEL] message`` at the level named by
+``ZEROSHARD_LOG_LEVEL`` (default INFO), and does not propagate to the root logger.
+:func:`log_rank` logs on one rank (rank 0 by default) or on every rank with a rank prefix.
+The engine logs its messages (skipped steps, the per-step metrics line) through :func:`log_rank`;
+``deepspeed.utils.logger`` and ``log_dist`` (:mod:`zeroshard.compat.utils`) use the same logger.
+"""
 
 from __future__ import annotations
 
@@ -16,8 +23,6 @@ if not logger.handlers:
     logger.setLevel(os.environ.get("ZEROSHARD_LOG_LEVEL", "INFO"))
     logger.propagate = False
 
-_warned: set[str] = set()
-
 
 def current_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -30,10 +35,3 @@ def log_rank(message: str, rank: int | None = 0, level: int = logging.INFO) -> N
         logger.log(level, f"rank {me}: {message}")
     elif rank == me:
         logger.log(level, message)
-
-
-def warn_once(message: str) -> None:
-    """Warn on rank 0, once per distinct message for the life of the process."""
-    if message not in _warned:
-        _warned.add(message)
-        log_rank(message, rank=0, level=logging.WARNING)

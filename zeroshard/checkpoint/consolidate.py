@@ -14,20 +14,18 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .format import LATEST, published_dir, write_safetensors_streaming
+from ..precision.policy import DTYPES
+from .format import LATEST, MANIFEST, published_dir, resolve_tag, write_safetensors_streaming
 from .reader import CheckpointReader
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def find_checkpoint(path: str | Path, tag: Optional[str] = None) -> Path:
-    """A checkpoint directory: ``path`` itself, ``path/tag``, or ``path/<latest>``."""
+    """A checkpoint directory: ``path/tag``, else ``path`` itself when it is a checkpoint or has no
+    ``latest`` file, else ``path/<latest>``."""
     path = Path(path)
-    if tag is not None:
-        return published_dir(path, tag)
-    if (path / "manifest.json").is_file() or not (path / LATEST).is_file():
+    if tag is None and ((path / MANIFEST).is_file() or not (path / LATEST).is_file()):
         return path
-    return published_dir(path, (path / LATEST).read_text().strip())
+    return published_dir(path, resolve_tag(path, tag))
 
 
 def consolidate(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", tag: Optional[str] = None) -> Path:

@@ -29,7 +29,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -72,23 +72,30 @@ def sha256_of(path: Path, chunk: int = 1 << 22) -> str:
             digest.update(block)
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write ``data`` as JSON so that a reader sees the old file or the new one, never half of one."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that a reader sees the old file or the new one, never half of one."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write ``data`` as JSON, atomically (:func:`write_text_atomic`)."""
+    write_text_atomic(path, json.dumps(data, indent=1))
+
+
+def resolve_tag(root: Path, tag: Optional[str]) -> str:
+    """The tag to read under ``root``: ``tag`` itself, or the one ``root/latest`` names."""
+    if tag is not None:
+        return tag
+    latest = root / LATEST
+    if not latest.is_file():
+        raise CheckpointError(f"{latest}: missing; pass tag= or point load_dir at a directory saved with "
+                              f"save_latest=True")
+    return latest.read_text().strip()
 
 
 @dataclass(frozen=True)

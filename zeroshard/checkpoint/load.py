@@ -13,22 +13,12 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from .format import LATEST, CheckpointError, published_dir
+from .format import CheckpointError, published_dir, resolve_tag  # resolve_tag: kept public under this name
 from .reader import CheckpointReader
 
 if TYPE_CHECKING:
     from .interface import TrainingState
     from ..sharding.layout import BucketLayout
-
-
-def resolve_tag(load_dir: Path, tag: Optional[str]) -> str:
-    if tag is not None:
-        return tag
-    latest = load_dir / LATEST
-    if not latest.is_file():
-        raise CheckpointError(f"{latest}: missing; pass tag= or point load_dir at a directory saved with "
-                              f"save_latest=True")
-    return latest.read_text().strip()
 
 
 def _check_model(engine: "TrainingState", reader: CheckpointReader, strict: bool) -> None:

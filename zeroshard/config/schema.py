@@ -5,7 +5,8 @@ Each field carries a ``doc`` and, where a value has limits, a ``check`` in its m
 (:mod:`zeroshard.config.loader`) walks these classes generically, so adding a key is adding a field.
 
 [Note: defaults]
-Defaults are DeepSpeed's (see ``shared/REFERENCE.md``) with one deliberate exception:
+Defaults are DeepSpeed's, as its configuration documentation gives them
+(https://www.deepspeed.ai/docs/config-json/), with one deliberate exception:
 ``zero_optimization.overlap_comm`` defaults to true at every stage.  DeepSpeed turns it on only at
 stage 3, but in zeroshard overlapping costs no extra memory at stages 0-1 and only the buckets in
 flight at stage 2, and without it the engine could not keep up with ``DistributedDataParallel``.
@@ -61,9 +62,6 @@ class SchedulerConfig:
         "WarmupLR", "WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle or LRRangeTest."
     )
     params: dict = key({}, "Parameters of the schedule (validated per type).")
-
-
-DTYPE_NAMES = ("fp32", "fp16", "bf16")
 
 
 @dataclass(frozen=True)
@@ -126,9 +124,6 @@ class ActivationCheckpointingConfig:
     synchronize_checkpoint_boundary: bool = key(
         False, "Synchronize the device before and after each checkpointed region (CUDA; CPU work is synchronous).")
     profile: bool = key(False, "Time each checkpointed forward and recomputation; totals in engine.last_metrics.")
-
-
-OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
 
 @dataclass(frozen=True)

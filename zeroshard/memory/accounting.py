@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-BYTES_FP32 = 4
-
 # Bytes per parameter (params, grads, optimizer state) for Adam, by training precision.
 PER_PARAM = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}
 

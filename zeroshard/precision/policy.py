@@ -11,9 +11,9 @@
   which halves the traffic of fp32).
 - ``grad_accum``: the dtype gradients accumulate in across micro steps (``data_types.grad_accum_dtype``).
   Default fp32 for bf16 (bf16's 8-bit mantissa loses small additions) and fp16 for fp16 (the loss
-  scale keeps fp16 gradients well inside their range, as in DeepSpeed).  The seeds' 2-bytes-per-parameter
-  gradient figures hold when it is the 16-bit dtype; fp32 accumulation costs 2 more bytes per
-  gradient element held (stages 0-1: every element; stages 2-3: the shard).
+  scale keeps fp16 gradients well inside their range, as in DeepSpeed).  The ZeRO paper's 2-bytes-per-
+  parameter gradient figures hold when it is the 16-bit dtype; fp32 accumulation costs 2 more bytes
+  per gradient element held (stages 0-1: every element; stages 2-3: the shard).
 """
 
 from __future__ import annotations
