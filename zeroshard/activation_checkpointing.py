@@ -16,22 +16,26 @@ the ``activation_checkpointing`` config block, and making it work with ZeRO:
   and its bucket may already be reduced when the second arrives.  DeepSpeed refuses it too; use the
   default ``use_reentrant=False``.
 
-[Note: why module-level settings]
+[Note: whose settings a region uses]
 ``checkpoint(function, *args)`` is a free function, as in DeepSpeed and torch, called from deep inside
-model code that has no handle on the engine.  The settings therefore live in this module, set by
-:func:`use_settings`, which has two callers: the engine, with its config's block, when it is built;
-and DeepSpeed's ``deepspeed.checkpointing.configure(...)``, which a user script may call (defined in
-:mod:`zeroshard.compat.activation_checkpointing`, re-exported by ``zeroshard.checkpointing``).
-Whichever runs last wins.  This module is the implementation; ``zeroshard.checkpointing`` is the
-DeepSpeed-named face over it.
+model code that has no handle on the engine.  Each engine keeps its own settings (its config's
+``activation_checkpointing`` block) and its own profile, and makes them the current ones for the
+duration of its forward (:func:`using`, a context variable); a region reads the current settings
+when it runs.  Outside any engine's forward, and inside one whose config has no such block, the
+process-wide settings apply: those of DeepSpeed's ``deepspeed.checkpointing.configure(...)``
+(``zeroshard.checkpointing``), set through :func:`use_settings`.  Two engines in one process thus
+never see each other's settings.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+import weakref
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -50,21 +54,48 @@ class CheckpointProfile:
     recompute_s: float = 0.0
 
 
-_settings = ActivationCheckpointingConfig()
-_profile = CheckpointProfile()
+@dataclass
+class CheckpointingContext:
+    """Settings and profile totals of one owner: an engine, or the process (DeepSpeed's ``configure``)."""
+
+    settings: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
+    profile: CheckpointProfile = field(default_factory=CheckpointProfile)
+
+    def take_profile(self) -> CheckpointProfile:
+        """The totals since the previous call (then reset)."""
+        taken, self.profile = self.profile, CheckpointProfile()
+        return taken
+
+
+_PROCESS = CheckpointingContext()
+_CURRENT: ContextVar[Optional[CheckpointingContext]] = ContextVar("zeroshard_checkpointing", default=None)
+#: modules whose forward ``checkpoint_modules`` wrapped -> their own forward
+_WRAPPED: "weakref.WeakKeyDictionary[nn.Module, Callable[..., Any]]" = weakref.WeakKeyDictionary()
+
+
+def current() -> CheckpointingContext:
+    """The settings a region run now uses (see [Note: whose settings a region uses])."""
+    return _CURRENT.get() or _PROCESS
+
+
+@contextlib.contextmanager
+def using(context: CheckpointingContext) -> Iterator[None]:
+    """Make ``context`` the current one inside the block (an engine's forward)."""
+    token = _CURRENT.set(context)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
 
 
 def use_settings(settings: Optional[ActivationCheckpointingConfig]) -> None:
-    """Use ``settings`` (the config's ``activation_checkpointing`` block) from now on."""
-    global _settings
-    _settings = settings or ActivationCheckpointingConfig()
+    """Set the process-wide settings (DeepSpeed's ``configure``); engines with their own block keep theirs."""
+    _PROCESS.settings = settings or ActivationCheckpointingConfig()
 
 
 def take_profile() -> CheckpointProfile:
-    """The timing totals gathered with ``profile: true`` since the previous call (then reset)."""
-    global _profile
-    taken, _profile = _profile, CheckpointProfile()
-    return taken
+    """The process-wide timing totals gathered with ``profile: true`` since the previous call (then reset)."""
+    return _PROCESS.take_profile()
 
 
 def _synchronize(device: Optional[torch.device]) -> None:
@@ -80,7 +111,8 @@ def checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool = F
     to move on a CPU device; keyword tensors stay where they are); ``synchronize_checkpoint_boundary`` waits for the device at both ends of the
     region; ``profile`` times the forward and the recomputation.
     """
-    settings = _settings
+    context = current()
+    settings, profile = context.settings, context.profile
     device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
     calls = [0]
     # cpu_checkpointing hands torch's checkpoint host tensors only, so it would preserve the CPU's
@@ -115,11 +147,11 @@ def checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool = F
             if settings.profile:
                 elapsed = time.perf_counter() - started
                 if recomputing:
-                    _profile.recomputations += 1
-                    _profile.recompute_s += elapsed
+                    profile.recomputations += 1
+                    profile.recompute_s += elapsed
                 else:
-                    _profile.regions += 1
-                    _profile.forward_s += elapsed
+                    profile.regions += 1
+                    profile.forward_s += elapsed
 
     if use_reentrant and kwargs:
         function = functools.partial(function, **kwargs)  # the reentrant mode takes positional tensors only
@@ -139,14 +171,15 @@ def checkpoint_modules(model: nn.Module, *classes: type, use_reentrant: bool = F
         raise ValueError("checkpoint_modules needs at least one module class, e.g. checkpoint_modules(model, Block)")
     wrapped = 0
     for module in model.modules():
-        if isinstance(module, classes) and not getattr(module, "_zeroshard_checkpointed", False):
+        if isinstance(module, classes) and module not in _WRAPPED:
             original = module.forward
+            _WRAPPED[module] = original
 
             def forward(*args: Any, _original: Callable[..., Any] = original, **kwargs: Any) -> Any:
                 return checkpoint(_original, *args, use_reentrant=use_reentrant, **kwargs)
 
-            module.forward = forward  # type: ignore[method-assign]
-            module._zeroshard_checkpointed = True  # type: ignore[assignment]
+            # an instance attribute shadows the class's forward (setattr: mypy forbids assigning a method)
+            setattr(module, "forward", forward)
             wrapped += 1
     if not wrapped:
         raise ValueError(f"checkpoint_modules found no submodule of type "

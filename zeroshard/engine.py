@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -25,6 +26,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from . import activation_checkpointing
 from .config import ZeroshardConfig
+from .config.schema import ActivationCheckpointingConfig
 from .distributed.collectives import Collectives
 from .distributed.consistency import Call, ConsistencyCheck, EngineUsageError
 from .distributed.world import World, release_at_exit
@@ -47,6 +49,13 @@ from .checkpoint.format import write_state_dict
 
 SchedulerSpec = Union[None, LRScheduler, Callable[[Optimizer], LRScheduler]]
 
+#: model -> the live engine that wraps it (see [Note: an engine's lifetime])
+_ENGINE_OF: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[Engine]]" = weakref.WeakKeyDictionary()
+
+
+class ModelAlreadyWrappedError(RuntimeError):
+    """``initialize()`` on a model that a live engine still wraps."""
+
 
 class Engine(DeepSpeedEngineAPI):
     """Wraps a model for ZeRO data-parallel training; use it like DeepSpeed's engine.
@@ -59,6 +68,19 @@ class Engine(DeepSpeedEngineAPI):
     def __init__(self, model: nn.Module, config: ZeroshardConfig, world: World,
                  model_parameters: Any = None, optimizer: Any = None,
                  lr_scheduler: SchedulerSpec = None) -> None:
+        """[Note: an engine's lifetime]
+        An engine takes the model over: its parameters become views into zeroshard's storage, and
+        hooks on its parameters and (stage 3) modules drive the reductions and gathers.  A model can
+        be wrapped by one live engine at a time: ``initialize()`` on a model that is still wrapped
+        raises :class:`ModelAlreadyWrappedError`.  ``engine.close()`` hands it back: every hook
+        removed, every parameter a plain tensor of its own holding its current full values (at stage
+        3 a gather, so every rank calls it), and a new ``initialize()`` on it works.
+        """
+        previous = _ENGINE_OF.get(model)
+        if previous is not None and previous() is not None:
+            raise ModelAlreadyWrappedError(
+                f"this {type(model).__name__} is already wrapped by a zeroshard engine: call engine.close() on "
+                f"that engine first (it hands the model back with its current weights), then initialize() again")
         replaced: dict[int, nn.Parameter] = {}
         from_init: dict[int, Callable[[], torch.Tensor]] = {}  # id(param) -> gathers its Init shards
         if has_init_params(model):
@@ -79,7 +101,10 @@ class Engine(DeepSpeedEngineAPI):
         self.param_names = trainable.names
         self.frozen_params = trainable.frozen
         self._sync_initial_state(from_init)
-        activation_checkpointing.use_settings(config.activation_checkpointing)
+        # this engine's own settings while its forward runs (see [Note: whose settings a region uses])
+        self.checkpointing: Optional[activation_checkpointing.CheckpointingContext] = (
+            activation_checkpointing.CheckpointingContext(config.activation_checkpointing)
+            if config.activation_checkpointing != ActivationCheckpointingConfig() else None)
         self.precision = PrecisionPolicy.from_config(config)
         self.loss_scaler = LossScaler.from_config(config)
         self.skipped_steps = 0
@@ -120,6 +145,8 @@ class Engine(DeepSpeedEngineAPI):
             f"{tb.output_path}/{tb.job_name}" if tb.enabled and world.is_main else None,
             str(Path(csv.output_path or ".") / csv.job_name) if csv.enabled and world.is_main else None)
         self.comm.reset_counters()  # the initial broadcast is set-up, not training traffic
+        self._closed = False
+        _ENGINE_OF[model] = weakref.ref(self)
         release_at_exit(self._release_at_exit)
 
     # ------------------------------------------------------------------ construction helpers
@@ -198,7 +225,11 @@ class Engine(DeepSpeedEngineAPI):
         if self.precision.mixed:  # floating-point inputs meet the 16-bit weights in their dtype
             args = tuple(self._to_compute(a) for a in args)
             kwargs = {k: self._to_compute(v) for k, v in kwargs.items()}
-        output = self.module(*args, **kwargs)
+        if self.checkpointing is None:
+            output = self.module(*args, **kwargs)
+        else:
+            with activation_checkpointing.using(self.checkpointing):
+                output = self.module(*args, **kwargs)
         self._timers.add("forward", started)
         return output
 
@@ -361,17 +392,29 @@ class Engine(DeepSpeedEngineAPI):
                                  f"this rank stops with them")
 
     def _release_at_exit(self) -> None:
-        """See [Note: a clean exit] in distributed/world.py."""
-        self.strategy.finish_refresh()
+        """See [Note: a clean exit] in distributed/world.py: no collective here (a rank may be gone)."""
+        self._release(hand_back=False)
         self._agree.release()
-        self.close()
 
     def close(self) -> None:
-        """Remove this engine's swap files now (NVMe offload; otherwise they go when the process exits)."""
+        """Hand the model back and release what the engine holds (see [Note: an engine's lifetime]).
+
+        Every rank calls it (stage 3 gathers the weights one last time).  Swap files are removed
+        now (NVMe offload; otherwise they go when the process exits).  Idempotent.
+        """
+        self._release(hand_back=True)
+
+    def _release(self, hand_back: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.strategy.finish_refresh()
+        self.strategy.remove_hooks()
+        if hand_back:
+            self.flat.detach_parameters()
         self.updater.close()
-        store = getattr(self.flat, "store", None)
-        if store is not None:
-            store.close()
+        self.flat.close()
+        _ENGINE_OF.pop(self.module, None)
 
     def zero_grad(self) -> None:
         """Drop gradients accumulated so far. ``step()`` already does this after each update."""
@@ -413,7 +456,7 @@ class Engine(DeepSpeedEngineAPI):
         if self.config.wall_clock_breakdown:
             record.update({f"{k}_s": v for k, v in self._timers.take().items()})
         if self.config.activation_checkpointing.profile:
-            profile = activation_checkpointing.take_profile()
+            profile = (self.checkpointing or activation_checkpointing.current()).take_profile()
             record.update({"checkpoint_regions": profile.regions, "checkpoint_forward_s": profile.forward_s,
                            "checkpoint_recomputations": profile.recomputations,
                            "checkpoint_recompute_s": profile.recompute_s})

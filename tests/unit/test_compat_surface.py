@@ -197,7 +197,7 @@ def test_deepspeed_checkpointing_signatures() -> None:
         deepspeed.checkpointing.configure(None, deepspeed_config={"activation_checkpointing": {"profile": True}},
                                           checkpoint_in_cpu=True)
         assert deepspeed.checkpointing.is_configured()
-        settings = activation_checkpointing._settings
+        settings = activation_checkpointing.current().settings
         assert settings.profile and settings.cpu_checkpointing
         layer = nn.Linear(3, 3)
         x = torch.ones(2, 3, requires_grad=True)
