@@ -42,7 +42,12 @@ from .optim.updaters import build_updater
 from .offload.policy import OffloadPolicies
 from .sharding.storage import HOMES, InitialValues
 from .precision import LossScaler, PrecisionPolicy
-from .rng import rng_states, set_rng_states
+from .rng import RNGState
+from .counters import TrainingCounters
+from .module_state import ModuleState
+from .optim.sharded_state import OptimizerHyperparameters, ShardedState
+from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint.interface import CheckpointParts
 from .sharding import STRATEGIES
 from .compat.engine_api import DeepSpeedEngineAPI
 from .checkpoint.format import write_state_dict
@@ -57,6 +62,19 @@ class ModelAlreadyWrappedError(RuntimeError):
     """``initialize()`` on a model that a live engine still wraps."""
 
 
+class _Counter:
+    """An engine attribute that is one of its :class:`TrainingCounters` (DeepSpeed's ``global_steps``, ...)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, engine: Any, owner: Optional[type] = None) -> int:
+        return int(getattr(engine.counters, self.name))
+
+    def __set__(self, engine: Any, value: int) -> None:
+        setattr(engine.counters, self.name, value)
+
+
 class Engine(DeepSpeedEngineAPI):
     """Wraps a model for ZeRO data-parallel training; use it like DeepSpeed's engine.
 
@@ -64,6 +82,11 @@ class Engine(DeepSpeedEngineAPI):
     forwarding to the module, ...) live in :class:`~zeroshard.compat.engine_api.DeepSpeedEngineAPI`;
     this class holds what training does.
     """
+
+    global_steps = _Counter()
+    micro_steps = _Counter()
+    global_samples = _Counter()
+    skipped_steps = _Counter()
 
     def __init__(self, model: nn.Module, config: ZeroshardConfig, world: World,
                  model_parameters: Any = None, optimizer: Any = None,
@@ -89,6 +112,7 @@ class Engine(DeepSpeedEngineAPI):
                                  f"config says zero_optimization.stage = {config.stage}")
             replaced, from_init = adopt_init_params(model, world.device)
         self.module = model.to(world.device)
+        self.counters = TrainingCounters()
         self.config = config
         self.world = world
         self.comm = Collectives(world)
@@ -107,7 +131,6 @@ class Engine(DeepSpeedEngineAPI):
             if config.activation_checkpointing != ActivationCheckpointingConfig() else None)
         self.precision = PrecisionPolicy.from_config(config)
         self.loss_scaler = LossScaler.from_config(config)
-        self.skipped_steps = 0
         self._consecutive_skips = 0  # non-finite steps in a row (see optim/nonfinite.py)
         self._nonfinite_loss_seen = False  # a micro step since the last step had a NaN/inf loss
         self.offload = OffloadPolicies.from_config(config.zero_optimization)
@@ -125,11 +148,8 @@ class Engine(DeepSpeedEngineAPI):
         setattr(self.optimizer, "overflow", False)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.data_loader: Any = None  # set by initialize(training_data=...); checkpoints record its position
-        self.global_steps = 0
-        self.micro_steps = 0
         # set_gradient_accumulation_boundary(): a caller (Accelerate) that decides the boundary itself
         self._boundary_override: Optional[bool] = None
-        self.global_samples = 0
         self._grad_norm: Optional[float] = None
         self._last_loss: Optional[float] = None
         self._window_start = time.perf_counter()
@@ -506,11 +526,9 @@ class Engine(DeepSpeedEngineAPI):
         checkpoints hold the trainable parameters' shards and keep frozen ones in the small extra
         file either way.
         """
-        from .checkpoint import save_checkpoint
-
         tag_name = f"global_step{self.global_steps}" if tag is None else str(tag)
         self._agree.agree(Call.SAVE, self.micro_steps, self.global_steps, tag_name)
-        return save_checkpoint(self, save_dir, tag_name, client_state, save_latest)
+        return save_checkpoint(self.checkpoint_parts(), save_dir, tag_name, client_state, save_latest)
 
     def load_checkpoint(self, load_dir: Union[str, Path], tag: Any = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
@@ -525,16 +543,21 @@ class Engine(DeepSpeedEngineAPI):
         DeepSpeed, whose ``load_checkpoint`` never touches the global generators: a DeepSpeed script
         therefore resumes with the data order it had there.  ``True``/``False`` decide explicitly.
         """
-        from .checkpoint import load_checkpoint
-
         restore_rng = self.data_loader is not None if load_rng_state is None else load_rng_state
         self._agree.agree(Call.LOAD, self.micro_steps, self.global_steps, None if tag is None else str(tag))
-        kept = rng_states()
-        result = load_checkpoint(self, load_dir, None if tag is None else str(tag), load_module_strict,
-                                 load_optimizer_states, load_lr_scheduler_states, load_module_only)
-        if not restore_rng:
-            set_rng_states(kept)
-        return result
+        return load_checkpoint(self.checkpoint_parts(), load_dir, None if tag is None else str(tag),
+                               load_module_strict, load_optimizer_states, load_lr_scheduler_states,
+                               load_module_only, restore_rng)
+
+    def checkpoint_parts(self) -> CheckpointParts:
+        """The engine's stateful parts, as a checkpoint saves and restores them (checkpoint/interface.py)."""
+        loader = self.data_loader if hasattr(self.data_loader, "state_dict") else None
+        return CheckpointParts(
+            self.world, self.comm, self.stage, ShardedState(self.updater, self.strategy),
+            ModuleState(self.module, self.strategy.params, self.param_names), OptimizerHyperparameters(self.optimizer),
+            self.counters, self.loss_scaler, RNGState(),
+            lambda identity: self._agree.agree(Call.LOAD, self.micro_steps, self.global_steps, identity),
+            self.lr_scheduler, loader)
 
     def save_16bit_model(self, save_dir: Union[str, Path], save_filename: str = "model.safetensors",
                          dtype: Optional[torch.dtype] = None, exclude_frozen_parameters: bool = False,

@@ -114,7 +114,7 @@ class Manifest:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as err:
             raise CheckpointError(f"{path}: the manifest is not valid JSON ({err})") from None
-        if data.get("format") != FORMAT_NAME:
+        if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
             raise CheckpointError(f"{path}: not a zeroshard checkpoint manifest")
         version = data.get("format_version")
         if not isinstance(version, int) or version > FORMAT_VERSION:

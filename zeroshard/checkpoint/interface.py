@@ -1,44 +1,96 @@
-"""What a checkpoint reads from and writes into: the training state's parts, as a declared protocol.
+"""What a checkpoint reads from and writes into: the training state's parts, as declared protocols.
 
-``checkpoint/`` never imports the engine: it works on anything that has these parts (the engine
-does), so the dependency goes one way, engine -> checkpoint, and the format code can be read and
-tested on its own.
+``checkpoint/`` never imports the engine: the engine composes its stateful parts into
+:class:`CheckpointParts` and hands them over, so the dependency goes one way, engine -> checkpoint.
+Each part has a ``state_dict()`` / ``load_state_dict()`` (the sharded part reads and writes bucket by
+bucket, in its declared chunk layout).  A load validates the whole checkpoint, on every rank, before
+any part's ``load_state_dict`` runs (see [Note: a load is all or nothing] in load.py).
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Protocol
 
-from torch import nn
-from torch.optim import Optimizer
+import torch
 
 from ..distributed.collectives import Collectives
 from ..distributed.world import World
-from ..optim.updater import ShardUpdater
-from ..precision import LossScaler
-from ..sharding.storage import ParameterStorage
-from ..sharding.strategy import ShardingStrategy
+from ..sharding.layout import BucketLayout, FlatLayout
 
 
-class TrainingState(Protocol):
-    """The parts of a training run a checkpoint saves and restores."""
+class Stateful(Protocol):
+    """A part whose state is a JSON-able value (counters, loss scale, LR schedule, loader position)."""
 
-    module: nn.Module
-    world: World
-    comm: Collectives
-    flat: ParameterStorage  # the parameter storage (flat at stages 0-2, sharded at stage 3)
-    strategy: ShardingStrategy
-    updater: ShardUpdater  # the optimizer's pieces and where they live
-    optimizer: Optimizer
-    lr_scheduler: Any
-    loss_scaler: LossScaler
-    data_loader: Any
-    param_names: list[str]
-    global_steps: int
-    micro_steps: int
-    global_samples: int
-    skipped_steps: int
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+class TensorStateful(Protocol):
+    """A part whose state is a few named tensors of this rank (the RNG streams)."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
+
+
+class ShardedStateful(Protocol):
+    """This rank's chunks of every bucket and their optimizer state, in a declared layout."""
 
     @property
-    def stage(self) -> int: ...
+    def layout(self) -> FlatLayout: ...
 
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def saved_dtype(self) -> torch.dtype: ...
+
+    @property
+    def compute_dtype(self) -> torch.dtype: ...
+
+    def chunk_layout(self) -> list[tuple[int, int]]:
+        """Per bucket: (chunk size, number of chunks)."""
+
+    def read_bucket(self, bucket: BucketLayout) -> tuple[torch.Tensor, dict[str, torch.Tensor],
+                                                         dict[str, torch.Tensor]]: ...
+
+    def write_bucket(self, bucket: BucketLayout, values: torch.Tensor, state: Optional[dict[str, torch.Tensor]],
+                     scalars: dict[str, torch.Tensor]) -> None: ...
+
+    def publish(self) -> None: ...
+
+
+class ModuleStateful(Protocol):
+    """The model's keys and its non-trainable tensors."""
+
+    def describe(self) -> dict[str, Any]: ...
+
+    def extra_tensors(self, trainable_keys: set[str]) -> dict[str, torch.Tensor]: ...
+
+    def load_extra(self, values: dict[str, torch.Tensor]) -> None: ...
+
+
+class OptimizerGroups(Stateful, Protocol):
+    @property
+    def class_name(self) -> str: ...
+
+
+@dataclass
+class CheckpointParts:
+    """Everything a checkpoint saves and restores, part by part."""
+
+    world: World
+    comm: Collectives
+    stage: int
+    shards: ShardedStateful
+    module: ModuleStateful
+    optimizer: OptimizerGroups
+    counters: Stateful
+    loss_scaler: Stateful
+    rng: TensorStateful
+    #: every rank is loading the same checkpoint (its manifest's digest), or every rank raises
+    agree_on: Callable[[str], None]
+    lr_scheduler: Optional[Stateful] = None
+    loader: Optional[Stateful] = None

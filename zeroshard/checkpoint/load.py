@@ -4,25 +4,38 @@ Each rank reads, from whatever files hold them, exactly the elements of the chun
 (its parameters and their optimizer moments), then the stage makes full parameters current where it
 keeps them whole.  No rank reads more than its own share, except at stage 0, where every rank owns
 everything.
+
+[Note: a load is all or nothing]
+A load changes nothing until the whole checkpoint has been validated on every rank: the manifest's
+schema, every listed file's size and checksum (and that every rank file the chunks need is
+listed), and that it fits the model.  The ranks then agree: if any rank found a problem, every rank
+raises (the failing one with the file and the reason, the others naming the failing ranks), and
+if the ranks opened different checkpoints (different ``latest``, different directories), every rank
+raises a DivergenceError.  Only then does any part's ``load_state_dict`` run.
 """
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 
-from .format import CheckpointError, published_dir, resolve_tag  # resolve_tag: kept public under this name
+from ..sharding.layout import BucketLayout
+from .format import MANIFEST, CheckpointError, published_dir, rank_file, resolve_tag  # resolve_tag: public here
+from .interface import CheckpointParts
 from .reader import CheckpointReader
 
-if TYPE_CHECKING:
-    from .interface import TrainingState
-    from ..sharding.layout import BucketLayout
+#: the manifest's required entries and their JSON types
+_SCHEMA: dict[str, type | tuple[type, ...]] = {
+    "world_size": int, "stage": int, "buckets": list, "files": dict, "engine": dict, "optimizer": dict,
+    "model": dict, "dtype": str}
+_COUNTERS = ("global_steps", "micro_steps", "global_samples")
 
 
-def _check_model(engine: "TrainingState", reader: CheckpointReader, strict: bool) -> None:
-    ours = {s.name: tuple(s.shape) for b in engine.flat.layout.buckets for s in b.slots}
+def _check_model(parts: CheckpointParts, reader: CheckpointReader, strict: bool) -> None:
+    ours = {s.name: tuple(s.shape) for b in parts.shards.layout.buckets for s in b.slots}
     theirs = {name: reader.shape(name) for name in reader.param_names()}
     wrong = [f"{n} (checkpoint {theirs[n]}, model {ours[n]})" for n in ours if n in theirs and theirs[n] != ours[n]]
     missing = [n for n in ours if n not in theirs]
@@ -38,12 +51,46 @@ def _check_model(engine: "TrainingState", reader: CheckpointReader, strict: bool
         raise CheckpointError(f"{reader.directory}: does not fit this model; " + "; ".join(problems))
 
 
-def _own_range(engine: "TrainingState", bucket: "BucketLayout", chunk: torch.Tensor) -> int:
-    """Where this rank's chunk starts inside the bucket (stage 0 owns the whole bucket)."""
-    return 0 if chunk.numel() == bucket.padded_numel else engine.world.rank * chunk.numel()
+def check_manifest(directory: Path, data: Any) -> None:
+    """The manifest has every entry a load reads, of the right type, and lists every rank file."""
+    path = directory / MANIFEST
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: the manifest is a {type(data).__name__}, not an object")
+    for key, kind in _SCHEMA.items():
+        if not isinstance(data.get(key), kind):
+            raise CheckpointError(f"{path}: entry {key!r} is missing or not a {getattr(kind, '__name__', kind)}")
+    for key in _COUNTERS:
+        if not isinstance(data["engine"].get(key), int):
+            raise CheckpointError(f"{path}: entry engine.{key} is missing or not an integer")
+    if not isinstance(data["optimizer"].get("param_groups"), list):
+        raise CheckpointError(f"{path}: entry optimizer.param_groups is missing or not a list")
+    for bucket in data["buckets"]:
+        if not isinstance(bucket, dict) or not all(isinstance(bucket.get(k), int)
+                                                   for k in ("index", "chunk_numel", "num_chunks")):
+            raise CheckpointError(f"{path}: a bucket entry lacks index/chunk_numel/num_chunks")
+    chunks = max((b["num_chunks"] for b in data["buckets"]), default=0)
+    unlisted = [rank_file(r) for r in range(max(chunks, 1)) if rank_file(r) not in data["files"]]
+    if unlisted:
+        raise CheckpointError(f"{path}: does not list {', '.join(unlisted)} (its size and checksum are unknown, "
+                              f"so it cannot be verified)")
 
 
-def _fill(reader: CheckpointReader, bucket: "BucketLayout", start: int, target: torch.Tensor, key: str,
+def _agree(parts: CheckpointParts, problem: Optional[str], identity: str) -> None:
+    """Every rank validated the same checkpoint without a problem, or every rank raises."""
+    if not parts.world.is_distributed:
+        if problem:
+            raise CheckpointError(problem)
+        return
+    failed = int(parts.comm.all_reduce_scalar(1.0 if problem else 0.0, "checkpoint_validated"))
+    if problem:
+        raise CheckpointError(problem)
+    if failed:
+        raise CheckpointError(f"the checkpoint failed validation on {failed} other rank(s) (their error names "
+                              f"the file); nothing was loaded")
+    parts.agree_on(identity)
+
+
+def _fill(reader: CheckpointReader, bucket: BucketLayout, start: int, target: torch.Tensor, key: str,
           known: set[str]) -> None:
     """Copy into ``target`` (a chunk starting at ``start`` in ``bucket``) every parameter element it holds."""
     end = start + target.numel()
@@ -55,25 +102,48 @@ def _fill(reader: CheckpointReader, bucket: "BucketLayout", start: int, target: 
         target[lo - start: hi - start].copy_(values.to(target.dtype))
 
 
-def load_checkpoint(engine: "TrainingState", load_dir: str | Path, tag: Optional[str] = None,
+def _own_start(parts: CheckpointParts, bucket: BucketLayout, chunk: torch.Tensor) -> int:
+    """Where this rank's chunk starts inside the bucket (stage 0 owns the whole bucket)."""
+    return 0 if chunk.numel() == bucket.padded_numel else parts.shards.rank * chunk.numel()
+
+
+def open_checkpoint(parts: CheckpointParts, load_dir: str | Path, tag: Optional[str], strict: bool
+                    ) -> CheckpointReader:
+    """Resolve, read and validate the checkpoint on every rank (see [Note: a load is all or nothing])."""
+    reader: Optional[CheckpointReader] = None
+    problem: Optional[str] = None
+    identity = ""
+    try:
+        root = Path(load_dir)
+        directory = published_dir(root, resolve_tag(root, tag))
+        raw = (directory / MANIFEST).read_bytes() if (directory / MANIFEST).is_file() else b""
+        identity = hashlib.sha256(raw).hexdigest()
+        reader = CheckpointReader(directory, validate=check_manifest)
+        _check_model(parts, reader, strict)
+    except CheckpointError as err:
+        problem = str(err)
+    _agree(parts, problem, identity)
+    assert reader is not None
+    return reader
+
+
+def load_checkpoint(parts: CheckpointParts, load_dir: str | Path, tag: Optional[str] = None,
                     load_module_strict: bool = True, load_optimizer_states: bool = True,
-                    load_lr_scheduler_states: bool = True, load_module_only: bool = False
-                    ) -> tuple[Optional[Path], Any]:
-    """Load ``load_dir/tag`` (default: the tag named by ``latest``) into ``engine``; every rank calls it.
+                    load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                    restore_rng: bool = True) -> tuple[Optional[Path], Any]:
+    """Load ``load_dir/tag`` (default: the tag named by ``latest``) into ``parts``; every rank calls it.
 
     Returns ``(path, client_state)`` as DeepSpeed does.
     """
-    root = Path(load_dir)
-    directory = published_dir(root, resolve_tag(root, tag))
-    reader = CheckpointReader(directory)
-    _check_model(engine, reader, load_module_strict)
+    reader = open_checkpoint(parts, load_dir, tag, load_module_strict)
     known = set(reader.param_names())
     with_optimizer = load_optimizer_states and not load_module_only
     keys = reader.optimizer_state_keys() if with_optimizer else []
+    shards = parts.shards
     with torch.no_grad():
-        for bucket in engine.flat.layout.buckets:
-            values, state, scalars = engine.updater.read_bucket(bucket)
-            start = _own_range(engine, bucket, values)
+        for bucket in shards.layout.buckets:
+            values, state, scalars = shards.read_bucket(bucket)
+            start = _own_start(parts, bucket, values)
             _fill(reader, bucket, start, values, "param", known)
             if keys:
                 for key in keys:
@@ -86,49 +156,31 @@ def load_checkpoint(engine: "TrainingState", load_dir: str | Path, tag: Optional
                 if first is not None:
                     scalars = {k: v.clone() for k, v in reader.scalar_state(reader.bucket_of(first)).items()}
             # writes the values (and the state) where they live, and publishes masters into the parameters
-            engine.updater.write_bucket(bucket, values, state if keys else None, scalars)
-        _load_extra(engine, reader)
-        for bucket in engine.flat.layout.buckets:
-            engine.strategy.refresh_bucket(bucket)
-        engine.strategy.finish_refresh()
+            shards.write_bucket(bucket, values, state if keys else None, scalars)
+        parts.module.load_extra(reader.extra())
+        shards.publish()
     manifest = reader.data
     if not load_module_only:
-        _load_engine_state(engine, reader, manifest, with_optimizer, load_lr_scheduler_states)
-    return directory, manifest.get("client_state")
+        _load_rest(parts, reader, manifest, with_optimizer, load_lr_scheduler_states, restore_rng)
+    return reader.directory, manifest.get("client_state")
 
 
-def _load_extra(engine: "TrainingState", reader: CheckpointReader) -> None:
-    current = engine.module.state_dict(keep_vars=True)
-    for name, value in reader.extra().items():
-        if name in current:
-            current[name].data.copy_(value)
-
-
-def _load_engine_state(engine: "TrainingState", reader: CheckpointReader, manifest: dict, with_optimizer: bool,
-                       with_scheduler: bool) -> None:
-    counters = manifest["engine"]
-    engine.global_steps = counters["global_steps"]
-    engine.micro_steps = counters["micro_steps"]
-    engine.global_samples = counters["global_samples"]
-    engine.skipped_steps = counters.get("skipped_steps", 0)
+def _load_rest(parts: CheckpointParts, reader: CheckpointReader, manifest: dict, with_optimizer: bool,
+               with_scheduler: bool, restore_rng: bool) -> None:
+    engine = manifest["engine"]
+    parts.counters.load_state_dict(engine)
     # A dynamic loss scale carries over only from one dynamically scaled fp16 run into another.
-    saved_scaler = counters.get("loss_scaler")
-    if saved_scaler is not None and saved_scaler.get("dynamic") and engine.loss_scaler.dynamic:
-        engine.loss_scaler.load_state_dict(saved_scaler)
+    saved_scaler = engine.get("loss_scaler")
+    if saved_scaler is not None and saved_scaler.get("dynamic") and parts.loss_scaler.state_dict().get("dynamic"):
+        parts.loss_scaler.load_state_dict(saved_scaler)
     if with_optimizer:
-        saved = manifest["optimizer"]["param_groups"]
-        if len(saved) == len(engine.optimizer.param_groups):
-            for group, values in zip(engine.optimizer.param_groups, saved):
-                group.update({k: tuple(v) if k == "betas" else v for k, v in values.items()})
-    if with_scheduler and engine.lr_scheduler is not None and manifest.get("lr_scheduler") is not None:
-        engine.lr_scheduler.load_state_dict(manifest["lr_scheduler"])
-    if manifest["world_size"] == engine.world.world_size:
-        rng = reader.rank_tensor(engine.world.rank, "rng.torch")
-        if rng is not None:
-            torch.set_rng_state(rng)
-        cuda_rng = reader.rank_tensor(engine.world.rank, "rng.cuda")
-        if cuda_rng is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(cuda_rng)
-    loader = getattr(engine, "data_loader", None)
-    if loader is not None and manifest.get("loader") is not None and hasattr(loader, "load_state_dict"):
-        loader.load_state_dict(manifest["loader"])
+        parts.optimizer.load_state_dict(manifest["optimizer"]["param_groups"])
+    if with_scheduler and parts.lr_scheduler is not None and manifest.get("lr_scheduler") is not None:
+        parts.lr_scheduler.load_state_dict(manifest["lr_scheduler"])
+    if restore_rng and manifest["world_size"] == parts.world.world_size:
+        rank = parts.world.rank
+        parts.rng.load_state_dict({k: t for k in ("rng.torch", "rng.cuda")
+                                   if (t := reader.rank_tensor(rank, k)) is not None})
+    if parts.loader is not None and manifest.get("loader") is not None:
+        parts.loader.load_state_dict(manifest["loader"])
+

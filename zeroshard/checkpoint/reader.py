@@ -4,7 +4,7 @@ saved in (see [Note: chunks and resharding] in format.py).  No process group nee
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -14,9 +14,13 @@ from .format import EXTRA_FILE, CheckpointError, Manifest, SafetensorsFile, rank
 class CheckpointReader:
     """Random access to a checkpoint's tensors, one slice at a time."""
 
-    def __init__(self, directory: str | Path, verify: bool = True) -> None:
+    def __init__(self, directory: str | Path, verify: bool = True,
+                 validate: Optional[Callable[[Path, Any], None]] = None) -> None:
+        """``validate(directory, manifest)``: a schema check run before the files are verified."""
         self.directory = Path(directory)
         self.manifest = Manifest.read(self.directory)
+        if validate is not None:
+            validate(self.directory, self.manifest.data)
         if verify:
             self.manifest.verify_files()
         self._place: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}

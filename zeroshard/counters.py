@@ -1,0 +1,25 @@
+"""The engine's step counters, as one part with a state dict (saved in every checkpoint's manifest)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass
+class TrainingCounters:
+    """Optimizer steps, micro steps, samples seen, and steps skipped for non-finite gradients."""
+
+    global_steps: int = 0
+    micro_steps: int = 0
+    global_samples: int = 0
+    skipped_steps: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.global_steps = int(state["global_steps"])
+        self.micro_steps = int(state["micro_steps"])
+        self.global_samples = int(state["global_samples"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
