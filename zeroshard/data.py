@@ -32,7 +32,7 @@ class DistributedLoader:
     def __init__(self, dataset: Dataset, micro_batch_size: int, world: World,
                  collate_fn: Optional[Callable[..., Any]] = None, seed: int = 0) -> None:
         self.micro_batch_size = micro_batch_size
-        self.sampler = ResumableSampler(dataset, num_replicas=world.world_size, rank=world.rank,  # type: ignore[arg-type]
+        self.sampler = ResumableSampler(dataset, num_replicas=world.world_size, rank=world.rank,
                                         shuffle=True, seed=seed, drop_last=True)
         self.loader = DataLoader(dataset, batch_size=micro_batch_size, sampler=self.sampler,
                                  collate_fn=collate_fn, drop_last=True)

@@ -127,8 +127,8 @@ def _convert(hint: Any, value: Any, dotted: str) -> Any:
             hint_text = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"{dotted!r} = {_show(value)} is not one of {', '.join(map(str, choices))}{hint_text}")
         return value
-    if dataclasses.is_dataclass(hint):
-        return _build(hint, value, dotted)  # type: ignore[arg-type]
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return _build(hint, value, dotted)
     return _scalar(hint, value, dotted)
 
 
@@ -258,11 +258,16 @@ def describe_keys() -> list[tuple[str, Any, str]]:
         for f in dataclasses.fields(cls):
             dotted = _dotted(path, f.name)
             target = hints[f.name]
-            inner = [a for a in typing.get_args(target) if dataclasses.is_dataclass(a)]
-            if dataclasses.is_dataclass(target) or inner:
-                walk(target if dataclasses.is_dataclass(target) else inner[0], dotted)  # type: ignore[arg-type]
+            nested = [a for a in (target, *typing.get_args(target)) if isinstance(a, type) and dataclasses.is_dataclass(a)]
+            if nested:
+                walk(nested[0], dotted)
                 continue
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc,operator]
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            else:
+                if f.default_factory is dataclasses.MISSING:
+                    raise TypeError(f"config field {dotted!r} has no default")  # every key must have one
+                default = f.default_factory()
             rows.append((dotted, default, f.metadata.get("doc", "")))
 
     walk(ZeroshardConfig, "")

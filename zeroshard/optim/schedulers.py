@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -44,8 +45,8 @@ class _DeepSpeedSchedule(LRScheduler):
     def lrs_at(self, iteration: int) -> list[float]:
         raise NotImplementedError
 
-    def get_lr(self) -> list[float]:  # type: ignore[override]
-        return self.lrs_at(self.iteration)
+    def get_lr(self) -> list[float | torch.Tensor]:
+        return list(self.lrs_at(self.iteration))
 
 
 def _warmup_gamma(i: int, warmup: int, kind: str) -> float:
@@ -180,7 +181,7 @@ class OneCycle(_DeepSpeedSchedule):
             return self.max_mom * (1 + self.decay_mom_rate * (iteration - self.total + 1) / self.decay_step_size)
         return self.max_mom
 
-    def step(self, epoch: Optional[int] = None) -> None:  # type: ignore[override]
+    def step(self, epoch: Optional[int] = None) -> None:
         super().step(epoch)
         if self.cycle_momentum:
             for group in self.optimizer.param_groups:
