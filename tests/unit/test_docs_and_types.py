@@ -25,3 +25,17 @@ def test_readme_lists_every_supported_key() -> None:
 def test_package_type_checks() -> None:
     proc = subprocess.run([sys.executable, "-m", "mypy", "zeroshard"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_readme_layout_names_every_module() -> None:
+    """The Layout section names every module and package of zeroshard/, so a newcomer finds each one."""
+    readme = (ROOT / "README.md").read_text()
+    layout = readme.split("## Layout", 1)[1].split("```", 2)[1]
+    package = ROOT / "zeroshard"
+    names = [p.name for p in package.iterdir() if p.suffix == ".py" and p.name != "__init__.py"]
+    names += [f"{p.name}/" for p in package.iterdir() if p.is_dir() and p.name != "__pycache__"]
+    for sub in ("checkpoint", "offload", "optim", "sharding"):
+        names += [p.name for p in (package / sub).glob("*.py") if p.name != "__init__.py"]
+    missing = [n for n in names if n not in layout]
+    assert not missing, f"README.md's Layout does not name {missing}"
+    assert (ROOT / "docs" / "ARCHITECTURE.md").exists()
