@@ -17,7 +17,7 @@ Buckets never span two optimizer parameter groups, so each chunk belongs to exac
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -84,36 +84,55 @@ class FlatLayout:
         return {s.index: (b, s) for b in self.buckets for s in b.slots}
 
 
+def size_runs(indices: Iterable[int], numels: Sequence[int], group_of: Sequence[int],
+              bucket_numel: int) -> list[list[int]]:
+    """Cut ``indices`` (in the order given) into runs of one optimizer group of about ``bucket_numel``.
+
+    A run closes once it holds ``bucket_numel`` elements or when the group changes, so a parameter
+    larger than ``bucket_numel`` ends up alone.
+    """
+    runs: list[list[int]] = []
+    size = 0
+    for i in indices:
+        if not runs or group_of[i] != group_of[runs[-1][0]] or size >= bucket_numel:
+            runs.append([])
+            size = 0
+        runs[-1].append(i)
+        size += numels[i]
+    return runs
+
+
+class LayoutBuilder:
+    """Lays buckets out one after another in the flat buffer, each padded to a multiple of the world size."""
+
+    def __init__(self, params: Sequence[torch.Tensor], names: Sequence[str], world_size: int) -> None:
+        self.params = params
+        self.names = names
+        self.world_size = world_size
+        self.buckets: list[BucketLayout] = []
+        self.offset = 0
+
+    def add(self, indices: Sequence[int], group: int) -> int:
+        """Append a bucket holding ``indices`` (in that order); returns its index."""
+        slots, pos = [], 0
+        for i in indices:
+            p = self.params[i]
+            slots.append(ParamSlot(i, self.names[i], pos, p.numel(), tuple(p.shape)))
+            pos += p.numel()
+        padded = -(-pos // self.world_size) * self.world_size
+        self.buckets.append(BucketLayout(len(self.buckets), group, self.offset, pos, padded, tuple(slots),
+                                         self.world_size))
+        self.offset += padded
+        return len(self.buckets) - 1
+
+    def layout(self) -> FlatLayout:
+        return FlatLayout(tuple(self.buckets), self.world_size)
+
+
 def plan_buckets(params: Sequence[torch.Tensor], names: Sequence[str], group_of: Sequence[int],
                  bucket_numel: int, world_size: int) -> FlatLayout:
-    """Group parameters (in reverse order) into buckets of about ``bucket_numel`` elements.
-
-    A parameter larger than ``bucket_numel`` gets a bucket of its own; a new bucket also starts
-    whenever the optimizer group changes.
-    """
-    buckets: list[BucketLayout] = []
-    pending: list[ParamSlot] = []
-    pending_group = -1
-    flat_offset = 0
-
-    def close() -> None:
-        nonlocal flat_offset, pending
-        if not pending:
-            return
-        numel = pending[-1].offset + pending[-1].numel
-        padded = -(-numel // world_size) * world_size
-        buckets.append(BucketLayout(len(buckets), pending_group, flat_offset, numel, padded,
-                                    tuple(pending), world_size))
-        flat_offset += padded
-        pending = []
-
-    for index in reversed(range(len(params))):
-        p = params[index]
-        if pending and (group_of[index] != pending_group
-                        or pending[-1].offset + pending[-1].numel >= bucket_numel):
-            close()
-        pending_group = group_of[index]
-        offset = pending[-1].offset + pending[-1].numel if pending else 0
-        pending.append(ParamSlot(index, names[index], offset, p.numel(), tuple(p.shape)))
-    close()
-    return FlatLayout(tuple(buckets), world_size)
+    """Group parameters (in reverse order, see [Note: bucket order]) into buckets of about ``bucket_numel``."""
+    builder = LayoutBuilder(params, names, world_size)
+    for run in size_runs(reversed(range(len(params))), [p.numel() for p in params], group_of, bucket_numel):
+        builder.add(run, group_of[run[0]])
+    return builder.layout()

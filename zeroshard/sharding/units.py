@@ -23,7 +23,7 @@ from typing import Iterator, Mapping, Sequence
 
 from torch import nn
 
-from .layout import BucketLayout, FlatLayout, ParamSlot
+from .layout import FlatLayout, LayoutBuilder, size_runs
 
 ROOT = "<root>"
 
@@ -117,36 +117,16 @@ def plan_units(model: nn.Module, params: Sequence[nn.Parameter], names: Sequence
         else:
             members.setdefault((owner.get(id(p), ROOT), group_of[i]), []).append(i)
 
-    buckets: list[BucketLayout] = []
+    builder = LayoutBuilder(params, names, world_size)
     units: list[Unit] = []
-    offset = 0
-
-    def add_bucket(indices: list[int], group: int) -> int:
-        nonlocal offset
-        slots, pos = [], 0
-        for i in indices:
-            slots.append(ParamSlot(i, names[i], pos, params[i].numel(), tuple(params[i].shape)))
-            pos += params[i].numel()
-        padded = -(-pos // world_size) * world_size
-        buckets.append(BucketLayout(len(buckets), group, offset, pos, padded, tuple(slots), world_size))
-        offset += padded
-        return len(buckets) - 1
-
     # Blocks in reverse (the order backward produces their gradients), the root unit last.
     for unit_name in reversed(unit_order):
         for (name, group), indices in sorted(members.items(), key=lambda kv: kv[0][1]):
             if name == unit_name:
-                units.append(Unit(name, module_of[name], add_bucket(indices, group)))
-    persistent_buckets = []
-    chunk: list[int] = []
-    for i in reversed(persistent):
-        if chunk and (group_of[i] != group_of[chunk[0]] or sum(params[j].numel() for j in chunk) >= bucket_numel):
-            persistent_buckets.append(add_bucket(chunk, group_of[chunk[0]]))
-            chunk = []
-        chunk.append(i)
-    if chunk:
-        persistent_buckets.append(add_bucket(chunk, group_of[chunk[0]]))
-    return Stage3Plan(FlatLayout(tuple(buckets), world_size), tuple(units), frozenset(persistent_buckets))
+                units.append(Unit(name, module_of[name], builder.add(indices, group)))
+    persistent_buckets = [builder.add(run, group_of[run[0]]) for run in
+                          size_runs(reversed(persistent), [p.numel() for p in params], group_of, bucket_numel)]
+    return Stage3Plan(builder.layout(), tuple(units), frozenset(persistent_buckets))
 
 
 def unit_label(unit: Unit, layout: FlatLayout) -> str:
