@@ -38,9 +38,11 @@ def diverging(rank: int, world: int, stage: int, what: str, tmp: str) -> str:
                                          (3, "skip_step"), (2, "save_on_one_rank"), (3, "different_tags")])
 def test_divergence_is_a_named_error_on_every_rank(tmp_path, stage, what) -> None:
     messages = run_world(diverging, 2, args=(stage, what, str(tmp_path)), pg_timeout_s=30, timeout=120)
+    if what in ("different_tags", "save_on_one_rank"):  # the first save names a different tag on each rank
+        assert all(m.startswith("ranks named different checkpoints") and m.endswith("nothing was saved")
+                   for m in messages), messages
+        return
     assert all(m.startswith("ranks diverged") for m in messages), messages
-    if what in ("save_on_one_rank", "different_tags"):
-        assert all("checkpoint tag" in m or "call" in m for m in messages), messages
 
 
 def test_api_misuse_is_refused() -> None:

@@ -112,12 +112,16 @@ class Manifest:
             raise CheckpointError(f"{path}: no manifest; this is not a complete zeroshard checkpoint")
         try:
             data = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise CheckpointError(f"{path}: the manifest is not valid JSON ({err})") from None
+        except OSError as err:
+            raise CheckpointError(f"{path}: cannot be read ({err.strerror or err})") from None
         if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
             raise CheckpointError(f"{path}: not a zeroshard checkpoint manifest")
         version = data.get("format_version")
-        if not isinstance(version, int) or version > FORMAT_VERSION:
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise CheckpointError(f"{path}: entry 'format_version' is {version!r}, not a positive integer")
+        if version > FORMAT_VERSION:
             raise CheckpointError(f"{path}: checkpoint format version {version} is newer than this zeroshard "
                                   f"understands ({FORMAT_VERSION}); upgrade zeroshard to load it")
         return Manifest(data, directory)

@@ -28,10 +28,11 @@ from .interface import CheckpointParts
 from .reader import CheckpointReader
 
 #: the manifest's required entries and their JSON types
-_SCHEMA: dict[str, type | tuple[type, ...]] = {
+_SCHEMA: dict[str, type] = {
     "world_size": int, "stage": int, "buckets": list, "files": dict, "engine": dict, "optimizer": dict,
     "model": dict, "dtype": str}
 _COUNTERS = ("global_steps", "micro_steps", "global_samples")
+_JSON_KIND = {int: "an integer", list: "a list", dict: "an object", str: "a string"}
 
 
 def _check_model(parts: CheckpointParts, reader: CheckpointReader, strict: bool) -> None:
@@ -58,7 +59,7 @@ def check_manifest(directory: Path, data: Any) -> None:
         raise CheckpointError(f"{path}: the manifest is a {type(data).__name__}, not an object")
     for key, kind in _SCHEMA.items():
         if not isinstance(data.get(key), kind):
-            raise CheckpointError(f"{path}: entry {key!r} is missing or not a {getattr(kind, '__name__', kind)}")
+            raise CheckpointError(f"{path}: entry {key!r} is missing or not {_JSON_KIND[kind]}")
     for key in _COUNTERS:
         if not isinstance(data["engine"].get(key), int):
             raise CheckpointError(f"{path}: entry engine.{key} is missing or not an integer")

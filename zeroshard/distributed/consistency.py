@@ -45,7 +45,7 @@ class Call(IntEnum):
     LOAD = 5
 
 
-_FIELDS = ("call", "micro step", "optimizer step", "collectives issued", "checkpoint tag")
+_FIELDS = ("call", "micro step", "optimizer step", "collectives issued", "checkpoint")
 
 
 def tag_digest(tag: Optional[str]) -> int:
@@ -93,6 +93,12 @@ def _describe(table: list[list[int]], me: int) -> str:
             shown.append(f"{_FIELDS[i]} {value}")
         per_rank.append(f"rank {rank}: " + ", ".join(shown))
     step = min(row[2] for row in table)
+    if differing == [_FIELDS.index("checkpoint")]:
+        verb = "saved" if table[0][0] == Call.SAVE else "loaded"
+        return (f"ranks named different checkpoints at optimizer step {step} (seen from rank {me}): "
+                + "; ".join(per_rank) + " (digests of the tag, or of the manifest each rank opened). Every rank "
+                "must save or load the same checkpoint: check the tag, the directory and its `latest` file on "
+                f"every node; nothing was {verb}")
     return (f"ranks diverged at optimizer step {step} (seen from rank {me}): " + "; ".join(per_rank) +
             ". Every rank must call forward/backward/step/save_checkpoint/load_checkpoint the same number "
             "of times with the same checkpoint tag (a rank that skips a batch or a save desynchronises the job)")
