@@ -4,12 +4,21 @@ Each rank sees a disjoint, shuffled 1/N of the data set, ``micro_batch_size`` sa
 loader counts the batches it has handed out in the current epoch and moves to the next epoch (a new
 shuffle) by itself when one ends, so a checkpoint can record exactly where training was and a resumed
 run continues with the very next batch.
+
+[Note: a loader that is a stream]
+Iterating the loader again after a ``break`` continues the epoch with the next batch not yet handed
+out (it does not restart the epoch): the recorded position is always the batches a script actually
+received, and ``for batch in loader: ... break`` loops, resumed or not, see every batch once per epoch.
+The loader never draws from torch's global generator (torch's DataLoader draws a seed from it each
+time an iterator is made, unless it has a generator of its own, which it has here): a model that uses
+the global generator (dropout) then draws the same numbers in a resumed run as in an uninterrupted one.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Iterator, Optional
 
+import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .distributed.world import World
@@ -35,7 +44,8 @@ class DistributedLoader:
         self.sampler = ResumableSampler(dataset, num_replicas=world.world_size, rank=world.rank,
                                         shuffle=True, seed=seed, drop_last=True)
         self.loader = DataLoader(dataset, batch_size=micro_batch_size, sampler=self.sampler,
-                                 collate_fn=collate_fn, drop_last=True)
+                                 collate_fn=collate_fn, drop_last=True,
+                                 generator=torch.Generator().manual_seed(seed))  # see the Note
         self.epoch = 0
         self.consumed = 0  # batches handed out in the current epoch
 
@@ -43,6 +53,7 @@ class DistributedLoader:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
+        self.sampler.skip = self.consumed * self.micro_batch_size  # continue the epoch (see the Note)
         for batch in self.loader:
             self.consumed += 1
             yield batch
@@ -58,8 +69,8 @@ class DistributedLoader:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.set_epoch(state["epoch"])
-        self.consumed = state["consumed"]
-        self.sampler.skip = state["consumed"] * state["micro_batch_size"]
+        # the position in samples, in this loader's micro batches (a resharded load may change their size)
+        self.consumed = state["consumed"] * state["micro_batch_size"] // self.micro_batch_size
 
 
 def build_loader(dataset: Dataset, micro_batch_size: int, world: World,
