@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -11,7 +12,9 @@ from torch.utils.data import Dataset
 from .config import ZeroshardConfig, load_config, resolve_batch_sizes
 from .data import DistributedLoader, build_loader
 from .distributed.world import init_distributed
+from .checkpoint.format import LATEST
 from .engine import Engine, SchedulerSpec
+from .logging import log_rank
 
 
 def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: Any = None,
@@ -19,6 +22,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
                lr_scheduler: SchedulerSpec = None, distributed_port: Any = None, mpu: Any = None,
                dist_init_required: Optional[bool] = None, collate_fn: Optional[Callable[..., Any]] = None,
                config: Any = None, config_params: Any = None, mesh_param: Any = None,
+               resume_from: Union[str, Path, None] = None,
                ) -> tuple[Engine, torch.optim.Optimizer, Optional[DistributedLoader], Any]:
     """Wrap ``model`` for ZeRO training; returns ``(engine, optimizer, dataloader, lr_scheduler)``.
 
@@ -28,6 +32,11 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     ``training_data`` gives back a distributed loader at the micro batch size.  Joins the process
     group (torchrun's env://) if nobody has yet (``dist_init_required=False``: one must exist).
     ``mpu`` and ``mesh_param`` must be None: zeroshard has no model or sequence parallelism.
+
+    ``resume_from`` (zeroshard's): a checkpoint directory whose ``latest`` checkpoint is loaded, RNG
+    included, when it has one (otherwise training starts fresh); ``"latest"`` means the config's
+    ``checkpoint.save_dir``, as ``checkpoint.auto_resume: true`` does.  This is how a job restarted by
+    torchrun (``--max-restarts``) carries on where it was.
     """
     if model is None:
         raise ValueError("initialize() needs model=")
@@ -48,7 +57,23 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
         loader = build_loader(training_data, engine.train_micro_batch_size_per_gpu(), world, collate_fn,
                               seed=parsed.seed or 0)
         engine.data_loader = loader
+    resume_dir = _resume_dir(resume_from, parsed)
+    if resume_dir is not None and (resume_dir / LATEST).is_file():
+        path, _ = engine.load_checkpoint(resume_dir, load_rng_state=True)
+        log_rank(f"resumed from {path} at step {engine.global_steps}")
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _resume_dir(resume_from: Union[str, Path, None], config: ZeroshardConfig) -> Optional[Path]:
+    """The directory to resume from: ``resume_from``, or the config's ``checkpoint.save_dir``."""
+    if resume_from is None and not config.checkpoint.auto_resume:
+        return None
+    if resume_from is None or str(resume_from) == "latest":
+        if config.checkpoint.save_dir is None:
+            raise ValueError("initialize(resume_from=\"latest\") needs the config key 'checkpoint.save_dir' (the "
+                             "directory the checkpoints are saved to), or pass that directory as resume_from=")
+        return Path(config.checkpoint.save_dir)
+    return Path(resume_from)
 
 
 def _config_source(config: Any, config_params: Any, args: Any) -> Any:

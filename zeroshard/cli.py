@@ -140,7 +140,7 @@ def _run(args: argparse.Namespace) -> int:
 def _torchrun(argv: Sequence[str]) -> int:
     """torchrun with the user's arguments (multi-node: torchrun's own flags); DeepSpeed launcher flags
     and ``--as-deepspeed`` are translated first (zeroshard/compat/launcher.py)."""
-    from .compat.launcher import LauncherArgumentError, torchrun_arguments
+    from .compat.launcher import LauncherArgumentError, torchrun_arguments, torchrun_environment
 
     try:
         torchrun_args = torchrun_arguments(argv)
@@ -149,7 +149,7 @@ def _torchrun(argv: Sequence[str]) -> int:
         return 2
     command = [sys.executable, "-m", "torch.distributed.run", *torchrun_args]
     print("+ " + " ".join(command), flush=True)
-    return subprocess.call(command)
+    return subprocess.call(command, env=torchrun_environment(os.environ))
 
 
 def build_parser() -> argparse.ArgumentParser:

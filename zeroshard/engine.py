@@ -48,6 +48,7 @@ from .module_state import ModuleState
 from .optim.sharded_state import OptimizerHyperparameters, ShardedState
 from .checkpoint import load_checkpoint, save_checkpoint
 from .checkpoint.interface import CheckpointParts
+from .checkpoint.rotation import prune
 from .sharding import STRATEGIES
 from .compat.engine_api import DeepSpeedEngineAPI
 from .checkpoint.format import write_state_dict
@@ -315,6 +316,8 @@ class Engine(DeepSpeedEngineAPI):
             self.global_samples += self.train_batch_size()
         self.micro_steps += 1
         self._timers.add("step", started)
+        if boundary:
+            self._save_periodically()
         if self.micro_steps % self.gradient_accumulation_steps() == 0 and \
                 self.global_steps % self.config.steps_per_print == 0:
             self._log_progress()
@@ -529,6 +532,15 @@ class Engine(DeepSpeedEngineAPI):
         tag_name = f"global_step{self.global_steps}" if tag is None else str(tag)
         self._agree.agree(Call.SAVE, self.micro_steps, self.global_steps, tag_name)
         return save_checkpoint(self.checkpoint_parts(), save_dir, tag_name, client_state, save_latest)
+
+    def _save_periodically(self) -> None:
+        """``checkpoint.save_interval``: every rank saves at the same step, then rank 0 prunes
+        (see [Note: pruning never loses the checkpoint to resume from])."""
+        ckpt = self.config.checkpoint
+        if ckpt.save_dir and ckpt.save_interval and self.global_steps % ckpt.save_interval == 0:
+            self.save_checkpoint(ckpt.save_dir)
+            if ckpt.keep_last and self.world.is_main:
+                prune(Path(ckpt.save_dir), ckpt.keep_last)
 
     def load_checkpoint(self, load_dir: Union[str, Path], tag: Any = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,

@@ -192,3 +192,13 @@ def test_what_real_deepspeed_and_hugging_face_configs_carry() -> None:
 ])
 def test_deepspeed_forms_that_are_refused(raw, message) -> None:
     assert message in err(raw)
+
+
+def test_periodic_saves_and_auto_resume_need_a_directory() -> None:
+    base = {"train_batch_size": 2}
+    for key, value in (("save_interval", 5), ("auto_resume", True)):
+        assert f"'checkpoint.{key}' needs 'checkpoint.save_dir'" in err({**base, "checkpoint": {key: value}})
+    assert "'checkpoint.keep_last' applies to periodic saves" in err(
+        {**base, "checkpoint": {"save_dir": "c", "keep_last": 2}})
+    assert "'checkpoint.save_interval' = -1 is not allowed" in err({**base, "checkpoint": {"save_dir": "c",
+                                                                                          "save_interval": -1}})

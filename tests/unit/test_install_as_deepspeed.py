@@ -82,6 +82,12 @@ def test_a_real_deepspeed_already_imported_is_refused() -> None:
     (["--master_port=29999", "--master_addr", "10.0.0.1", "--num_nodes", "1", "t.py"],
      ["--master_port", "29999", "--master_addr", "10.0.0.1", "t.py"]),
     (["--nnodes", "2", "--rdzv-endpoint", "h:1", "t.py", "-x"], ["--nnodes", "2", "--rdzv-endpoint", "h:1", "t.py", "-x"]),
+    # restarts on one node get the c10d (standalone) rendezvous: see [Note: restarts need a fresh store]
+    (["--nproc-per-node", "2", "--max-restarts", "3", "t.py"],
+     ["--standalone", "--nproc-per-node", "2", "--max-restarts", "3", "t.py"]),
+    (["--max_restarts=1", "--nnodes", "1", "t.py"], ["--standalone", "--max_restarts=1", "--nnodes", "1", "t.py"]),
+    (["--max-restarts", "0", "t.py"], ["--max-restarts", "0", "t.py"]),
+    (["--max-restarts", "2", "--rdzv-backend", "c10d", "t.py"], ["--max-restarts", "2", "--rdzv-backend", "c10d", "t.py"]),
 ])
 def test_launcher_flags_become_torchrun_flags(args, expected) -> None:
     from zeroshard.compat.launcher import torchrun_arguments
@@ -99,3 +105,10 @@ def test_bootstrap_passes_local_rank_only_to_scripts_that_declare_it(tmp_path, m
     assert script_argv(str(declares), ["--x"]) == [str(declares), "--local_rank=3", "--x"]
     assert script_argv(str(plain), ["--x"]) == [str(plain), "--x"]
     assert script_argv(str(declares), ["--local_rank=1"]) == [str(declares), "--local_rank=1"]
+
+
+def test_torchrun_gets_a_fresh_store_per_restart_unless_the_user_chose() -> None:
+    from zeroshard.compat.launcher import torchrun_environment
+
+    assert torchrun_environment({"PATH": "/bin"}) == {"PATH": "/bin", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    assert torchrun_environment({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"})["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "0"

@@ -39,3 +39,20 @@ def test_a_nan_loss_in_one_process_skips_the_step_and_keeps_the_parameters() -> 
     engine.backward(engine(torch.ones(1, 3)).sum())
     engine.step()
     assert engine.was_step_applied() and all(math.isfinite(float(p.sum())) for p in engine.module.parameters())
+
+
+def test_pruning_keeps_the_newest_periodic_checkpoints_and_never_what_latest_names(tmp_path) -> None:
+    from zeroshard.checkpoint.rotation import prune
+
+    for name in ("global_step2", "global_step4", "global_step10", "global_step12", "best", "global_step14"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text("{}")
+    (tmp_path / ".global_step1.deleting").mkdir()  # a prune killed midway
+    (tmp_path / ".global_step16.incomplete").mkdir()  # a save in progress or killed: not a checkpoint
+    (tmp_path / "global_step14" / "manifest.json").unlink()  # incomplete: not counted, not removed
+    (tmp_path / "latest").write_text("global_step2")  # e.g. a script that resumed from an old one
+    removed = prune(tmp_path, keep_last=2)
+    assert sorted(p.name for p in removed) == ["global_step4"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".global_step16.incomplete", "best", "global_step10", "global_step12", "global_step14", "global_step2",
+        "latest"]

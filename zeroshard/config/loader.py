@@ -37,6 +37,7 @@ def load_config(source: Union[str, os.PathLike, Mapping[str, Any], ZeroshardConf
         _check_params(config)
         _check_precision(config)
         _check_offload(config)
+        _check_checkpointing(config)
     if world_size is not None:
         config = resolve_batch_sizes(config, world_size)
     return config
@@ -186,6 +187,17 @@ def _check_offload(config: ZeroshardConfig) -> None:
         if zero.offload_optimizer.device == "none":
             raise ConfigError("'zero_optimization.offload_param' needs 'zero_optimization.offload_optimizer' too "
                               "(the optimizer updates fp32 masters off the device); set its device to cpu or nvme")
+
+
+def _check_checkpointing(config: ZeroshardConfig) -> None:
+    ckpt = config.checkpoint
+    for name, used in (("save_interval", ckpt.save_interval > 0), ("keep_last", ckpt.keep_last > 0),
+                       ("auto_resume", ckpt.auto_resume)):
+        if used and not ckpt.save_dir:
+            raise ConfigError(f"'checkpoint.{name}' needs 'checkpoint.save_dir': give the directory the "
+                              f"checkpoints go to")
+    if ckpt.keep_last > 0 and ckpt.save_interval == 0:
+        raise ConfigError("'checkpoint.keep_last' applies to periodic saves: set 'checkpoint.save_interval' too")
 
 
 def _check_params(config: ZeroshardConfig) -> None:

@@ -232,10 +232,20 @@ class CSVMonitorConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """``checkpoint``: how checkpoints are loaded."""
+    """``checkpoint``: how checkpoints are loaded, and zeroshard's periodic saves and automatic resume."""
 
     load_universal: bool = key(
         False, "Accepted: every zeroshard checkpoint loads at any world size and stage, as a universal one does.")
+    save_dir: Optional[str] = key(
+        None, "zeroshard: the directory of periodic saves (save_interval) and of auto_resume.")
+    save_interval: int = key(
+        0, "zeroshard: save a checkpoint into save_dir every N optimizer steps (0: never).", non_negative)
+    keep_last: int = key(
+        0, "zeroshard: after a periodic save, keep only the newest N periodic checkpoints (0: keep all).",
+        non_negative)
+    auto_resume: bool = key(
+        False, "zeroshard: initialize() loads save_dir's latest checkpoint when there is one (an elastic "
+        "restart resumes where the job was), RNG included.")
 
 
 @dataclass(frozen=True)

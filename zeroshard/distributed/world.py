@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import logging
 import os
 import weakref
 from dataclasses import dataclass
@@ -86,6 +87,18 @@ def _clean_exit() -> None:
         dist.destroy_process_group()
 
 
+def _warn_if_restarts_share_a_store() -> None:
+    """torchrun restarts whose workers meet in the agent's long-lived store can fail to connect
+    (see [Note: restarts need a fresh store] in compat/launcher.py): say how to avoid it."""
+    restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    if restarts.isdigit() and int(restarts) > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" \
+            and os.environ.get("RANK") == "0":
+        logging.getLogger("zeroshard").warning(
+            "torchrun --max-restarts with the agent's shared store: a restarted group can fail to connect "
+            "(stale addresses of the dead workers, pytorch/pytorch#135712). Launch with `zeroshard run`, or with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and torchrun --standalone (one node) / --rdzv-backend c10d")
+
+
 def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> World:
     """Join (or create) the default process group and describe it.
 
@@ -98,6 +111,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
     """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if not dist.is_initialized() and _launched_by_torchrun():
+        _warn_if_restarts_share_a_store()
         chosen, _ = _pick_backend()
         dist.init_process_group(backend=backend or chosen, init_method="env://",
                                 timeout=datetime.timedelta(seconds=timeout_s))
