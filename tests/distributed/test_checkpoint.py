@@ -70,19 +70,6 @@ def test_resume_is_bitwise_exact(stage: int, tmp_path: Path) -> None:
     assert (tmp_path / "latest").read_text() == f"global_step{K}"
 
 
-def test_different_seeds_give_different_runs(tmp_path: Path) -> None:
-    a = run_world(resume_worker, 2, args=(2, "full", str(tmp_path)))[0]["losses"]
-    torch.manual_seed(1)
-    b = run_world(seeded_worker, 2, args=(7,))[0]
-    assert a != b
-
-
-def seeded_worker(rank: int, world: int, seed: int) -> list:
-    engine = make_engine(2)
-    torch.manual_seed(seed)
-    return [random_step(engine) for _ in range(2 * K)]
-
-
 def global_loss(engine, step: int, world: int, rank: int) -> float:
     (x, y), = rank_micro_batches(step, rank, world, 12 // world, 1)
     loss = engine(x, y)
