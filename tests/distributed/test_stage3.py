@@ -155,6 +155,45 @@ def test_sharded_parameters_outside_forward() -> None:
         assert r["plain_qkv_sum"] == pytest.approx(0.5 * 48 * 16)
 
 
+def disabled_gather_worker(rank: int, world: int) -> dict:
+    """The same GatheredParameters block (with a modifier rank) disabled, then enabled: what it gathers,
+    holds, lets one read, and broadcasts on exit."""
+    model = make_model()
+    engine, _ = train_zero(model, rank, world, 1, micro=1, accum=1, stage=3, **SHARD_ALL)
+    weight = model.blocks[1].qkv.weight
+    before = engine.full_state_dict(rank0_only=False)
+    out = {}
+    for enabled in (False, True):
+        engine.comm.reset_counters()
+        with zeroshard.GatheredParameters([weight], modifier_rank=0, enabled=enabled):
+            seen: dict = {"gathers": engine.comm.counters[CommKind.ALL_GATHER].calls,
+                          "held": engine.memory_breakdown()["gathered_params"]}
+            try:  # through the module: outside a gather it shows a placeholder in the parameter's place
+                seen["read"] = float(model.blocks[1].qkv.weight.sum())
+            except RuntimeError as err:
+                seen["read"] = str(err)
+        seen["broadcasts"] = engine.comm.counters[CommKind.BROADCAST].calls
+        seen["held_after"] = engine.memory_breakdown()["gathered_params"]
+        out[enabled] = seen
+    after = engine.full_state_dict(rank0_only=False)
+    out["unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
+    out["expected_sum"] = float(before["blocks.1.qkv.weight"].sum())
+    return out
+
+
+def test_disabled_gathered_parameters_gathers_nothing() -> None:
+    """GatheredParameters(enabled=False) is a no-op at stage 3: no all-gather, nothing held, the
+    parameter stays released (reading it is the usual error), no write-back broadcast; the same block
+    enabled gathers the unit once and broadcasts once."""
+    for r in run_world(disabled_gather_worker, 2):
+        off, on = r[False], r[True]
+        assert off["gathers"] == 0 and off["held"] == 0 and off["broadcasts"] == 0 and off["held_after"] == 0
+        assert "'blocks.1.qkv.weight' is sharded" in off["read"] and "GatheredParameters" in off["read"]
+        assert on["gathers"] == 1 and on["held"] > 0 and on["broadcasts"] == 1 and on["held_after"] == 0
+        assert on["read"] == pytest.approx(r["expected_sum"], rel=1e-6)
+        assert r["unchanged"]
+
+
 class OneRankBranch(nn.Module):
     def __init__(self) -> None:
         super().__init__()
