@@ -207,3 +207,34 @@ def test_tensorboard_without_the_package_is_a_clear_error() -> None:
     with pytest.raises(ImportError, match="'tensorboard.enabled' is true but the tensorboard package"):
         zeroshard.initialize(model=nn.Linear(2, 2), config={
             "train_batch_size": 1, "optimizer": {"type": "SGD"}, "tensorboard": {"enabled": True}})
+
+
+def test_tensorboard_gets_every_metric_record(tmp_path) -> None:
+    """tensorboard.enabled: each metrics record's numbers become scalars at its step in
+    output_path/job_name, with the values metrics_path's JSON lines hold."""
+    pytest.importorskip("tensorboard", reason="the tensorboard package is not installed (pip install tensorboard)")
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    torch.manual_seed(0)
+    path = tmp_path / "metrics.jsonl"
+    engine, _, _, _ = zeroshard.initialize(model=GPT(CFG), config={
+        "train_batch_size": 2, "steps_per_print": 1, "metrics_path": str(path), "optimizer": {"type": "AdamW"},
+        "tensorboard": {"enabled": True, "output_path": str(tmp_path / "tb"), "job_name": "job"}})
+    for step in range(3):
+        x, y = batch(step)
+        engine.backward(engine(x[:2], y[:2]))
+        engine.step()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    run = tmp_path / "tb" / "job"
+    assert list(run.glob("events.out.tfevents.*")), "no event file in output_path/job_name"
+    events = EventAccumulator(str(run))
+    events.Reload()
+    numeric = {k for r in records for k, v in r.items() if isinstance(v, (int, float)) and k != "step"}
+    assert set(events.Tags()["scalars"]) == numeric
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
+        scalars = events.Scalars(key)
+        assert [s.step for s in scalars] == [1, 2, 3], key
+        assert [s.value for s in scalars] == pytest.approx([r[key] for r in records], rel=1e-6), key  # float32
