@@ -70,17 +70,84 @@ def test_resume_is_bitwise_exact(stage: int, tmp_path: Path) -> None:
     assert (tmp_path / "latest").read_text() == f"global_step{K}"
 
 
-def test_different_seeds_give_different_runs(tmp_path: Path) -> None:
-    a = run_world(resume_worker, 2, args=(2, "full", str(tmp_path)))[0]["losses"]
-    torch.manual_seed(1)
-    b = run_world(seeded_worker, 2, args=(7,))[0]
-    assert a != b
+def train_steps(engine, rank: int, world: int, steps) -> list[float]:
+    """Train on the fixed batches of ``steps``; the learning rate after each step."""
+    lrs = []
+    for step in steps:
+        for x, y in rank_micro_batches(step, rank, world, 2, 1):
+            engine.backward(engine(x, y))
+            engine.step()
+        lrs.append(engine.get_lr()[0])
+    return lrs
 
 
-def seeded_worker(rank: int, world: int, seed: int) -> list:
-    engine = make_engine(2)
-    torch.manual_seed(seed)
-    return [random_step(engine) for _ in range(2 * K)]
+def snapshot(engine) -> dict:
+    """What a load may restore or keep, part by part (every rank calls it: stage 3 gathers)."""
+    buckets = [engine.updater.read_bucket(b) for b in engine.flat.layout.buckets]
+    return {
+        "params": engine.full_state_dict(rank0_only=False),  # trained, frozen and buffers
+        "moments": {k: torch.cat([state[k] for _, state, _ in buckets]) for k in ("exp_avg", "exp_avg_sq")},
+        "adam_step": [float(scalars["step"]) for _, _, scalars in buckets],
+        "counters": engine.counters.state_dict(),
+        "scheduler": engine.lr_scheduler.state_dict(),
+    }
+
+
+def same(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+LOAD_FLAGS = {
+    "all": {},
+    "module_only": {"load_module_only": True},
+    "no_optimizer": {"load_optimizer_states": False},
+    "no_scheduler": {"load_lr_scheduler_states": False},
+}
+
+
+def load_flags_worker(rank: int, world: int, stage: int, directory: str) -> dict:
+    """A source run saves after 3 steps; for each flag, a different run (other weights, one step of its
+    own, so it has moments, counters and a schedule of its own) loads it.  Each part ends up equal to
+    the source's ("source") or to the loading run's own ("kept").  ``next_lr``: the learning rate after one
+    more step, the source's 4th iteration or the loading run's 2nd."""
+    source = make_engine(stage)
+    lrs = train_steps(source, rank, world, range(3))
+    source.save_checkpoint(directory, tag="src")
+    saved = snapshot(source)
+    lrs += train_steps(source, rank, world, range(3, 4))
+    out = {}
+    for name, flags in LOAD_FLAGS.items():
+        config = zero_config(stage, 2, 1, **(STAGE3 if stage == 3 else {}))
+        engine, _, _, _ = zeroshard.initialize(model=make_model(seed=7), config={**config, "scheduler": SCHEDULE})
+        train_steps(engine, rank, world, range(10, 11))
+        own = snapshot(engine)
+        engine.load_checkpoint(directory, tag="src", **flags)
+        loaded = snapshot(engine)
+        out[name] = {part: "source" if same(loaded[part], saved[part]) else "kept" if same(loaded[part], own[part])
+                     else "neither" for part in loaded}
+        next_lr = train_steps(engine, rank, world, range(3, 4))[0]
+        out[name]["next_lr"] = {lrs[3]: "source", lrs[1]: "kept"}.get(next_lr, "neither")
+        assert lrs[3] != lrs[1]
+        engine.close()
+    return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_load_flags_restore_exactly_what_they_say(stage: int, tmp_path: Path) -> None:
+    """load_module_only: the weights only; load_optimizer_states=False: all but the Adam state (moments
+    and step); load_lr_scheduler_states=False: all but the schedule.  Everything else is bitwise the
+    checkpoint's, and what is not loaded is bitwise the loading run's own."""
+    src, kept = "source", "kept"
+    expected = {
+        "all": dict(params=src, moments=src, adam_step=src, counters=src, scheduler=src, next_lr=src),
+        "module_only": dict(params=src, moments=kept, adam_step=kept, counters=kept, scheduler=kept, next_lr=kept),
+        "no_optimizer": dict(params=src, moments=kept, adam_step=kept, counters=src, scheduler=src, next_lr=src),
+        "no_scheduler": dict(params=src, moments=src, adam_step=src, counters=src, scheduler=kept, next_lr=kept),
+    }
+    for result in run_world(load_flags_worker, 2, args=(stage, str(tmp_path))):
+        assert result == expected
 
 
 def global_loss(engine, step: int, world: int, rank: int) -> float:

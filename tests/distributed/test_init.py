@@ -94,3 +94,41 @@ def wrong_stage_worker(rank: int, world: int) -> str:
 
 def test_init_needs_stage_3() -> None:
     assert "needs ZeRO stage 3" in run_world(wrong_stage_worker, 2)[0]
+
+
+def disabled_worker(rank: int, world: int, api: str) -> dict:
+    """Build under a disabled Init (zeroshard's, or DeepSpeed's spelling with a dtype that a disabled
+    block must ignore), then train at stage 2, which refuses a model built sharded."""
+    init = zeroshard.Init(enabled=False) if api == "zeroshard" else \
+        zeroshard.zero.Init(enabled=False, dtype=torch.bfloat16, remote_device="cpu")
+    with init:
+        model = make_model()
+    plain = make_model()
+    params = list(model.parameters())
+    out = {
+        "plain_parameters": all(type(p) is nn.Parameter for p in params),
+        "fp32_and_whole": all(p.dtype == torch.float32 and p.untyped_storage().nbytes() == 4 * p.numel()
+                              for p in params),
+        "same_values": list(model.state_dict()) == list(plain.state_dict())
+        and all(torch.equal(v, plain.state_dict()[k]) for k, v in model.state_dict().items()),
+        "tied": model.head.weight is model.tok.weight,
+    }
+    if not all(out.values()):
+        return out  # the assertion shows what differs
+    engine, _, _, _ = zeroshard.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 2}})
+    x = torch.randint(0, TINY.vocab_size, (1, TINY.seq_len))
+    engine.backward(engine(x, x))
+    engine.step()
+    out["trained"] = not torch.equal(model.blocks[1].qkv.weight, plain.blocks[1].qkv.weight)
+    return out
+
+
+@pytest.mark.parametrize("api", ["zeroshard", "deepspeed"])
+def test_disabled_init_builds_an_ordinary_model(api: str) -> None:
+    """Init(enabled=False) is a no-op: ordinary fp32 nn.Parameters holding all their values, exactly a
+    plain construction's, which stage 2 accepts (a model built by an enabled Init it refuses, above)."""
+    for r in run_world(disabled_worker, 2, args=(api,)):
+        assert r == {"plain_parameters": True, "fp32_and_whole": True, "same_values": True, "tied": True,
+                     "trained": True}

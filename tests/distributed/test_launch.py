@@ -1,12 +1,18 @@
-"""The main job under torchrun, end to end: `zeroshard demo` launches 2 ranks that train and report."""
+"""The main job under torchrun, end to end: `zeroshard demo` launches 2 ranks that train and report; the
+command's flags have their effect."""
 
 import json
 import subprocess
 import sys
 
 import pytest
+import torch
+from safetensors.torch import load_file
+from zs_common import make_model, rank_micro_batches, zero_config
 
+import zeroshard
 from zeroshard.cli import build_parser
+from zeroshard.testing import run_world
 
 
 def run_demo(*args: str, out: str = "") -> str:
@@ -38,12 +44,51 @@ def test_demo_takes_a_config_file(tmp_path) -> None:
     assert "step 2: loss" in out
 
 
-def test_cli_flags() -> None:
-    args = build_parser().parse_args(["demo", "--stage", "1", "--nproc", "3", "--steps", "7", "--config", "x.json",
-                                      "--out", "o"])
-    assert (args.stage, args.nproc, args.steps, args.config, args.out) == (1, 3, 7, "x.json", "o")
-    args = build_parser().parse_args(["consolidate", "c", "o.safetensors", "--dtype", "bf16", "--tag", "t"])
-    assert (args.checkpoint, args.out, args.dtype, args.tag) == ("c", "o.safetensors", "bf16", "t")
-    assert build_parser().parse_args(["ckpt-info", "c", "--tag", "t"]).tag == "t"
+def two_tags_worker(rank: int, world: int, directory: str) -> list[dict]:
+    """Saves tag "one" after one step and tag "two" (which becomes latest) after a second step."""
+    engine, _, _, _ = zeroshard.initialize(model=make_model(), config=zero_config(2, 1, 1))
+    states = []
+    for step, tag in enumerate(("one", "two")):
+        for x, y in rank_micro_batches(step, rank, world, 1, 1):
+            engine.backward(engine(x, y))
+            engine.step()
+        engine.save_checkpoint(directory, tag=tag)
+        states.append(engine.full_state_dict())
+    return states
+
+
+def cli(*args: str) -> str:
+    proc = subprocess.run([sys.executable, "-m", "zeroshard.cli", *args], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_cli_flags(tmp_path) -> None:
+    """Each flag has the effect it promises, seen in what the command does (not in argparse's namespace)."""
+    # demo: --stage, --nproc, --precision, --steps and --out, none of them at its default
+    out = run_demo("--stage", "1", "--nproc", "3", "--steps", "2", "--precision", "bf16", out=str(tmp_path / "demo"))
+    assert "ZeRO stage 1, world size 3, global batch 48" in out
+    manifest = json.loads((tmp_path / "demo" / "checkpoint" / "global_step2" / "manifest.json").read_text())
+    assert (manifest["stage"], manifest["world_size"], manifest["compute_dtype"]) == (1, 3, "bfloat16")
+    assert manifest["engine"]["global_steps"] == 2
+    records = (tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in records] == [1, 2]
+
+    # consolidate and ckpt-info: --tag reads a tag other than latest, --dtype sets the written dtype
+    ckpt = tmp_path / "ckpt"
+    one, two = run_world(two_tags_worker, 2, args=(str(ckpt),))[0]
+    assert (ckpt / "latest").read_text() == "two"
+    cli("consolidate", str(ckpt), str(tmp_path / "one.safetensors"), "--tag", "one", "--dtype", "bf16")
+    cli("consolidate", str(ckpt), str(tmp_path / "latest.safetensors"))
+    tagged, latest = load_file(str(tmp_path / "one.safetensors")), load_file(str(tmp_path / "latest.safetensors"))
+    assert list(tagged) == list(one) == list(latest)
+    for name, value in one.items():
+        assert tagged[name].dtype == torch.bfloat16 and torch.equal(tagged[name], value.to(torch.bfloat16)), name
+        assert latest[name].dtype == torch.float32 and torch.equal(latest[name], two[name]), name
+    # the two tags hold different weights, so reading the wrong one could not pass the checks above
+    assert not torch.equal(one["blocks.1.qkv.weight"].to(torch.bfloat16), two["blocks.1.qkv.weight"].to(torch.bfloat16))
+    assert "global step 1," in cli("ckpt-info", str(ckpt), "--tag", "one")
+    assert "global step 2," in cli("ckpt-info", str(ckpt))
     with pytest.raises(SystemExit):
         build_parser().parse_args(["demo", "--stage", "4"])

@@ -2,8 +2,9 @@
 
 Covered: optimizer offload to host memory and to NVMe at stages 1-3, worlds 1-3, with sub-groups
 smaller than a bucket (odd sizes) and gradient accumulation; stage-3 parameter offload (cpu, nvme,
-and nvme beyond ``max_in_cpu``); checkpoints that resume exactly into another offload setting; swap
-files removed or a full disk (clear errors); the pre-flight checks; and the breakdown by place.
+and nvme beyond ``max_in_cpu``); AdamW with amsgrad under NVMe offload against torch's; checkpoints
+that resume exactly into another offload setting; swap files removed or a full disk (clear errors);
+the pre-flight checks; and the breakdown by place.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import zeroshard
-from zs_common import make_model, rank_micro_batches, zero_config
+from zs_common import clone, make_model, max_rel_diff, rank_micro_batches, train_ddp, zero_config
 
 from zeroshard.memory.estimator import EstimateRequest, estimate_stage
 from zeroshard.offload import OffloadIOError, OffloadPreflightError
@@ -55,10 +56,15 @@ def parity_worker(rank: int, world: int, stage: int, nvme: str) -> dict:
         if reference is None:
             reference = params
         mb = engine.memory_breakdown()
+        layout = engine.flat.layout
+        persistent = engine.strategy.plan.persistent_buckets if stage == 3 else frozenset()
         out[f"{optimizer}/{param}"] = {
             "equal": all(torch.equal(reference[k], params[k]) for k in params),
-            "mb": {k: mb[k] for k in ("optimizer", "params", "model_states", "on_device", "on_host", "on_nvme",
-                                      "formula")},
+            "mb": {k: mb[k] for k in ("optimizer", "params", "grads", "model_states", "on_device", "on_host",
+                                      "on_nvme", "formula")},
+            # real (unpadded) elements: the model's, this rank's share, and its share of persistent buckets
+            "psi": layout.numel, "own": layout.real_numel_in_shard(rank),
+            "own_persistent": sum(b.real_numel_in_shard(rank) for b in layout.buckets if b.index in persistent),
         }
         del engine
     return out
@@ -81,24 +87,42 @@ def _expected_sizes(engine) -> dict[str, int]:
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_offloaded_runs_equal_non_offloaded_bitwise(stage: int, world: int, tmp_path: Path) -> None:
-    for rank_result in run_world(parity_worker, world, args=(stage, str(tmp_path))):
-        none = rank_result["none/none"]["mb"]
+    """Every variant at every world size: bitwise the same parameters, and each rank's bytes exactly.
+
+    A rank's model states count its real elements only, so with padding (world 3) they differ from the
+    formula's Ψ/N by a few elements, rank by rank; summed over the ranks they are the formula exactly."""
+    results = run_world(parity_worker, world, args=(stage, str(tmp_path)))
+    for variant in results[0]:
+        total = sum(r[variant]["mb"]["model_states"] for r in results)
+        assert total == pytest.approx(world * results[0][variant]["mb"]["formula"], rel=1e-12, abs=0), variant
+    assert sum(r["none/none"]["own"] for r in results) == results[0]["none/none"]["psi"]  # the shards cover Ψ
+    for rank_result in results:
         for variant, r in rank_result.items():
             assert r["equal"], f"stage {stage} world {world} offload {variant}: parameters differ"
-            mb = r["mb"]
-            assert mb["model_states"] == mb["formula"] or world == 3  # world 3 pads (reported apart)
-            if variant == "none/none":
-                assert mb["on_host"] == mb["on_nvme"] == 0
-                continue
-            # fp32 offload keeps fp32 masters beside the Adam moments: 12 bytes per owned element
-            assert mb["optimizer"] == none["optimizer"] * 3 // 2
+            mb, psi, own = r["mb"], r["psi"], r["own"]
             optimizer, param = variant.split("/")
+            # fp32: 4-byte parameters and gradients (whole or this rank's share, by stage); Adam's two
+            # moments (8 bytes), plus the fp32 masters (4) that offload keeps off the device
+            assert mb["params"] == 4 * (own if stage == 3 else psi), variant
+            assert mb["grads"] == 4 * (own if stage >= 2 else psi), variant
+            assert mb["optimizer"] == (8 if optimizer == "none" else 12) * own, variant
+            assert mb["model_states"] == mb["params"] + mb["grads"] + mb["optimizer"]
             moved = {"cpu": mb["on_host"], "nvme": mb["on_nvme"]}
-            assert moved[optimizer] >= mb["optimizer"]
-            if param == "none":
-                assert mb["on_device"] == mb["model_states"] - mb["optimizer"]
+            if variant == "none/none":
+                assert mb["on_host"] == mb["on_nvme"] == 0 and mb["on_device"] == mb["model_states"]
+            elif param == "none":
+                assert moved[optimizer] == mb["optimizer"], variant  # all of it, nothing else
+                assert mb["on_host"] + mb["on_nvme"] == mb["optimizer"], variant
+                assert mb["on_device"] == mb["params"] + mb["grads"], variant
             else:
-                assert mb["on_host"] + mb["on_nvme"] > mb["optimizer"]  # parameter shards moved too
+                # parameter shards leave the device too, except the persistent ones (kept whole there)
+                kept = 4 * r["own_persistent"]
+                assert 0 < kept < mb["params"]
+                assert mb["on_device"] == mb["grads"] + kept, variant
+                assert mb["on_host"] + mb["on_nvme"] == mb["optimizer"] + mb["params"] - kept, variant
+                assert moved[optimizer] >= mb["optimizer"], variant
+                if param == "cpu":
+                    assert mb["on_nvme"] == 0, variant
         # (the swap files of a finished engine are removed; sizes are checked while it lives, below)
 
 
@@ -117,14 +141,56 @@ def swap_size_worker(rank: int, world: int, nvme: str) -> tuple[dict, dict, tupl
     return sizes, expected, (held, engine.flat.layout.shard_numel())
 
 
-def test_each_swap_file_is_exactly_its_tensor(tmp_path: Path) -> None:
-    for sizes, expected, (held, shard) in run_world(swap_size_worker, 2, args=(str(tmp_path),)):
+@pytest.mark.parametrize("world", [2, 3])  # 3: padded buckets, chunks of unequal real size
+def test_each_swap_file_is_exactly_its_tensor(tmp_path: Path, world: int) -> None:
+    for sizes, expected, (held, shard) in run_world(swap_size_worker, world, args=(str(tmp_path),)):
         assert sizes == expected and len(sizes) > 10
         # parameters on NVMe: memory holds less than this rank's own shard (persistent vectors and the
         # first max_in_cpu = 600 elements); the rest is read for each all-gather
         assert held < shard / 2
         assert any(size % 4096 for size in sizes.values())  # odd sizes, no block padding
     assert not any(tmp_path.iterdir()), "swap directories must be removed when the run ends"
+
+
+def amsgrad_worker(rank: int, world: int, nvme: str, stage: int) -> dict:
+    """AdamW with amsgrad under NVMe offload (parameters too at stage 3), the same without offload, and
+    the reference: DDP + torch.optim.AdamW(amsgrad=True), and without amsgrad."""
+    ref = make_model()
+    plain = clone(ref)
+    train_ddp(ref, rank, world, 4, 1, 2, amsgrad=True)
+    train_ddp(plain, rank, world, 4, 1, 2)
+    out: dict = {"amsgrad_matters": max_rel_diff(plain, ref)}
+    for optimizer in ("nvme", "none"):
+        param = "nvme" if optimizer == "nvme" and stage == 3 else "none"
+        config = offload_config(stage, nvme, optimizer, param)
+        config["optimizer"]["params"]["amsgrad"] = True
+        model = make_model()
+        engine, _, _, _ = zeroshard.initialize(model=model, config=config)
+        train(engine, rank, world, range(4))
+        with zeroshard.GatheredParameters(list(model.parameters())):
+            out[optimizer] = {"diff": max_rel_diff(model, ref)}
+        out[optimizer]["params"] = full_params(model)
+        if optimizer == "nvme":  # the swap files while the engine lives: the running maximum is one of them
+            out["files"] = {f.name: f.stat().st_size for d in Path(nvme).iterdir() if f"rank{rank}_" in d.name
+                            for f in d.iterdir() if d.name.split("_")[1] == "optimizer"}
+            out["expected"] = {k.split("/")[1]: v for k, v in _expected_sizes(engine).items()
+                               if k.startswith("optimizer/")}
+        engine.close()
+    return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_amsgrad_under_nvme_offload_matches_torch(tmp_path: Path, stage: int) -> None:
+    """amsgrad: true is honoured under NVMe offload: its running maximum of the second moment is swapped
+    like the moments, each file exactly its tensor, and training matches torch's AdamW(amsgrad=True)
+    (to 1e-5, as the parity tests) and the same run without offload bitwise."""
+    for r in run_world(amsgrad_worker, 2, args=(str(tmp_path), stage)):
+        assert r["amsgrad_matters"] > 1e-4  # 10x the tolerance: a run that ignored amsgrad would fail below
+        assert r["nvme"]["diff"] <= 1e-5 and r["none"]["diff"] <= 1e-5, (r["nvme"]["diff"], r["none"]["diff"])
+        assert all(torch.equal(r["nvme"]["params"][k], r["none"]["params"][k]) for k in r["none"]["params"])
+        kinds = {name.split(".", 1)[1] for name in r["files"]}
+        assert kinds == {"param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}, kinds
+        assert r["files"] == r["expected"]
 
 
 def resume_worker(rank: int, world: int, nvme: str, directory: str, stage: int, param: str) -> dict:

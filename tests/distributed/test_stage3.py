@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from zs_common import clone, make_model, max_rel_diff, rank_micro_batches, train_zero
+from zs_common import clone, make_model, max_rel_diff, rank_micro_batches, train_zero, zero_config
 
 import zeroshard
 from zeroshard.demo.model import GPT
@@ -155,6 +155,45 @@ def test_sharded_parameters_outside_forward() -> None:
         assert r["plain_qkv_sum"] == pytest.approx(0.5 * 48 * 16)
 
 
+def disabled_gather_worker(rank: int, world: int) -> dict:
+    """The same GatheredParameters block (with a modifier rank) disabled, then enabled: what it gathers,
+    holds, lets one read, and broadcasts on exit."""
+    model = make_model()
+    engine, _ = train_zero(model, rank, world, 1, micro=1, accum=1, stage=3, **SHARD_ALL)
+    weight = model.blocks[1].qkv.weight
+    before = engine.full_state_dict(rank0_only=False)
+    out = {}
+    for enabled in (False, True):
+        engine.comm.reset_counters()
+        with zeroshard.GatheredParameters([weight], modifier_rank=0, enabled=enabled):
+            seen: dict = {"gathers": engine.comm.counters[CommKind.ALL_GATHER].calls,
+                          "held": engine.memory_breakdown()["gathered_params"]}
+            try:  # through the module: outside a gather it shows a placeholder in the parameter's place
+                seen["read"] = float(model.blocks[1].qkv.weight.sum())
+            except RuntimeError as err:
+                seen["read"] = str(err)
+        seen["broadcasts"] = engine.comm.counters[CommKind.BROADCAST].calls
+        seen["held_after"] = engine.memory_breakdown()["gathered_params"]
+        out[enabled] = seen
+    after = engine.full_state_dict(rank0_only=False)
+    out["unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
+    out["expected_sum"] = float(before["blocks.1.qkv.weight"].sum())
+    return out
+
+
+def test_disabled_gathered_parameters_gathers_nothing() -> None:
+    """GatheredParameters(enabled=False) is a no-op at stage 3: no all-gather, nothing held, the
+    parameter stays released (reading it is the usual error), no write-back broadcast; the same block
+    enabled gathers the unit once and broadcasts once."""
+    for r in run_world(disabled_gather_worker, 2):
+        off, on = r[False], r[True]
+        assert off["gathers"] == 0 and off["held"] == 0 and off["broadcasts"] == 0 and off["held_after"] == 0
+        assert "'blocks.1.qkv.weight' is sharded" in off["read"] and "GatheredParameters" in off["read"]
+        assert on["gathers"] == 1 and on["held"] > 0 and on["broadcasts"] == 1 and on["held_after"] == 0
+        assert on["read"] == pytest.approx(r["expected_sum"], rel=1e-6)
+        assert r["unchanged"]
+
+
 class OneRankBranch(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -248,3 +287,84 @@ def test_reuse_distance_and_live_parameter_limits_are_honoured() -> None:
     assert release_all == 2 * units  # gathered for forward, again for backward
     assert keep < release_all  # units reused soon after their forward stay gathered for backward
     assert keep_capped == release_all  # ... unless that would exceed the live-parameter limit
+
+
+def gather_order_worker(rank: int, world: int, prefetch: int) -> list[list[tuple[str, str]]]:
+    """Per training step, in order: each all-gather the collectives layer launches and each wait for one
+    (by the unit its label names), and each block's forward and backward beginning.  Blocks are
+    released after each use (reuse distance 0), so each is gathered once for forward, once for backward."""
+    model = make_model()
+    engine, _, _, _ = zeroshard.initialize(model=model, config=zero_config(
+        3, 1, 1, stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0,
+        stage3_prefetch_bucket_size=prefetch))
+    assert engine.flat.comm is engine.comm
+    events: list[tuple[str, str]] = []
+    launch = engine.comm.all_gather
+
+    def logged_all_gather(full, shard, label, async_op=False):
+        unit = label.removeprefix("gather[").split(":")[0]  # the label is "gather[blocks.1: its params]"
+        events.append(("gather", unit))
+        pending = launch(full, shard, label, async_op)
+        wait = pending.wait
+
+        def logged_wait() -> None:  # the gathered values are needed now
+            events.append(("wait", unit))
+            wait()
+
+        pending.wait = logged_wait  # type: ignore[method-assign]
+        return pending
+
+    engine.comm.all_gather = logged_all_gather  # type: ignore[method-assign]
+    for i, block in enumerate(model.blocks):
+        name = f"blocks.{i}"
+
+        def on_output(module, args, output, name=name):
+            # registered before the engine's own gradient hook on this output: runs just before it
+            output.register_hook(lambda grad: events.append(("backward", name)))
+
+        # prepend: these run before the engine's hooks, which gather on demand
+        block.register_forward_pre_hook(lambda module, args, name=name: events.append(("forward", name)),
+                                        prepend=True)
+        block.register_forward_hook(on_output, prepend=True)
+    steps = []
+    for step in range(2):
+        events.clear()
+        for x, y in rank_micro_batches(step, rank, world, 1, 1):
+            engine.backward(engine(x, y))
+            engine.step()
+        steps.append(list(events))
+    return steps
+
+
+@pytest.mark.parametrize("prefetch", [0, 10**6])
+def test_stage3_prefetch_gathers_ahead_of_use(prefetch: int) -> None:
+    """With prefetch, once the order is recorded (the first step), each block's all-gather is launched
+    before the block starts: in forward before the previous block has even finished, in backward before
+    the block's gradient arrives.  Without prefetch (and on the recording pass) a block is gathered only
+    when it starts."""
+    for first, second in run_world(gather_order_worker, 2, args=(prefetch,)):
+        blocks = ["blocks.0", "blocks.1"]
+        for step, events in (("first", first), ("second", second)):
+            ahead = prefetch > 0 and step == "second"
+            gathered = [u for kind, u in events if kind == "gather" and u != "<root>"]
+            # each block twice (for forward, then for backward): a prefetch replaces a gather, never adds one
+            assert sorted(gathered) == sorted(blocks * 2), (step, events)
+            if not ahead:
+                assert gathered == blocks + blocks[::-1], (step, events)
+            fwd = {u: events.index(("forward", u)) for u in blocks}
+            bwd = {u: events.index(("backward", u)) for u in blocks}
+            fwd_gather = {u: events.index(("gather", u)) for u in blocks}
+            bwd_gather = {u: max(i for i, e in enumerate(events) if e == ("gather", u)) for u in blocks}
+            fwd_wait = {u: events.index(("wait", u)) for u in blocks}
+            assert all(fwd_gather[u] < bwd_gather[u] for u in blocks)
+            for u in blocks:
+                if ahead:  # launched before the block starts, waited for only when it does
+                    assert fwd_gather[u] < fwd[u] < fwd_wait[u] and bwd_gather[u] < bwd[u], (u, events)
+                else:  # right after the block starts: its own gather, and at once the wait for it
+                    assert fwd_gather[u] == fwd[u] + 1 == fwd_wait[u] - 1, (u, events)
+                    assert bwd_gather[u] == bwd[u] + 1, (u, events)
+            # unit k+1's all-gather is in flight while unit k computes: launched before block 0's forward
+            # begins and waited for after it; in backward (blocks in reverse) launched before block 1's
+            # gradient arrives
+            assert (fwd_gather["blocks.1"] < fwd["blocks.0"] < fwd_wait["blocks.1"]) == ahead, events
+            assert (bwd_gather["blocks.0"] < bwd["blocks.1"]) == ahead, events

@@ -51,11 +51,11 @@ def zero_config(stage: int, micro: int, accum: int, **zero: Any) -> dict:
 
 
 def train_ddp(model: nn.Module, rank: int, world: int, steps: int, micro: int, accum: int,
-              losses: list | None = None):
+              losses: list | None = None, **adamw: Any):
     """The reference: DistributedDataParallel + torch.optim.AdamW + clip_grad_norm_ (``losses`` collects
-    every micro step's loss)."""
+    every micro step's loss; ``adamw``: more of AdamW's arguments, e.g. ``amsgrad=True``)."""
     ddp = DDP(model)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD, **adamw)
     norms = []
     for step in range(steps):
         batches = rank_micro_batches(step, rank, world, micro, accum)

@@ -9,8 +9,10 @@ from torch import nn
 
 import zeroshard
 from zeroshard.demo.model import GPT, GPTConfig
+from zeroshard.distributed.collectives import CommKind
 from zeroshard.optim.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR
 from zeroshard.sharding import plan_buckets
+from zeroshard.sharding.placeholder import ShardedParameterPlaceholder
 
 CFG = GPTConfig(vocab_size=50, seq_len=8, d_model=16, n_layer=1, n_head=2, attn_bias=False)
 
@@ -27,16 +29,19 @@ def batch(step: int):
     return data[:, :-1], data[:, 1:]
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_world_of_one_without_torchrun_matches_plain_adamw(stage: int) -> None:
+    """Every stage in one process without a process group, stage 3 included (every parameter sharded
+    into a world of one: gathered for each use, released after), trains as plain PyTorch does."""
     torch.manual_seed(0)
     ref = GPT(CFG)
     ours = GPT(CFG)
     ours.load_state_dict(ref.state_dict())
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
+    zero = {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}
     engine, _, _, _ = zeroshard.initialize(model=ours, config={
         "train_batch_size": 4, "gradient_clipping": 0.5, "optimizer": {"type": "AdamW",
-        "params": {"lr": 1e-3, "weight_decay": 0.1}}, "zero_optimization": {"stage": stage}})
+        "params": {"lr": 1e-3, "weight_decay": 0.1}}, "zero_optimization": zero})
     assert engine.world.world_size == 1 and engine.world.group is None
     for step in range(4):
         x, y = batch(step)
@@ -46,8 +51,13 @@ def test_world_of_one_without_torchrun_matches_plain_adamw(stage: int) -> None:
         opt.zero_grad()
         engine.backward(engine(x, y))
         engine.step()
-    for a, b in zip(ours.parameters(), ref.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    if stage == 3:  # released between steps: the module shows placeholders, nothing is held gathered
+        assert all(isinstance(p, ShardedParameterPlaceholder) for p in ours.parameters())
+        assert engine.memory_breakdown()["gathered_params"] == 0
+        assert engine.comm.counters[CommKind.ALL_GATHER].calls > 0
+    with zeroshard.GatheredParameters(list(ours.parameters())):
+        for a, b in zip(ours.parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     assert engine.comm.total_bytes_sent() == 0
 
 
@@ -197,3 +207,34 @@ def test_tensorboard_without_the_package_is_a_clear_error() -> None:
     with pytest.raises(ImportError, match="'tensorboard.enabled' is true but the tensorboard package"):
         zeroshard.initialize(model=nn.Linear(2, 2), config={
             "train_batch_size": 1, "optimizer": {"type": "SGD"}, "tensorboard": {"enabled": True}})
+
+
+def test_tensorboard_gets_every_metric_record(tmp_path) -> None:
+    """tensorboard.enabled: each metrics record's numbers become scalars at its step in
+    output_path/job_name, with the values metrics_path's JSON lines hold."""
+    pytest.importorskip("tensorboard", reason="the tensorboard package is not installed (pip install tensorboard)")
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    torch.manual_seed(0)
+    path = tmp_path / "metrics.jsonl"
+    engine, _, _, _ = zeroshard.initialize(model=GPT(CFG), config={
+        "train_batch_size": 2, "steps_per_print": 1, "metrics_path": str(path), "optimizer": {"type": "AdamW"},
+        "tensorboard": {"enabled": True, "output_path": str(tmp_path / "tb"), "job_name": "job"}})
+    for step in range(3):
+        x, y = batch(step)
+        engine.backward(engine(x[:2], y[:2]))
+        engine.step()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    run = tmp_path / "tb" / "job"
+    assert list(run.glob("events.out.tfevents.*")), "no event file in output_path/job_name"
+    events = EventAccumulator(str(run))
+    events.Reload()
+    numeric = {k for r in records for k, v in r.items() if isinstance(v, (int, float)) and k != "step"}
+    assert set(events.Tags()["scalars"]) == numeric
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
+        scalars = events.Scalars(key)
+        assert [s.step for s in scalars] == [1, 2, 3], key
+        assert [s.value for s in scalars] == pytest.approx([r[key] for r in records], rel=1e-6), key  # float32
