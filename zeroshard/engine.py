@@ -423,9 +423,12 @@ class Engine(DeepSpeedEngineAPI):
         """Hand the model back and release what the engine holds (see [Note: an engine's lifetime]).
 
         Every rank calls it (stage 3 gathers the weights one last time).  Swap files are removed
-        now (NVMe offload; otherwise they go when the process exits).  Idempotent.
+        now (NVMe offload; otherwise they go when the process exits), and the engine's own process
+        group for its consistency check is destroyed.  Idempotent.
         """
-        self._release(hand_back=True)
+        if not self._closed:
+            self._release(hand_back=True)
+            self._agree.close()
 
     def _release(self, hand_back: bool) -> None:
         if self._closed:

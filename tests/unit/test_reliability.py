@@ -56,3 +56,35 @@ def test_pruning_keeps_the_newest_periodic_checkpoints_and_never_what_latest_nam
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         ".global_step16.incomplete", "best", "global_step10", "global_step12", "global_step14", "global_step2",
         "latest"]
+
+
+def test_loads_and_closed_engines_hold_no_files(tmp_path) -> None:
+    """A soak run found every load left the checkpoint's files open (pruned checkpoints kept their
+    disk space until the process ended): loads, failed loads, ckpt-info and close() hold nothing."""
+    import os
+
+    def held() -> list[str]:
+        links = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                links.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:
+                pass
+        return [link for link in links if str(tmp_path) in link]
+
+    engine = engine_for(nn.Linear(3, 2))
+    engine.save_checkpoint(tmp_path, tag="a")
+    engine.load_checkpoint(tmp_path, tag="a")
+    describe(tmp_path, "a")
+    assert held() == []
+    (tmp_path / "a" / "rank00000.safetensors").write_bytes(b"broken")
+    try:
+        engine.load_checkpoint(tmp_path, tag="a")
+    except zeroshard.checkpoint.CheckpointError:
+        pass
+    assert held() == []
+    engine.close()
+    count = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        engine_for(nn.Linear(3, 2)).close()
+    assert len(os.listdir("/proc/self/fd")) == count

@@ -35,19 +35,19 @@ def consolidate(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", ta
     ``model.safetensors`` (and ``config.json`` for a Hugging Face model, so that
     ``from_pretrained(out)`` works).
     """
-    reader = CheckpointReader(find_checkpoint(checkpoint, tag))
-    model = reader.data["model"]
-    out = Path(out)
-    if out.suffix == ".safetensors":
-        out.parent.mkdir(parents=True, exist_ok=True)
-        target = out
-    else:
-        out.mkdir(parents=True, exist_ok=True)
-        target = out / "model.safetensors"
-        if model.get("hf_config"):
-            (out / "config.json").write_text(json.dumps(model["hf_config"], indent=2))
-    entries, produce = _full_weights(reader, DTYPES[dtype])
-    write_safetensors_streaming(target, entries, produce)
+    with CheckpointReader(find_checkpoint(checkpoint, tag)) as reader:
+        model = reader.data["model"]
+        out = Path(out)
+        if out.suffix == ".safetensors":
+            out.parent.mkdir(parents=True, exist_ok=True)
+            target = out
+        else:
+            out.mkdir(parents=True, exist_ok=True)
+            target = out / "model.safetensors"
+            if model.get("hf_config"):
+                (out / "config.json").write_text(json.dumps(model["hf_config"], indent=2))
+        entries, produce = _full_weights(reader, DTYPES[dtype])
+        write_safetensors_streaming(target, entries, produce)
     return target
 
 
@@ -75,16 +75,17 @@ def full_state_dict(checkpoint: str | Path, tag: Optional[str] = None, dtype: to
                     ) -> dict[str, torch.Tensor]:
     """A checkpoint's full weights as an ordinary state dict in host memory (the whole model at once:
     for a file on disk with bounded memory use :func:`consolidate`)."""
-    reader = CheckpointReader(find_checkpoint(checkpoint, tag))
-    entries, produce = _full_weights(reader, dtype)
-    return {key: produce(key).to(want) for key, _, want in entries}
+    with CheckpointReader(find_checkpoint(checkpoint, tag)) as reader:
+        entries, produce = _full_weights(reader, dtype)
+        return {key: produce(key).to(want) for key, _, want in entries}
 
 
 def describe(checkpoint: str | Path, tag: Optional[str] = None) -> str:
     """A human-readable summary of a checkpoint (``zeroshard ckpt-info``)."""
     directory = find_checkpoint(checkpoint, tag)
-    reader = CheckpointReader(directory)
-    d: dict[str, Any] = reader.data
+    with CheckpointReader(directory) as reader:
+        d: dict[str, Any] = reader.data
+        bad = nonfinite_tensors(reader)
     numel = sum(b["numel"] for b in d["buckets"])
     lines = [
         f"checkpoint   {directory}",
@@ -98,7 +99,6 @@ def describe(checkpoint: str | Path, tag: Optional[str] = None) -> str:
         f"{'saved' if d.get('loader') else 'none'}; client state {'saved' if d.get('client_state') else 'none'}",
         f"files        {len(d['files'])}, {sum(f['bytes'] for f in d['files'].values()):,} bytes (checksums verified)",
     ]
-    bad = nonfinite_tensors(reader)
     lines.append(f"values       {'all finite' if not bad else 'NOT FINITE: ' + ', '.join(bad)}")
     return "\n".join(lines)
 

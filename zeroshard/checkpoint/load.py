@@ -123,8 +123,13 @@ def open_checkpoint(parts: CheckpointParts, load_dir: str | Path, tag: Optional[
         _check_model(parts, reader, strict)
     except CheckpointError as err:
         problem = str(err)
-    _agree(parts, problem, identity)
-    assert reader is not None
+    try:
+        _agree(parts, problem, identity)
+    except BaseException:
+        if reader is not None:
+            reader.close()
+        raise
+    assert reader is not None  # _agree raised otherwise
     return reader
 
 
@@ -136,7 +141,12 @@ def load_checkpoint(parts: CheckpointParts, load_dir: str | Path, tag: Optional[
 
     Returns ``(path, client_state)`` as DeepSpeed does.
     """
-    reader = open_checkpoint(parts, load_dir, tag, load_module_strict)
+    with open_checkpoint(parts, load_dir, tag, load_module_strict) as reader:
+        return _load(parts, reader, load_optimizer_states, load_lr_scheduler_states, load_module_only, restore_rng)
+
+
+def _load(parts: CheckpointParts, reader: CheckpointReader, load_optimizer_states: bool,
+          load_lr_scheduler_states: bool, load_module_only: bool, restore_rng: bool) -> tuple[Optional[Path], Any]:
     known = set(reader.param_names())
     with_optimizer = load_optimizer_states and not load_module_only
     keys = reader.optimizer_state_keys() if with_optimizer else []

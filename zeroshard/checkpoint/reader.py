@@ -29,6 +29,19 @@ class CheckpointReader:
                 self._place[slot["name"]] = (bucket, slot)
         self._files: dict[str, SafetensorsFile] = {}
 
+    def close(self) -> None:
+        """Close every file this reader opened (a loaded checkpoint's files are not held afterwards:
+        pruning or deleting them frees their disk space at once)."""
+        for handle in self._files.values():
+            handle.close()
+        self._files.clear()
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     @property
     def data(self) -> dict[str, Any]:
         return self.manifest.data

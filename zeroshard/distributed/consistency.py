@@ -68,6 +68,14 @@ class ConsistencyCheck:
         """Drop the side group (at exit, before the process groups are destroyed)."""
         self.own.world = dataclasses.replace(self.own.world, group=None)
 
+    def close(self) -> None:
+        """Destroy the side group (``engine.close()``): its sockets go now, not when the process ends,
+        so a process that builds engine after engine holds one group at a time."""
+        group = self.own.world.group
+        self.release()
+        if group is not None and dist.is_initialized():
+            dist.destroy_process_group(group)
+
     def agree(self, call: Call, micro_steps: int, global_steps: int, tag: Optional[str] = None) -> None:
         """All ranks are making the same call at the same point, or every rank raises."""
         world = self.comm.world
