@@ -1,0 +1,138 @@
+"""Two torchrun agents on this machine act as two nodes (c10d rendezvous over loopback), two processes
+each: every stage that shards trains exactly as one process on the whole global batch, ranks and local
+ranks are what torchrun gives, only global rank 0 logs, and a checkpoint saved across the two "nodes"
+consolidates to the same weights.
+"""
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+import pytest
+import torch
+from zs_common import CLIP, LR, WD, global_batch, make_model
+
+from zeroshard.checkpoint.consolidate import full_state_dict
+
+SCRIPT = Path(__file__).parent / "multinode_scripts" / "train_global_batch.py"
+STEPS = 3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_two_agents(out: Path, stage: int, nodes: Optional[list["Namespace"]] = None
+                   ) -> list[subprocess.CompletedProcess]:
+    """`zeroshard run` twice, as on two nodes of a cluster: the same rendezvous endpoint and id.  With
+    ``nodes``, each agent runs in its own network namespace and talks over the veth pair only."""
+    port = free_port()
+    host = nodes[0].address if nodes else "127.0.0.1"
+    agents = []
+    for node in range(2):
+        prefix, env = [], dict(os.environ)
+        local_addr = []
+        if nodes:
+            prefix = ["ip", "netns", "exec", nodes[node].name]
+            env["GLOO_SOCKET_IFNAME"] = nodes[node].interface  # gloo's traffic on the veth pair
+            # what the agent tells the others, and which one hosts the rendezvous (torch cannot tell by
+            # its hostname inside a namespace)
+            local_addr = ["--local-addr", nodes[node].address, "--rdzv-conf", f"is_host={node == 0}"]
+        command = [*prefix, sys.executable, "-m", "zeroshard.cli", "run", "--nnodes", "2", "--node-rank",
+                   str(node), "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{port}",
+                   "--rdzv-id", f"zs{stage}", *local_addr, str(SCRIPT), str(out), str(stage), str(STEPS)]
+        agents.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                       env=env))
+    done = []
+    for agent in agents:
+        stdout, _ = agent.communicate(timeout=300)
+        done.append(subprocess.CompletedProcess(agent.args, agent.returncode, stdout, ""))
+    return done
+
+
+def reference(steps: int) -> dict[str, torch.Tensor]:
+    """One process, the whole global batch (4 ranks x 2 micro batches x 2 rows), AdamW, clipping."""
+    model = make_model()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
+    for step in range(steps):
+        x, y = global_batch(step, 16)
+        for m in range(2):  # the accumulation: the same rows each micro step gets, averaged
+            rows = torch.cat([torch.arange(r * 4 + m * 2, r * 4 + m * 2 + 2) for r in range(4)])
+            (model(x[rows], y[rows]) / 2).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_agents_as_two_nodes_train_as_one_process(stage: int, tmp_path: Path) -> None:
+    check_two_node_run(tmp_path, stage, run_two_agents(tmp_path, stage))
+
+
+@dataclass
+class Namespace:
+    name: str
+    interface: str
+    address: str
+
+
+@contextlib.contextmanager
+def two_namespaces() -> Iterator[list[Namespace]]:
+    """Two network namespaces joined by a veth pair (10.211.x.0/24 addresses, inside them only);
+    removed afterwards.  Skips, saying why, where they cannot be made (not root, no `ip`)."""
+    tag = f"{os.getpid() % 100000}"
+    nodes = [Namespace(f"zsA{tag}", f"zsa{tag}", "10.211.7.1"), Namespace(f"zsB{tag}", f"zsb{tag}", "10.211.7.2")]
+    steps = [["ip", "netns", "add", nodes[0].name], ["ip", "netns", "add", nodes[1].name],
+             ["ip", "link", "add", nodes[0].interface, "netns", nodes[0].name, "type", "veth", "peer", "name",
+              nodes[1].interface, "netns", nodes[1].name]]
+    for node in nodes:
+        steps += [["ip", "-n", node.name, "addr", "add", f"{node.address}/24", "dev", node.interface],
+                  ["ip", "-n", node.name, "link", "set", node.interface, "up"],
+                  ["ip", "-n", node.name, "link", "set", "lo", "up"]]
+    try:
+        for step in steps:
+            made = subprocess.run(step, capture_output=True, text=True)
+            if made.returncode != 0:
+                pytest.skip(f"cannot create network namespaces here ({' '.join(step)}: {made.stderr.strip()})")
+        yield nodes
+    finally:
+        for node in nodes:
+            subprocess.run(["ip", "netns", "del", node.name], capture_output=True)
+
+
+@pytest.mark.slow
+def test_two_nodes_in_their_own_network_namespaces_train_as_one_process(tmp_path: Path) -> None:
+    if shutil.which("ip") is None:
+        pytest.skip("no `ip` command: network namespaces cannot be created here")
+    with two_namespaces() as nodes:
+        check_two_node_run(tmp_path, 3, run_two_agents(tmp_path, 3, nodes))
+
+
+def check_two_node_run(tmp_path: Path, stage: int, agents: list[subprocess.CompletedProcess]) -> None:
+    for node, agent in enumerate(agents):
+        assert agent.returncode == 0, f"agent {node}:\n{agent.stdout[-4000:]}"
+    placements = [json.loads((tmp_path / f"placement{r}.json").read_text()) for r in range(4)]
+    assert [p["world_size"] for p in placements] == [4] * 4
+    assert sorted((p["group_rank"], p["local_rank"]) for p in placements) == [("0", 0), ("0", 1), ("1", 0), ("1", 1)]
+    assert all(p["local_world_size"] == "2" for p in placements)
+    for p in placements:  # torchrun numbers ranks node by node
+        assert p["rank"] == int(p["group_rank"]) * 2 + p["local_rank"]
+    logs = "".join(agent.stdout for agent in agents)
+    assert sum(f"step {s + 1}: loss" in line for line in logs.splitlines() for s in range(STEPS)) == STEPS
+    expected = reference(STEPS)
+    got = torch.load(tmp_path / "final.pt")
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    saved = full_state_dict(tmp_path / "ckpt")
+    for name, value in got.items():
+        assert torch.equal(saved[name], value), name
