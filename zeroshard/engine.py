@@ -534,7 +534,8 @@ class Engine(DeepSpeedEngineAPI):
         """
         tag_name = f"global_step{self.global_steps}" if tag is None else str(tag)
         self._agree.agree(Call.SAVE, self.micro_steps, self.global_steps, tag_name)
-        return save_checkpoint(self.checkpoint_parts(), save_dir, tag_name, client_state, save_latest)
+        return save_checkpoint(self.checkpoint_parts(), save_dir, tag_name, client_state, save_latest,
+                               node_local=self.config.checkpoint.use_node_local_storage)
 
     def _save_periodically(self) -> None:
         """``checkpoint.save_interval``: every rank saves at the same step, then rank 0 prunes
@@ -542,7 +543,8 @@ class Engine(DeepSpeedEngineAPI):
         ckpt = self.config.checkpoint
         if ckpt.save_dir and ckpt.save_interval and self.global_steps % ckpt.save_interval == 0:
             self.save_checkpoint(ckpt.save_dir)
-            if ckpt.keep_last and self.world.is_main:
+            publisher = self.world.local_rank == 0 if ckpt.use_node_local_storage else self.world.is_main
+            if ckpt.keep_last and publisher:
                 prune(Path(ckpt.save_dir), ckpt.keep_last)
 
     def load_checkpoint(self, load_dir: Union[str, Path], tag: Any = None, load_module_strict: bool = True,

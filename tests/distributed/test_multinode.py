@@ -17,9 +17,13 @@ from typing import Iterator, Optional
 
 import pytest
 import torch
-from zs_common import CLIP, LR, WD, global_batch, make_model
+from zs_common import CLIP, LR, WD, global_batch, make_model, zero_config
 
+import zeroshard
+
+from zeroshard.checkpoint import CheckpointError
 from zeroshard.checkpoint.consolidate import full_state_dict
+from zeroshard.testing import run_world
 
 SCRIPT = Path(__file__).parent / "multinode_scripts" / "train_global_batch.py"
 STEPS = 3
@@ -31,7 +35,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_two_agents(out: Path, stage: int, nodes: Optional[list["Namespace"]] = None
+def run_two_agents(out: Path, stage: int, nodes: Optional[list["Namespace"]] = None, mode: str = "shared"
                    ) -> list[subprocess.CompletedProcess]:
     """`zeroshard run` twice, as on two nodes of a cluster: the same rendezvous endpoint and id.  With
     ``nodes``, each agent runs in its own network namespace and talks over the veth pair only."""
@@ -49,7 +53,8 @@ def run_two_agents(out: Path, stage: int, nodes: Optional[list["Namespace"]] = N
             local_addr = ["--local-addr", nodes[node].address, "--rdzv-conf", f"is_host={node == 0}"]
         command = [*prefix, sys.executable, "-m", "zeroshard.cli", "run", "--nnodes", "2", "--node-rank",
                    str(node), "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{port}",
-                   "--rdzv-id", f"zs{stage}", *local_addr, str(SCRIPT), str(out), str(stage), str(STEPS)]
+                   "--rdzv-id", f"zs{stage}{mode}", *local_addr, str(SCRIPT), str(out), str(stage), str(STEPS),
+                   mode]
         agents.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                        env=env))
     done = []
@@ -130,9 +135,45 @@ def check_two_node_run(tmp_path: Path, stage: int, agents: list[subprocess.Compl
     logs = "".join(agent.stdout for agent in agents)
     assert sum(f"step {s + 1}: loss" in line for line in logs.splitlines() for s in range(STEPS)) == STEPS
     expected = reference(STEPS)
-    got = torch.load(tmp_path / "final.pt")
+    got = torch.load(tmp_path / "final_shared.pt")
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
     saved = full_state_dict(tmp_path / "ckpt")
     for name, value in got.items():
         assert torch.equal(saved[name], value), name
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_node_local_checkpoints_resume_exactly_with_each_node_reading_only_its_own(stage: int,
+                                                                                  tmp_path: Path) -> None:
+    """checkpoint.use_node_local_storage: each "node" saves into a directory only it uses; a new job
+    resumes from them, each rank reading its own node's files, bitwise equal to the uninterrupted run."""
+    for mode in ("node_local_save", "node_local_resume"):
+        for node, agent in enumerate(run_two_agents(tmp_path, stage, mode=mode)):
+            assert agent.returncode == 0, f"{mode}, agent {node}:\n{agent.stdout[-4000:]}"
+    tag = f"global_step{STEPS - 1}"
+    held = [sorted(p.name for p in (tmp_path / f"node{n}" / tag).iterdir()) for n in range(2)]
+    assert held[0] == ["manifest.json", "model_extra.safetensors", "rank00000.safetensors", "rank00001.safetensors"]
+    assert held[1] == ["manifest.json", "model_extra.safetensors", "rank00002.safetensors", "rank00003.safetensors"]
+    manifests = [(tmp_path / f"node{n}" / tag / "manifest.json").read_bytes() for n in range(2)]
+    assert manifests[0] == manifests[1] and len(json.loads(manifests[0])["files"]) == 5
+    assert all((tmp_path / f"node{n}" / "latest").read_text() == tag for n in range(2))
+    uninterrupted = torch.load(tmp_path / "final_node_local_save.pt")
+    resumed = torch.load(tmp_path / "final_node_local_resume.pt")
+    for name, value in uninterrupted.items():
+        assert torch.equal(resumed[name], value), name
+    with pytest.raises(CheckpointError, match="node-local checkpoint: each node holds its own ranks' files"):
+        full_state_dict(tmp_path / "node0")  # offline, one node's files are not the whole model
+    messages = run_world(load_elsewhere, 2, args=(str(tmp_path / "node0"), stage))
+    assert all("a node-local checkpoint (each node holds only its own ranks' files) saved with world size 4 (now 2)"
+               in m for m in messages), messages
+
+
+def load_elsewhere(rank: int, world: int, directory: str, stage: int) -> str:
+    config = zero_config(stage, 2, 2, **({"stage3_param_persistence_threshold": 20} if stage == 3 else {}))
+    engine, _, _, _ = zeroshard.initialize(model=make_model(), config=config)
+    try:
+        engine.load_checkpoint(directory)
+    except CheckpointError as err:
+        return str(err)
+    return "loaded"

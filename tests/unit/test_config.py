@@ -202,3 +202,10 @@ def test_periodic_saves_and_auto_resume_need_a_directory() -> None:
         {**base, "checkpoint": {"save_dir": "c", "keep_last": 2}})
     assert "'checkpoint.save_interval' = -1 is not allowed" in err({**base, "checkpoint": {"save_dir": "c",
                                                                                           "save_interval": -1}})
+
+
+def test_node_local_storage_needs_a_sharded_stage() -> None:
+    assert "'checkpoint.use_node_local_storage' needs ZeRO stage 1, 2 or 3" in err(
+        {"train_batch_size": 2, "checkpoint": {"use_node_local_storage": True}})
+    load_config({"train_batch_size": 2, "zero_optimization": {"stage": 1},
+                 "checkpoint": {"use_node_local_storage": True}})

@@ -130,12 +130,18 @@ class Manifest:
     def buckets(self) -> list[dict[str, Any]]:
         return list(self.data["buckets"])
 
-    def verify_files(self) -> None:
-        """Every listed file exists with its recorded size and checksum, or an error names it."""
+    def verify_files(self, only: Optional[set[str]] = None) -> None:
+        """Every listed file (of ``only``, where given) exists with its recorded size and checksum, or an
+        error names it."""
+        node_local = bool((self.data.get("storage") or {}).get("node_local"))
         for name, meta in self.data["files"].items():
+            if only is not None and name not in only:
+                continue
             path = self.directory / name
             if not path.is_file():
-                raise CheckpointError(f"{path}: missing (the checkpoint lists it)")
+                hint = (" (a node-local checkpoint: each node holds its own ranks' files; copy every node's "
+                        "files into one directory to read it whole)" if node_local else "")
+                raise CheckpointError(f"{path}: missing (the checkpoint lists it){hint}")
             size = path.stat().st_size
             if size != meta["bytes"]:
                 raise CheckpointError(f"{path}: {size} bytes, the manifest says {meta['bytes']} (truncated?)")

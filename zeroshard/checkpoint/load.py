@@ -17,6 +17,7 @@ raises a DivergenceError.  Only then does any part's ``load_state_dict`` run.
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -76,6 +77,27 @@ def check_manifest(directory: Path, data: Any) -> None:
                               f"so it cannot be verified)")
 
 
+def _check_node_local(parts: CheckpointParts, directory: Path, data: dict[str, Any]) -> None:
+    """A node-local checkpoint loads only where each rank finds its own file, and nothing else is needed
+    (see [Note: node-local checkpoints] in save.py)."""
+    storage = data.get("storage") or {}
+    if not storage.get("node_local"):
+        return
+    world = parts.world
+    here = int(os.environ.get("LOCAL_WORLD_SIZE", world.world_size))
+    ours = [[chunk_numel, chunks] for chunk_numel, chunks in parts.shards.chunk_layout()]
+    theirs = [[b["chunk_numel"], b["num_chunks"]] for b in data["buckets"]]
+    differs = [what for what, same in (
+        (f"world size {data['world_size']} (now {world.world_size})", data["world_size"] == world.world_size),
+        (f"{storage.get('ranks_per_node')} ranks per node (now {here})", storage.get("ranks_per_node") == here),
+        (f"ZeRO stage {data['stage']} (now {parts.stage})", data["stage"] == parts.stage),
+        ("other buckets (reduce_bucket_size / stage-3 units)", theirs == ours)) if not same]
+    if differs:
+        raise CheckpointError(f"{directory / MANIFEST}: a node-local checkpoint (each node holds only its own ranks' "
+                              f"files) saved with {', '.join(differs)}; load it with the same layout, or copy every "
+                              f"node's files into one directory to reshard it")
+
+
 def _agree(parts: CheckpointParts, problem: Optional[str], identity: str) -> None:
     """Every rank validated the same checkpoint without a problem, or every rank raises."""
     if not parts.world.is_distributed:
@@ -119,7 +141,11 @@ def open_checkpoint(parts: CheckpointParts, load_dir: str | Path, tag: Optional[
         directory = published_dir(root, resolve_tag(root, tag))
         raw = (directory / MANIFEST).read_bytes() if (directory / MANIFEST).is_file() else b""
         identity = hashlib.sha256(raw).hexdigest()
-        reader = CheckpointReader(directory, validate=check_manifest)
+        def validate(d: Path, data: Any) -> None:
+            check_manifest(d, data)
+            _check_node_local(parts, d, data)
+
+        reader = CheckpointReader(directory, rank=parts.world.rank, validate=validate)
         _check_model(parts, reader, strict)
     except CheckpointError as err:
         problem = str(err)

@@ -15,14 +15,24 @@ class CheckpointReader:
     """Random access to a checkpoint's tensors, one slice at a time."""
 
     def __init__(self, directory: str | Path, verify: bool = True,
-                 validate: Optional[Callable[[Path, Any], None]] = None) -> None:
-        """``validate(directory, manifest)``: a schema check run before the files are verified."""
+                 validate: Optional[Callable[[Path, Any], None]] = None, rank: Optional[int] = None) -> None:
+        """``validate(directory, manifest)``: a schema check run before the files are verified.
+        ``rank``: the loading rank; a node-local checkpoint is then read from (and verified in) this
+        node's files only (see [Note: node-local checkpoints] in save.py)."""
         self.directory = Path(directory)
         self.manifest = Manifest.read(self.directory)
         if validate is not None:
             validate(self.directory, self.manifest.data)
+        storage = self.manifest.data.get("storage") or {}
+        self._home = rank_file(0)
+        only = None
+        if storage.get("node_local") and rank is not None:
+            per_node = int(storage["ranks_per_node"])
+            node = rank // per_node
+            only = {rank_file(r) for r in range(node * per_node, (node + 1) * per_node)} | {EXTRA_FILE}
+            self._home = rank_file(rank)
         if verify:
-            self.manifest.verify_files()
+            self.manifest.verify_files(only)
         self._place: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
         for bucket in self.manifest.buckets:
             for slot in bucket["params"]:
@@ -96,14 +106,14 @@ class CheckpointReader:
 
     def scalar_state(self, bucket: int) -> dict[str, torch.Tensor]:
         """Per-bucket scalar optimizer state (such as Adam's ``step``) as rank 0 saved it."""
-        handle = self._open(rank_file(0))
+        handle = self._open(self._home)
         prefix, suffix = "optim_scalar.", f".b{bucket}"
         return {k[len(prefix):-len(suffix)]: handle.get_tensor(k) for k in handle.keys()
                 if k.startswith(prefix) and k.endswith(suffix)}
 
     def optimizer_state_keys(self) -> list[str]:
         """Names of the chunk-shaped optimizer states saved (``exp_avg``, ``exp_avg_sq``, ...)."""
-        handle = self._open(rank_file(0))
+        handle = self._open(self._home)
         return sorted({k.split(".")[1] for k in handle.keys() if k.startswith("optim.")})
 
     def rank_tensor(self, rank: int, name: str) -> Optional[torch.Tensor]:

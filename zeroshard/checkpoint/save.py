@@ -10,6 +10,7 @@ then replace ``latest`` atomically.  A process killed at any point leaves the pr
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -86,12 +87,17 @@ def _manifest(parts: CheckpointParts, tag: str, client_state: Any, files: dict[s
 
 
 def save_checkpoint(parts: CheckpointParts, save_dir: str | Path, tag: str, client_state: Any = None,
-                    save_latest: bool = True) -> Path:
-    """Write a checkpoint of ``parts`` under ``save_dir/tag``; every rank must call it."""
+                    save_latest: bool = True, node_local: bool = False) -> Path:
+    """Write a checkpoint of ``parts`` under ``save_dir/tag``; every rank must call it.
+
+    ``node_local`` (``checkpoint.use_node_local_storage``): ``save_dir`` is a directory of each node's
+    own; see [Note: node-local checkpoints].
+    """
     root = Path(save_dir)
     staging = root / f".{tag}.incomplete"
     rank = parts.world.rank
-    if rank == 0:
+    leader = parts.world.local_rank == 0 if node_local else rank == 0  # who prepares and publishes
+    if leader:
         root.mkdir(parents=True, exist_ok=True)
         if staging.exists():
             shutil.rmtree(staging)
@@ -101,15 +107,22 @@ def save_checkpoint(parts: CheckpointParts, save_dir: str | Path, tag: str, clie
     save_file(rank_tensors(parts), str(mine))
     sidecar = {mine.name: {"bytes": mine.stat().st_size, "sha256": sha256_of(mine)}}
     model = parts.module.describe()
-    if rank == 0:
+    if leader:
         extra = parts.module.extra_tensors(set(model["trainable_of"]))
         if extra:
             save_file(extra, str(staging / EXTRA_FILE))
             sidecar[EXTRA_FILE] = {"bytes": (staging / EXTRA_FILE).stat().st_size,
                                    "sha256": sha256_of(staging / EXTRA_FILE)}
+    final = root / tag
+    if node_local:
+        manifest = _node_local_manifest(parts, tag, client_state, sidecar, model)
+        if leader:
+            write_json_atomic(staging / MANIFEST, manifest)
+            _publish(root, staging, tag, save_latest)
+        barrier(parts, "checkpoint_done")
+        return final
     write_json_atomic(staging / f"rank{rank:05d}.json", sidecar)
     barrier(parts, "checkpoint_written")
-    final = root / tag
     if rank == 0:
         files: dict[str, Any] = {}
         for r in range(parts.world.world_size):
@@ -117,13 +130,48 @@ def save_checkpoint(parts: CheckpointParts, save_dir: str | Path, tag: str, clie
             files.update(json.loads(part.read_text()))
             part.unlink()
         write_json_atomic(staging / MANIFEST, _manifest(parts, tag, client_state, files, model))
-        old = replaced_dir(root, tag)
-        if final.exists():  # re-saving a tag: the old one stays readable until the new one is in place
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-        staging.rename(final)
-        if save_latest:
-            write_text_atomic(root / LATEST, tag)
-        shutil.rmtree(old, ignore_errors=True)
+        _publish(root, staging, tag, save_latest)
     barrier(parts, "checkpoint_done")
     return final
+
+
+def _publish(root: Path, staging: Path, tag: str, save_latest: bool) -> None:
+    """Move the complete ``staging`` directory to ``root/tag`` and name it in ``latest``."""
+    final = root / tag
+    old = replaced_dir(root, tag)
+    if final.exists():  # re-saving a tag: the old one stays readable until the new one is in place
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    staging.rename(final)
+    if save_latest:
+        write_text_atomic(root / LATEST, tag)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _node_local_manifest(parts: CheckpointParts, tag: str, client_state: Any, sidecar: dict[str, Any],
+                         model: dict[str, Any]) -> dict[str, Any]:
+    """[Note: node-local checkpoints]
+    With ``checkpoint.use_node_local_storage`` no directory is shared between nodes: every rank
+    writes its file into its own node's ``save_dir``, each node's local rank 0 writes the frozen
+    parameters and buffers there too, and the file sizes and checksums travel by collective instead
+    of through the file system.  Rank 0 builds the manifest, which lists every rank's file, and each
+    node's local rank 0 writes the same bytes and publishes the directory and ``latest`` on its node.
+    A node then holds its own ranks' files: such a checkpoint loads with the same world size, ranks per
+    node, stage and buckets (each rank reads only its own file); to reshard it, copy every node's
+    files into one directory first.
+    """
+    files: dict[str, Any] = {}
+    extras = set()
+    for theirs in parts.comm.all_gather_json(sidecar, "checkpoint_files"):
+        if EXTRA_FILE in theirs:
+            extras.add(theirs[EXTRA_FILE]["sha256"])
+        files.update({name: meta for name, meta in theirs.items() if name not in files})
+    if len(extras) > 1:
+        raise CheckpointError(f"{EXTRA_FILE} differs between nodes (frozen parameters or buffers that are not "
+                              f"the same on every node); this checkpoint was not published")
+    manifest = None
+    if parts.world.rank == 0:
+        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", parts.world.world_size))
+        manifest = {**_manifest(parts, tag, client_state, files, model),
+                    "storage": {"node_local": True, "ranks_per_node": ranks_per_node}}
+    return parts.comm.broadcast_json(manifest, 0, "checkpoint_manifest")

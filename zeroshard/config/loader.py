@@ -196,6 +196,9 @@ def _check_checkpointing(config: ZeroshardConfig) -> None:
         if used and not ckpt.save_dir:
             raise ConfigError(f"'checkpoint.{name}' needs 'checkpoint.save_dir': give the directory the "
                               f"checkpoints go to")
+    if ckpt.use_node_local_storage and config.stage == 0:
+        raise ConfigError("'checkpoint.use_node_local_storage' needs ZeRO stage 1, 2 or 3 (at stage 0 rank 0 writes "
+                          "the whole model, so other nodes would not have it); set 'zero_optimization.stage'")
     if ckpt.keep_last > 0 and ckpt.save_interval == 0:
         raise ConfigError("'checkpoint.keep_last' applies to periodic saves: set 'checkpoint.save_interval' too")
 

@@ -236,6 +236,9 @@ class CheckpointConfig:
 
     load_universal: bool = key(
         False, "Accepted: every zeroshard checkpoint loads at any world size and stage, as a universal one does.")
+    use_node_local_storage: bool = key(
+        False, "Each node saves into its own save_dir (no shared file system); such a checkpoint loads with the "
+        "same world size, ranks per node, stage and buckets (stages 1-3).")
     save_dir: Optional[str] = key(
         None, "zeroshard: the directory of periodic saves (save_interval) and of auto_resume.")
     save_interval: int = key(

@@ -16,6 +16,7 @@ buffers to a multiple of ``N`` elements, so these figures are whole numbers of b
 from __future__ import annotations
 
 import datetime
+import json
 import time
 from dataclasses import dataclass
 from enum import Enum
@@ -164,6 +165,32 @@ class Collectives:
         t = torch.tensor([value], dtype=torch.float64, device=self.world.device)
         self.all_reduce(t, label, op=op)
         return float(t.item())
+
+
+    def all_gather_json(self, value: Any, label: str) -> list[Any]:
+        """Every rank's ``value`` (small, JSON-serialisable metadata), in rank order; counted bytes."""
+        if not self.world.is_distributed:
+            return [value]
+        raw = json.dumps(value).encode()
+        longest = int(self.all_reduce_scalar(len(raw), f"{label}.size", op=dist.ReduceOp.MAX))
+        mine = torch.zeros(longest, dtype=torch.uint8, device=self.world.device)
+        mine[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        full = torch.empty(longest * self.world.world_size, dtype=torch.uint8, device=self.world.device)
+        self.all_gather(full, mine, label)
+        rows = full.view(self.world.world_size, longest).cpu()
+        return [json.loads(bytes(row.tolist()).rstrip(b"\0")) for row in rows]  # JSON never holds a NUL
+
+    def broadcast_json(self, value: Any, src: int, label: str) -> Any:
+        """Rank ``src``'s ``value`` (JSON-serialisable) on every rank."""
+        if not self.world.is_distributed:
+            return value
+        raw = json.dumps(value).encode() if self.world.rank == src else b""
+        size = int(self.all_reduce_scalar(len(raw), f"{label}.size"))
+        buffer = torch.zeros(size, dtype=torch.uint8, device=self.world.device)
+        if raw:
+            buffer.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        self.broadcast(buffer, src, label)
+        return json.loads(bytes(buffer.cpu().tolist()))
 
 
 def _nbytes(t: torch.Tensor) -> int:
