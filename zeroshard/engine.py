@@ -12,6 +12,8 @@ the same update.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import math
 import time
@@ -29,6 +31,7 @@ from .config import ZeroshardConfig
 from .config.schema import ActivationCheckpointingConfig
 from .distributed.collectives import Collectives
 from .distributed.consistency import Call, ConsistencyCheck, EngineUsageError
+from .distributed.topology import Topology, build_shard_groups
 from .distributed.world import World, release_at_exit
 from .init_context import adopt_init_params, has_init_params
 from .logging import log_rank
@@ -115,9 +118,14 @@ class Engine(DeepSpeedEngineAPI):
         self.module = model.to(world.device)
         self.counters = TrainingCounters()
         self.config = config
-        self.world = world
+        self.topology = Topology.discover(world)
+        self.world = world = dataclasses.replace(world, spans_nodes=self.topology.spans_nodes(range(world.world_size)))
         self.comm = Collectives(world)
         self._agree = ConsistencyCheck(self.comm)
+        zero = config.zero_optimization
+        #: the groups the training state is sharded over (hybrid sharding: see distributed/topology.py)
+        self.shard_groups = build_shard_groups(self.comm, self.topology, zero.mics_shard_size,
+                                               zero.zero_hpz_partition_size)
         # API misuse checks: step() needs a backward() before it; one backward() per boundary
         self._backwards_since_step = 0
         self._boundary_backward_done = False
@@ -137,7 +145,7 @@ class Engine(DeepSpeedEngineAPI):
         self.offload = OffloadPolicies.from_config(config.zero_optimization)
         initial = InitialValues({i: from_init[id(p)] for i, p in enumerate(trainable.params) if id(p) in from_init})
         self.strategy = STRATEGIES[config.stage].build(
-            model, trainable.params, trainable.names, trainable.group_of, self.comm, world,
+            model, trainable.params, trainable.names, trainable.group_of, self.shard_groups,
             config.zero_optimization, self.precision, self.offload, initial)
         self.flat = self.strategy.flat
         self._convert_rest_of_model()
@@ -325,8 +333,9 @@ class Engine(DeepSpeedEngineAPI):
     def _optimizer_step(self) -> None:
         self._raise_swap_failures()  # a parameter shard that could not be read: stop before updating
         grads = [self.strategy.owned_grad(b) for b in self.flat.layout.buckets]  # on the device
-        sharded = self.strategy.grads_are_sharded and self.world.is_distributed
-        scaled_norm = global_grad_norm(grads, self.comm if sharded else None)
+        shard_comm = self.strategy.comm  # the shard group: replicas (MiCS) hold the same averaged shard
+        sharded = self.strategy.grads_are_sharded and shard_comm.world.is_distributed
+        scaled_norm = global_grad_norm(grads, shard_comm if sharded else None)
         scale = self.loss_scaler.scale
         self._grad_norm = scaled_norm / scale
         overflow = not math.isfinite(scaled_norm)  # the norm is summed over ranks: every rank sees it
@@ -362,7 +371,7 @@ class Engine(DeepSpeedEngineAPI):
         self._nonfinite_loss_seen = False
         source = f"non-finite loss on rank(s) {ranks}" if ranks else "every rank's loss was finite: it arose in backward"
         if self._consecutive_skips >= self.config.max_consecutive_skips:
-            name = first_nonfinite_parameter(self.comm, self.flat.layout.buckets, grads, self.param_names)
+            name = first_nonfinite_parameter(self.strategy.comm, self.flat.layout.buckets, grads, self.param_names)
             raise NonFiniteGradientError(
                 f"{self._consecutive_skips} optimizer steps in a row (up to step {step}) had non-finite "
                 f"gradients ({source}; first parameter with a non-finite gradient: {name!r}); training "
@@ -418,6 +427,7 @@ class Engine(DeepSpeedEngineAPI):
         """See [Note: a clean exit] in distributed/world.py: no collective here (a rank may be gone)."""
         self._release(hand_back=False)
         self._agree.release()
+        self.shard_groups.release()
 
     def close(self) -> None:
         """Hand the model back and release what the engine holds (see [Note: an engine's lifetime]).
@@ -429,6 +439,7 @@ class Engine(DeepSpeedEngineAPI):
         if not self._closed:
             self._release(hand_back=True)
             self._agree.close()
+            self.shard_groups.close()
 
     def _release(self, hand_back: bool) -> None:
         if self._closed:
@@ -667,7 +678,7 @@ class Engine(DeepSpeedEngineAPI):
         out["offload_buffers"] = placed["host_buffers"]
         mixed = self.precision.mixed
         grad_size = torch.empty((), dtype=self.precision.grad_accum).element_size()
-        out["formula"] = model_state_bytes(self.stage, self.flat.layout.numel, self.world.world_size,
+        out["formula"] = model_state_bytes(self.stage, self.flat.layout.numel, self.strategy.world.world_size,
                                            "mixed" if mixed else "fp32", grad_size,
                                            12 if self.strategy.masters is not None else None).total
         return out

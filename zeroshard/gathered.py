@@ -78,7 +78,7 @@ class GatheredParameters:
     def _write_back(self, src: Any) -> None:
         with torch.no_grad():
             for storage, index in self._buckets:
-                storage.comm.broadcast(storage.full[index], src, f"gathered_parameters_modify{index}")
+                storage.job_comm.broadcast(storage.full[index], src, f"gathered_parameters_modify{index}")
                 storage.commit_full(index)
             if self._plain:
                 comm = Collectives(init_distributed())

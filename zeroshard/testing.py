@@ -19,7 +19,7 @@ import queue
 import socket
 import time
 import traceback
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 PORT_CLASH_MARKERS = ("address already in use", "EADDRINUSE", "errno: 98")
 
@@ -35,10 +35,13 @@ def free_port() -> int:
 
 
 def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: Sequence[Any],
-           results: Any, pg_timeout_s: float, env: dict[str, str]) -> None:
+           results: Any, pg_timeout_s: float, env: dict[str, str], ranks_per_node: Optional[int]) -> None:
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    if ranks_per_node is not None:  # what torchrun tells the workers of one of several agents (nodes)
+        os.environ.update(LOCAL_RANK=str(rank % ranks_per_node), LOCAL_WORLD_SIZE=str(ranks_per_node),
+                          GROUP_RANK=str(rank // ranks_per_node), GROUP_WORLD_SIZE=str(world_size // ranks_per_node))
     try:
         import torch
         import torch.distributed as dist
@@ -68,12 +71,17 @@ def _drain(results: Any, collected: dict[int, tuple[str, Any]], seconds: float) 
 
 
 def run_world(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), timeout: float = 300.0,
-              pg_timeout_s: float = 120.0, retries: int = 3, env: dict[str, str] | None = None) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return the values by rank."""
+              pg_timeout_s: float = 120.0, retries: int = 3, env: dict[str, str] | None = None,
+              ranks_per_node: Optional[int] = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return the values by rank.
+
+    ``ranks_per_node``: each process is told (as torchrun tells it) that it is on node
+    ``rank // ranks_per_node``, so that zeroshard sees several nodes (bytes across nodes, hybrid groups).
+    """
     last_error = ""
     for _ in range(retries):
         try:
-            return _run_once(fn, world_size, args, timeout, pg_timeout_s, env or {})
+            return _run_once(fn, world_size, args, timeout, pg_timeout_s, env or {}, ranks_per_node)
         except WorldFailed as failure:
             last_error = str(failure)
             if not any(marker in last_error for marker in PORT_CLASH_MARKERS):
@@ -82,11 +90,11 @@ def run_world(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
 
 
 def _run_once(fn: Callable[..., Any], world_size: int, args: Sequence[Any], timeout: float,
-              pg_timeout_s: float, env: dict[str, str]) -> list[Any]:
+              pg_timeout_s: float, env: dict[str, str], ranks_per_node: Optional[int] = None) -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, results, pg_timeout_s, env),
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, results, pg_timeout_s, env, ranks_per_node),
                          daemon=True) for r in range(world_size)]
     # Variables read at process start (MALLOC_*, OMP_*) must be in the environment the children are
     # started with, not set after: put them in ours while starting them.

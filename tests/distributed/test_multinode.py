@@ -17,7 +17,7 @@ from typing import Iterator, Optional
 
 import pytest
 import torch
-from zs_common import CLIP, LR, WD, global_batch, make_model, zero_config
+from zs_common import make_model, single_process_reference, zero_config
 
 import zeroshard
 
@@ -66,17 +66,7 @@ def run_two_agents(out: Path, stage: int, nodes: Optional[list["Namespace"]] = N
 
 def reference(steps: int) -> dict[str, torch.Tensor]:
     """One process, the whole global batch (4 ranks x 2 micro batches x 2 rows), AdamW, clipping."""
-    model = make_model()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
-    for step in range(steps):
-        x, y = global_batch(step, 16)
-        for m in range(2):  # the accumulation: the same rows each micro step gets, averaged
-            rows = torch.cat([torch.arange(r * 4 + m * 2, r * 4 + m * 2 + 2) for r in range(4)])
-            (model(x[rows], y[rows]) / 2).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return single_process_reference(steps, 4, 2, 2)
 
 
 @pytest.mark.parametrize("stage", [2, 3])

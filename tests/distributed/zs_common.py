@@ -94,3 +94,21 @@ def max_rel_diff(a: nn.Module, b: nn.Module) -> float:
 
 def clone(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
+
+
+def single_process_reference(steps: int, world: int, micro: int, accum: int) -> dict[str, torch.Tensor]:
+    """One process on the whole global batch (``world`` ranks x ``accum`` micro batches of ``micro`` rows),
+    AdamW and clipping, as the ranks of ``rank_micro_batches`` together see it."""
+    model = make_model()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
+    per_rank = micro * accum
+    for step in range(steps):
+        x, y = global_batch(step, per_rank * world)
+        for m in range(accum):  # the accumulation: the rows every rank takes at micro step m, averaged
+            rows = torch.cat([torch.arange(r * per_rank + m * micro, r * per_rank + (m + 1) * micro)
+                              for r in range(world)])
+            (model(x[rows], y[rows]) / accum).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -209,3 +209,26 @@ def test_node_local_storage_needs_a_sharded_stage() -> None:
         {"train_batch_size": 2, "checkpoint": {"use_node_local_storage": True}})
     load_config({"train_batch_size": 2, "zero_optimization": {"stage": 1},
                  "checkpoint": {"use_node_local_storage": True}})
+
+
+def test_hybrid_sharding_keys_are_checked_with_the_fix() -> None:
+    def zero(**keys: object) -> dict:
+        return {"train_batch_size": 4, "zero_optimization": keys}
+    assert load_config(zero(stage=3, mics_shard_size=2)).zero_optimization.mics_shard_size == 2
+    assert load_config(zero(stage=1, mics_shard_size=2)).zero_optimization.mics_shard_size == 2
+    assert load_config(zero(stage=3, zero_hpz_partition_size=8)).zero_optimization.zero_hpz_partition_size == 8
+    # DeepSpeed's defaults are what zeroshard does without them
+    default = load_config(zero(stage=3, mics_shard_size=-1, zero_hpz_partition_size=1,
+                               mics_hierarchical_params_gather=False)).zero_optimization
+    assert (default.mics_shard_size, default.zero_hpz_partition_size) == (-1, 1)
+    assert "'zero_optimization.mics_shard_size' needs ZeRO stage 1, 2 or 3" in err(zero(stage=0, mics_shard_size=2))
+    assert "'zero_optimization.zero_hpz_partition_size' needs ZeRO stage 3" in err(
+        zero(stage=2, zero_hpz_partition_size=2))
+    assert "choose one" in err(zero(stage=3, mics_shard_size=2, zero_hpz_partition_size=2))
+    assert "'zero_optimization.mics_shard_size' = 0" in err(zero(stage=3, mics_shard_size=0))
+    assert "'zero_optimization.mics_hierarchical_params_gather'" in err(
+        zero(stage=3, mics_shard_size=2, mics_hierarchical_params_gather=True))
+    assert "not supported together with offload" in err(
+        zero(stage=3, zero_hpz_partition_size=2, offload_optimizer={"device": "cpu"}))
+    assert "'checkpoint.use_node_local_storage' is not supported with" in err(
+        {**zero(stage=3, mics_shard_size=2), "checkpoint": {"use_node_local_storage": True}})

@@ -42,7 +42,12 @@ class ShardedStateful(Protocol):
     def layout(self) -> FlatLayout: ...
 
     @property
-    def rank(self) -> int: ...
+    def rank(self) -> int:
+        """This rank's position in the group the chunks are sharded over."""
+
+    @property
+    def writes_chunks(self) -> bool:
+        """Whether this rank's file holds its chunks (MiCS: only the first shard group's ranks)."""
 
     @property
     def saved_dtype(self) -> torch.dtype: ...

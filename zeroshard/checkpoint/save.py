@@ -42,8 +42,8 @@ def rank_tensors(parts: CheckpointParts) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = dict(parts.rng.state_dict())
     shards = parts.shards
     for bucket, (_, chunks) in zip(shards.layout.buckets, shards.chunk_layout()):
-        if shards.rank >= chunks:
-            continue  # stage 0: every rank holds the same bucket, rank 0 writes it
+        if shards.rank >= chunks or not shards.writes_chunks:
+            continue  # stage 0: every rank holds the same bucket, rank 0 writes it; MiCS: the first group
         values, state, scalars = shards.read_bucket(bucket)
         out[f"param.b{bucket.index}"] = values.to("cpu")
         for key, value in scalars.items():

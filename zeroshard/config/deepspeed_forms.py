@@ -22,9 +22,9 @@ DEFAULTS_THAT_MATCH: dict[str, dict[str, Any]] = {
     "zero_optimization": {
         "round_robin_gradients": False, "load_from_fp32_weights": True, "elastic_checkpoint": False,
         "cpu_offload": False, "cpu_offload_param": False, "cpu_offload_use_pin_memory": False,
-        "ignore_unused_parameters": True, "zero_hpz_partition_size": 1, "zero_quantized_weights": False,
-        "zero_quantized_nontrainable_weights": False, "zero_quantized_gradients": False, "mics_shard_size": -1,
-        "mics_hierarchical_params_gather": False, "use_multi_rank_bucket_allreduce": True,
+        "ignore_unused_parameters": True, "zero_quantized_weights": False,
+        "zero_quantized_nontrainable_weights": False, "zero_quantized_gradients": False,
+        "use_multi_rank_bucket_allreduce": True,
     },
     "fp16": {"auto_cast": False, "fp16_master_weights_and_grads": False},
 }

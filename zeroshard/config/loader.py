@@ -38,6 +38,7 @@ def load_config(source: Union[str, os.PathLike, Mapping[str, Any], ZeroshardConf
         _check_precision(config)
         _check_offload(config)
         _check_checkpointing(config)
+        _check_hybrid(config)
     if world_size is not None:
         config = resolve_batch_sizes(config, world_size)
     return config
@@ -201,6 +202,31 @@ def _check_checkpointing(config: ZeroshardConfig) -> None:
                           "the whole model, so other nodes would not have it); set 'zero_optimization.stage'")
     if ckpt.keep_last > 0 and ckpt.save_interval == 0:
         raise ConfigError("'checkpoint.keep_last' applies to periodic saves: set 'checkpoint.save_interval' too")
+
+
+def _check_hybrid(config: ZeroshardConfig) -> None:
+    """MiCS and hpZ: which stages they apply to, and what they are not combined with (yet)."""
+    zero = config.zero_optimization
+    mics, hpz = zero.mics_shard_size > 0, zero.zero_hpz_partition_size > 1
+    if mics and zero.stage == 0:
+        raise ConfigError("'zero_optimization.mics_shard_size' needs ZeRO stage 1, 2 or 3 (it says over how many "
+                          "ranks the state is sharded; stage 0 shards nothing): set the stage or remove the key")
+    if hpz and zero.stage != 3:
+        raise ConfigError(f"'zero_optimization.zero_hpz_partition_size' needs ZeRO stage 3 (it partitions the "
+                          f"parameters a second time); the config says stage {zero.stage}: set "
+                          f"'zero_optimization.stage' to 3 or the key to 1")
+    if mics and hpz:
+        raise ConfigError("'zero_optimization.mics_shard_size' and 'zero_optimization.zero_hpz_partition_size' "
+                          "are two answers to the same cost (gathers across nodes): choose one, set the other "
+                          "to its default (-1 / 1)")
+    if (mics or hpz) and (zero.offload_optimizer.device != "none" or zero.offload_param.device != "none"):
+        key = "mics_shard_size" if mics else "zero_hpz_partition_size"
+        raise ConfigError(f"'zero_optimization.{key}' is not supported together with offload_optimizer / "
+                          f"offload_param yet; remove the offload blocks or the hybrid sharding key")
+    if mics and config.checkpoint.use_node_local_storage:
+        raise ConfigError("'checkpoint.use_node_local_storage' is not supported with "
+                          "'zero_optimization.mics_shard_size' yet (the first shard group writes every shard); "
+                          "save to a shared directory")
 
 
 def _check_params(config: ZeroshardConfig) -> None:

@@ -210,6 +210,21 @@ class ZeroConfig:
         True, "Accepted: zeroshard computes with torch's own linear layers either way.")
     stage3_gather_16bit_weights_on_model_save: bool = key(
         False, "Stage 3: save_16bit_model gathers the full weights (false: it writes nothing and warns).")
+    mics_shard_size: int = key(
+        -1, "MiCS (stages 1-3): shard over groups of this many consecutive ranks (one node) and replicate "
+        "across the groups; gathers stay inside a group, gradients are all-reduced across groups once per "
+        "step. -1: shard over all ranks.",
+        lambda v: None if v == -1 or v >= 1 else "-1 (off) or a group size >= 1 that divides the world size")
+    mics_hierarchical_params_gather: bool = key(
+        False, "MiCS: gather a shard group that spans nodes in two levels (not supported: keep "
+        "mics_shard_size within a node).",
+        lambda v: None if v is False else "false (zeroshard gathers a MiCS group with one all-gather; keep "
+                                          "mics_shard_size at most the ranks per node, where the two levels "
+                                          "would be one)")
+    zero_hpz_partition_size: int = key(
+        1, "ZeRO++ hpZ (stage 3): also keep the parameters partitioned over groups of this many consecutive "
+        "ranks (one node), so that gathers after the first of each step stay inside the group. 1: off.",
+        positive)
 
 
 @dataclass(frozen=True)
@@ -332,8 +347,7 @@ NOT_SUPPORTED_YET: dict[str, tuple[str, ...]] = {
     "zero_optimization": (
         "round_robin_gradients",
         "load_from_fp32_weights", "elastic_checkpoint", "cpu_offload", "ignore_unused_parameters",
-        "zero_hpz_partition_size", "zero_quantized_weights",
-        "zero_quantized_gradients", "mics_shard_size", "use_multi_rank_bucket_allreduce",
+        "zero_quantized_weights", "zero_quantized_gradients", "use_multi_rank_bucket_allreduce",
     ),
     "fp16": ("auto_cast", "fp16_master_weights_and_grads"),
     "bf16": ("immediate_grad_update",),

@@ -11,6 +11,13 @@ and receives ``(N-1)/N * B`` for a reduce-scatter or an all-gather, and twice th
 (which is a reduce-scatter followed by an all-gather).  Broadcast counts ``B`` received on every rank
 but the source, and ``B`` sent by the source.  A world of one rank moves nothing.  zeroshard pads its
 buffers to a multiple of ``N`` elements, so these figures are whole numbers of bytes.
+
+[Note: inside and across nodes]
+Every collective runs over one group (the whole world, or a hybrid-sharding group of
+:mod:`.topology`).  Its bytes are also counted by *scope*: inside one node when every rank of the
+group is on the same node, across nodes otherwise, wholly: a ring over ranks on several nodes runs at
+the speed of its slowest link, the network, whatever share of its hops stay inside a node.  The
+collectives of all groups of one engine share one :class:`CommLedger`.
 """
 
 from __future__ import annotations
@@ -34,6 +41,13 @@ _reduce_scatter_1d = getattr(dist, "reduce_scatter_single", None) or dist.reduce
 _all_gather_1d = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+class CommScope(str, Enum):
+    """Where a collective's bytes travel (see [Note: inside and across nodes])."""
+
+    INSIDE_NODE = "inside_node"
+    ACROSS_NODES = "across_nodes"
+
+
 class CommKind(str, Enum):
     ALL_REDUCE = "all_reduce"
     REDUCE_SCATTER = "reduce_scatter"
@@ -49,6 +63,46 @@ class CommCounter:
     bytes_sent: int = 0
     bytes_received: int = 0
     seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """One collective, as :meth:`CommLedger.start_log` records it."""
+
+    kind: CommKind
+    label: str
+    group_size: int
+    scope: CommScope
+    full_bytes: int  # the whole (unsharded) data of the collective
+    sent: int  # bytes this rank sent
+
+
+class CommLedger:
+    """What the collectives of one engine (every group of it) have cost this rank so far."""
+
+    def __init__(self) -> None:
+        self.counters: dict[CommKind, CommCounter] = {kind: CommCounter() for kind in CommKind}
+        #: bytes sent, by scope (every kind together)
+        self.sent_by_scope: dict[CommScope, int] = {scope: 0 for scope in CommScope}
+        #: every collective since :meth:`start_log` (None: not recording)
+        self.log: Optional[list[CallRecord]] = None
+
+    def start_log(self) -> list[CallRecord]:
+        """Record every collective from now on (tests and benchmarks check them one by one)."""
+        self.log = []
+        return self.log
+
+    def record(self, kind: CommKind, label: str, world: World, scope: CommScope, full_bytes: int, sent: int) -> None:
+        self.sent_by_scope[scope] += sent
+        if self.log is not None:
+            self.log.append(CallRecord(kind, label, world.world_size, scope, full_bytes, sent))
+
+    def reset(self) -> None:
+        """Zero every count in place (every :class:`Collectives` sharing the ledger sees it)."""
+        for kind in CommKind:
+            self.counters[kind] = CommCounter()
+        for scope in CommScope:
+            self.sent_by_scope[scope] = 0
 
 
 class CollectiveError(RuntimeError):
@@ -82,14 +136,30 @@ class PendingCollective:
 
 
 class Collectives:
-    """Labelled, counted collectives over one :class:`World`."""
+    """Labelled, counted collectives over one :class:`World` (one process group)."""
 
-    def __init__(self, world: World) -> None:
+    def __init__(self, world: World, ledger: Optional[CommLedger] = None) -> None:
         self.world = world
-        self.counters: dict[CommKind, CommCounter] = {kind: CommCounter() for kind in CommKind}
+        self.ledger = ledger or CommLedger()
+
+    @property
+    def scope(self) -> CommScope:
+        return CommScope.ACROSS_NODES if self.world.spans_nodes else CommScope.INSIDE_NODE
+
+    @property
+    def counters(self) -> dict[CommKind, CommCounter]:
+        return self.ledger.counters
+
+    def over(self, world: World) -> "Collectives":
+        """Collectives over another group (a hybrid-sharding group), counted in this ledger."""
+        return Collectives(world, self.ledger)
 
     def reset_counters(self) -> None:
-        self.counters = {kind: CommCounter() for kind in CommKind}
+        self.ledger.reset()
+
+    def bytes_sent_by_scope(self) -> dict[str, int]:
+        """Bytes this rank sent inside its node and across nodes (see [Note: inside and across nodes])."""
+        return {scope.value: sent for scope, sent in self.ledger.sent_by_scope.items()}
 
     def total_bytes_sent(self) -> int:
         return sum(c.bytes_sent for c in self.counters.values())
@@ -97,13 +167,14 @@ class Collectives:
     def snapshot(self) -> dict[str, dict[str, float]]:
         return {k.value: vars(c).copy() for k, c in self.counters.items()}
 
-    def _account(self, kind: CommKind, full_bytes: int, factor: int) -> CommCounter:
+    def _account(self, kind: CommKind, full_bytes: int, factor: int, label: str) -> CommCounter:
         counter = self.counters[kind]
         counter.calls += 1
         n = self.world.world_size
         moved = factor * (n - 1) * full_bytes // n
         counter.bytes_sent += moved
         counter.bytes_received += moved
+        self.ledger.record(kind, label, self.world, self.scope, full_bytes, moved)
         return counter
 
     def _run(self, kind: CommKind, label: str, counter: CommCounter, launch: Any, async_op: bool) -> PendingCollective:
@@ -124,14 +195,14 @@ class Collectives:
     def all_reduce(self, tensor: torch.Tensor, label: str, async_op: bool = False,
                    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> PendingCollective:
         """Sum (or ``op``) ``tensor`` in place across ranks."""
-        counter = self._account(CommKind.ALL_REDUCE, _nbytes(tensor), 2)
+        counter = self._account(CommKind.ALL_REDUCE, _nbytes(tensor), 2, label)
         return self._run(CommKind.ALL_REDUCE, label, counter,
                          lambda: dist.all_reduce(tensor, op=op, group=self.world.group, async_op=True), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, label: str,
                        async_op: bool = False) -> PendingCollective:
         """Sum ``full`` (1D, N equal chunks) across ranks; this rank's chunk lands in ``output``."""
-        counter = self._account(CommKind.REDUCE_SCATTER, _nbytes(full), 1)
+        counter = self._account(CommKind.REDUCE_SCATTER, _nbytes(full), 1, label)
         if not self.world.is_distributed:
             output.copy_(full)
         return self._run(CommKind.REDUCE_SCATTER, label, counter,
@@ -141,7 +212,7 @@ class Collectives:
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, label: str,
                    async_op: bool = False) -> PendingCollective:
         """Concatenate every rank's ``shard`` into ``full`` (1D, N equal chunks)."""
-        counter = self._account(CommKind.ALL_GATHER, _nbytes(full), 1)
+        counter = self._account(CommKind.ALL_GATHER, _nbytes(full), 1, label)
         if not self.world.is_distributed and shard.data_ptr() != full.data_ptr():
             full.copy_(shard)
         return self._run(CommKind.ALL_GATHER, label, counter,
@@ -152,11 +223,14 @@ class Collectives:
         """Copy rank ``src``'s ``tensor`` into every rank's."""
         counter = self.counters[CommKind.BROADCAST]
         counter.calls += 1
+        sent = 0
         if self.world.is_distributed:
             if self.world.rank == src:
                 counter.bytes_sent += _nbytes(tensor)
+                sent = _nbytes(tensor)
             else:
                 counter.bytes_received += _nbytes(tensor)
+        self.ledger.record(CommKind.BROADCAST, label, self.world, self.scope, _nbytes(tensor), sent)
         self._run(CommKind.BROADCAST, label, counter,
                   lambda: dist.broadcast(tensor, src=src, group=self.world.group, async_op=True), False)
 

@@ -33,6 +33,8 @@ class World:
     #: None: the default (whole-world) group, without holding a reference to it (see [Note: a clean exit])
     group: Optional[dist.ProcessGroup] = None
     timeout_s: float = DEFAULT_TIMEOUT_S
+    #: whether the group's ranks are on more than one node (its collectives then cross the network)
+    spans_nodes: bool = False
 
     @property
     def is_distributed(self) -> bool:

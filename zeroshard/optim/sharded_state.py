@@ -36,6 +36,13 @@ class ShardedState:
         return self.strategy.world.rank
 
     @property
+    def writes_chunks(self) -> bool:
+        """Whether this rank's file holds its chunks: under MiCS only the first shard group's ranks
+        (ranks 0..S-1, whose files are then those of a world of S) write them; the others hold copies."""
+        replicas = self.strategy.replicas
+        return replicas is None or replicas.world.rank == 0
+
+    @property
     def saved_dtype(self) -> torch.dtype:
         """The dtype the chunks are saved in: fp32 masters if any, else the parameters' dtype."""
         return torch.float32 if self.strategy.masters is not None else self.strategy.flat.dtype

@@ -49,12 +49,14 @@ class FlatParameters:
     """Owns the padded flat buffer and the views the model's parameters now point into."""
 
     def __init__(self, layout: FlatLayout, params: Sequence[torch.nn.Parameter], comm: Collectives,
-                 dtype: Optional[torch.dtype] = None, masters: Optional[MasterWeights] = None) -> None:
+                 dtype: Optional[torch.dtype] = None, masters: Optional[MasterWeights] = None,
+                 job_comm: Optional[Collectives] = None) -> None:
         first = params[0]
         check_uniform(params)
         self.params = list(params)
         self.layout = layout
         self.comm = comm
+        self.job_comm = job_comm or comm
         self.dtype = dtype or first.dtype
         self.device = first.device
         self.masters = masters

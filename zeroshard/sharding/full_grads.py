@@ -8,8 +8,7 @@ import torch
 from torch import nn
 
 from ..config import ZeroConfig
-from ..distributed.collectives import Collectives
-from ..distributed.world import World
+from ..distributed.topology import ShardGroups
 from ..precision import PrecisionPolicy
 from .buffer_pool import BufferPool
 from .layout import BucketLayout
@@ -24,9 +23,9 @@ class FullGradientStrategy(ShardingStrategy):
     over K micro steps costs one reduction, exactly like ``DistributedDataParallel.no_sync``.
     """
 
-    def __init__(self, flat: ParameterStorage, params: Sequence[nn.Parameter], comm: Collectives, world: World,
+    def __init__(self, flat: ParameterStorage, params: Sequence[nn.Parameter], groups: ShardGroups,
                  zero: ZeroConfig, precision: PrecisionPolicy = PrecisionPolicy()) -> None:
-        super().__init__(flat, params, comm, world, zero, precision)
+        super().__init__(flat, params, groups, zero, precision)
         # 1D, padded, same layout as the parameters, in the accumulation dtype
         self.grads = torch.zeros(self.layout.padded_numel, dtype=self.precision.grad_accum, device=self.flat.device)
         largest = max(b.padded_numel for b in self.layout.buckets)

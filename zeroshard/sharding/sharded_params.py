@@ -46,10 +46,12 @@ class ShardedParameters:
     def __init__(self, layout: FlatLayout, params: Sequence[nn.Parameter], comm: Collectives,
                  model: nn.Module, persistent: frozenset[int] = frozenset(),
                  dtype: Optional[torch.dtype] = None, masters: Optional[MasterWeights] = None,
-                 offload: OffloadPolicy = NoOffload(), initial: InitialValues = InitialValues()) -> None:
+                 offload: OffloadPolicy = NoOffload(), initial: InitialValues = InitialValues(),
+                 secondary: Optional[Collectives] = None, job_comm: Optional[Collectives] = None) -> None:
         first = params[0]
         self.layout = layout
         self.comm = comm
+        self.job_comm = job_comm or comm
         self.rank = comm.world.rank
         self.dtype, self.device = dtype or first.dtype, first.device
         self.persistent = persistent
@@ -64,6 +66,12 @@ class ShardedParameters:
         self._pending: dict[int, PendingCollective] = {}
         self._pins: dict[int, int] = {}  # bucket index -> GatheredParameters blocks holding it
         self.masters = masters
+        #: hpZ: the group of the secondary partition, and this rank's secondary chunk of each
+        #: non-persistent bucket, valid until the next step (see [Note: the secondary partition])
+        self.secondary = secondary
+        self._secondary: dict[int, torch.Tensor] = {}  # allocated once, reused after every step
+        self._secondary_valid: set[int] = set()
+        self._primary_pending: set[int] = set()
 
         with torch.no_grad():
             for bucket in layout.buckets:
@@ -136,6 +144,14 @@ class ShardedParameters:
             bucket = self.layout.buckets[index]
             full = self.full[index]
             full.untyped_storage().resize_(bucket.padded_numel * full.element_size())
+            kept = self._secondary.get(index) if index in self._secondary_valid else None
+            if kept is not None and self.secondary is not None:  # hpZ: gather inside the group
+                with torch.no_grad():
+                    self._pending[index] = self.secondary.all_gather(full, kept, f"{label}.hpz", async_op=True)
+                self.state[index] = GatherState.GATHERING
+                if not async_op:
+                    self.wait(index)
+                return
             own = self.store.view(bucket)
             if own is None or own.device != full.device:  # offloaded: bring the chunk to its slot first
                 start, end = bucket.shard_range(self.rank)
@@ -143,6 +159,7 @@ class ShardedParameters:
                 self.store.read_into(bucket, own)
             with torch.no_grad():
                 self._pending[index] = self.comm.all_gather(full, own, label, async_op=True)
+            self._primary_pending.add(index)
             self.state[index] = GatherState.GATHERING
         if not async_op:
             self.wait(index)
@@ -153,6 +170,43 @@ class ShardedParameters:
             pending.wait()
             self.state[index] = GatherState.GATHERED
             self._show(index, gathered=True)
+            if index in self._primary_pending:
+                self._primary_pending.discard(index)
+                self._keep_secondary(index)
+
+    def _keep_secondary(self, index: int) -> None:
+        """[Note: the secondary partition]
+        hpZ (``zero_hpz_partition_size``): the first gather of a bucket after a step comes from the
+        primary partition, over every rank; this rank then keeps its chunk of the bucket as split over
+        its hpZ group (padded_numel / S elements: the bucket is padded to a multiple of N, so of S too),
+        and every later gather until the next step all-gathers those chunks inside the group.  DeepSpeed
+        builds it the same way (``ds_secondary_tensor``) and uses it for backward; zeroshard uses it
+        for any gather while it is valid, so the forward passes of later micro steps stay inside the
+        group too.  A step, a load or a ``GatheredParameters`` change marks it stale
+        (:meth:`drop_secondary`); its buffers stay allocated and are refilled, as DeepSpeed's are."""
+        if self.secondary is None or index in self.persistent:
+            return
+        size = self.secondary.world.world_size
+        chunk = self.layout.buckets[index].padded_numel // size
+        start = self.secondary.world.rank * chunk
+        values = self.full[index][start: start + chunk]
+        kept = self._secondary.get(index)
+        if kept is None:
+            self._secondary[index] = values.clone()
+        else:
+            kept.copy_(values)
+        self._secondary_valid.add(index)
+
+    def drop_secondary(self, index: Optional[int] = None) -> None:
+        """The owned chunks changed: the secondary partition (of bucket ``index``, or all) is stale."""
+        if index is None:
+            self._secondary_valid.clear()
+        else:
+            self._secondary_valid.discard(index)
+
+    def secondary_bytes(self) -> int:
+        """Bytes of hpZ's secondary partition (allocated by the first forward, kept from then on)."""
+        return sum(t.numel() * t.element_size() for t in self._secondary.values())
 
     def pin(self, index: int, label: str) -> None:
         """Gather bucket ``index`` and keep it until :meth:`unpin` (forward hooks will not release it)."""
@@ -178,6 +232,7 @@ class ShardedParameters:
         """Copy this rank's part of a (modified) full bucket back into its shard."""
         bucket = self.layout.buckets[index]
         start, end = bucket.shard_range(self.rank)
+        self.drop_secondary(index)
         with torch.no_grad():
             self.store.write(bucket, 0, self.full[index][start:end])
             if self.masters is not None:

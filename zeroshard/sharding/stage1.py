@@ -34,7 +34,7 @@ class Stage1(FullGradientStrategy):
             self.owned_grad(bucket).copy_(cast[start:end])
         if cast is not None:
             self.cast_pool.release(cast)
-        self.precision.after_reduction(self.owned_grad(bucket), self.world.world_size)
+        self.precision.after_reduction(self.owned_grad(bucket), self.data_parallel_size)
 
     def owned_grad(self, bucket: BucketLayout) -> torch.Tensor:
         start, end = bucket.shard_range(self.world.rank)

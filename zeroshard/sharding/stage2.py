@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from ..config import ZeroConfig
-from ..distributed.collectives import Collectives, PendingCollective
-from ..distributed.world import World
+from ..distributed.collectives import PendingCollective
+from ..distributed.topology import ShardGroups
 from ..precision import PrecisionPolicy
 from .buffer_pool import BufferPool
 from .layout import BucketLayout
@@ -30,9 +30,9 @@ class Stage2(ShardingStrategy):
     stage = 2
     reduces_every_micro_step = True
 
-    def __init__(self, flat: ParameterStorage, params: Sequence[nn.Parameter], comm: Collectives, world: World,
+    def __init__(self, flat: ParameterStorage, params: Sequence[nn.Parameter], groups: ShardGroups,
                  zero: ZeroConfig, precision: PrecisionPolicy = PrecisionPolicy()) -> None:
-        super().__init__(flat, params, comm, world, zero, precision)
+        super().__init__(flat, params, groups, zero, precision)
         self.grad_shard = torch.zeros(self.layout.shard_numel(), dtype=self.precision.grad_accum,
                                       device=self.flat.device)  # 1D: this rank's chunk of each bucket
         self._shard_offset = {}
@@ -65,7 +65,7 @@ class Stage2(ShardingStrategy):
         pooled = self.take_received(bucket)
         start, end = bucket.shard_range(self.world.rank)
         received = full[start:end] if pooled is None else pooled
-        self.precision.after_reduction(received, self.world.world_size)
+        self.precision.after_reduction(received, self.data_parallel_size)
         self.owned_grad(bucket).add_(received)
         if pooled is not None:
             self.shard_pool.release(pooled)

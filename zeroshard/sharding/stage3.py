@@ -15,8 +15,7 @@ import torch
 from torch import nn
 
 from ..config import ZeroConfig
-from ..distributed.collectives import Collectives
-from ..distributed.world import World
+from ..distributed.topology import ShardGroups
 from ..offload.policy import OffloadPolicies, Place
 from ..precision import PrecisionPolicy
 from .gather_scheduler import GatherScheduler
@@ -34,25 +33,27 @@ class Stage3(Stage2):
     stage = 3
     max_buckets_in_flight = 1  # a bucket is a whole unit here: keep fewer full-size ones alive
 
-    def __init__(self, storage: ShardedParameters, params: Sequence[nn.Parameter], comm: Collectives,
-                 world: World, zero: ZeroConfig, plan: Stage3Plan, model: nn.Module,
+    def __init__(self, storage: ShardedParameters, params: Sequence[nn.Parameter], groups: ShardGroups,
+                 zero: ZeroConfig, plan: Stage3Plan, model: nn.Module,
                  precision: PrecisionPolicy = PrecisionPolicy()) -> None:
-        super().__init__(storage, params, comm, world, zero, precision)
+        super().__init__(storage, params, groups, zero, precision)
         self.storage = storage
         self.plan = plan
         self.scheduler = GatherScheduler(storage, plan.units, zero, model)
 
     @classmethod
     def build(cls, model: nn.Module, params: Sequence[nn.Parameter], names: Sequence[str],
-              group_of: Sequence[int], comm: Collectives, world: World, zero: ZeroConfig,
+              group_of: Sequence[int], groups: ShardGroups, zero: ZeroConfig,
               precision: PrecisionPolicy = PrecisionPolicy(), offload: OffloadPolicies = OffloadPolicies(),
               initial: InitialValues = InitialValues()) -> "Stage3":
+        comm = groups.shard
         plan = plan_units(model, params, names, group_of, zero.stage3_param_persistence_threshold,
-                          zero.reduce_bucket_size, world.world_size)
-        masters = cls.make_masters(plan.layout, world, precision, offload, params[0].device, comm)
+                          zero.reduce_bucket_size, comm.world.world_size)
+        masters = cls.make_masters(plan.layout, comm.world, precision, offload, params[0].device, comm)
         storage = ShardedParameters(plan.layout, params, comm, model, plan.persistent_buckets,
-                                    precision.compute, masters, offload.params, initial)
-        return cls(storage, params, comm, world, zero, plan, model, precision)
+                                    precision.compute, masters, offload.params, initial, groups.secondary,
+                                    groups.job)
+        return cls(storage, params, groups, zero, plan, model, precision)
 
     forward_communicates = True
 
@@ -93,12 +94,17 @@ class Stage3(Stage2):
             self.storage.store.write(bucket, start, values)
 
     def finish_refresh(self) -> None:
+        """After a step (or a load): the owned chunks changed, so hpZ's secondary partition is stale."""
         super().finish_refresh()
         self.storage.store.flush()  # updated chunks written to NVMe before the next forward reads them
+        self.storage.drop_secondary()
 
     def extra_memory(self) -> dict[str, Any]:
-        return {"persistent_params": self.storage.persistent_bytes(),
-                "gathered_params": self.storage.gathered_bytes()}
+        out = {"persistent_params": self.storage.persistent_bytes(),
+               "gathered_params": self.storage.gathered_bytes()}
+        if self.storage.secondary is not None:
+            out["secondary_params"] = self.storage.secondary_bytes()
+        return out
 
     def remove_hooks(self) -> None:
         super().remove_hooks()

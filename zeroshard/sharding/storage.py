@@ -30,7 +30,8 @@ class ParameterStorage(Protocol):
     """Where the trainable parameters' values live, bucket by bucket."""
 
     layout: FlatLayout
-    comm: Collectives
+    comm: Collectives  # the group the buckets are sharded over (a MiCS group, or the whole job)
+    job_comm: Collectives  # every rank of the job
     dtype: torch.dtype  # the compute dtype of the parameters
     device: torch.device  # the training device
     masters: Optional[MasterWeights]  # fp32 masters of the owned chunks, if any

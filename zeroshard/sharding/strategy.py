@@ -25,6 +25,7 @@ from torch import nn
 
 from ..config import ZeroConfig
 from ..distributed.collectives import Collectives, PendingCollective
+from ..distributed.topology import ShardGroups
 from ..distributed.world import World
 from ..offload.policy import OffloadPolicies, OffloadPolicy
 from ..precision import PrecisionPolicy
@@ -63,8 +64,8 @@ class ShardingStrategy(ABC):
     #: whether this rank's optimizer updates every bucket whole (stage 0) or only its chunks
     owns_whole_buckets: ClassVar[bool] = False
 
-    def __init__(self, flat: ParameterStorage, params: Sequence[torch.nn.Parameter], comm: Collectives,
-                 world: World, zero: ZeroConfig, precision: PrecisionPolicy = PrecisionPolicy()) -> None:
+    def __init__(self, flat: ParameterStorage, params: Sequence[torch.nn.Parameter], groups: ShardGroups,
+                 zero: ZeroConfig, precision: PrecisionPolicy = PrecisionPolicy()) -> None:
         self.flat = flat
         self.precision = precision
         #: fp32 copies of the owned parameters when the model computes in 16 bits (else None)
@@ -73,8 +74,13 @@ class ShardingStrategy(ABC):
         self._reduced_listeners: list[Callable[[BucketLayout], None]] = []
         self.layout = flat.layout
         self.params = list(params)
-        self.comm = comm
-        self.world = world
+        #: the shard group's collectives and world: the whole job, or a MiCS group
+        self.comm: Collectives = groups.shard
+        self.world: World = groups.shard.world
+        #: MiCS: the ranks holding this rank's shard in the other groups (see [Note: hybrid sharding groups])
+        self.replicas: Optional[Collectives] = groups.replicas
+        #: every rank of the job: what gradients are averaged over
+        self.data_parallel_size = groups.data_parallel_size
         self.zero = zero
         self.sync_gradients = True  # set by the engine before each backward
         self._slot_of = self.layout.slot_of()
@@ -84,7 +90,7 @@ class ShardingStrategy(ABC):
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
         largest = max(b.padded_numel for b in self.layout.buckets)
         #: shard-size buffers that receive reduce-scatter results (see [Note: why a pool])
-        self.shard_pool = BufferPool(largest // world.world_size, precision.comm, flat.device)
+        self.shard_pool = BufferPool(largest // self.world.world_size, precision.comm, flat.device)
         self._received: dict[int, torch.Tensor] = {}  # bucket index -> reduce-scatter result
         self._gathers: list[PendingCollective] = []  # parameter all-gathers in flight after a step
         self._gather_numel = 0
@@ -145,6 +151,7 @@ class ShardingStrategy(ABC):
                 self.complete(bucket)
                 progress.state = BucketState.REDUCED
                 if self.sync_gradients:
+                    self.reduce_across_replicas(bucket)
                     for listener in self._reduced_listeners:
                         listener(bucket)
 
@@ -156,6 +163,17 @@ class ShardingStrategy(ABC):
         self._progress = [BucketProgress() for _ in self.layout.buckets]
         self._next_launch = 0
 
+    def reduce_across_replicas(self, bucket: BucketLayout) -> None:
+        """MiCS: sum this rank's averaged shard of ``bucket`` with the ranks that hold the same shard in
+        the other shard groups, once per optimizer step (in the communication dtype)."""
+        if self.replicas is None:
+            return
+        owned = self.owned_grad(bucket)
+        sent = owned if owned.dtype == self.precision.comm else owned.to(self.precision.comm)
+        self.replicas.all_reduce(sent, f"grad_replicas{bucket.index}")
+        if sent is not owned:
+            owned.copy_(sent)
+
     def add_reduced_listener(self, listener: Callable[[BucketLayout], None]) -> None:
         """Call ``listener(bucket)`` once each bucket's gradients are averaged at a boundary (the host
         optimizer copies them out while backward goes on)."""
@@ -164,14 +182,16 @@ class ShardingStrategy(ABC):
     # ------------------------------------------------------------------ construction and hooks for subclasses
     @classmethod
     def build(cls, model: nn.Module, params: Sequence[nn.Parameter], names: Sequence[str],
-              group_of: Sequence[int], comm: Collectives, world: World, zero: ZeroConfig,
+              group_of: Sequence[int], groups: ShardGroups, zero: ZeroConfig,
               precision: PrecisionPolicy = PrecisionPolicy(), offload: OffloadPolicies = OffloadPolicies(),
               initial: InitialValues = InitialValues()) -> "ShardingStrategy":
-        """Lay out the trainable parameters and take them over (stages 0-2: one flat buffer)."""
-        layout = plan_buckets(params, names, group_of, zero.reduce_bucket_size, world.world_size)
-        masters = cls.make_masters(layout, world, precision, offload, params[0].device, comm)
-        flat = FlatParameters(layout, params, comm, precision.compute, masters)
-        return cls(flat, params, comm, world, zero, precision)
+        """Lay out the trainable parameters and take them over (stages 0-2: one flat buffer), sharded
+        over ``groups.shard``."""
+        comm = groups.shard
+        layout = plan_buckets(params, names, group_of, zero.reduce_bucket_size, comm.world.world_size)
+        masters = cls.make_masters(layout, comm.world, precision, offload, params[0].device, comm)
+        flat = FlatParameters(layout, params, comm, precision.compute, masters, groups.job)
+        return cls(flat, params, groups, zero, precision)
 
     @classmethod
     def make_masters(cls, layout: FlatLayout, world: World, precision: PrecisionPolicy, offload: OffloadPolicies,
@@ -228,7 +248,7 @@ class ShardingStrategy(ABC):
         With ``reduce_scatter`` the chunk lands in a pooled buffer, handed back by
         :meth:`take_received`; otherwise the bucket is all-reduced in place and the chunk is read from it.
         """
-        self.precision.before_reduction(full, self.world.world_size)
+        self.precision.before_reduction(full, self.data_parallel_size)
         label = f"grad_bucket{bucket.index}"
         if not self.zero.reduce_scatter:
             return self.comm.all_reduce(full, label, async_op=async_op)

@@ -1,0 +1,197 @@
+"""Hybrid sharding (MiCS ``mics_shard_size``, ZeRO++ hpZ ``zero_hpz_partition_size``) on four ranks that
+zeroshard is told are two nodes of two (as torchrun tells them): each trains as one process on the
+whole global batch, and every collective is where it should be, checked call by call: which group it
+ran over, whether its bytes stayed inside a node, and the exact bytes that crossed nodes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+from zs_common import make_model, rank_micro_batches, single_process_reference, zero_config
+
+import zeroshard
+from zeroshard.checkpoint.consolidate import full_state_dict
+from zeroshard.distributed.collectives import CallRecord, CommKind, CommScope
+from zeroshard.memory import model_state_bytes
+from zeroshard.testing import run_world
+
+WORLD, PER_NODE, STEPS, MICRO, ACCUM = 4, 2, 3, 2, 2
+FP32 = 4
+HYBRID = {"mics": {"mics_shard_size": PER_NODE}, "hpz": {"zero_hpz_partition_size": PER_NODE}}
+
+
+def config(stage: int, hybrid: str | None, **zero: Any) -> dict:
+    extra = {"stage3_param_persistence_threshold": 20} if stage == 3 else {}
+    return zero_config(stage, MICRO, ACCUM, **extra, **(HYBRID[hybrid] if hybrid else {}), **zero)
+
+
+def train(engine: Any, first: int, last: int) -> None:
+    for step in range(first, last):
+        for x, y in rank_micro_batches(step, engine.world.rank, WORLD, MICRO, ACCUM):
+            engine.backward(engine(x, y))
+            engine.step()
+
+
+def train_and_log(rank: int, world: int, stage: int, hybrid: str) -> dict:
+    engine, _, _, _ = zeroshard.initialize(model=make_model(), config=config(stage, hybrid))
+    log = engine.comm.ledger.start_log()
+    train(engine, 0, STEPS)
+    layout = engine.flat.layout
+    persistent = sorted(engine.strategy.plan.persistent_buckets) if stage == 3 else []
+    out = {"log": list(log), "by_scope": engine.comm.bytes_sent_by_scope(), "memory": engine.memory_breakdown(),
+           "buckets": [(b.padded_numel, b.shard_numel, b.numel) for b in layout.buckets], "persistent": persistent,
+           "shard_rank": engine.strategy.world.rank}
+    out["state"] = engine.full_state_dict()
+    if hybrid == "hpz":  # the same job without hpZ: the same gathers, only from elsewhere
+        engine.close()
+        plain, _, _, _ = zeroshard.initialize(model=make_model(), config=config(stage, None))
+        plain_log = plain.comm.ledger.start_log()
+        train(plain, 0, STEPS)
+        out["plain_gathers"] = sum(r.kind is CommKind.ALL_GATHER for r in plain_log)
+        plain.close()
+    else:
+        engine.close()
+    return out
+
+
+def across(log: list[CallRecord]) -> int:
+    return sum(r.sent for r in log if r.scope is CommScope.ACROSS_NODES)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_mics_trains_as_one_process_and_only_the_replica_all_reduce_crosses_nodes(stage: int) -> None:
+    """MiCS over groups of 2 (one per node): parameters, gradients and optimizer state sharded inside
+    the node, replicated across; once per step each rank all-reduces its gradient shard with the rank
+    holding the same shard on the other node, and nothing else crosses."""
+    results = run_world(train_and_log, WORLD, args=(stage, "mics"), ranks_per_node=PER_NODE)
+    expected = single_process_reference(STEPS, WORLD, MICRO, ACCUM)
+    for name, value in expected.items():
+        torch.testing.assert_close(results[0]["state"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+    replicas = WORLD // PER_NODE
+    for rank, result in enumerate(results):
+        assert result["shard_rank"] == rank % PER_NODE
+        log: list[CallRecord] = result["log"]
+        crossing = [r for r in log if r.scope is CommScope.ACROSS_NODES]
+        assert {(r.kind, r.group_size) for r in crossing} == {(CommKind.ALL_REDUCE, replicas)}
+        assert all(r.label.startswith("grad_replicas") for r in crossing)
+        assert all(r.group_size == PER_NODE for r in log if r.scope is CommScope.INSIDE_NODE)
+        # per step and bucket: 2 (R-1)/R of the shard, fp32, across; everything else inside the node
+        per_step = sum(2 * (replicas - 1) * shard * FP32 // replicas for _, shard, _ in result["buckets"])
+        assert across(log) == result["by_scope"]["across_nodes"] == STEPS * per_step
+        assert result["by_scope"]["inside_node"] == sum(r.sent for r in log) - STEPS * per_step > 0
+        memory = result["memory"]  # the state is sharded over the 2 ranks of the node, not over 4
+        numel = sum(real for _, _, real in result["buckets"])
+        assert memory["formula"] == model_state_bytes(stage, numel, PER_NODE, "fp32").total
+        assert memory["optimizer"] == 8 * sum(min(max(real - result["shard_rank"] * shard, 0), shard)
+                                              for _, shard, real in result["buckets"])
+    if stage < 3:  # inside the node: the reduce-scatters (one per micro step at stage 2) and the gathers
+        k = ACCUM if stage == 2 else 1
+        inside = sum((k + 1) * (PER_NODE - 1) * padded * FP32 // PER_NODE for padded, _, _ in results[0]["buckets"])
+        grad_norm = 2 * (PER_NODE - 1) * 8 // PER_NODE  # one float64 all-reduce over the shard group
+        assert results[0]["by_scope"]["inside_node"] == STEPS * (inside + grad_norm)
+
+
+def test_hpz_trains_as_one_process_and_gathers_inside_the_node_after_the_first() -> None:
+    """hpZ over groups of 2: the first gather of each bucket after a step comes over all 4 ranks (and
+    across nodes); every later one (backward, the second micro step's forward) from the secondary
+    partition inside the node.  Gradients still reduce-scatter over all 4 ranks."""
+    results = run_world(train_and_log, WORLD, args=(3, "hpz"), ranks_per_node=PER_NODE)
+    expected = single_process_reference(STEPS, WORLD, MICRO, ACCUM)
+    for name, value in expected.items():
+        torch.testing.assert_close(results[0]["state"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+    for result in results:
+        log: list[CallRecord] = result["log"]
+        buckets, persistent = result["buckets"], set(result["persistent"])
+        sharded = [i for i in range(len(buckets)) if i not in persistent]
+        assert sharded and persistent
+        secondary = [r for r in log if r.label.endswith(".hpz")]
+        assert secondary and all(r.kind is CommKind.ALL_GATHER and r.group_size == PER_NODE
+                                 and r.scope is CommScope.INSIDE_NODE for r in secondary)
+        assert all(r.group_size == WORLD and r.scope is CommScope.ACROSS_NODES
+                   for r in log if not r.label.endswith(".hpz"))
+        primary_gathers = [r for r in log if r.kind is CommKind.ALL_GATHER and r.group_size == WORLD
+                           and not r.label.startswith("param_bucket")]
+        assert len(primary_gathers) == STEPS * len(sharded)  # one per bucket per step
+        # hpZ changes where a gather comes from, never how many there are
+        assert len(primary_gathers) + len(secondary) == result["plain_gathers"] - STEPS * len(persistent)
+
+        def ring(padded: int) -> int:
+            return (WORLD - 1) * padded * FP32 // WORLD
+        per_step = (sum(ring(buckets[i][0]) for i in sharded)  # the first gather of each sharded bucket
+                    + ACCUM * sum(ring(padded) for padded, _, _ in buckets)  # reduce-scatter every micro step
+                    + sum(ring(buckets[i][0]) for i in persistent)  # persistent buckets after the step
+                    + 2 * (WORLD - 1) * 8 // WORLD)  # the gradient norm (float64)
+        assert across(log) == result["by_scope"]["across_nodes"] == STEPS * per_step
+        assert result["memory"]["secondary_params"] == sum(buckets[i][0] // PER_NODE * FP32 for i in sharded)
+
+
+def save_resume_modify(rank: int, world: int, hybrid: str, directory: str) -> dict:
+    """Train 2 steps, save, train the 3rd; a second engine loads the save and trains the 3rd too; then a
+    GatheredParameters change by rank 0 after a forward (hpZ's secondary partition is then current)."""
+    engine, _, _, _ = zeroshard.initialize(model=make_model(), config=config(3, hybrid))
+    train(engine, 0, STEPS - 1)
+    engine.save_checkpoint(directory, tag="two")
+    train(engine, STEPS - 1, STEPS)
+    uninterrupted = engine.full_state_dict(rank0_only=False)
+    engine.close()
+    resumed, _, _, _ = zeroshard.initialize(model=make_model(seed=5), config=config(3, hybrid))
+    resumed.load_checkpoint(directory, tag="two")
+    train(resumed, STEPS - 1, STEPS)
+    after_resume = resumed.full_state_dict(rank0_only=False)
+    x, y = rank_micro_batches(0, rank, WORLD, MICRO, ACCUM)[0]
+    resumed(x, y)  # a forward: every sharded bucket gathered, hpZ's secondary partition built
+    head = resumed.module.blocks[1].proj.weight
+    with zeroshard.GatheredParameters([head], modifier_rank=0):
+        if rank == 0:
+            head.data.fill_(0.25)
+    modified = resumed.full_state_dict(rank0_only=False)["blocks.1.proj.weight"]
+    resumed.close()
+    return {"uninterrupted": uninterrupted, "resumed": after_resume, "modified": modified}
+
+
+@pytest.mark.parametrize("hybrid", ["mics", "hpz"])
+def test_hybrid_checkpoints_resume_exactly_and_reshard(hybrid: str, tmp_path: Path) -> None:
+    results = run_world(save_resume_modify, WORLD, args=(hybrid, str(tmp_path)), ranks_per_node=PER_NODE)
+    for result in results:
+        for name, value in result["uninterrupted"].items():
+            assert torch.equal(result["resumed"][name], value), name
+        assert torch.equal(result["modified"], torch.full_like(result["modified"], 0.25))  # every rank, every node
+    saved = full_state_dict(tmp_path / "two")  # offline consolidation sees the whole model
+    files = sorted(p.name for p in (tmp_path / "two").glob("rank*.safetensors"))
+    assert files == [f"rank{r:05d}.safetensors" for r in range(WORLD)]
+    if hybrid == "mics":  # the first node's ranks hold the shards; the others only their RNG state
+        for r in range(WORLD):
+            with safe_open(str(tmp_path / "two" / files[r]), "pt") as f:
+                assert any(k.startswith("param.") for k in f.keys()) == (r < PER_NODE), files[r]
+    # and any other layout loads it: plain stage 2 on 3 ranks
+    loaded = run_world(load_plain, 3, args=(str(tmp_path),))
+    for name, value in saved.items():
+        assert torch.equal(loaded[0][name], value), name
+
+
+def load_plain(rank: int, world: int, directory: str) -> dict:
+    engine, _, _, _ = zeroshard.initialize(model=make_model(seed=7), config=zero_config(2, 1, 1))
+    engine.load_checkpoint(directory, tag="two")
+    state = engine.full_state_dict()
+    engine.close()
+    return state
+
+
+def build_with(rank: int, world: int, zero: dict) -> str:
+    try:
+        zeroshard.initialize(model=make_model(), config=zero_config(3, 1, 1, **zero))
+    except ValueError as err:
+        return str(err)
+    return "built"
+
+
+def test_a_group_size_that_does_not_divide_the_world_is_refused_on_every_rank() -> None:
+    for zero in ({"mics_shard_size": 2}, {"zero_hpz_partition_size": 2}):
+        key = next(iter(zero))
+        for message in run_world(build_with, 3, args=(zero,)):
+            assert f"zero_optimization.{key} = 2 does not divide the world size 3" in message

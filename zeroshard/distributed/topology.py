@@ -1,0 +1,146 @@
+"""Which node each rank is on, and the process groups of hybrid sharding (MiCS, hpZ).
+
+[Note: hybrid sharding groups]
+Plain ZeRO shards over all N ranks, so on several nodes every parameter gather and gradient
+reduce-scatter crosses the network.  Hybrid sharding keeps the frequent collectives inside a group
+of S ranks, which torchrun's numbering puts on one node (the ranks of a node are consecutive):
+
+- ``mics_shard_size: S`` (MiCS, FSDP2's HSDP): the state is sharded over *shard groups* of S
+  consecutive ranks and replicated across the N/S groups.  Gathers and reduce-scatters stay inside the
+  shard group; once per optimizer step each rank all-reduces its gradient shard with the ranks that
+  hold the same shard in the other groups (its *replica group*).
+- ``zero_hpz_partition_size: S`` (ZeRO++ hpZ, stage 3): the primary partition stays over all N ranks;
+  the first gather after each step also keeps a *secondary* partition of the parameters over the S
+  consecutive ranks of the node, and every later gather until the next step gathers from it, inside
+  the group.
+
+Groups are consecutive blocks of S ranks: they follow node boundaries when S divides the ranks per
+node (or the reverse).  Every rank creates every group, in the same order, as ``new_group`` requires.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch.distributed as dist
+
+from .collectives import Collectives
+from .world import World
+
+
+def node_id() -> str:
+    """This process's node: torchrun's node rank (``GROUP_RANK``) when launched by it, else the host name."""
+    group_rank = os.environ.get("GROUP_RANK")
+    return f"node{group_rank}" if group_rank is not None else socket.gethostname()
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The node of every rank, in rank order."""
+
+    node_of: tuple[str, ...]
+
+    @classmethod
+    def discover(cls, world: World) -> "Topology":
+        """Every rank's :func:`node_id` (one small all-gather at set-up)."""
+        if not world.is_distributed:
+            return cls((node_id(),))
+        found: list[Optional[str]] = [None] * world.world_size
+        dist.all_gather_object(found, node_id(), group=world.group)
+        return cls(tuple(str(n) for n in found))
+
+    def spans_nodes(self, ranks: Iterable[int]) -> bool:
+        return len({self.node_of[r] for r in ranks}) > 1
+
+    @property
+    def num_nodes(self) -> int:
+        return len(set(self.node_of))
+
+
+@dataclass
+class ShardGroups:
+    """The groups one engine's sharding communicates over (see [Note: hybrid sharding groups]).
+
+    ``shard`` is the group the training state is sharded over (the whole world without MiCS);
+    ``replicas`` (MiCS) the ranks holding the same shard in the other shard groups; ``secondary``
+    (hpZ) the group of the secondary parameter partition; ``job`` every rank (gradients are averaged
+    over all of them).
+    """
+
+    shard: Collectives
+    #: every rank of the job (the engine's own collectives)
+    job: Collectives
+    replicas: Optional[Collectives] = None
+    secondary: Optional[Collectives] = None
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.job.world.world_size
+
+    def _side(self) -> list[Collectives]:
+        return [c for c in (self.shard, self.replicas, self.secondary) if c is not None and c.world.group is not None]
+
+    def release(self) -> None:
+        """Drop the references to the side groups (at exit, before the process groups are destroyed)."""
+        for comm in self._side():
+            comm.world = dataclasses.replace(comm.world, group=None)
+
+    def close(self) -> None:
+        """Destroy the side groups (``engine.close()``)."""
+        groups = [c.world.group for c in self._side()]
+        self.release()
+        if dist.is_initialized():
+            for group in groups:
+                dist.destroy_process_group(group)
+
+
+def _new_group(world: World, ranks: list[int]) -> Optional[dist.ProcessGroup]:
+    return dist.new_group(ranks=ranks, timeout=datetime.timedelta(seconds=world.timeout_s))
+
+
+def _blocks(comm: Collectives, topology: Topology, size: int, across: bool) -> tuple[Collectives, Optional[Collectives]]:
+    """This rank's block of ``size`` consecutive ranks and (``across``) its group of ranks at the same
+    position in every block; every rank creates every group, blocks first, in rank order."""
+    world = comm.world
+    n = world.world_size
+    mine: dict[str, tuple[Optional[dist.ProcessGroup], list[int]]] = {}
+    for start in range(0, n, size):
+        ranks = list(range(start, start + size))
+        group = _new_group(world, ranks)
+        if world.rank in ranks:
+            mine["block"] = (group, ranks)
+    for position in range(size if across else 0):
+        ranks = list(range(position, n, size))
+        group = _new_group(world, ranks)
+        if world.rank in ranks:
+            mine["across"] = (group, ranks)
+
+    def over(key: str) -> Collectives:
+        group, ranks = mine[key]
+        return comm.over(dataclasses.replace(world, rank=ranks.index(world.rank), world_size=len(ranks),
+                                             group=group, spans_nodes=topology.spans_nodes(ranks)))
+
+    return over("block"), over("across") if across else None
+
+
+def build_shard_groups(comm: Collectives, topology: Topology, mics_shard_size: int,
+                       hpz_partition_size: int) -> ShardGroups:
+    """The engine's :class:`ShardGroups` for the config's ``mics_shard_size`` (-1: off) and
+    ``zero_hpz_partition_size`` (1: off); a size that does not divide the world is refused."""
+    n = comm.world.world_size
+    for key, size in (("mics_shard_size", mics_shard_size), ("zero_hpz_partition_size", hpz_partition_size)):
+        if size > 1 and n % size:
+            raise ValueError(f"zero_optimization.{key} = {size} does not divide the world size {n}: choose a "
+                             f"divisor of {n}, usually the number of ranks per node")
+    if mics_shard_size > 0 and mics_shard_size < n:
+        shard, replicas = _blocks(comm, topology, mics_shard_size, across=True)
+        return ShardGroups(shard, comm, replicas=replicas)
+    if 1 < hpz_partition_size < n:
+        secondary, _ = _blocks(comm, topology, hpz_partition_size, across=False)
+        return ShardGroups(comm, comm, secondary=secondary)
+    return ShardGroups(comm, comm)
