@@ -35,8 +35,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_two_agents(out: Path, stage: int, nodes: Optional[list["Namespace"]] = None, mode: str = "shared"
-                   ) -> list[subprocess.CompletedProcess]:
+def run_two_agents(out: Path, stage: int, nodes: Optional[list["Namespace"]] = None, mode: str = "shared",
+                   hybrid: str = "") -> list[subprocess.CompletedProcess]:
     """`zeroshard run` twice, as on two nodes of a cluster: the same rendezvous endpoint and id.  With
     ``nodes``, each agent runs in its own network namespace and talks over the veth pair only."""
     port = free_port()
@@ -53,8 +53,8 @@ def run_two_agents(out: Path, stage: int, nodes: Optional[list["Namespace"]] = N
             local_addr = ["--local-addr", nodes[node].address, "--rdzv-conf", f"is_host={node == 0}"]
         command = [*prefix, sys.executable, "-m", "zeroshard.cli", "run", "--nnodes", "2", "--node-rank",
                    str(node), "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{port}",
-                   "--rdzv-id", f"zs{stage}{mode}", *local_addr, str(SCRIPT), str(out), str(stage), str(STEPS),
-                   mode]
+                   "--rdzv-id", f"zs{stage}{mode}{hybrid}", *local_addr, str(SCRIPT), str(out), str(stage),
+                   str(STEPS), mode, hybrid]
         agents.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                        env=env))
     done = []
@@ -72,6 +72,21 @@ def reference(steps: int) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("stage", [2, 3])
 def test_two_agents_as_two_nodes_train_as_one_process(stage: int, tmp_path: Path) -> None:
     check_two_node_run(tmp_path, stage, run_two_agents(tmp_path, stage))
+    placements = [json.loads((tmp_path / f"placement{r}.json").read_text()) for r in range(4)]
+    assert all(p["sent"]["inside_node"] == 0 < p["sent"]["across_nodes"] for p in placements)  # groups span both
+
+
+@pytest.mark.parametrize("hybrid", ["mics", "hpz"])
+def test_two_agents_with_hybrid_sharding_train_as_one_process(hybrid: str, tmp_path: Path) -> None:
+    """MiCS and hpZ with a group per node (torchrun's nodes): the same weights as one process; MiCS
+    sends across nodes only the once-per-step all-reduce of each gradient shard (fp32: 2 (R-1)/R x 4
+    bytes per shard element, R = 2 replicas), hpZ keeps every gather but the first of each step inside."""
+    check_two_node_run(tmp_path, 3, run_two_agents(tmp_path, 3, hybrid=hybrid))
+    placements = [json.loads((tmp_path / f"placement{r}.json").read_text()) for r in range(4)]
+    for p in placements:
+        assert p["sent"]["inside_node"] > 0
+        if hybrid == "mics":
+            assert p["sent"]["across_nodes"] == STEPS * sum(shard * 4 for _, shard in p["layout"])
 
 
 @dataclass
