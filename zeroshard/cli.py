@@ -4,6 +4,8 @@
     zeroshard consolidate CKPT_DIR OUT [--dtype fp32|bf16|fp16] [--tag TAG]
     zeroshard ckpt-info CKPT_DIR [--tag TAG]
     zeroshard estimate --params 7e9 --gpus-per-node 8 [--gpu-memory 80] [--micro-batch 1 --seq-len 4096 ...]
+    zeroshard estimate --params 70e9 --nodes 128 --gpus-per-node 8 --intra-node-bw 900GB/s \
+        --inter-node-bw 50GB/s --tflops 400 --seq-len 4096 --micro-batch 1 [--grad-accum 1] [--gpu-memory 80]
     zeroshard plot METRICS.jsonl -o out.png
     zeroshard env
     zeroshard run [torchrun options] script.py [args]
@@ -15,7 +17,10 @@ import argparse
 import os
 import subprocess
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from .memory import Cluster, EstimateRequest
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -80,10 +85,73 @@ def _model_numbers(args: argparse.Namespace) -> tuple[float, dict]:
     return float(args.params), shape
 
 
+_SCALE_LINKS = ("intra_node_bw", "inter_node_bw", "tflops")
+_SCALE_ONLY = ("grad_accum", "mics_shard_size", "hpz_partition_size")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _scale_mode(args: argparse.Namespace) -> bool:
+    """Whether the options ask for the scale model; refuses a half-given one with the missing options."""
+    given = [n for n in _SCALE_LINKS if getattr(args, n) is not None]
+    if not given:
+        extra = [_flag(n) for n in _SCALE_ONLY if getattr(args, n) is not None]
+        if extra:
+            raise SystemExit(f"zeroshard estimate: {', '.join(extra)} belong(s) to the scale model: also give "
+                             f"--intra-node-bw, --inter-node-bw and --tflops (e.g. 900GB/s 50GB/s 400)")
+        return False
+    missing = [_flag(n) for n in _SCALE_LINKS if getattr(args, n) is None]
+    if missing:
+        raise SystemExit(f"zeroshard estimate: the scale model needs --intra-node-bw, --inter-node-bw and --tflops; "
+                         f"missing {', '.join(missing)} (e.g. --intra-node-bw 900GB/s --inter-node-bw 50GB/s "
+                         f"--tflops 400)")
+    if not (args.micro_batch and args.seq_len):
+        raise SystemExit("zeroshard estimate: the scale model needs --micro-batch and --seq-len (tokens per micro "
+                         "step), e.g. --micro-batch 1 --seq-len 4096")
+    return True
+
+
+def _cluster(args: argparse.Namespace) -> "Cluster":
+    """The --nodes/--gpus-per-node/--*-bw/--tflops options as a Cluster, with errors that name the option."""
+    from .memory import Cluster, parse_bandwidth
+
+    speeds = {}
+    for name in ("intra_node_bw", "inter_node_bw"):
+        try:
+            speeds[name] = parse_bandwidth(getattr(args, name))
+        except ValueError as err:
+            raise SystemExit(f"zeroshard estimate: {_flag(name)} {err}") from None
+    if not args.tflops > 0:
+        raise SystemExit(f"zeroshard estimate: --tflops {args.tflops:g}: give the achieved TFLOPS per GPU, > 0 "
+                         f"(e.g. 400 for an H100 at 40% of its dense bf16 peak)")
+    if args.nodes < 1 or args.gpus_per_node < 1:
+        raise SystemExit("zeroshard estimate: --nodes and --gpus-per-node must be at least 1")
+    return Cluster(args.nodes, args.gpus_per_node, speeds["intra_node_bw"], speeds["inter_node_bw"], args.tflops)
+
+
+def _group_sizes(args: argparse.Namespace, world_size: int) -> tuple[list[int], list[int]]:
+    """--mics-shard-size and --hpz-partition-size values, refused unless they divide the world."""
+    sizes: dict[str, list[int]] = {}
+    for name, low in (("mics_shard_size", 1), ("hpz_partition_size", 2)):
+        sizes[name] = list(getattr(args, name) or [])
+        for size in sizes[name]:
+            if size < low or world_size % size:
+                raise SystemExit(f"zeroshard estimate: {_flag(name)} {size} does not divide the {world_size} ranks "
+                                 f"(--nodes {args.nodes} x --gpus-per-node {args.gpus_per_node}): choose a divisor "
+                                 f"of {world_size} of at least {low}, usually --gpus-per-node ({args.gpus_per_node})")
+    return sizes["mics_shard_size"], sizes["hpz_partition_size"]
+
+
 def _estimate(args: argparse.Namespace) -> int:
     from .config import load_config
     from .memory import EstimateRequest, ModelShape, estimate_all, format_table
 
+    scale = _scale_mode(args)
+    if args.grad_accum is not None and args.grad_accum < 1:
+        raise SystemExit(f"zeroshard estimate: --grad-accum {args.grad_accum}: give the micro steps per optimizer "
+                         f"step, at least 1")
     num_params, shape = _model_numbers(args)
     shape = {k: v for k, v in shape.items() if v}
     shape.update({k: v for k, v in (("hidden", args.hidden), ("layers", args.layers), ("heads", args.heads)) if v})
@@ -94,12 +162,32 @@ def _estimate(args: argparse.Namespace) -> int:
                           shape=ModelShape(**shape), reduce_bucket_size=zero.reduce_bucket_size,
                           prefetch_bucket_size=zero.stage3_prefetch_bucket_size)
     estimates = estimate_all(req)
-    print(format_table(req, estimates, args.gpu_memory))
+    if scale:
+        print(_scale_table(args, req))
+    else:
+        print(format_table(req, estimates, args.gpu_memory))
     if args.plot:
         from .plots import plot_estimate
 
         print(f"plot: {plot_estimate(estimates, args.plot, f'{num_params:.3g} parameters on {req.world_size} ranks')}")
     return 0
+
+
+def _scale_table(args: argparse.Namespace, req: "EstimateRequest") -> str:
+    """The scale model's table (zeroshard/memory/scale_model.py) for the parsed options."""
+    from .memory import default_shardings, format_scale_table, scale_estimates
+
+    cluster = _cluster(args)
+    mics, hpz = _group_sizes(args, cluster.world_size)
+    shardings = default_shardings(cluster.world_size, cluster.gpus_per_node, mics, hpz)
+    micro_steps = args.grad_accum or 1
+    table = format_scale_table(req, cluster, scale_estimates(req, cluster, shardings, micro_steps), args.gpu_memory,
+                               micro_steps)
+    if args.offload:
+        table += "\nnote: offload traffic over PCIe/NVMe is not in the time model; memory shows what stays on the GPU"
+    if cluster.world_size <= cluster.gpus_per_node and not (mics or hpz):
+        table += "\nnote: one node: MiCS and hpZ with a group of one node are plain ZeRO, not listed"
+    return table
 
 
 def _plot(args: argparse.Namespace) -> int:
@@ -192,6 +280,16 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--gpu-memory", type=float, help="GB per GPU: recommend the lowest stage that fits")
     est.add_argument("--config", help="a DeepSpeed-style JSON config (bucket sizes for the buffers)")
     est.add_argument("--plot", help="also draw stacked bars per stage to this PNG (needs matplotlib)")
+    scale = est.add_argument_group("scale model", "time and traffic per optimizer step of stages 0-3, MiCS and hpZ "
+                                                  "(all three of --intra-node-bw, --inter-node-bw, --tflops turn it on)")
+    scale.add_argument("--intra-node-bw", help="bandwidth one GPU sends inside its node, e.g. 900GB/s or 3600Gbps")
+    scale.add_argument("--inter-node-bw", help="network bandwidth per GPU (node NICs / GPUs), e.g. 50GB/s or 400Gbps")
+    scale.add_argument("--tflops", type=float, help="achieved model TFLOPS per GPU (6 x params per token), e.g. 400")
+    scale.add_argument("--grad-accum", type=int, help="micro steps per optimizer step (default 1)")
+    scale.add_argument("--mics-shard-size", type=int, action="append",
+                       help="also model MiCS with this shard group size (repeatable; gpus-per-node is always shown)")
+    scale.add_argument("--hpz-partition-size", type=int, action="append",
+                       help="also model hpZ with this partition size (repeatable; gpus-per-node is always shown)")
     est.set_defaults(run=_estimate)
     plot = commands.add_parser("plot", help="loss, throughput and memory over steps from a metrics JSONL file")
     plot.add_argument("metrics")

@@ -18,6 +18,7 @@ import zeroshard
 from zeroshard.checkpoint.consolidate import full_state_dict
 from zeroshard.distributed.collectives import CallRecord, CommKind, CommScope
 from zeroshard.memory import model_state_bytes
+from zeroshard.memory.scale_model import traffic_per_step
 from zeroshard.testing import run_world
 
 WORLD, PER_NODE, STEPS, MICRO, ACCUM = 4, 2, 3, 2, 2
@@ -63,6 +64,23 @@ def across(log: list[CallRecord]) -> int:
     return sum(r.sent for r in log if r.scope is CommScope.ACROSS_NODES)
 
 
+def predicted(stage: int, result: dict, hybrid: str) -> dict[str, int]:
+    """The scale model's bytes per step (``zeroshard estimate``) for this run's padded buckets: stage 3's
+    persistent buckets travel as at stage 2 (reduce-scattered each micro step, gathered after the step)."""
+    knobs = {"mics": {"mics_shard_size": PER_NODE}, "hpz": {"hpz_partition_size": PER_NODE}}[hybrid]
+    persistent = set(result["persistent"])
+    sharded = [b[0] for i, b in enumerate(result["buckets"]) if i not in persistent]
+    whole = [b[0] for i, b in enumerate(result["buckets"]) if i in persistent]
+    out = {"inside_node": 0, "across_nodes": 0}
+    parts = [(stage, sharded)] + ([(2, whole)] if whole else [])
+    for part_stage, numels in parts:
+        knob = knobs if part_stage == 3 or hybrid == "mics" else {}
+        for scope, sent in traffic_per_step(part_stage, numels, WORLD, PER_NODE, ACCUM, FP32, FP32,
+                                            **knob).by_scope().items():
+            out[scope] += sent
+    return out
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_mics_trains_as_one_process_and_only_the_replica_all_reduce_crosses_nodes(stage: int) -> None:
     """MiCS over groups of 2 (one per node): parameters, gradients and optimizer state sharded inside
@@ -89,11 +107,14 @@ def test_mics_trains_as_one_process_and_only_the_replica_all_reduce_crosses_node
         assert memory["formula"] == model_state_bytes(stage, numel, PER_NODE, "fp32").total
         assert memory["optimizer"] == 8 * sum(min(max(real - result["shard_rank"] * shard, 0), shard)
                                               for _, shard, real in result["buckets"])
+        # zeroshard estimate's scale model predicts the bytes across nodes to the byte
+        assert STEPS * predicted(stage, result, "mics")["across_nodes"] == result["by_scope"]["across_nodes"]
     if stage < 3:  # inside the node: the reduce-scatters (one per micro step at stage 2) and the gathers
         k = ACCUM if stage == 2 else 1
         inside = sum((k + 1) * (PER_NODE - 1) * padded * FP32 // PER_NODE for padded, _, _ in results[0]["buckets"])
         grad_norm = 2 * (PER_NODE - 1) * 8 // PER_NODE  # one float64 all-reduce over the shard group
         assert results[0]["by_scope"]["inside_node"] == STEPS * (inside + grad_norm)
+        assert predicted(stage, results[0], "mics")["inside_node"] == inside
 
 
 def test_hpz_trains_as_one_process_and_gathers_inside_the_node_after_the_first() -> None:
@@ -127,6 +148,7 @@ def test_hpz_trains_as_one_process_and_gathers_inside_the_node_after_the_first()
                     + sum(ring(buckets[i][0]) for i in persistent)  # persistent buckets after the step
                     + 2 * (WORLD - 1) * 8 // WORLD)  # the gradient norm (float64)
         assert across(log) == result["by_scope"]["across_nodes"] == STEPS * per_step
+        assert predicted(3, result, "hpz")["across_nodes"] == per_step - 2 * (WORLD - 1) * 8 // WORLD
         assert result["memory"]["secondary_params"] == sum(buckets[i][0] // PER_NODE * FP32 for i in sharded)
 
 

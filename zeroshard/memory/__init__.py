@@ -1,7 +1,14 @@
-"""Memory accounting: the ZeRO formulas and the engine's measured breakdown."""
+"""Memory accounting: the ZeRO formulas and the engine's measured breakdown; the scale model."""
 
-from .accounting import StageMemory, model_state_bytes
-from .estimator import EstimateRequest, ModelShape, StageEstimate, estimate_all, format_table, recommend
+from .accounting import StageMemory, hybrid_model_state_bytes, model_state_bytes, secondary_param_bytes
+from .estimator import (EstimateRequest, ModelShape, StageEstimate, estimate_all, estimate_hybrid, format_table,
+                        recommend)
+from .scale_model import (Cluster, CollectiveTraffic, Phase, ScaleEstimate, Sharding, StepTime, Traffic,
+                          default_shardings, format_scale_table, parse_bandwidth, recommend_scale, scale_estimates,
+                          step_time, traffic_per_step)
 
-__all__ = ["StageMemory", "model_state_bytes", "EstimateRequest", "ModelShape", "StageEstimate", "estimate_all",
-           "format_table", "recommend"]
+__all__ = ["StageMemory", "model_state_bytes", "hybrid_model_state_bytes", "secondary_param_bytes",
+           "EstimateRequest", "ModelShape", "StageEstimate", "estimate_all", "estimate_hybrid", "format_table",
+           "recommend", "Cluster", "CollectiveTraffic", "Phase", "ScaleEstimate", "Sharding", "StepTime", "Traffic",
+           "default_shardings", "format_scale_table", "parse_bandwidth", "recommend_scale", "scale_estimates",
+           "step_time", "traffic_per_step"]

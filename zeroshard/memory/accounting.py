@@ -8,6 +8,13 @@ formula exactly.  Everything else is reported under its own name: ``padding`` (t
 make buckets divisible by N), ``optimizer_other`` (per-tensor scalars such as Adam's ``step``),
 ``frozen_params``, ``buffers`` (module buffers) and ``comm_buffers`` (stage 2's pool of reusable
 gradient-bucket buffers, bounded by ``reduce_bucket_size`` rather than by the model).
+
+[Note: hybrid sharding memory]
+MiCS (``mics_shard_size: S``) shards the state over groups of S ranks and replicates it across the
+groups, so a rank holds what the stage's formula gives for a world of S ranks.  hpZ
+(``zero_hpz_partition_size: S``, stage 3) keeps plain stage 3's partition over all N ranks and adds
+a *secondary* copy of the compute-dtype parameters partitioned over S ranks: ``Ψ/S * p`` bytes
+(``secondary_params``; p = 2 for bf16/fp16, 4 for fp32), the engine's ``secondary_params`` entry.
 """
 
 from __future__ import annotations
@@ -25,10 +32,12 @@ class StageMemory:
     params: float
     grads: float
     optimizer: float
+    #: hpZ's secondary partition of the compute-dtype parameters (0 without hpZ)
+    secondary_params: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer
+        return self.params + self.grads + self.optimizer + self.secondary_params
 
 
 def model_state_bytes(stage: int, num_params: float, world_size: int, precision: str = "fp32",
@@ -48,3 +57,30 @@ def model_state_bytes(stage: int, num_params: float, world_size: int, precision:
     sharded = {0: (False, False, False), 1: (False, False, True), 2: (False, True, True),
                3: (True, True, True)}[stage]
     return StageMemory(*(b * num_params / (n if s else 1) for b, s in zip((p, g, o), sharded)))
+
+
+def secondary_param_bytes(num_params: float, partition_size: int, precision: str = "fp32") -> float:
+    """hpZ's secondary partition per rank: ``Ψ/S`` compute-dtype parameters (see [Note: hybrid sharding
+    memory]); 0 when ``partition_size`` is 1 (hpZ off)."""
+    if partition_size <= 1:
+        return 0.0
+    return PER_PARAM[precision][0] * num_params / partition_size
+
+
+def hybrid_model_state_bytes(stage: int, num_params: float, world_size: int, precision: str = "fp32",
+                             grad_bytes: int | None = None, optimizer_bytes: int | None = None,
+                             mics_shard_size: int | None = None,
+                             hpz_partition_size: int | None = None) -> StageMemory:
+    """:func:`model_state_bytes` with hybrid sharding (see [Note: hybrid sharding memory]).
+
+    ``mics_shard_size`` S (None or -1: off): the formula with N replaced by S.  ``hpz_partition_size``
+    S (None or 1: off; stage 3 only): plain stage 3 plus ``secondary_params``.  MiCS wins when both
+    are given, as in the engine's groups (``distributed/topology.py``).
+    """
+    if mics_shard_size is not None and mics_shard_size > 0:
+        return model_state_bytes(stage, num_params, mics_shard_size, precision, grad_bytes, optimizer_bytes)
+    states = model_state_bytes(stage, num_params, world_size, precision, grad_bytes, optimizer_bytes)
+    if hpz_partition_size is not None and hpz_partition_size > 1 and stage == 3:
+        return StageMemory(states.params, states.grads, states.optimizer,
+                           secondary_param_bytes(num_params, hpz_partition_size, precision))
+    return states

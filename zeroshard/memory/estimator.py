@@ -15,10 +15,11 @@ need less.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .accounting import model_state_bytes
+from .accounting import model_state_bytes, secondary_param_bytes
 
 GB = 1e9  # the seeds' tables use decimal gigabytes
 
@@ -41,6 +42,8 @@ class StageEstimate:
     activations: float
     buffers: float
     host: float = 0.0  # bytes moved to host memory by offload
+    #: hpZ's secondary partition of the parameters (see [Note: hybrid sharding memory] in accounting.py)
+    secondary_params: float = 0.0
 
     @property
     def model_states(self) -> float:
@@ -48,7 +51,7 @@ class StageEstimate:
 
     @property
     def total(self) -> float:
-        return self.model_states + self.activations + self.buffers
+        return self.model_states + self.activations + self.buffers + self.secondary_params
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,24 @@ def estimate_stage(req: EstimateRequest, stage: int) -> StageEstimate:
         host += params
         params = 0.0
     return StageEstimate(stage, params, grads, optimizer, activation_bytes(req), buffer_bytes(req, stage), host)
+
+
+def estimate_hybrid(req: EstimateRequest, stage: int, mics_shard_size: Optional[int] = None,
+                    hpz_partition_size: Optional[int] = None) -> StageEstimate:
+    """:func:`estimate_stage` with hybrid sharding (see [Note: hybrid sharding memory] in accounting.py).
+
+    MiCS (``mics_shard_size`` S, None or -1: off): the stage's estimate for a world of S ranks, since
+    every sharded byte is split over the S ranks of a shard group.  hpZ (``hpz_partition_size`` S, None
+    or 1: off; stage 3): plain stage 3 over all ranks plus the secondary partition, which stays on the
+    device even when ``offload`` moves the primary one to the host.
+    """
+    if mics_shard_size is not None and mics_shard_size > 0:
+        return estimate_stage(dataclasses.replace(req, world_size=mics_shard_size), stage)
+    estimate = estimate_stage(req, stage)
+    if hpz_partition_size is not None and hpz_partition_size > 1 and stage == 3:
+        secondary = secondary_param_bytes(req.num_params, hpz_partition_size, req.precision)
+        return dataclasses.replace(estimate, secondary_params=secondary)
+    return estimate
 
 
 def estimate_all(req: EstimateRequest) -> list[StageEstimate]:
