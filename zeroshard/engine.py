@@ -132,7 +132,6 @@ class Engine(DeepSpeedEngineAPI):
         trainable = collect_trainable(model, model_parameters,
                                       optimizer if isinstance(optimizer, Optimizer) else None, replaced)
         self.param_names = trainable.names
-        self.frozen_params = trainable.frozen
         self._sync_initial_state(from_init)
         # this engine's own settings while its forward runs (see [Note: whose settings a region uses])
         self.checkpointing: Optional[activation_checkpointing.CheckpointingContext] = (
@@ -143,11 +142,19 @@ class Engine(DeepSpeedEngineAPI):
         self._consecutive_skips = 0  # non-finite steps in a row (see optim/nonfinite.py)
         self._nonfinite_loss_seen = False  # a micro step since the last step had a NaN/inf loss
         self.offload = OffloadPolicies.from_config(config.zero_optimization)
-        initial = InitialValues({i: from_init[id(p)] for i, p in enumerate(trainable.params) if id(p) in from_init})
+        name_of = {id(p): n for n, p in model.named_parameters()}
         self.strategy = STRATEGIES[config.stage].build(
             model, trainable.params, trainable.names, trainable.group_of, self.shard_groups,
-            config.zero_optimization, self.precision, self.offload, initial)
+            config.zero_optimization, self.precision, self.offload, InitialValues(from_init),
+            [(name_of[id(p)], p) for p in trainable.frozen])
         self.flat = self.strategy.flat
+        #: frozen parameters kept whole in their modules (all of them below stage 3); stage 3's storage
+        #: holds the others (see [Note: frozen parameters at stage 3] in sharding/units.py)
+        self.frozen_params = [p for p in trainable.frozen if HOMES.home_of(p) is None]
+        with torch.no_grad():
+            for p in self.frozen_params:
+                if id(p) in from_init:  # built under Init and kept whole: gathered now, in model order
+                    p.data = from_init[id(p)]().clone()
         self._convert_rest_of_model()
         # What the optimizer updates, and where it lives (see [Note: pieces] in optim/updater.py).
         self.updater = build_updater(self.strategy, self.offload)
@@ -205,7 +212,7 @@ class Engine(DeepSpeedEngineAPI):
 
     def _optimizer_groups(self, options: list[dict[str, Any]]) -> list[dict[str, Any]]:
         groups = [{**opts, "params": []} for opts in options]
-        for bucket in self.flat.layout.buckets:
+        for bucket in self.strategy.layout.buckets:
             groups[bucket.group_index]["params"].extend(self.updater.params_of(bucket))
         return groups
 
@@ -332,7 +339,7 @@ class Engine(DeepSpeedEngineAPI):
 
     def _optimizer_step(self) -> None:
         self._raise_swap_failures()  # a parameter shard that could not be read: stop before updating
-        grads = [self.strategy.owned_grad(b) for b in self.flat.layout.buckets]  # on the device
+        grads = [self.strategy.owned_grad(b) for b in self.strategy.layout.buckets]  # on the device
         shard_comm = self.strategy.comm  # the shard group: replicas (MiCS) hold the same averaged shard
         sharded = self.strategy.grads_are_sharded and shard_comm.world.is_distributed
         scaled_norm = global_grad_norm(grads, shard_comm if sharded else None)
@@ -371,7 +378,7 @@ class Engine(DeepSpeedEngineAPI):
         self._nonfinite_loss_seen = False
         source = f"non-finite loss on rank(s) {ranks}" if ranks else "every rank's loss was finite: it arose in backward"
         if self._consecutive_skips >= self.config.max_consecutive_skips:
-            name = first_nonfinite_parameter(self.strategy.comm, self.flat.layout.buckets, grads, self.param_names)
+            name = first_nonfinite_parameter(self.strategy.comm, self.strategy.layout.buckets, grads, self.param_names)
             raise NonFiniteGradientError(
                 f"{self._consecutive_skips} optimizer steps in a row (up to step {step}) had non-finite "
                 f"gradients ({source}; first parameter with a non-finite gradient: {name!r}); training "
@@ -396,7 +403,7 @@ class Engine(DeepSpeedEngineAPI):
         multiplied by ``factor`` (1 / loss scale, times the clipping coefficient), one piece at a time;
         after each piece the masters are rounded into the parameters (``publish_piece``).
         """
-        order = list(reversed(self.flat.layout.buckets))
+        order = list(reversed(self.strategy.layout.buckets))
         self.updater.begin_step(order)
         for bucket in order:
             self.updater.step_bucket(bucket, grads[bucket.index], factor)
@@ -485,7 +492,7 @@ class Engine(DeepSpeedEngineAPI):
         record: dict[str, Any] = {
             "step": self.global_steps, "loss": self._last_loss, "lr": self.get_lr()[0],
             "grad_norm": self._grad_norm, "samples_per_s": steps * self.train_batch_size() / elapsed,
-            "tokens_per_s": tokens_per_s, "tflops": 6 * self.flat.layout.numel * tokens_per_s / 1e12,
+            "tokens_per_s": tokens_per_s, "tflops": 6 * self.strategy.layout.numel * tokens_per_s / 1e12,
             "comm_mib": (comm_bytes - self._window_comm[0]) / 2**20, "comm_s": comm_seconds - self._window_comm[1],
             "host_peak_mib": host_peak_bytes() / 2**20, "device_peak_mib": device_peak_bytes(self.world.device) / 2**20,
             "loss_scale": self.loss_scaler.scale, "skipped_steps": self.skipped_steps,
@@ -539,14 +546,15 @@ class Engine(DeepSpeedEngineAPI):
         """Write a sharded checkpoint under ``save_dir/tag`` (see zeroshard/checkpoint/format.py).
 
         ``tag`` may be of any type (DeepSpeed scripts pass step numbers): it names a directory by
-        ``str(tag)``.  ``exclude_frozen_parameters`` is accepted for DeepSpeed's signature: zeroshard's
-        checkpoints hold the trainable parameters' shards and keep frozen ones in the small extra
-        file either way.
+        ``str(tag)``.  ``exclude_frozen_parameters`` leaves frozen parameters out (a LoRA job's base
+        model, which the job loads from its pretrained weights anyway); a load then keeps the model's
+        current frozen values.
         """
         tag_name = f"global_step{self.global_steps}" if tag is None else str(tag)
         self._agree.agree(Call.SAVE, self.micro_steps, self.global_steps, tag_name)
         return save_checkpoint(self.checkpoint_parts(), save_dir, tag_name, client_state, save_latest,
-                               node_local=self.config.checkpoint.use_node_local_storage)
+                               node_local=self.config.checkpoint.use_node_local_storage,
+                               exclude_frozen=exclude_frozen_parameters)
 
     def _save_periodically(self) -> None:
         """``checkpoint.save_interval``: every rank saves at the same step, then rank 0 prunes
@@ -582,7 +590,7 @@ class Engine(DeepSpeedEngineAPI):
         loader = self.data_loader if hasattr(self.data_loader, "state_dict") else None
         return CheckpointParts(
             self.world, self.comm, self.stage, ShardedState(self.updater, self.strategy),
-            ModuleState(self.module, self.strategy.params, self.param_names), OptimizerHyperparameters(self.optimizer),
+            ModuleState(self.module, self.strategy.params, self.param_names, self.flat), OptimizerHyperparameters(self.optimizer),
             self.counters, self.loss_scaler, RNGState(),
             lambda identity: self._agree.agree(Call.LOAD, self.micro_steps, self.global_steps, identity),
             self.lr_scheduler, loader)
@@ -640,7 +648,7 @@ class Engine(DeepSpeedEngineAPI):
             storage.release(bucket.index)
         if not keep:
             return {}
-        index_of = {id(p): i for i, p in enumerate(self.strategy.params)}
+        index_of = {id(p): i for i, p in enumerate(storage.params)}
         out: dict[str, torch.Tensor] = {}
         for name, tensor in self.module.state_dict(keep_vars=True).items():
             home = HOMES.home_of(tensor)
@@ -654,6 +662,7 @@ class Engine(DeepSpeedEngineAPI):
     def memory_breakdown(self) -> dict[str, float]:
         """Bytes this rank holds, by category (see [Note: what the breakdown counts])."""
         params, param_padding = self.strategy.param_bytes()
+        frozen_sharded, frozen_padding = self.strategy.frozen_bytes()
         grads, grad_padding = self.strategy.grad_bytes()
         placed = self.updater.memory()  # optimizer state, fp32 masters included (12 bytes = 4 + 8)
         opt_real, opt_padding, opt_other = placed["real"], placed["padding"], placed["other"]
@@ -661,9 +670,9 @@ class Engine(DeepSpeedEngineAPI):
             "params": params,
             "grads": grads,
             "optimizer": opt_real,
-            "padding": param_padding + grad_padding + opt_padding,
+            "padding": param_padding + grad_padding + opt_padding + frozen_padding,
             "optimizer_other": opt_other,
-            "frozen_params": sum(p.numel() * p.element_size() for p in self.frozen_params),
+            "frozen_params": frozen_sharded + sum(p.numel() * p.element_size() for p in self.frozen_params),
             "buffers": sum(b.numel() * b.element_size() for b in self.module.buffers()),
             "comm_buffers": self.strategy.comm_buffer_bytes(),
             **self.strategy.extra_memory(),
@@ -678,7 +687,7 @@ class Engine(DeepSpeedEngineAPI):
         out["offload_buffers"] = placed["host_buffers"]
         mixed = self.precision.mixed
         grad_size = torch.empty((), dtype=self.precision.grad_accum).element_size()
-        out["formula"] = model_state_bytes(self.stage, self.flat.layout.numel, self.strategy.world.world_size,
+        out["formula"] = model_state_bytes(self.stage, self.strategy.layout.numel, self.strategy.world.world_size,
                                            "mixed" if mixed else "fp32", grad_size,
                                            12 if self.strategy.masters is not None else None).total
         return out

@@ -33,6 +33,11 @@ from .sharding.units import rebind_external_parameters
 
 
 
+#: ``requires_grad_`` and ``p.requires_grad = ...`` (a model frozen under Init, as LoRA code does) change
+#: the parameter itself, not a gathered copy of its values
+_FLAG_FUNCTIONS = frozenset({torch.Tensor.requires_grad_, getattr(torch.Tensor.requires_grad, "__set__")})
+
+
 def _overwriting_functions() -> frozenset:
     """Initialisers that overwrite every element without reading it: no need to gather first."""
     init_names = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
@@ -110,7 +115,7 @@ class InitShardedParameter(nn.Parameter):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func in METADATA_FUNCTIONS:
+        if func in METADATA_FUNCTIONS or func in _FLAG_FUNCTIONS:
             return super().__torch_function__(func, types, args, kwargs)
         if func == DEVICE_GETTER:  # the device it computes on (see placeholder.py)
             return args[0]._zeroshard_comm.world.device
@@ -191,11 +196,10 @@ def adopt_init_params(model: nn.Module, device: torch.device
                       ) -> tuple[dict[int, nn.Parameter], dict[int, Callable[[], torch.Tensor]]]:
     """Swap each :class:`InitShardedParameter` for a plain ``nn.Parameter`` the engine can own.
 
-    A trainable one becomes a parameter with the full shape and no storage, whose values stage 3
-    gathers from the shards when it fills its bucket (one parameter at a time); a frozen one is
-    gathered whole, since zeroshard keeps frozen parameters unsharded.  Returns ``id(old) -> new``
-    (an optimizer built before initialize() holds the old ones) and ``id(new) -> gather`` for the
-    trainable ones.
+    Each becomes a parameter with the full shape and no storage, whose values stage 3 gathers from
+    the shards when it fills its bucket (one parameter at a time); a frozen one that stage 3 keeps
+    whole is gathered after the buckets are built.  Returns ``id(old) -> new`` (an optimizer built
+    before initialize() holds the old ones) and ``id(new) -> gather``.
     """
     replaced: dict[int, nn.Parameter] = {}
     pending: dict[int, Callable[[], torch.Tensor]] = {}
@@ -204,12 +208,9 @@ def adopt_init_params(model: nn.Module, device: torch.device
             if not isinstance(p, InitShardedParameter):
                 continue
             if id(p) not in replaced:
-                if p.requires_grad:
-                    fresh = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device))
-                    fresh.untyped_storage().resize_(0)
-                    pending[id(fresh)] = p.gather_full
-                else:
-                    fresh = nn.Parameter(p.gather_full().clone(), requires_grad=False)
+                fresh = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+                fresh.untyped_storage().resize_(0)
+                pending[id(fresh)] = p.gather_full
                 replaced[id(p)] = fresh
             module._parameters[attr] = replaced[id(p)]
     rebind_external_parameters(replaced)

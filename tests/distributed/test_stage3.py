@@ -25,13 +25,15 @@ def accounting_worker(rank: int, world: int, persistence: int) -> dict:
     for x, y in rank_micro_batches(5, rank, world, 1, 1):
         engine.backward(engine(x, y))
         engine.step()
-    layout, plan = engine.flat.layout, engine.strategy.plan
+    layout, plan = engine.strategy.layout, engine.strategy.plan  # the trainable buckets
     persistent = [b for b in layout.buckets if b.index in plan.persistent_buckets]
+    frozen = [b for b in engine.flat.layout.buckets if b.frozen]  # the frozen layer, sharded too
     return {
         "mb": engine.memory_breakdown(),
         "counters": {k.value: (c.calls, c.bytes_sent) for k, c in engine.comm.counters.items()},
         "padded": layout.padded_numel, "padded_persistent": sum(b.padded_numel for b in persistent),
         "real_persistent": sum(b.numel for b in persistent), "units": len(plan.units),
+        "padded_frozen": sum(b.padded_numel for b in frozen), "frozen_units": len(frozen),
         "buckets": len(layout.buckets), "own": layout.real_numel_in_shard(rank),
         "psi": sum(p.numel() for p in model.parameters() if p.requires_grad),
     }
@@ -49,10 +51,13 @@ def test_stage3_memory_and_communication_are_exact(persistence: int) -> None:
         assert mb["gathered_params"] == 0  # nothing stays gathered between steps
         assert mb["persistent_params"] == 4 * r["real_persistent"]
         total += mb["model_states"]
-        sharded = 4 * (r["padded"] - r["padded_persistent"])
+        sharded = 4 * (r["padded"] - r["padded_persistent"] + r["padded_frozen"])
         one_way = lambda b: (n - 1) * b // n  # noqa: E731
-        # forward gather + backward gather of every unit, one refresh gather of the persistent buckets
-        assert c["all_gather"] == (2 * r["units"] + (r["buckets"] - r["units"]),
+        # forward gather + backward gather of every unit (the frozen layer's too: backward goes through
+        # it), one refresh gather of the persistent buckets
+        assert r["frozen_units"] == 1
+        trainable_units = r["units"] - r["frozen_units"]
+        assert c["all_gather"] == (2 * r["units"] + (r["buckets"] - trainable_units),
                                    2 * one_way(sharded) + one_way(4 * r["padded_persistent"]))
         assert c["reduce_scatter"] == (r["buckets"], one_way(4 * r["padded"]))
         assert c["all_reduce"][0] == 1  # the gradient norm
@@ -283,7 +288,7 @@ def test_reuse_distance_and_live_parameter_limits_are_honoured() -> None:
     keep = run_world(reuse_worker, 2, args=({"stage3_max_reuse_distance": 10**9},))[0]
     keep_capped = run_world(reuse_worker, 2, args=({"stage3_max_reuse_distance": 10**9,
                                                     "stage3_max_live_parameters": 1},))[0]
-    units = 3  # two blocks and the root
+    units = 4  # two blocks, the root, and block 0's frozen layer (stage 3 shards it too)
     assert release_all == 2 * units  # gathered for forward, again for backward
     assert keep < release_all  # units reused soon after their forward stay gathered for backward
     assert keep_capped == release_all  # ... unless that would exceed the live-parameter limit
@@ -294,6 +299,7 @@ def gather_order_worker(rank: int, world: int, prefetch: int) -> list[list[tuple
     (by the unit its label names), and each block's forward and backward beginning.  Blocks are
     released after each use (reuse distance 0), so each is gathered once for forward, once for backward."""
     model = make_model()
+    model.blocks[0].fc.requires_grad_(True)  # one unit per block (a frozen layer would be a unit of its own)
     engine, _, _, _ = zeroshard.initialize(model=model, config=zero_config(
         3, 1, 1, stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0,
         stage3_prefetch_bucket_size=prefetch))

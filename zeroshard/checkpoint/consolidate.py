@@ -53,7 +53,8 @@ def consolidate(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", ta
 
 def _full_weights(reader: CheckpointReader, cast: torch.dtype
                   ) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], Callable[[str], torch.Tensor]]:
-    """Every state-dict entry's name, shape and dtype, and a function producing its full values."""
+    """Every state-dict entry's name, shape and dtype, and a function producing its full values
+    (frozen parameters only when the checkpoint holds them)."""
     model = reader.data["model"]
     trainable_of: dict[str, str] = model["trainable_of"]
     extra = reader.extra()
@@ -61,9 +62,10 @@ def _full_weights(reader: CheckpointReader, cast: torch.dtype
     for key in model["state_dict_keys"]:
         if key in trainable_of:
             entries.append((key, reader.shape(trainable_of[key]), cast))
-        else:
+        elif key in extra:
             t = extra[key]
             entries.append((key, tuple(t.shape), cast if t.is_floating_point() else t.dtype))
+        # otherwise a frozen parameter left out (save_checkpoint(exclude_frozen_parameters=True))
 
     def produce(key: str) -> torch.Tensor:
         return reader.tensor(trainable_of[key]) if key in trainable_of else extra[key]

@@ -72,7 +72,9 @@ class ModuleStateful(Protocol):
 
     def describe(self) -> dict[str, Any]: ...
 
-    def extra_tensors(self, trainable_keys: set[str]) -> dict[str, torch.Tensor]: ...
+    def extra_tensors(self, trainable_keys: set[str], keep: bool = True,
+                      exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
+        """Every rank calls it (it may gather); ranks that do not ``keep`` get nothing."""
 
     def load_extra(self, values: dict[str, torch.Tensor]) -> None: ...
 

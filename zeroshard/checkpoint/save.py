@@ -87,7 +87,7 @@ def _manifest(parts: CheckpointParts, tag: str, client_state: Any, files: dict[s
 
 
 def save_checkpoint(parts: CheckpointParts, save_dir: str | Path, tag: str, client_state: Any = None,
-                    save_latest: bool = True, node_local: bool = False) -> Path:
+                    save_latest: bool = True, node_local: bool = False, exclude_frozen: bool = False) -> Path:
     """Write a checkpoint of ``parts`` under ``save_dir/tag``; every rank must call it.
 
     ``node_local`` (``checkpoint.use_node_local_storage``): ``save_dir`` is a directory of each node's
@@ -107,8 +107,9 @@ def save_checkpoint(parts: CheckpointParts, save_dir: str | Path, tag: str, clie
     save_file(rank_tensors(parts), str(mine))
     sidecar = {mine.name: {"bytes": mine.stat().st_size, "sha256": sha256_of(mine)}}
     model = parts.module.describe()
+    # every rank: stage 3 gathers its frozen buckets; the leader writes them
+    extra = parts.module.extra_tensors(set(model["trainable_of"]), keep=leader, exclude_frozen=exclude_frozen)
     if leader:
-        extra = parts.module.extra_tensors(set(model["trainable_of"]))
         if extra:
             save_file(extra, str(staging / EXTRA_FILE))
             sidecar[EXTRA_FILE] = {"bytes": (staging / EXTRA_FILE).stat().st_size,

@@ -62,8 +62,19 @@ class GatherScheduler:
                 for t in tree_flatten(output)[0]:
                     if isinstance(t, torch.Tensor) and t.requires_grad:
                         t.register_hook(self._pre_backward_hook(unit))
+                if self.storage.layout.buckets[unit.bucket_index].frozen:
+                    self._release_after_backward(unit, args)
             self.done_with(unit.bucket_index)
         return hook
+
+    def _release_after_backward(self, unit: Unit, args: Any) -> None:
+        """A frozen unit gets no gradient to say that backward is done with it: release it once the
+        gradients of the module's inputs are computed (its backward is then over).  A module whose
+        inputs need no gradient keeps its frozen unit until the end of backward."""
+        inputs = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if inputs:
+            torch.autograd.graph.register_multi_grad_hook(
+                inputs, lambda grads: self.done_with(unit.bucket_index), mode="all")
 
     def _pre_backward_hook(self, unit: Unit) -> Any:
         def hook(grad: torch.Tensor) -> None:

@@ -44,6 +44,9 @@ class BucketLayout:
     padded_numel: int  # a multiple of world_size
     slots: tuple[ParamSlot, ...]
     world_size: int
+    #: stage 3: a bucket of frozen parameters, sharded and gathered like the others but never reduced
+    #: or updated (the strategy and the optimizer see only the trainable buckets, which come first)
+    frozen: bool = False
 
     @property
     def shard_numel(self) -> int:
@@ -83,6 +86,12 @@ class FlatLayout:
     def slot_of(self) -> dict[int, tuple[BucketLayout, ParamSlot]]:
         return {s.index: (b, s) for b in self.buckets for s in b.slots}
 
+    def trainable(self) -> "FlatLayout":
+        """The buckets of trainable parameters (they come before any frozen bucket)."""
+        kept = tuple(b for b in self.buckets if not b.frozen)
+        assert all(b.index == i for i, b in enumerate(kept)), "trainable buckets must come first"
+        return FlatLayout(kept, self.world_size)
+
 
 def size_runs(indices: Iterable[int], numels: Sequence[int], group_of: Sequence[int],
               bucket_numel: int) -> list[list[int]]:
@@ -112,7 +121,7 @@ class LayoutBuilder:
         self.buckets: list[BucketLayout] = []
         self.offset = 0
 
-    def add(self, indices: Sequence[int], group: int) -> int:
+    def add(self, indices: Sequence[int], group: int, frozen: bool = False) -> int:
         """Append a bucket holding ``indices`` (in that order); returns its index."""
         slots, pos = [], 0
         for i in indices:
@@ -121,7 +130,7 @@ class LayoutBuilder:
             pos += p.numel()
         padded = -(-pos // self.world_size) * self.world_size
         self.buckets.append(BucketLayout(len(self.buckets), group, self.offset, pos, padded, tuple(slots),
-                                         self.world_size))
+                                         self.world_size, frozen))
         self.offset += padded
         return len(self.buckets) - 1
 

@@ -77,7 +77,7 @@ class ShardedParameters:
             for bucket in layout.buckets:
                 full = torch.zeros(bucket.padded_numel, dtype=self.dtype, device=self.device)
                 # built under zeroshard.Init: gathered one parameter at a time
-                bucket_values(bucket, lambda i: initial.of(i, params[i]), full, masters)
+                bucket_values(bucket, lambda i: initial.of(params[i]), full, None if bucket.frozen else masters)
                 for slot in bucket.slots:
                     view = full[slot.offset: slot.offset + slot.numel].view(slot.shape)
                     params[slot.index].data = view
@@ -235,7 +235,7 @@ class ShardedParameters:
         self.drop_secondary(index)
         with torch.no_grad():
             self.store.write(bucket, 0, self.full[index][start:end])
-            if self.masters is not None:
+            if self.masters is not None and not bucket.frozen:
                 self.masters.take(bucket, self.full[index], only_changed=True)
 
     def take_failure(self) -> SwapFailure:

@@ -45,12 +45,14 @@ class Stage3(Stage2):
     def build(cls, model: nn.Module, params: Sequence[nn.Parameter], names: Sequence[str],
               group_of: Sequence[int], groups: ShardGroups, zero: ZeroConfig,
               precision: PrecisionPolicy = PrecisionPolicy(), offload: OffloadPolicies = OffloadPolicies(),
-              initial: InitialValues = InitialValues()) -> "Stage3":
+              initial: InitialValues = InitialValues(), frozen: Sequence[tuple[str, nn.Parameter]] = ()) -> "Stage3":
+        """As at stages 0-2, plus stage 3's units; frozen parameters above the persistence threshold
+        are sharded too (see [Note: frozen parameters at stage 3] in units.py)."""
         comm = groups.shard
         plan = plan_units(model, params, names, group_of, zero.stage3_param_persistence_threshold,
-                          zero.reduce_bucket_size, comm.world.world_size)
-        masters = cls.make_masters(plan.layout, comm.world, precision, offload, params[0].device, comm)
-        storage = ShardedParameters(plan.layout, params, comm, model, plan.persistent_buckets,
+                          zero.reduce_bucket_size, comm.world.world_size, frozen)
+        masters = cls.make_masters(plan.layout.trainable(), comm.world, precision, offload, params[0].device, comm)
+        storage = ShardedParameters(plan.layout, plan.params, comm, model, plan.persistent_buckets,
                                     precision.compute, masters, offload.params, initial, groups.secondary,
                                     groups.job)
         return cls(storage, params, groups, zero, plan, model, precision)
@@ -82,6 +84,13 @@ class Stage3(Stage2):
         size = self.storage.shard.element_size()
         real = self.owned_real_numel()
         return real * size, (self.layout.shard_numel() - real) * size
+
+    def frozen_bytes(self) -> tuple[int, int]:
+        """(bytes of real frozen elements in this rank's chunks, bytes of their padding)."""
+        size = self.storage.shard.element_size()
+        frozen = [b for b in self.storage.layout.buckets if b.frozen]
+        real = sum(b.real_numel_in_shard(self.world.rank) for b in frozen)
+        return real * size, sum(b.shard_numel for b in frozen) * size - real * size
 
     def param_placement(self) -> tuple[int, int]:
         size = self.storage.shard.element_size()

@@ -32,6 +32,7 @@ class ParameterStorage(Protocol):
     layout: FlatLayout
     comm: Collectives  # the group the buckets are sharded over (a MiCS group, or the whole job)
     job_comm: Collectives  # every rank of the job
+    params: list[torch.nn.Parameter]  # what the buckets' slots index: trainable, then (stage 3) frozen
     dtype: torch.dtype  # the compute dtype of the parameters
     device: torch.device  # the training device
     masters: Optional[MasterWeights]  # fp32 masters of the owned chunks, if any
@@ -102,11 +103,11 @@ HOMES = ParameterRegistry()
 
 @dataclass(frozen=True)
 class InitialValues:
-    """Full values for parameters that have none yet (built under ``zeroshard.Init``): trainable
-    parameter index -> a function that gathers them (a collective: every rank calls it in order)."""
+    """Full values for parameters that have none yet (built under ``zeroshard.Init``): ``id(param)``
+    -> a function that gathers them (a collective: every rank calls it in order)."""
 
-    by_index: Mapping[int, Callable[[], torch.Tensor]] = field(default_factory=dict)
+    by_id: Mapping[int, Callable[[], torch.Tensor]] = field(default_factory=dict)
 
-    def of(self, index: int, param: torch.Tensor) -> torch.Tensor:
-        source = self.by_index.get(index)
+    def of(self, param: torch.Tensor) -> torch.Tensor:
+        source = self.by_id.get(id(param))
         return param.data if source is None else source()

@@ -72,7 +72,8 @@ class ShardingStrategy(ABC):
         self.masters: Optional[MasterWeights] = flat.masters
         #: called with each bucket once its gradients are averaged at an accumulation boundary
         self._reduced_listeners: list[Callable[[BucketLayout], None]] = []
-        self.layout = flat.layout
+        #: the trainable buckets (stage 3's storage also holds frozen ones after them)
+        self.layout = flat.layout.trainable()
         self.params = list(params)
         #: the shard group's collectives and world: the whole job, or a MiCS group
         self.comm: Collectives = groups.shard
@@ -184,9 +185,10 @@ class ShardingStrategy(ABC):
     def build(cls, model: nn.Module, params: Sequence[nn.Parameter], names: Sequence[str],
               group_of: Sequence[int], groups: ShardGroups, zero: ZeroConfig,
               precision: PrecisionPolicy = PrecisionPolicy(), offload: OffloadPolicies = OffloadPolicies(),
-              initial: InitialValues = InitialValues()) -> "ShardingStrategy":
+              initial: InitialValues = InitialValues(), frozen: Sequence[tuple[str, nn.Parameter]] = ()
+              ) -> "ShardingStrategy":
         """Lay out the trainable parameters and take them over (stages 0-2: one flat buffer), sharded
-        over ``groups.shard``."""
+        over ``groups.shard``; ``frozen`` (name, parameter) pairs stay whole at stages 0-2, as in DDP."""
         comm = groups.shard
         layout = plan_buckets(params, names, group_of, zero.reduce_bucket_size, comm.world.world_size)
         masters = cls.make_masters(layout, comm.world, precision, offload, params[0].device, comm)
@@ -221,6 +223,10 @@ class ShardingStrategy(ABC):
         """(bytes of real parameter elements held, bytes of padding)."""
         size = self.flat.dtype.itemsize
         return self.layout.numel * size, (self.layout.padded_numel - self.layout.numel) * size
+
+    def frozen_bytes(self) -> tuple[int, int]:
+        """(bytes, padding) of the frozen parameters the storage holds: none below stage 3."""
+        return 0, 0
 
     def param_placement(self) -> tuple[int, int]:
         """(bytes of real parameter elements in host memory, on NVMe) under parameter offload."""

@@ -13,6 +13,15 @@ between blocks) is moved to the root unit, so it is always gathered whenever eit
 Parameters with at most ``stage3_param_persistence_threshold`` elements (biases, norms) are
 *persistent*: kept whole on every rank, gradients reduce-scattered and the parameter refreshed by an
 all-gather after the step, exactly as at stage 2.  They never pay a gather latency in forward.
+
+[Note: frozen parameters at stage 3]
+A LoRA job freezes almost the whole model, so stage 3 shards frozen parameters too (as DeepSpeed's
+ZeRO-3 and FSDP2 do): they go into buckets of their own, after every trainable bucket, in the same
+units, gathered, prefetched and released exactly like the trainable ones, in the training dtype.
+They have no gradient, no optimizer state and no masters, and are never reduced: the strategy and the
+optimizer only see the trainable buckets (``FlatLayout.trainable()``).  Frozen parameters at or below
+the persistence threshold stay whole in their modules, as do all frozen parameters at stages 0-2
+(which, like DDP, keep every parameter whole).
 """
 
 from __future__ import annotations
@@ -26,6 +35,8 @@ from torch import nn
 from .layout import FlatLayout, LayoutBuilder, size_runs
 
 ROOT = "<root>"
+#: the optimizer-group index of frozen parameters' buckets (they belong to no optimizer group)
+FROZEN_GROUP = -1
 
 # Parameters a module's forward uses although another module owns them (DeepSpeed's
 # ``register_external_parameter``): module -> those parameters.
@@ -69,9 +80,12 @@ class Unit:
 
 @dataclass(frozen=True)
 class Stage3Plan:
-    layout: FlatLayout
+    layout: FlatLayout  # trainable buckets first, then the frozen ones
     units: tuple[Unit, ...]  # sharded buckets, one per unit that has any
     persistent_buckets: frozenset[int]
+    #: the parameters in the storage: the trainable ones, then the frozen ones that are sharded
+    params: tuple[nn.Parameter, ...] = ()
+    names: tuple[str, ...] = ()
 
 
 def _block_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -94,8 +108,15 @@ def _block_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def plan_units(model: nn.Module, params: Sequence[nn.Parameter], names: Sequence[str],
                group_of: Sequence[int], persistence_threshold: int, bucket_numel: int,
-               world_size: int) -> Stage3Plan:
-    """Assign each trainable parameter to a unit (or to a persistent bucket) and lay out buckets."""
+               world_size: int, frozen: Sequence[tuple[str, nn.Parameter]] = ()) -> Stage3Plan:
+    """Assign each trainable parameter to a unit (or to a persistent bucket) and lay out buckets; then
+    the ``frozen`` (name, parameter) pairs above the threshold, in buckets of their own (see
+    [Note: frozen parameters at stage 3])."""
+    sharded_frozen = [(n, p) for n, p in frozen if p.numel() > persistence_threshold]
+    trainable_count = len(params)
+    params = [*params, *(p for _, p in sharded_frozen)]
+    names = [*names, *(n for n, _ in sharded_frozen)]
+    group_of = [*group_of, *([FROZEN_GROUP] * len(sharded_frozen))]
     index_of = {id(p): i for i, p in enumerate(params)}
     owner: dict[int, str] = {}
     blocks = _block_modules(model)
@@ -119,14 +140,20 @@ def plan_units(model: nn.Module, params: Sequence[nn.Parameter], names: Sequence
 
     builder = LayoutBuilder(params, names, world_size)
     units: list[Unit] = []
-    # Blocks in reverse (the order backward produces their gradients), the root unit last.
-    for unit_name in reversed(unit_order):
-        for (name, group), indices in sorted(members.items(), key=lambda kv: kv[0][1]):
-            if name == unit_name:
-                units.append(Unit(name, module_of[name], builder.add(indices, group)))
+
+    def add_units(frozen_ones: bool) -> None:
+        # Blocks in reverse (the order backward produces their gradients), the root unit last.
+        for unit_name in reversed(unit_order):
+            for (name, group), indices in sorted(members.items(), key=lambda kv: kv[0][1]):
+                if name == unit_name and (group == FROZEN_GROUP) == frozen_ones:
+                    units.append(Unit(name, module_of[name], builder.add(indices, group, frozen_ones)))
+
+    add_units(frozen_ones=False)
     persistent_buckets = [builder.add(run, group_of[run[0]]) for run in
                           size_runs(reversed(persistent), [p.numel() for p in params], group_of, bucket_numel)]
-    return Stage3Plan(builder.layout(), tuple(units), frozenset(persistent_buckets))
+    add_units(frozen_ones=True)  # after every trainable bucket
+    assert all(i < trainable_count for i in persistent)
+    return Stage3Plan(builder.layout(), tuple(units), frozenset(persistent_buckets), tuple(params), tuple(names))
 
 
 def unit_label(unit: Unit, layout: FlatLayout) -> str:
