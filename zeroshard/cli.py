@@ -38,7 +38,8 @@ def _demo(args: argparse.Namespace) -> int:
 def _consolidate(args: argparse.Namespace) -> int:
     from .checkpoint import consolidate
 
-    target = consolidate(args.checkpoint, args.out, dtype=args.dtype, tag=args.tag)
+    target = consolidate(args.checkpoint, args.out, dtype=args.dtype, tag=args.tag,
+                         trainable_only=args.trainable_only)
     print(f"wrote {target}")
     return 0
 
@@ -152,6 +153,9 @@ def _estimate(args: argparse.Namespace) -> int:
     if args.grad_accum is not None and args.grad_accum < 1:
         raise SystemExit(f"zeroshard estimate: --grad-accum {args.grad_accum}: give the micro steps per optimizer "
                          f"step, at least 1")
+    if not 0 < args.trainable <= 1:
+        raise SystemExit(f"zeroshard estimate: --trainable {args.trainable}: give the fraction of parameters that "
+                         f"train, in (0, 1] (a LoRA job: about 0.01)")
     num_params, shape = _model_numbers(args)
     shape = {k: v for k, v in shape.items() if v}
     shape.update({k: v for k, v in (("hidden", args.hidden), ("layers", args.layers), ("heads", args.heads)) if v})
@@ -160,7 +164,7 @@ def _estimate(args: argparse.Namespace) -> int:
                           precision="fp32" if args.precision == "fp32" else "mixed", offload=args.offload,
                           micro_batch=args.micro_batch, seq_len=args.seq_len, checkpointing=args.checkpointing,
                           shape=ModelShape(**shape), reduce_bucket_size=zero.reduce_bucket_size,
-                          prefetch_bucket_size=zero.stage3_prefetch_bucket_size)
+                          prefetch_bucket_size=zero.stage3_prefetch_bucket_size, trainable=args.trainable)
     estimates = estimate_all(req)
     if scale:
         print(_scale_table(args, req))
@@ -213,7 +217,7 @@ def _env(args: argparse.Namespace) -> int:
             ("backends", ", ".join(b for b, ok in (("gloo", dist.is_gloo_available()),
                                                   ("nccl", dist.is_nccl_available()),
                                                   ("mpi", dist.is_mpi_available())) if ok))]
-    for extra in ("transformers", "safetensors", "matplotlib", "tensorboard"):
+    for extra in ("transformers", "accelerate", "peft", "safetensors", "matplotlib", "tensorboard"):
         spec = importlib.util.find_spec(extra)
         rows.append((extra, "installed" if spec else "not installed"))
     for name, value in rows:
@@ -258,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     cons.add_argument("out", help="OUT.safetensors, or a directory (model.safetensors + config.json for HF models)")
     cons.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     cons.add_argument("--tag", help="which tag under a save_dir (default: latest)")
+    cons.add_argument("--trainable-only", action="store_true",
+                      help="only the trained parameters: a peft adapter directory for a peft model")
     cons.set_defaults(run=_consolidate)
     info = commands.add_parser("ckpt-info", help="print what a checkpoint holds (and verify its checksums)")
     info.add_argument("checkpoint")
@@ -271,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--nodes", type=int, default=1)
     est.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default="bf16")
     est.add_argument("--offload", choices=["optimizer", "params"])
+    est.add_argument("--trainable", type=float, default=1.0,
+                     help="fraction of parameters that train (LoRA: ~0.01); the rest are frozen, held in the "
+                          "training dtype, sharded at stage 3")
     est.add_argument("--micro-batch", type=int)
     est.add_argument("--seq-len", type=int)
     est.add_argument("--hidden", type=int)

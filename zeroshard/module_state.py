@@ -7,6 +7,7 @@ have, mapped to the one trainable parameter.
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Any, Optional, Sequence
 
 import torch
@@ -14,6 +15,28 @@ from torch import nn
 
 from .sharding.layout import BucketLayout
 from .sharding.storage import HOMES, ParameterStorage
+
+
+def _jsonable(value: Any) -> Any:
+    """A peft config's values as JSON has them (sets become sorted lists, enums their values)."""
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (set, frozenset)):
+        return sorted(_jsonable(v) for v in value)
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Enum):
+        return value.value
+    return value
+
+
+def _peft_config(module: nn.Module) -> Optional[dict[str, Any]]:
+    """A peft model's adapter configs, by adapter name (what ``zeroshard consolidate --trainable-only``
+    writes as ``adapter_config.json``); None for other models."""
+    configs = getattr(module, "peft_config", None)
+    if not isinstance(configs, dict):
+        return None
+    return {name: _jsonable(cfg.to_dict()) for name, cfg in configs.items() if hasattr(cfg, "to_dict")} or None
 
 
 class ModuleState:
@@ -55,7 +78,7 @@ class ModuleState:
         config = getattr(self.module, "config", None)
         hf_config = config.to_dict() if config is not None and hasattr(config, "to_dict") else None
         return {"state_dict_keys": keys, "trainable_of": trainable_of, "hf_config": hf_config or None,
-                "class": type(self.module).__name__}
+                "class": type(self.module).__name__, "peft_config": _peft_config(self.module)}
 
     def extra_tensors(self, trainable_keys: set[str], keep: bool = True,
                       exclude_frozen: bool = False) -> dict[str, torch.Tensor]:

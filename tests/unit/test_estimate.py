@@ -111,3 +111,15 @@ def test_plots(tmp_path, capsys) -> None:
     assert main(["plot", str(metrics), "-o", str(tmp_path / "m.png")]) == 0
     assert (tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
     capsys.readouterr()
+
+
+def test_a_lora_job_has_gradients_and_optimizer_state_only_for_what_trains() -> None:
+    from zeroshard.memory.estimator import EstimateRequest, estimate_stage
+
+    full = EstimateRequest(7e9, 8)
+    lora = EstimateRequest(7e9, 8, trainable=0.01)
+    for stage in range(4):
+        a, b = estimate_stage(full, stage), estimate_stage(lora, stage)
+        assert b.params == a.params  # frozen parameters are held too: sharded at stage 3 only
+        assert b.grads == pytest.approx(a.grads * 0.01) and b.optimizer == pytest.approx(a.optimizer * 0.01)
+    assert estimate_stage(lora, 3).params == 2 * 7e9 / 8 and estimate_stage(lora, 2).params == 2 * 7e9

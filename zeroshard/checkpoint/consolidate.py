@@ -28,13 +28,17 @@ def find_checkpoint(path: str | Path, tag: Optional[str] = None) -> Path:
     return published_dir(path, resolve_tag(path, tag))
 
 
-def consolidate(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", tag: Optional[str] = None) -> Path:
+def consolidate(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", tag: Optional[str] = None,
+                trainable_only: bool = False) -> Path:
     """Write the full model weights of a checkpoint to ``out``.
 
     ``out`` ending in ``.safetensors`` is the file; otherwise it is a directory that receives
     ``model.safetensors`` (and ``config.json`` for a Hugging Face model, so that
-    ``from_pretrained(out)`` works).
+    ``from_pretrained(out)`` works).  ``trainable_only``: only the trained parameters (see
+    :func:`consolidate_trainable`).
     """
+    if trainable_only:
+        return consolidate_trainable(checkpoint, out, dtype, tag)
     with CheckpointReader(find_checkpoint(checkpoint, tag)) as reader:
         model = reader.data["model"]
         out = Path(out)
@@ -48,6 +52,42 @@ def consolidate(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", ta
                 (out / "config.json").write_text(json.dumps(model["hf_config"], indent=2))
         entries, produce = _full_weights(reader, DTYPES[dtype])
         write_safetensors_streaming(target, entries, produce)
+    return target
+
+
+def consolidate_trainable(checkpoint: str | Path, out: str | Path, dtype: str = "fp32",
+                          tag: Optional[str] = None) -> Path:
+    """Write only the trained parameters of a checkpoint into the directory ``out``.
+
+    [Note: an adapter out of a checkpoint]
+    For a peft model (the manifest holds its ``peft_config``) the directory is a peft adapter, as
+    ``PeftModel.save_pretrained`` writes one: ``adapter_config.json`` and ``adapter_model.safetensors``,
+    whose keys are the trained parameters' state-dict names without the adapter's name
+    (``...q_proj.lora_A.default.weight`` is stored as ``...q_proj.lora_A.weight``), so that
+    ``PeftModel.from_pretrained(base, out)`` loads it.  For any other model it is
+    ``model.safetensors`` with the trained parameters under their state-dict names (a partial state
+    dict: ``load_state_dict(..., strict=False)``).
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with CheckpointReader(find_checkpoint(checkpoint, tag)) as reader:
+        model = reader.data["model"]
+        trainable_of: dict[str, str] = model["trainable_of"]
+        peft_configs: Optional[dict[str, Any]] = model.get("peft_config")
+        cast = DTYPES[dtype]
+        names = {key: key for key in model["state_dict_keys"] if key in trainable_of}
+        target = out / "model.safetensors"
+        if peft_configs:
+            if len(peft_configs) != 1:
+                raise ValueError(f"the checkpoint's model has {len(peft_configs)} peft adapters "
+                                 f"({', '.join(peft_configs)}); --trainable-only writes one adapter")
+            adapter, config = next(iter(peft_configs.items()))
+            names = {key: key.replace(f".{adapter}.", ".") for key in names}
+            (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
+            target = out / "adapter_model.safetensors"
+        entries = [(names[key], reader.shape(trainable_of[key]), cast) for key in names]
+        source = {stored: key for key, stored in names.items()}
+        write_safetensors_streaming(target, entries, lambda stored: reader.tensor(trainable_of[source[stored]]))
     return target
 
 

@@ -81,7 +81,8 @@ def _manifest(parts: CheckpointParts, tag: str, client_state: Any, files: dict[s
         "engine": {**parts.counters.state_dict(), "loss_scaler": parts.loss_scaler.state_dict()},
         "loader": parts.loader.state_dict() if parts.loader is not None else None,
         "client_state": _json_or_error(client_state, "client_state"),
-        "model": {**model, "hf_config": _json_or_error(model["hf_config"], "the model's config")},
+        "model": {**model, "hf_config": _json_or_error(model["hf_config"], "the model's config"),
+                  "peft_config": _json_or_error(model.get("peft_config"), "the peft adapter's config")},
         "files": files,
     }
 

@@ -66,6 +66,8 @@ class EstimateRequest:
     shape: ModelShape = field(default_factory=ModelShape)
     reduce_bucket_size: float = 5e8
     prefetch_bucket_size: float = 5e7
+    #: the fraction of parameters that train (LoRA: ~0.01); the rest are frozen (see estimate_stage)
+    trainable: float = 1.0
 
 
 def activation_bytes(req: EstimateRequest) -> float:
@@ -85,19 +87,23 @@ def buffer_bytes(req: EstimateRequest, stage: int) -> float:
     grad_bytes = 2 if req.precision == "mixed" else 4
     if stage == 0:
         return 0.0  # stages 0-1 reduce inside the full gradient buffer
-    buckets = 2 * min(req.reduce_bucket_size, req.num_params) * grad_bytes if stage >= 2 else 0.0
+    buckets = 2 * min(req.reduce_bucket_size, req.num_params * req.trainable) * grad_bytes if stage >= 2 else 0.0
     prefetch = min(req.prefetch_bucket_size, req.num_params) * grad_bytes if stage == 3 else 0.0
     return buckets + prefetch
 
 
 def estimate_stage(req: EstimateRequest, stage: int) -> StageEstimate:
+    """Per-rank memory of one stage.  With ``trainable`` < 1 (a LoRA job) only the trainable fraction has
+    gradients and optimizer state; every parameter, frozen or not, is held in the training dtype, sharded
+    at stage 3 and whole below (as the engine holds frozen parameters), so ``params`` does not change."""
     states = model_state_bytes(stage, req.num_params, req.world_size, req.precision)
-    params, grads, optimizer, host = states.params, states.grads, states.optimizer, 0.0
+    trained = model_state_bytes(stage, req.num_params * req.trainable, req.world_size, req.precision)
+    params, grads, optimizer, host = states.params, trained.grads, trained.optimizer, 0.0
     if req.offload in ("optimizer", "params") and stage >= 1:
         host += optimizer
         optimizer = 0.0
         if req.precision == "fp32":  # the offloaded optimizer updates an fp32 copy of the shard (masters)
-            host += 4 * req.num_params / req.world_size
+            host += 4 * req.num_params * req.trainable / req.world_size
     if req.offload == "params" and stage == 3:
         host += params
         params = 0.0
@@ -139,7 +145,9 @@ def recommend(estimates: list[StageEstimate], gpu_memory_gb: Optional[float], he
 def format_table(req: EstimateRequest, estimates: list[StageEstimate], gpu_memory_gb: Optional[float]) -> str:
     precision = "mixed precision (16-bit params/grads, fp32 Adam)" if req.precision == "mixed" else "fp32 (Adam)"
     lines = [f"{req.num_params:.3g} parameters, {req.world_size} ranks, {precision}"
-             + (f", offload {req.offload}" if req.offload else "") + "; per rank, decimal GB",
+             + (f", offload {req.offload}" if req.offload else "")
+             + (f", {req.trainable:g} of them trainable (the rest frozen)" if req.trainable < 1 else "")
+             + "; per rank, decimal GB",
              "",
              "| stage | params | grads | optimizer | model states | activations | buffers | total | host (offload) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -1,0 +1,132 @@
+"""peft's LoRA, as people use it: ``get_peft_model(model, LoraConfig(...))`` on a Hugging Face Llama or
+GPT-2 (small configs, random init, nothing downloaded), trained at stages 0-3 equal to one plain
+PyTorch process on the same global batches; at stage 3 the frozen base is sharded; the adapter that
+comes out (from the live engine, and from a checkpoint with ``zeroshard consolidate --trainable-only``)
+is one that ``PeftModel.from_pretrained`` loads.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import zeroshard
+from zeroshard.testing import run_world
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+VOCAB, STEPS, MICRO, SEQ = 101, 3, 2, 12
+TARGETS = {"llama": ["q_proj", "v_proj"], "gpt2": ["c_attn"]}
+
+
+def base(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32))
+
+
+def lora(kind: str) -> Any:
+    model = base(kind)
+    torch.manual_seed(1)
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS[kind],
+                             init_lora_weights="gaussian")  # B not zero: every LoRA weight has a gradient
+    return peft.get_peft_model(model, config)
+
+
+def batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (MICRO, SEQ), generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def reference(kind: str, world: int) -> dict[str, torch.Tensor]:
+    """One process, plain PyTorch: each step the whole global batch (every rank's rows)."""
+    model = lora(kind)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.0)
+    for step in range(STEPS):
+        ids = torch.cat([batch(step, r) for r in range(world)])
+        model(input_ids=ids, labels=ids).loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def peft_worker(rank: int, world: int, kind: str, stage: int, precision: str, directory: str) -> dict:
+    model = lora(kind)
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 64}}
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
+    for step in range(STEPS):
+        ids = batch(step, rank)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    frozen = [b for b in engine.flat.layout.buckets if b.frozen]
+    out: dict[str, Any] = {"state": engine.full_state_dict(rank0_only=False),
+                           "frozen_shard_numel": sum(b.real_numel_in_shard(engine.world.rank) for b in frozen),
+                           "frozen_numel": sum(b.numel for b in frozen),
+                           "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+    # the adapter from the live engine, as a peft user saves it (every rank gathers; rank 0 writes)
+    state = engine.full_state_dict()
+    if rank == 0:
+        model.save_pretrained(str(Path(directory) / "live_adapter"), state_dict=state)
+    engine.save_checkpoint(str(Path(directory) / "ckpt"), tag="lora")
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("kind,stage,world,precision", [
+    ("llama", 3, 2, "fp32"), ("llama", 0, 2, "fp32"), ("llama", 2, 3, "fp32"), ("gpt2", 3, 3, "fp32"),
+    ("llama", 1, 1, "fp32"), ("llama", 3, 2, "bf16"),
+])
+def test_peft_lora_trains_as_one_process_and_its_adapter_loads(kind: str, stage: int, world: int,
+                                                                precision: str, tmp_path: Path) -> None:
+    results = run_world(peft_worker, world, args=(kind, stage, precision, str(tmp_path)))
+    expected = reference(kind, world)
+    got = results[0]["state"]
+    assert set(got) == set(expected)
+    if precision == "fp32":
+        for name, value in expected.items():
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    else:  # bf16 computes in 8 bits of mantissa: the deviation from the fp32 run relative to how far
+        # training moved the adapters (as in test_mixed_precision.py, bound 0.06); the base is frozen
+        initial = lora(kind).state_dict()
+        trained = [n for n in expected if "lora_" in n]
+        moved = sum(float((expected[n] - initial[n]).norm()) ** 2 for n in trained) ** 0.5
+        deviation = sum(float((got[n].float() - expected[n]).norm()) ** 2 for n in trained) ** 0.5
+        # the bf16 weights are the fp32 masters rounded: that rounding alone is a floor on the deviation
+        rounding = sum(float((expected[n].to(torch.bfloat16).float() - expected[n]).norm()) ** 2
+                       for n in trained) ** 0.5
+        assert deviation <= 0.06 * moved + 2 * rounding, (deviation, moved, rounding)
+        for name in expected:
+            if name not in trained:
+                assert torch.equal(got[name], initial[name].to(got[name].dtype)), name
+    if stage == 3:  # the frozen base is sharded: each rank holds its share of it
+        assert sum(r["frozen_shard_numel"] for r in results) == results[0]["frozen_numel"] > 0
+        assert all(r["frozen_shard_numel"] <= -(-results[0]["frozen_numel"] // world) + 64 for r in results)
+    # both adapters load into a fresh base with peft, and give the trained model's weights
+    offline = tmp_path / "consolidated_adapter"
+    made = subprocess.run([sys.executable, "-m", "zeroshard.cli", "consolidate", str(tmp_path / "ckpt"), str(offline),
+                           "--tag", "lora", "--trainable-only"], capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr
+    assert json.loads((offline / "adapter_config.json").read_text())["r"] == 4
+    for adapter in (tmp_path / "live_adapter", offline):
+        loaded = peft.PeftModel.from_pretrained(base(kind), str(adapter))
+        for name, value in loaded.state_dict().items():
+            if "lora_" in name:
+                # (the checkpoint holds the fp32 masters: rounded, they are the trained bf16 weights)
+                assert torch.equal(value.to(got[name].dtype), got[name]), (adapter.name, name)
