@@ -22,12 +22,14 @@ from .gathered import GatheredParameters
 from .init_context import Init
 from .memory import model_state_bytes
 from .optim.nonfinite import NonFiniteGradientError
+from .pretrained import PretrainedError, load_pretrained
 from .version import __version__
 
 __all__ = ["initialize", "Engine", "GatheredParameters", "Init", "init_distributed", "World", "load_config",
            "ZeroshardConfig", "ConfigError", "CollectiveError", "model_state_bytes", "__version__",
            "add_config_arguments", "DeepSpeedEngine", "zero", "comm", "accelerator", "ops", "utils",
-           "checkpointing", "runtime", "moe", "pipe", "NonFiniteGradientError", "install_as_deepspeed"]
+           "checkpointing", "runtime", "moe", "pipe", "NonFiniteGradientError", "install_as_deepspeed",
+           "load_pretrained", "PretrainedError"]
 
 
 

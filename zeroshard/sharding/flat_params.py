@@ -100,6 +100,10 @@ class FlatParameters:
         if self.masters is not None:
             self.masters.take(self.layout.buckets[index], self.bucket_view(self.layout.buckets[index]), only_changed=True)
 
+    def write_own_chunk(self, index: int, chunk: torch.Tensor) -> None:
+        """Stages 0-2 keep frozen parameters in their modules: they have no frozen bucket."""
+        raise AssertionError("stages 0-2 have no frozen buckets")
+
     def take_failure(self) -> SwapFailure:
         """Stages 0-2 never swap parameters."""
         return None

@@ -238,6 +238,16 @@ class ShardedParameters:
             if self.masters is not None and not bucket.frozen:
                 self.masters.take(bucket, self.full[index], only_changed=True)
 
+    def write_own_chunk(self, index: int, chunk: torch.Tensor) -> None:
+        """Replace this rank's chunk of frozen bucket ``index`` with ``chunk`` (trainable buckets have
+        masters and optimizer state: they go through the updater)."""
+        bucket = self.layout.buckets[index]
+        assert bucket.frozen, "write_own_chunk is for frozen buckets"
+        self.release(index)
+        self.drop_secondary(index)
+        with torch.no_grad():
+            self.store.write(bucket, 0, chunk.to(self.dtype))
+
     def take_failure(self) -> SwapFailure:
         return self.store.take_failure()
 

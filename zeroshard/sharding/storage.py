@@ -60,6 +60,9 @@ class ParameterStorage(Protocol):
     def commit_full(self, index: int) -> None:
         """The full bucket was modified in place: the owned chunk (and the masters) follow it."""
 
+    def write_own_chunk(self, index: int, chunk: torch.Tensor) -> None:
+        """Replace this rank's chunk of a frozen bucket (stage 3 only has those)."""
+
     def take_failure(self) -> SwapFailure:
         """A swap failure to raise on every rank (NVMe parameter offload), once."""
 
