@@ -1,6 +1,6 @@
 """The ``zeroshard`` command.
 
-    zeroshard demo [--stage 3] [--nproc 2] [--steps 300] [--precision fp32] [--config ds.json]
+    zeroshard demo [--stage 3] [--nproc 2] [--steps 300] [--precision fp32] [--config ds.json] [--lora]
     zeroshard consolidate CKPT_DIR OUT [--dtype fp32|bf16|fp16] [--tag TAG]
     zeroshard ckpt-info CKPT_DIR [--tag TAG]
     zeroshard estimate --params 7e9 --gpus-per-node 8 [--gpu-memory 80] [--micro-batch 1 --seq-len 4096 ...]
@@ -29,7 +29,7 @@ def _demo(args: argparse.Namespace) -> int:
                "--stage", str(args.stage), "--steps", str(args.steps), "--precision", args.precision]
     if args.config:
         command += ["--config", args.config]
-    command += ["--out", args.out]
+    command += ["--out", args.out] + (["--lora"] if args.lora else [])
     print("+ " + " ".join(command), flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     return subprocess.call(command, env=env)
@@ -255,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="training precision of the built-in config (default fp32; bf16/fp16 keep fp32 masters)")
     demo.add_argument("--config", help="a DeepSpeed-style JSON config to use instead of the built-in one")
     demo.add_argument("--out", default="runs/demo", help="where the checkpoint and the weights go (runs/demo)")
+    demo.add_argument("--lora", action="store_true",
+                      help="fine-tune OUT/model.safetensors of an earlier run with LoRA adapters (frozen base "
+                           "sharded at stage 3); results in OUT/lora")
     demo.set_defaults(run=_demo)
     cons = commands.add_parser("consolidate", help="write a checkpoint's full weights as one safetensors file "
                                                    "(no process group, bounded memory)")

@@ -64,7 +64,9 @@ class SafetensorsIndex:
     def __init__(self, directory: Union[str, Path]) -> None:
         directory = Path(directory)
         index = directory / "model.safetensors.index.json"
-        if index.is_file():
+        if directory.suffix == ".safetensors" and directory.is_file():  # one file, named directly
+            files = [directory]
+        elif index.is_file():
             files = sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
         elif (directory / "model.safetensors").is_file():
             files = [directory / "model.safetensors"]
@@ -137,7 +139,8 @@ def _saved_name(index: SafetensorsIndex, candidates: list[str], shape: tuple[int
 
 def load_pretrained(target: Union["Engine", nn.Module], directory: Union[str, Path]) -> None:
     """Fill ``target``'s parameters and persistent buffers from the safetensors checkpoint in
-    ``directory``, each rank reading only what it keeps (see [Note: reading only one's own slices]).
+    ``directory`` (or the ``.safetensors`` file it names), each rank reading only what it keeps (see
+    [Note: reading only one's own slices]).
 
     ``target`` is an engine (every rank calls it: the owned chunks are published with collectives), or
     a model, e.g. one built under ``zeroshard.Init`` (no collective).  Every parameter must be in the

@@ -11,6 +11,8 @@ from safetensors.torch import load_file
 from zs_common import make_model, rank_micro_batches, zero_config
 
 import zeroshard
+from safetensors import safe_open
+
 from zeroshard.cli import build_parser
 from zeroshard.testing import run_world
 
@@ -28,6 +30,17 @@ def test_demo_trains_under_torchrun_and_reports_memory(tmp_path) -> None:
     assert (tmp_path / "model.safetensors").is_file() and (tmp_path / "checkpoint" / "latest").is_file()
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") >= 1
     assert "4/4 [" in out and "tokens/s]" in out  # tqdm's bar, the metrics as its postfix
+    # --lora fine-tunes those weights: loaded into the shards, base frozen and split across the ranks
+    out = run_demo("--steps", "2", "--nproc", "2", "--lora", out=str(tmp_path))
+    assert f"LoRA: base weights from {tmp_path / 'model.safetensors'}" in out
+    assert (tmp_path / "lora" / "model.safetensors").is_file()
+    with safe_open(str(tmp_path / "lora" / "model.safetensors"), "pt") as f:
+        assert any(".lora_a" in k for k in f.keys()) and any(".base." in k for k in f.keys())
+    frozen = [float(line.split("frozen_params ")[1].split(" MiB")[0]) for line in out.splitlines()
+              if line.startswith("rank ") and "frozen_params" in line]
+    total = float(out.split("the frozen base is ")[1].split(" MiB")[0])
+    # (norms and biases, below the persistence threshold, stay whole on both ranks)
+    assert len(frozen) == 2 and total <= sum(frozen) < 1.05 * total and max(frozen) < 0.6 * total
     assert "ZeRO stage 3, world size 2" in out
     assert "held-out loss" in out
     assert "rank 0 memory:" in out and "rank 1 memory:" in out

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 import zeroshard
 from zeroshard.demo.data import ByteWindows, stdlib_bytes
+from zeroshard.demo.lora import add_lora
 from zeroshard.demo.model import GPT, GPTConfig
 from zeroshard.logging import log_rank
 
@@ -34,7 +35,7 @@ def progress_bar(total: int, enabled: bool) -> tqdm:
                 mininterval=0.1 if interactive else 0.0, miniters=1 if interactive else max(1, total // 10))
 
 
-def default_config(stage: int, steps: int, precision: str = "fp32") -> dict:
+def default_config(stage: int, steps: int, precision: str = "fp32", lr: float = 3e-3) -> dict:
     # fp32 by default: at this model size bf16 is no faster on CPU (benchmarks/RESULTS.md, main job)
     mixed = {precision: {"enabled": True}} if precision != "fp32" else {}
     return {
@@ -45,9 +46,9 @@ def default_config(stage: int, steps: int, precision: str = "fp32") -> dict:
         "steps_per_print": max(1, steps // 10),
         "wall_clock_breakdown": True,
         "seed": 1234,
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01, "betas": [0.9, 0.95]}},
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01, "betas": [0.9, 0.95]}},
         "scheduler": {"type": "WarmupDecayLR",
-                      "params": {"warmup_num_steps": max(1, steps // 10), "warmup_max_lr": 3e-3,
+                      "params": {"warmup_num_steps": max(1, steps // 10), "warmup_max_lr": lr,
                                  "total_num_steps": steps, "warmup_type": "linear"}},
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 200_000, "allgather_bucket_size": 400_000,
                               # this model's matrices are small: shard all but biases and norms
@@ -63,6 +64,9 @@ def parse_args() -> argparse.Namespace:
                         help="training precision of the built-in config (bf16: fp32 master weights)")
     parser.add_argument("--config", help="a DeepSpeed-style JSON config replacing the built-in one")
     parser.add_argument("--out", type=Path, default=Path("runs/demo"), help="where the checkpoint and weights go")
+    parser.add_argument("--lora", action="store_true",
+                        help="fine-tune with LoRA adapters: the base (OUT/model.safetensors of an earlier run, "
+                             "loaded into the shards) frozen and, at stage 3, sharded; results go to OUT/lora")
     return parser.parse_args()
 
 
@@ -79,12 +83,16 @@ def held_out_loss(engine: zeroshard.Engine, data: ByteWindows) -> float:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
-    config = json.load(open(args.config)) if args.config else default_config(args.stage, args.steps, args.precision)
+    config = json.load(open(args.config)) if args.config else default_config(args.stage, args.steps, args.precision,
+                                                                              lr=1e-2 if args.lora else 3e-3)
     config.setdefault("metrics_path", str(args.out / "metrics.jsonl"))
     if dist.is_available() and "RANK" in os.environ and os.environ["RANK"] == "0":
         (args.out / "metrics.jsonl").unlink(missing_ok=True)  # one run, one metrics file
     torch.manual_seed(0)
-    model = GPT(MODEL)
+    model = lora_model(args, config) if args.lora else GPT(MODEL)
+    if args.lora:
+        args.out = args.out / "lora"
+        config["metrics_path"] = str(args.out / "metrics.jsonl")
     data = ByteWindows(stdlib_bytes(), MODEL.seq_len)
     engine, _, loader, _ = zeroshard.initialize(model=model, config=config, training_data=data)
     assert loader is not None
@@ -115,6 +123,11 @@ def main() -> None:
     log_rank(f"held-out loss {start_loss:.3f} -> {end_loss:.3f} in {engine.global_steps} steps "
              f"({elapsed:.1f}s, {engine.global_samples * MODEL.seq_len / elapsed:,.0f} tokens/s)")
     report_memory(engine)
+    if args.lora:
+        frozen = sum(p.numel() * 4 for p in model.parameters() if not p.requires_grad)
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        log_rank(f"LoRA: {trained:,} trained parameters; the frozen base is {frozen / 2**20:.2f} MiB in all, and "
+                 f"each rank holds its share of it (frozen_params above)")
     saved = engine.save_checkpoint(args.out / "checkpoint")
     if engine.world.is_main:
         from zeroshard.checkpoint import consolidate
@@ -129,11 +142,27 @@ def main() -> None:
         except ImportError as err:
             log_rank(f"no plot: {err}")
     engine.eval()
-    with zeroshard.GatheredParameters(engine.strategy.params):  # every rank: it gathers at stage 3
+    with zeroshard.GatheredParameters(list(model.parameters())):  # every rank: it gathers at stage 3
         if engine.world.is_main:
             prompt = torch.tensor([list(b"def ")])
             sample = model.generate(prompt, 120, generator=torch.Generator().manual_seed(0))
             print("---- sample ----\n" + bytes(sample[0].tolist()).decode("utf-8", "replace") + "\n----------------")
+
+
+def lora_model(args: argparse.Namespace, config: dict) -> GPT:
+    """The demo model with LoRA adapters: built under ``zeroshard.Init`` (stage 3), its base weights read
+    into the shards from an earlier run's ``OUT/model.safetensors`` when there is one."""
+    base = args.out / "model.safetensors"
+    with zeroshard.Init(config=config, enabled=args.stage == 3):
+        model = GPT(MODEL)
+    if base.is_file():
+        zeroshard.load_pretrained(model, base)  # each rank reads its own slices
+        log_rank(f"LoRA: base weights from {base}")
+    else:
+        log_rank(f"LoRA: no {base} (run `bash run.sh` first): the adapters fine-tune the initial weights",
+                 level=30)
+    torch.manual_seed(1)
+    return add_lora(model)
 
 
 def report_memory(engine: zeroshard.Engine) -> None:
