@@ -173,6 +173,12 @@ class Init:
     def _on_register(self, module: nn.Module, name: str, param: nn.Parameter) -> Optional[nn.Parameter]:
         if param is None or isinstance(param, InitShardedParameter):
             return None  # already sharded (a tied weight registered a second time)
+        if param.is_meta:
+            raise ValueError(
+                f"zeroshard.Init got parameter {name!r} of a {type(module).__name__} on the meta device: its "
+                f"values do not exist yet (transformers' from_pretrained builds models on meta and fills them "
+                f"later). Build the model under Init with from_config(AutoConfig.from_pretrained(dir)) and fill "
+                f"it with zeroshard.load_pretrained(model, dir), each rank reading only its slices")
         return InitShardedParameter.shard_of(param, self.comm, self.dtype, self.shard_device)
 
     def __enter__(self) -> "Init":

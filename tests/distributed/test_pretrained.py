@@ -139,3 +139,7 @@ def test_a_parameter_missing_from_the_checkpoint_is_named_before_anything_change
         assert "the checkpoint has no tensor for extra." in message  # the first of extra.weight / .bias checked
     with pytest.raises(zeroshard.PretrainedError, match="no model.safetensors"):
         zeroshard.load_pretrained(torch.nn.Linear(2, 2), tmp_path / "nowhere")
+    # transformers' from_pretrained builds on the meta device: under Init that is refused with the way out
+    with pytest.raises(ValueError, match="on the meta device.*zeroshard.load_pretrained"):
+        with zeroshard.Init(config=config(3)):
+            transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
