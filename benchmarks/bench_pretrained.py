@@ -13,7 +13,9 @@ a fresh process:
   forward or when ``initialize`` copies them);
 - **zeroshard**: every rank builds the model under ``zeroshard.Init`` with ``from_config`` (Hugging
   Face's ``no_init_weights``: nothing randomly initialised), then ``zeroshard.load_pretrained(model,
-  dir)`` reads its own slices, then ``zeroshard.initialize`` (stage 3) takes the shards over.
+  dir)`` reads its own slices, then ``zeroshard.initialize`` (stage 3) takes the shards over;
+- **from_pretrained under Init**: ``with zeroshard.Init(): from_pretrained(dir)`` (transformers reads
+  every tensor on every rank; Init keeps each rank's slice as it is assigned).
 
 Recorded per rank: RSS growth from just before the step to the peak (``VmHWM``, reset through
 ``/proc/self/clear_refs`` before each step), for the build, the load and the whole, and the seconds
@@ -76,6 +78,22 @@ def plain_worker(rank: int, world: int, directory: str) -> dict:
                               "seconds": load["seconds"] + touched["seconds"]}}
 
 
+def hf_under_init_worker(rank: int, world: int, directory: str) -> dict:
+    import torch
+    import transformers
+
+    import zeroshard
+
+    torch.set_num_threads(1)
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+
+    def load() -> Any:
+        with zeroshard.Init(config=config):
+            return transformers.AutoModelForCausalLM.from_pretrained(directory)
+    _, measured_load = measured(load)
+    return {"load": measured_load}
+
+
 def zeroshard_worker(rank: int, world: int, directory: str) -> dict:
     import torch
     import transformers
@@ -124,8 +142,9 @@ def main() -> None:
         largest_gb = 32000 * 1024 * 4 / 1e9
         plain = run_world(plain_worker, 2, args=(tmp,), timeout=1200)
         ours = run_world(zeroshard_worker, 2, args=(tmp,), timeout=1200)
+        hf_init = run_world(hf_under_init_worker, 2, args=(tmp,), timeout=1200)
     result = {"params": numel, "model_gb": model_gb, "largest_tensor_gb": largest_gb, "plain": plain,
-              "zeroshard": ours}
+              "zeroshard": ours, "from_pretrained_under_init": hf_init}
     print(f"\n{numel / 1e6:.0f}M parameters, {model_gb:.2f} GB of safetensors (fp32), world 2; per rank:\n")
     print("| rank | plain from_pretrained: GB / s | + first read of every weight: GB (x model) / s | "
           "zeroshard Init build: GB / s | load_pretrained: GB / s | build + load: GB (x model) / s |")
@@ -140,6 +159,10 @@ def main() -> None:
               f"{z['build_and_load']['growth_gb']:.2f} ({z['build_and_load']['growth_gb'] / model_gb:.2f}x) / "
               f"{both:.1f} |")
     print(f"\nshard per rank after initialize: {ours[0]['shard_gb']:.2f} GB; largest tensor {largest_gb:.2f} GB")
+    for rank in range(2):
+        h = hf_init[rank]["load"]
+        print(f"rank {rank}: `with zeroshard.Init(): from_pretrained(dir)`: {h['growth_gb']:.2f} GB "
+              f"({h['growth_gb'] / model_gb:.2f}x) / {h['seconds']:.1f} s")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")

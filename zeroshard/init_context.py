@@ -76,6 +76,7 @@ class InitShardedParameter(nn.Parameter):
         own[:real].copy_(flat[start:start + real])
         meta = torch.empty(param.shape, dtype=param.dtype, device="meta")
         sharded = InitShardedParameter(meta, requires_grad=param.requires_grad)
+        sharded.__dict__.update(param.__dict__)  # flags loaders set on it (transformers' _is_hf_initialized)
         sharded._zeroshard_shard = own
         sharded._zeroshard_comm = comm
         return sharded
@@ -173,12 +174,8 @@ class Init:
     def _on_register(self, module: nn.Module, name: str, param: nn.Parameter) -> Optional[nn.Parameter]:
         if param is None or isinstance(param, InitShardedParameter):
             return None  # already sharded (a tied weight registered a second time)
-        if param.is_meta:
-            raise ValueError(
-                f"zeroshard.Init got parameter {name!r} of a {type(module).__name__} on the meta device: its "
-                f"values do not exist yet (transformers' from_pretrained builds models on meta and fills them "
-                f"later). Build the model under Init with from_config(AutoConfig.from_pretrained(dir)) and fill "
-                f"it with zeroshard.load_pretrained(model, dir), each rank reading only its slices")
+        if param.is_meta:  # no values yet (transformers' from_pretrained builds on meta, then assigns each
+            return None   # loaded parameter: that assignment comes through here again and is sharded)
         return InitShardedParameter.shard_of(param, self.comm, self.dtype, self.shard_device)
 
     def __enter__(self) -> "Init":

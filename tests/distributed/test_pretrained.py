@@ -139,7 +139,24 @@ def test_a_parameter_missing_from_the_checkpoint_is_named_before_anything_change
         assert "the checkpoint has no tensor for extra." in message  # the first of extra.weight / .bias checked
     with pytest.raises(zeroshard.PretrainedError, match="no model.safetensors"):
         zeroshard.load_pretrained(torch.nn.Linear(2, 2), tmp_path / "nowhere")
-    # transformers' from_pretrained builds on the meta device: under Init that is refused with the way out
-    with pytest.raises(ValueError, match="on the meta device.*zeroshard.load_pretrained"):
-        with zeroshard.Init(config=config(3)):
-            transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
+
+
+def hf_from_pretrained_under_init(rank: int, world: int, directory: str) -> dict:
+    with zeroshard.Init(config=config(3)):
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    sharded = all(type(p).__name__ == "InitShardedParameter" for p in model.parameters())
+    engine, _, _, _ = zeroshard.initialize(model=model, config=config(3))
+    state = engine.full_state_dict(rank0_only=False)
+    engine.close()
+    return {"state": state, "sharded": sharded}
+
+
+@pytest.mark.parametrize("kind,sharded", [("llama", False), ("gpt2", True)])
+def test_from_pretrained_under_init_builds_the_sharded_model(kind: str, sharded: bool, tmp_path: Path) -> None:
+    """transformers builds on the meta device and assigns each loaded parameter: Init shards each as it
+    comes (every rank reads every tensor here; load_pretrained reads only a rank's slices)."""
+    expected = save(kind, tmp_path, sharded)
+    for result in run_world(hf_from_pretrained_under_init, 2, args=(str(tmp_path),)):
+        assert result["sharded"]
+        for name, value in expected.items():
+            assert torch.equal(result["state"][name], value), name
