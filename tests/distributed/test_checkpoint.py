@@ -83,7 +83,7 @@ def train_steps(engine, rank: int, world: int, steps) -> list[float]:
 
 def snapshot(engine) -> dict:
     """What a load may restore or keep, part by part (every rank calls it: stage 3 gathers)."""
-    buckets = [engine.updater.read_bucket(b) for b in engine.flat.layout.buckets]
+    buckets = [engine.updater.read_bucket(b) for b in engine.strategy.layout.buckets]
     return {
         "params": engine.full_state_dict(rank0_only=False),  # trained, frozen and buffers
         "moments": {k: torch.cat([state[k] for _, state, _ in buckets]) for k in ("exp_avg", "exp_avg_sq")},

@@ -62,7 +62,7 @@ def test_communication_bytes_per_step_are_exact(stage: int, accum: int) -> None:
 def memory_worker(rank: int, world: int, stage: int) -> dict:
     model = make_model()
     engine, _ = train_zero(model, rank, world, 2, micro=1, accum=1, stage=stage)
-    layout = engine.flat.layout
+    layout = engine.strategy.layout  # the trainable buckets
     return {"mb": engine.memory_breakdown(), "psi": sum(p.numel() for p in model.parameters() if p.requires_grad),
             "real_in_shard": layout.real_numel_in_shard(rank), "padded": layout.padded_numel,
             "frozen": sum(p.numel() for p in model.parameters() if not p.requires_grad)}

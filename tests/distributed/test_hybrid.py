@@ -42,10 +42,11 @@ def train_and_log(rank: int, world: int, stage: int, hybrid: str) -> dict:
     engine, _, _, _ = zeroshard.initialize(model=make_model(), config=config(stage, hybrid))
     log = engine.comm.ledger.start_log()
     train(engine, 0, STEPS)
-    layout = engine.flat.layout
+    layout = engine.strategy.layout  # the trainable buckets; stage 3 also shards the model's frozen layer
     persistent = sorted(engine.strategy.plan.persistent_buckets) if stage == 3 else []
     out = {"log": list(log), "by_scope": engine.comm.bytes_sent_by_scope(), "memory": engine.memory_breakdown(),
            "buckets": [(b.padded_numel, b.shard_numel, b.numel) for b in layout.buckets], "persistent": persistent,
+           "frozen": [b.padded_numel for b in engine.flat.layout.buckets if b.frozen],
            "shard_rank": engine.strategy.world.rank}
     out["state"] = engine.full_state_dict()
     if hybrid == "hpz":  # the same job without hpZ: the same gathers, only from elsewhere
@@ -129,7 +130,8 @@ def test_hpz_trains_as_one_process_and_gathers_inside_the_node_after_the_first()
         log: list[CallRecord] = result["log"]
         buckets, persistent = result["buckets"], set(result["persistent"])
         sharded = [i for i in range(len(buckets)) if i not in persistent]
-        assert sharded and persistent
+        frozen = result["frozen"]  # gathered like the others, never reduced
+        assert sharded and persistent and frozen
         secondary = [r for r in log if r.label.endswith(".hpz")]
         assert secondary and all(r.kind is CommKind.ALL_GATHER and r.group_size == PER_NODE
                                  and r.scope is CommScope.INSIDE_NODE for r in secondary)
@@ -137,19 +139,23 @@ def test_hpz_trains_as_one_process_and_gathers_inside_the_node_after_the_first()
                    for r in log if not r.label.endswith(".hpz"))
         primary_gathers = [r for r in log if r.kind is CommKind.ALL_GATHER and r.group_size == WORLD
                            and not r.label.startswith("param_bucket")]
-        assert len(primary_gathers) == STEPS * len(sharded)  # one per bucket per step
+        assert len(primary_gathers) == STEPS * (len(sharded) + len(frozen))  # one per bucket per step
         # hpZ changes where a gather comes from, never how many there are
         assert len(primary_gathers) + len(secondary) == result["plain_gathers"] - STEPS * len(persistent)
 
         def ring(padded: int) -> int:
             return (WORLD - 1) * padded * FP32 // WORLD
         per_step = (sum(ring(buckets[i][0]) for i in sharded)  # the first gather of each sharded bucket
+                    + sum(ring(padded) for padded in frozen)
                     + ACCUM * sum(ring(padded) for padded, _, _ in buckets)  # reduce-scatter every micro step
                     + sum(ring(buckets[i][0]) for i in persistent)  # persistent buckets after the step
                     + 2 * (WORLD - 1) * 8 // WORLD)  # the gradient norm (float64)
         assert across(log) == result["by_scope"]["across_nodes"] == STEPS * per_step
-        assert predicted(3, result, "hpz")["across_nodes"] == per_step - 2 * (WORLD - 1) * 8 // WORLD
-        assert result["memory"]["secondary_params"] == sum(buckets[i][0] // PER_NODE * FP32 for i in sharded)
+        # the scale model (trainable buckets), plus the frozen buckets' first gathers
+        assert (predicted(3, result, "hpz")["across_nodes"] + sum(ring(padded) for padded in frozen)
+                == per_step - 2 * (WORLD - 1) * 8 // WORLD)
+        assert result["memory"]["secondary_params"] == sum(
+            padded // PER_NODE * FP32 for padded in [buckets[i][0] for i in sharded] + frozen)
 
 
 def save_resume_modify(rank: int, world: int, hybrid: str, directory: str) -> dict:

@@ -106,7 +106,7 @@ def test_bf16_gradient_dtype_variants_follow_fp32_ddp(stage: int, variant: str) 
 
 def snapshot(engine) -> dict:
     """Everything a skipped step must leave untouched."""
-    state = {f"{b.index}.{k}": v for b in engine.flat.layout.buckets
+    state = {f"{b.index}.{k}": v for b in engine.strategy.layout.buckets
              for part in engine.updater.read_bucket(b)[1:] for k, v in part.items()}
     return {"masters": engine.strategy.masters.data.clone(), "params": engine.flat.data.clone(),
             "state": state, "lr": engine.get_lr()[0], "sched": engine.lr_scheduler.last_epoch}
@@ -223,8 +223,8 @@ def memory_worker(rank: int, world: int, stage: int, dtype: str, accum: str | No
     for x, y in rank_micro_batches(0, rank, world, 2, 1):
         engine.backward(engine(x, y))
         engine.step()
-    return {"mb": engine.memory_breakdown(), "psi": engine.flat.layout.numel,
-            "own": engine.flat.layout.real_numel_in_shard(rank)}
+    return {"mb": engine.memory_breakdown(), "psi": engine.strategy.layout.numel,
+            "own": engine.strategy.layout.real_numel_in_shard(rank)}
 
 
 @pytest.mark.parametrize("stage, world, dtype, accum", [

@@ -56,7 +56,7 @@ def parity_worker(rank: int, world: int, stage: int, nvme: str) -> dict:
         if reference is None:
             reference = params
         mb = engine.memory_breakdown()
-        layout = engine.flat.layout
+        layout = engine.strategy.layout  # the trainable buckets
         persistent = engine.strategy.plan.persistent_buckets if stage == 3 else frozenset()
         out[f"{optimizer}/{param}"] = {
             "equal": all(torch.equal(reference[k], params[k]) for k in params),
@@ -294,7 +294,7 @@ def estimate_worker(rank: int, world: int, nvme: str) -> dict:
     config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # every parameter offloaded
     engine, _, _, _ = zeroshard.initialize(model=make_model(), config=config)
     train(engine, rank, world, range(1))
-    return {"mb": engine.memory_breakdown(), "psi": engine.flat.layout.numel}
+    return {"mb": engine.memory_breakdown(), "psi": engine.strategy.layout.numel}
 
 
 def test_breakdown_by_place_agrees_with_estimate(tmp_path: Path) -> None:
@@ -314,7 +314,7 @@ def modify_worker(rank: int, world: int, nvme: str, optimizer: str) -> tuple[int
     train(engine, rank, world, range(2))
 
     def masters() -> torch.Tensor:
-        return torch.cat([engine.updater.read_bucket(b)[0] for b in engine.flat.layout.buckets])
+        return torch.cat([engine.updater.read_bucket(b)[0] for b in engine.strategy.layout.buckets])
 
     before = masters()
     weight = engine.module.ln_f.weight

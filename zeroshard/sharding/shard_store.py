@@ -86,4 +86,7 @@ class ShardStore:
 
     # ------------------------------------------------------------------ accounting
     def real_numel_at(self, place: Place, rank: int) -> int:
-        return sum(b.real_numel_in_shard(rank) for b in self.layout.buckets if self.where[b.index] is place)
+        """Real elements of this rank's trainable chunks kept at ``place`` (frozen buckets are not model
+        states: the breakdown counts them under ``frozen_params``)."""
+        return sum(b.real_numel_in_shard(rank) for b in self.layout.buckets
+                   if self.where[b.index] is place and not b.frozen)

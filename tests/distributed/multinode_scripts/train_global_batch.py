@@ -52,7 +52,7 @@ elif mode == "node_local_save":
 else:
     engine.load_checkpoint(node_dir)
     train(steps - 1, steps)
-layout = [[b.padded_numel, b.shard_numel] for b in engine.flat.layout.buckets]
+layout = [[b.padded_numel, b.shard_numel] for b in engine.strategy.layout.buckets]  # trainable
 state = engine.full_state_dict()
 placement = {"rank": world.rank, "local_rank": world.local_rank, "local_world_size": os.environ["LOCAL_WORLD_SIZE"],
              "group_rank": os.environ["GROUP_RANK"], "world_size": world.world_size, "sent": sent,
