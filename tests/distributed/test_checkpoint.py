@@ -57,7 +57,7 @@ def resume_worker(rank: int, world: int, stage: int, phase: str, directory: str)
             "steps": engine.global_steps}
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), pytest.param(1, marks=pytest.mark.slow), 2, 3])
 def test_resume_is_bitwise_exact(stage: int, tmp_path: Path) -> None:
     full = run_world(resume_worker, 2, args=(stage, "full", str(tmp_path)))
     run_world(resume_worker, 2, args=(stage, "first", str(tmp_path)))

@@ -107,7 +107,7 @@ def lora_worker(rank: int, world: int, directory: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_stage3_shards_the_frozen_base_and_trains_lora_as_one_process(world: int, tmp_path: Path) -> None:
     results = run_world(lora_worker, world, args=(str(tmp_path),))
     expected = reference(world)

@@ -61,7 +61,7 @@ def test_trainer_with_a_deepspeed_config_equals_ddp(tmp_path, ddp_runs, stage, w
     assert (tmp_path / "checkpoint-2" / "global_step2" / "manifest.json").is_file()
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_trainer_bf16(tmp_path, ddp_runs, stage) -> None:
     result = launch("trainer_script.py", tmp_path, "--stage", str(stage), "--bf16")
     assert result["wrapped"] == "zeroshard.engine.Engine"

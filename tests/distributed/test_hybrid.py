@@ -82,7 +82,7 @@ def predicted(stage: int, result: dict, hybrid: str) -> dict[str, int]:
     return out
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3])
 def test_mics_trains_as_one_process_and_only_the_replica_all_reduce_crosses_nodes(stage: int) -> None:
     """MiCS over groups of 2 (one per node): parameters, gradients and optimizer state sharded inside
     the node, replicated across; once per step each rank all-reduces its gradient shard with the rank

@@ -69,14 +69,14 @@ def reference(steps: int) -> dict[str, torch.Tensor]:
     return single_process_reference(steps, 4, 2, 2)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_two_agents_as_two_nodes_train_as_one_process(stage: int, tmp_path: Path) -> None:
     check_two_node_run(tmp_path, stage, run_two_agents(tmp_path, stage))
     placements = [json.loads((tmp_path / f"placement{r}.json").read_text()) for r in range(4)]
     assert all(p["sent"]["inside_node"] == 0 < p["sent"]["across_nodes"] for p in placements)  # groups span both
 
 
-@pytest.mark.parametrize("hybrid", ["mics", "hpz"])
+@pytest.mark.parametrize("hybrid", ["mics", pytest.param("hpz", marks=pytest.mark.slow)])
 def test_two_agents_with_hybrid_sharding_train_as_one_process(hybrid: str, tmp_path: Path) -> None:
     """MiCS and hpZ with a group per node (torchrun's nodes): the same weights as one process; MiCS
     sends across nodes only the once-per-step all-reduce of each gradient shard (fp32: 2 (R-1)/R x 4

@@ -90,8 +90,10 @@ def peft_worker(rank: int, world: int, kind: str, stage: int, precision: str, di
 
 
 @pytest.mark.parametrize("kind,stage,world,precision", [
-    ("llama", 3, 2, "fp32"), ("llama", 0, 2, "fp32"), ("llama", 2, 3, "fp32"), ("gpt2", 3, 3, "fp32"),
-    ("llama", 1, 1, "fp32"), ("llama", 3, 2, "bf16"),
+    ("llama", 3, 2, "fp32"),
+    *(pytest.param(*case, marks=pytest.mark.slow) for case in [
+        ("llama", 0, 2, "fp32"), ("llama", 2, 3, "fp32"), ("gpt2", 3, 3, "fp32"), ("llama", 1, 1, "fp32"),
+        ("llama", 3, 2, "bf16")]),
 ])
 def test_peft_lora_trains_as_one_process_and_its_adapter_loads(kind: str, stage: int, world: int,
                                                                 precision: str, tmp_path: Path) -> None:

@@ -87,7 +87,8 @@ def file_bytes(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.glob("*.safetensors"))
 
 
-@pytest.mark.parametrize("kind,sharded,world", [("llama", False, 2), ("gpt2", True, 3)])
+@pytest.mark.parametrize("kind,sharded,world", [("llama", False, 2),
+                                               pytest.param("gpt2", True, 3, marks=pytest.mark.slow)])
 def test_a_model_built_under_init_loads_its_slices_only(kind: str, sharded: bool, world: int,
                                                          tmp_path: Path) -> None:
     expected = save(kind, tmp_path, sharded)
@@ -102,7 +103,8 @@ def test_a_model_built_under_init_loads_its_slices_only(kind: str, sharded: bool
     assert sum(r["read"] for r in results) >= 0.95 * (total - 4096 * len(list(tmp_path.glob("*.safetensors"))))
 
 
-@pytest.mark.parametrize("stage,precision", [(3, "fp32"), (1, "fp32"), (3, "bf16")])
+@pytest.mark.parametrize("stage,precision", [(3, "fp32"), pytest.param(1, "fp32", marks=pytest.mark.slow),
+                                             pytest.param(3, "bf16", marks=pytest.mark.slow)])
 def test_a_live_engine_loads_pretrained_weights_reading_only_its_chunks(stage: int, precision: str,
                                                                          tmp_path: Path) -> None:
     expected = save("llama", tmp_path, sharded=False)
@@ -151,7 +153,7 @@ def hf_from_pretrained_under_init(rank: int, world: int, directory: str) -> dict
     return {"state": state, "sharded": sharded}
 
 
-@pytest.mark.parametrize("kind,sharded", [("llama", False), ("gpt2", True)])
+@pytest.mark.parametrize("kind,sharded", [pytest.param("llama", False, marks=pytest.mark.slow), ("gpt2", True)])
 def test_from_pretrained_under_init_builds_the_sharded_model(kind: str, sharded: bool, tmp_path: Path) -> None:
     """transformers builds on the meta device and assigns each loaded parameter: Init shards each as it
     comes (every rank reads every tensor here; load_pretrained reads only a rank's slices)."""
