@@ -203,13 +203,13 @@ def _into_engine(engine: "Engine", index: SafetensorsIndex) -> None:
             if bucket.frozen:  # stage 3's frozen buckets: this rank's chunk, in the training dtype
                 start, end = bucket.shard_range(rank)
                 chunk = torch.zeros(end - start, dtype=storage.dtype)
-                _fill_range(index, bucket, start, chunk, saved)
+                bucket.fill_chunk(start, chunk, lambda slot, lo, hi: index.read(saved[slot.name], lo, hi))
                 storage.write_own_chunk(bucket.index, chunk)
                 continue
             values, _, scalars = shards.read_bucket(bucket)  # the owned chunk (fp32 masters if any)
-            start = 0 if values.numel() == bucket.padded_numel else rank * values.numel()
             staged = torch.zeros(values.numel(), dtype=values.dtype)
-            _fill_range(index, bucket, start, staged, saved)
+            bucket.fill_chunk(bucket.chunk_start(values.numel(), rank), staged,
+                              lambda slot, lo, hi: index.read(saved[slot.name], lo, hi))
             shards.write_bucket(bucket, staged.to(values.device), None, scalars)
         for param, name in whole:
             param.data.copy_(index.read(name).view(param.shape))
@@ -217,12 +217,3 @@ def _into_engine(engine: "Engine", index: SafetensorsIndex) -> None:
             buffer.copy_(index.read(name).view(buffer.shape))
         shards.publish()  # gathers what is kept whole (stages 0-2, persistent buckets)
 
-
-def _fill_range(index: SafetensorsIndex, bucket: Any, start: int, into: torch.Tensor, saved: dict[str, str]) -> None:
-    """Copy into ``into`` (the elements ``[start, start + into.numel())`` of ``bucket``) every parameter
-    element the range holds, reading only those elements."""
-    end = start + into.numel()
-    for slot in bucket.slots:
-        lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
-        if lo < hi:
-            into[lo - start: hi - start].copy_(index.read(saved[slot.name], lo - slot.offset, hi - slot.offset))

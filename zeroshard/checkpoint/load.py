@@ -116,18 +116,8 @@ def _agree(parts: CheckpointParts, problem: Optional[str], identity: str) -> Non
 def _fill(reader: CheckpointReader, bucket: BucketLayout, start: int, target: torch.Tensor, key: str,
           known: set[str]) -> None:
     """Copy into ``target`` (a chunk starting at ``start`` in ``bucket``) every parameter element it holds."""
-    end = start + target.numel()
-    for slot in bucket.slots:
-        lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
-        if lo >= hi or slot.name not in known:
-            continue
-        values = reader.read(slot.name, key, lo - slot.offset, hi - slot.offset)
-        target[lo - start: hi - start].copy_(values.to(target.dtype))
-
-
-def _own_start(parts: CheckpointParts, bucket: BucketLayout, chunk: torch.Tensor) -> int:
-    """Where this rank's chunk starts inside the bucket (stage 0 owns the whole bucket)."""
-    return 0 if chunk.numel() == bucket.padded_numel else parts.shards.rank * chunk.numel()
+    bucket.fill_chunk(start, target, lambda slot, lo, hi: reader.read(slot.name, key, lo, hi)
+                      if slot.name in known else None)
 
 
 def open_checkpoint(parts: CheckpointParts, load_dir: str | Path, tag: Optional[str], strict: bool
@@ -180,7 +170,7 @@ def _load(parts: CheckpointParts, reader: CheckpointReader, load_optimizer_state
     with torch.no_grad():
         for bucket in shards.layout.buckets:
             values, state, scalars = shards.read_bucket(bucket)
-            start = _own_start(parts, bucket, values)
+            start = bucket.chunk_start(values.numel(), parts.shards.rank)
             _fill(reader, bucket, start, values, "param", known)
             if keys:
                 for key in keys:

@@ -47,7 +47,7 @@ def first_nonfinite_parameter(comm: Collectives, buckets: Sequence[BucketLayout]
     part of its gradient; ``None`` if there is none now."""
     first = len(names)
     for bucket, grad in zip(buckets, owned_grads):
-        start = 0 if grad.numel() == bucket.padded_numel else comm.world.rank * grad.numel()
+        start = bucket.chunk_start(grad.numel(), comm.world.rank)
         for slot in bucket.slots:
             lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, start + grad.numel())
             if lo < hi and slot.index < first and not bool(torch.isfinite(grad[lo - start: hi - start]).all()):

@@ -17,7 +17,7 @@ Buckets never span two optimizer parameter groups, so each chunk belongs to exac
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -60,6 +60,22 @@ class BucketLayout:
         """How many of rank's chunk elements hold parameters (the rest is padding)."""
         start, end = self.shard_range(rank)
         return max(0, min(end, self.numel) - start)
+
+    def chunk_start(self, chunk_numel: int, rank: int) -> int:
+        """Where rank's owned chunk of ``chunk_numel`` elements starts (stage 0 owns the whole bucket)."""
+        return 0 if chunk_numel == self.padded_numel else rank * chunk_numel
+
+    def fill_chunk(self, start: int, into: torch.Tensor, read: Callable[[ParamSlot, int, int], Optional[torch.Tensor]]) -> None:
+        """Copy into ``into`` (elements ``[start, start + into.numel())`` of this bucket) every parameter
+        element the range holds; ``read(slot, lo, hi)`` gives elements ``[lo, hi)`` of one parameter, or
+        None to leave them as they are."""
+        end = start + into.numel()
+        for slot in self.slots:
+            lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
+            if lo < hi:
+                values = read(slot, lo - slot.offset, hi - slot.offset)
+                if values is not None:
+                    into[lo - start: hi - start].copy_(values.to(into.dtype))
 
 
 @dataclass(frozen=True)
