@@ -49,7 +49,9 @@ from .rng import RNGState
 from .counters import TrainingCounters
 from .module_state import ModuleState
 from .optim.sharded_state import OptimizerHyperparameters, ShardedState
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint
+from .checkpoint.background import BackgroundSaves
+from .checkpoint.save import capture, write
 from .checkpoint.interface import CheckpointParts
 from .checkpoint.rotation import prune
 from .sharding import STRATEGIES
@@ -122,6 +124,7 @@ class Engine(DeepSpeedEngineAPI):
         self.world = world = dataclasses.replace(world, spans_nodes=self.topology.spans_nodes(range(world.world_size)))
         self.comm = Collectives(world)
         self._agree = ConsistencyCheck(self.comm)
+        self.saves = BackgroundSaves(self.world)  # asynchronous checkpoint saves
         zero = config.zero_optimization
         #: the groups the training state is sharded over (hybrid sharding: see distributed/topology.py)
         self.shard_groups = build_shard_groups(self.comm, self.topology, zero.mics_shard_size,
@@ -301,6 +304,7 @@ class Engine(DeepSpeedEngineAPI):
                                    "in between: call engine.step() after each backward()")
         self._boundary_backward_done = at_boundary
         self._backwards_since_step += 1
+        self.strategy.finish_refresh()  # a parameter no forward module waited for is current too
         divisor = self.gradient_accumulation_steps() if scale_wrt_gas else 1
         if self.loss_scaler.scale != 1.0:  # fp16: in fp32, so that the scaled loss cannot overflow
             scaled = loss.float() * (self.loss_scaler.scale / divisor)
@@ -409,7 +413,7 @@ class Engine(DeepSpeedEngineAPI):
             self.updater.step_bucket(bucket, grads[bucket.index], factor)
             self.strategy.refresh_bucket(bucket)
         self.updater.end_step()
-        self.strategy.finish_refresh()
+        self.strategy.end_refresh()  # stages 1-2: may run on into the next forward
         self._raise_swap_failures()
 
     def _raise_swap_failures(self) -> None:
@@ -432,6 +436,7 @@ class Engine(DeepSpeedEngineAPI):
 
     def _release_at_exit(self) -> None:
         """See [Note: a clean exit] in distributed/world.py: no collective here (a rank may be gone)."""
+        self.saves.release()
         self._release(hand_back=False)
         self._agree.release()
         self.shard_groups.release()
@@ -444,6 +449,7 @@ class Engine(DeepSpeedEngineAPI):
         group for its consistency check is destroyed.  Idempotent.
         """
         if not self._closed:
+            self.saves.close()
             self._release(hand_back=True)
             self._agree.close()
             self.shard_groups.close()
@@ -542,29 +548,56 @@ class Engine(DeepSpeedEngineAPI):
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, save_dir: Union[str, Path], tag: Any = None, client_state: Any = None,
-                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> Path:
-        """Write a sharded checkpoint under ``save_dir/tag`` (see zeroshard/checkpoint/format.py).
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False,
+                        async_save: Optional[bool] = None) -> Path:
+        """Write a sharded checkpoint under ``save_dir/tag`` (see zeroshard/checkpoint/format.py); returns
+        that directory.
 
         ``tag`` may be of any type (DeepSpeed scripts pass step numbers): it names a directory by
         ``str(tag)``.  ``exclude_frozen_parameters`` leaves frozen parameters out (a LoRA job's base
         model, which the job loads from its pretrained weights anyway); a load then keeps the model's
-        current frozen values.
+        current frozen values.  ``async_save`` (default: ``checkpoint.writer.decoupled``): copy the state
+        and return at once; the checkpoint is written and published in the background (see [Note:
+        asynchronous saves] in checkpoint/background.py).
         """
+        return self._save(save_dir, tag, client_state, save_latest, exclude_frozen_parameters, async_save)
+
+    def _save(self, save_dir: Union[str, Path], tag: Any, client_state: Any, save_latest: bool,
+              exclude_frozen: bool, async_save: Optional[bool], then: Optional[Callable[[], None]] = None) -> Path:
+        writer = self.config.checkpoint.writer
+        background = writer.decoupled if async_save is None else bool(async_save)
+        self.saves.wait()  # the previous asynchronous save is published (or its error raised) first
         tag_name = f"global_step{self.global_steps}" if tag is None else str(tag)
-        self._agree.agree(Call.SAVE, self.micro_steps, self.global_steps, tag_name)
-        return save_checkpoint(self.checkpoint_parts(), save_dir, tag_name, client_state, save_latest,
-                               node_local=self.config.checkpoint.use_node_local_storage,
-                               exclude_frozen=exclude_frozen_parameters)
+        self._agree.agree(Call.SAVE, self.micro_steps, self.global_steps,
+                          f"{tag_name} ({'in the background' if background else 'synchronously'})")
+        request = capture(self.checkpoint_parts(), save_dir, tag_name, client_state, save_latest,
+                          node_local=self.config.checkpoint.use_node_local_storage, exclude_frozen=exclude_frozen,
+                          copy=background, io_chunk=writer.io_buffer_size)
+        if background:
+            self.saves.submit(request, then)
+            return request.final
+        write(request, self.comm)
+        if then is not None:
+            then()
+        return request.final
+
+    def wait_for_checkpoint(self) -> Optional[Path]:
+        """Block until the asynchronous save in flight is published; returns its directory (None when
+        none was in flight).  Raises its error, on every rank, if it failed."""
+        return self.saves.wait()
 
     def _save_periodically(self) -> None:
-        """``checkpoint.save_interval``: every rank saves at the same step, then rank 0 prunes
-        (see [Note: pruning never loses the checkpoint to resume from])."""
+        """``checkpoint.save_interval``: every rank saves at the same step, then rank 0 prunes once the
+        save is published (see [Note: pruning never loses the checkpoint to resume from])."""
         ckpt = self.config.checkpoint
         if ckpt.save_dir and ckpt.save_interval and self.global_steps % ckpt.save_interval == 0:
-            self.save_checkpoint(ckpt.save_dir)
             publisher = self.world.local_rank == 0 if ckpt.use_node_local_storage else self.world.is_main
-            if ckpt.keep_last and publisher:
-                prune(Path(ckpt.save_dir), ckpt.keep_last)
+            root, keep = Path(ckpt.save_dir), ckpt.keep_last
+
+            def prune_old() -> None:
+                prune(root, keep)
+
+            self._save(root, None, None, True, False, None, then=prune_old if keep and publisher else None)
 
     def load_checkpoint(self, load_dir: Union[str, Path], tag: Any = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
@@ -580,6 +613,7 @@ class Engine(DeepSpeedEngineAPI):
         therefore resumes with the data order it had there.  ``True``/``False`` decide explicitly.
         """
         restore_rng = self.data_loader is not None if load_rng_state is None else load_rng_state
+        self.saves.wait()  # a load reads what is published: an asynchronous save in flight finishes first
         self._agree.agree(Call.LOAD, self.micro_steps, self.global_steps, None if tag is None else str(tag))
         return load_checkpoint(self.checkpoint_parts(), load_dir, None if tag is None else str(tag),
                                load_module_strict, load_optimizer_states, load_lr_scheduler_states,
@@ -588,6 +622,7 @@ class Engine(DeepSpeedEngineAPI):
     def checkpoint_parts(self) -> CheckpointParts:
         """The engine's stateful parts, as a checkpoint saves and restores them (checkpoint/interface.py)."""
         loader = self.data_loader if hasattr(self.data_loader, "state_dict") else None
+        self.strategy.finish_refresh()  # a save reads, a load writes the parameters: no gather in flight
         return CheckpointParts(
             self.world, self.comm, self.stage, ShardedState(self.updater, self.strategy),
             ModuleState(self.module, self.strategy.params, self.param_names, self.flat), OptimizerHyperparameters(self.optimizer),
@@ -637,6 +672,7 @@ class Engine(DeepSpeedEngineAPI):
         their names, as ``nn.Module.state_dict`` gives them, so ``load_state_dict(strict=True)`` works.
         """
         keep = self.world.rank == 0 or not rank0_only
+        self.strategy.finish_refresh()
         values: dict[int, torch.Tensor] = {}
         storage = self.flat
         for bucket in storage.layout.buckets:

@@ -200,22 +200,25 @@ def test_load_reshards_across_world_sizes_and_stages(source, targets, tmp_path: 
         assert losses[0] == pytest.approx(expected, rel=1e-6), (new_world, new_stage)
 
 
-def crash_worker(rank: int, world: int, directory: str) -> None:
+def crash_worker(rank: int, world: int, directory: str, background: bool) -> None:
     engine = make_engine(2)
     random_step(engine)
-    engine.save_checkpoint(directory, tag="good")
+    engine.save_checkpoint(directory, tag="good", async_save=background)
     random_step(engine)
     import zeroshard.checkpoint.save as saving
 
-    original = saving.save_file
+    original = saving._write_file
 
-    def dies_after_writing(tensors, path):  # rank 1 is killed right after writing its shard
-        original(tensors, path)
+    def dies_after_writing(path, tensors, io_chunk):  # rank 1 is killed right after writing its shard
+        written = original(path, tensors, io_chunk)
         if rank == 1:
             os._exit(3)
+        return written
 
-    saving.save_file = dies_after_writing
-    engine.save_checkpoint(directory, tag="bad")
+    saving._write_file = dies_after_writing
+    engine.save_checkpoint(directory, tag="bad", async_save=background)
+    random_step(engine)  # training goes on while the background save waits for rank 1
+    engine.wait_for_checkpoint()
 
 
 def load_latest_worker(rank: int, world: int, directory: str) -> str:
@@ -224,9 +227,10 @@ def load_latest_worker(rank: int, world: int, directory: str) -> str:
     return path.name
 
 
-def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:
-    with pytest.raises(WorldFailed, match="died|checkpoint_written"):
-        run_world(crash_worker, 2, args=(str(tmp_path),), pg_timeout_s=20, timeout=120)
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(background: bool, tmp_path: Path) -> None:
+    with pytest.raises(WorldFailed):  # rank 1 dies; rank 0 fails in whichever collective it is waiting in
+        run_world(crash_worker, 2, args=(str(tmp_path), background), pg_timeout_s=20, timeout=120)
     assert (tmp_path / "latest").read_text() == "good"
     assert not (tmp_path / "bad").exists() and (tmp_path / ".bad.incomplete").exists()
     assert run_world(load_latest_worker, 2, args=(str(tmp_path),)) == ["good", "good"]
@@ -268,6 +272,38 @@ def test_missing_truncated_and_corrupted_files_are_named(saved, tmp_path: Path) 
     victim.unlink()
     with pytest.raises(CheckpointError, match=r"rank00001\.safetensors: missing"):
         CheckpointReader(directory)
+
+
+def verifying_worker(rank: int, world: int, directory: str, stage: int) -> dict:
+    import zeroshard.checkpoint.format as fmt
+
+    hashed, original = [], fmt.sha256_of
+    fmt.sha256_of = lambda path, *a: hashed.append(Path(path).name) or original(path, *a)
+    engine = make_engine(stage)
+    try:
+        engine.load_checkpoint(directory, tag="t")
+        error = None
+    except CheckpointError as err:
+        error = str(err)
+    return {"hashed": sorted(hashed), "error": error}
+
+
+def test_a_load_verifies_only_the_files_the_rank_reads(saved, tmp_path: Path) -> None:
+    directory = tmp_path / "t"
+    shutil.copytree(saved[0] / "t", directory)
+    extra = ["model_extra.safetensors"] if (directory / "model_extra.safetensors").exists() else []
+    same = run_world(verifying_worker, 3, args=(str(tmp_path), 3))
+    assert [r["hashed"] for r in same] == [sorted([f"rank0000{r}.safetensors", *extra]) for r in range(3)]
+    assert all(r["error"] is None for r in same)
+    whole = run_world(verifying_worker, 1, args=(str(tmp_path), 2))[0]  # one rank reads every chunk
+    assert whole["hashed"] == sorted([f"rank0000{r}.safetensors" for r in range(3)] + extra)
+    victim = directory / "rank00002.safetensors"
+    flipped = bytearray(victim.read_bytes())
+    flipped[len(flipped) // 2] ^= 0x10
+    victim.write_bytes(bytes(flipped))
+    errors = [r["error"] for r in run_world(verifying_worker, 3, args=(str(tmp_path), 3))]
+    assert "rank00002.safetensors: checksum mismatch" in errors[2]
+    assert all("failed validation on 1 other rank" in e for e in errors[:2])
 
 
 def test_a_newer_format_is_refused(saved, tmp_path: Path) -> None:

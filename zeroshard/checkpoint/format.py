@@ -29,7 +29,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, BinaryIO, Callable, Iterable, Optional
 
 import torch
 
@@ -154,34 +154,110 @@ _DTYPE_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF1
                 torch.int8: "I8", torch.int16: "I16"}
 
 
+def _entry_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+
+
+def _header_json(header: dict[str, Any]) -> bytes:
+    return json.dumps(header, separators=(",", ":")).encode()
+
+
+class SafetensorsWriter:
+    """Writes a safetensors file one tensor at a time, atomically; peak memory: the tensor being written.
+
+    [Note: the header goes last]
+    A safetensors file starts with a header that gives every tensor's offset, so a writer that does
+    not know all its tensors up front (a rank file, read bucket by bucket) reserves room for the header,
+    writes the tensors after it, and writes the header into the room at the end, padded with spaces
+    (which the format allows: its own writer pads to 8 bytes the same way).  Should the header outgrow
+    the room, the data is moved once behind a bigger one.  The file appears under its name only when
+    complete (``os.replace`` after ``fsync``).
+    """
+
+    def __init__(self, path: Path, header_room: int = 1 << 16, io_chunk: int = 64 << 20) -> None:
+        self.path = path
+        self._room = header_room + (-header_room % 8)  # the data section starts 8-byte aligned
+        self._io_chunk = max(1, io_chunk)
+        self._tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        self._file: BinaryIO = open(self._tmp, "wb")
+        self._file.seek(8 + self._room)
+        self._header: dict[str, Any] = {}
+        self._offset = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Append ``tensor`` (any device; written as it is, in its dtype and shape)."""
+        if name in self._header:
+            raise ValueError(f"{self.path}: tensor {name!r} written twice")
+        tensor = tensor.detach().to("cpu").contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        self._header[name] = {"dtype": _DTYPE_CODES[tensor.dtype], "shape": list(tensor.shape),
+                              "data_offsets": [self._offset, self._offset + nbytes]}
+        if nbytes:
+            raw = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+            for start in range(0, nbytes, self._io_chunk):
+                self._file.write(raw[start: start + self._io_chunk])
+        self._offset += nbytes
+
+    def finish(self) -> int:
+        """Write the header, make the file durable and give it its name; returns its size in bytes."""
+        raw = _header_json(self._header)
+        if len(raw) > self._room:
+            self._move_data(len(raw) + (-len(raw) % 8))
+        raw += b" " * (self._room - len(raw))
+        self._file.seek(0)
+        self._file.write(struct.pack("<Q", self._room))
+        self._file.write(raw)
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self._tmp, self.path)
+        return 8 + self._room + self._offset
+
+    def abort(self) -> None:
+        """Close and remove the unfinished file."""
+        self._file.close()
+        self._tmp.unlink(missing_ok=True)
+
+    def _move_data(self, room: int) -> None:
+        """Shift the data written so far behind a header room of ``room`` bytes (the rare case where
+        the header outgrew the reserved room)."""
+        self._file.flush()
+        bigger = self._tmp.with_name(self._tmp.name + ".grow")
+        with open(self._tmp, "rb") as old, open(bigger, "wb") as new:
+            old.seek(8 + self._room)
+            new.seek(8 + room)
+            while block := old.read(self._io_chunk):
+                new.write(block)
+        self._file.close()
+        os.replace(bigger, self._tmp)
+        self._file = open(self._tmp, "r+b")
+        self._room = room
+
+
 def write_safetensors_streaming(path: Path, entries: Iterable[tuple[str, tuple[int, ...], torch.dtype]],
                                 produce: Callable[[str], torch.Tensor]) -> None:
     """Write a safetensors file one tensor at a time (peak memory: one tensor).
 
-    ``entries`` gives each tensor's name, shape and dtype up front (the header needs every offset);
+    ``entries`` gives each tensor's name, shape and dtype up front (so the header's room is exact);
     ``produce(name)`` returns the tensor's values when its turn comes.
     """
     entries = list(entries)
-    header: dict[str, Any] = {}
-    offset = 0
+    header, offset = {}, 0
     for name, shape, dtype in entries:
-        nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        nbytes = _entry_bytes(shape, dtype)
         header[name] = {"dtype": _DTYPE_CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
+    writer = SafetensorsWriter(path, header_room=len(_header_json(header)))
+    try:
         for name, shape, dtype in entries:
-            tensor = produce(name).detach().to("cpu").to(dtype).contiguous()
+            tensor = produce(name).detach().to("cpu").to(dtype)
             if tuple(tensor.shape) != tuple(shape):
                 raise ValueError(f"{name}: produced shape {tuple(tensor.shape)}, announced {tuple(shape)}")
-            f.write(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+            writer.add(name, tensor)
+        writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
 
 
 #: file suffixes written as torch pickles (what DeepSpeed's and Hugging Face's ``pytorch_model.bin`` are)

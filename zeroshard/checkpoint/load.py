@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 
 from ..sharding.layout import BucketLayout
-from .format import MANIFEST, CheckpointError, published_dir, rank_file, resolve_tag  # resolve_tag: public here
+from .format import EXTRA_FILE, MANIFEST, CheckpointError, published_dir, rank_file, resolve_tag  # resolve_tag: public here
 from .interface import CheckpointParts
 from .reader import CheckpointReader
 
@@ -113,6 +113,21 @@ def _agree(parts: CheckpointParts, problem: Optional[str], identity: str) -> Non
     parts.agree_on(identity)
 
 
+def files_to_read(parts: CheckpointParts, reader: CheckpointReader) -> set[str]:
+    """The files this rank's load reads, which are the ones it verifies: those holding its chunks (at
+    any world size or bucket plan), the one its scalar optimizer state comes from, its own (for its RNG
+    state) and the frozen parameters and buffers.  A rank never checksums files it does not read, so
+    verification costs each rank about its own share of the checkpoint, not all of it."""
+    known = set(reader.param_names())
+    files = {reader.home_file(), EXTRA_FILE, rank_file(parts.world.rank)}
+    for bucket, (chunk_numel, _) in zip(parts.shards.layout.buckets, parts.shards.chunk_layout()):
+        start = bucket.chunk_start(chunk_numel, parts.shards.rank)
+        # the ranges _fill reads, walked without reading (the callback answers None: nothing copied)
+        bucket.fill_chunk(start, torch.empty(chunk_numel, device="meta"), lambda slot, lo, hi: files.update(
+            reader.files_holding(slot.name, lo, hi)) if slot.name in known else None)
+    return files & set(reader.data["files"])
+
+
 def _fill(reader: CheckpointReader, bucket: BucketLayout, start: int, target: torch.Tensor, key: str,
           known: set[str]) -> None:
     """Copy into ``target`` (a chunk starting at ``start`` in ``bucket``) every parameter element it holds."""
@@ -135,8 +150,9 @@ def open_checkpoint(parts: CheckpointParts, load_dir: str | Path, tag: Optional[
             check_manifest(d, data)
             _check_node_local(parts, d, data)
 
-        reader = CheckpointReader(directory, rank=parts.world.rank, validate=validate)
+        reader = CheckpointReader(directory, rank=parts.world.rank, validate=validate, verify=False)
         _check_model(parts, reader, strict)
+        reader.manifest.verify_files(files_to_read(parts, reader))
     except CheckpointError as err:
         problem = str(err)
     try:

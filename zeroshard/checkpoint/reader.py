@@ -31,6 +31,9 @@ class CheckpointReader:
             node = rank // per_node
             only = {rank_file(r) for r in range(node * per_node, (node + 1) * per_node)} | {EXTRA_FILE}
             self._home = rank_file(rank)
+        elif rank is not None and rank_file(rank) in self.manifest.data["files"] and all(
+                rank < b["num_chunks"] for b in self.manifest.buckets):
+            self._home = rank_file(rank)  # it holds a chunk of every bucket, with the same scalar state
         if verify:
             self.manifest.verify_files(only)
         self._place: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
@@ -80,9 +83,9 @@ class CheckpointReader:
             raise CheckpointError(f"{self.directory / file}: has no tensor {name!r}")
         return handle.read_flat(name, start, end)
 
-    def read(self, name: str, key: str = "param", start: int = 0, end: Optional[int] = None) -> torch.Tensor:
-        """Elements ``[start, end)`` of parameter ``name``'s flattened ``key`` (``param`` or
-        ``optim.<state>``), as a 1D tensor assembled from the chunks that hold them."""
+    def _pieces(self, name: str, start: int, end: Optional[int]) -> list[tuple[int, int, int, int]]:
+        """Where elements ``[start, end)`` of parameter ``name`` were saved: (bucket, chunk, first, last)
+        of each saved chunk that holds some of them, in order."""
         if name not in self._place:
             raise CheckpointError(f"{self.directory}: has no parameter {name!r}")
         bucket, slot = self._place[name]
@@ -94,8 +97,22 @@ class CheckpointReader:
         while position < stop:
             chunk, inner = divmod(position, chunk_numel)
             take = min(stop - position, chunk_numel - inner)
-            pieces.append(self._chunk_slice(key, bucket["index"], chunk, inner, inner + take))
+            pieces.append((bucket["index"], chunk, inner, inner + take))
             position += take
+        return pieces
+
+    def files_holding(self, name: str, start: int = 0, end: Optional[int] = None) -> set[str]:
+        """The files :meth:`read` opens for these elements (what a load verifies before reading)."""
+        return {rank_file(chunk) for _, chunk, _, _ in self._pieces(name, start, end)}
+
+    def home_file(self) -> str:
+        """The file the per-bucket scalar state and the optimizer's state names are read from."""
+        return self._home
+
+    def read(self, name: str, key: str = "param", start: int = 0, end: Optional[int] = None) -> torch.Tensor:
+        """Elements ``[start, end)`` of parameter ``name``'s flattened ``key`` (``param`` or
+        ``optim.<state>``), as a 1D tensor assembled from the chunks that hold them."""
+        pieces = [self._chunk_slice(key, bucket, chunk, lo, hi) for bucket, chunk, lo, hi in self._pieces(name, start, end)]
         if not pieces:
             return torch.empty(0, dtype=torch.float32)
         return torch.cat(pieces) if len(pieces) > 1 else pieces[0]

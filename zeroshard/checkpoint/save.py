@@ -12,16 +12,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
-from safetensors.torch import save_file
 
+from ..distributed.collectives import Collectives
 from ..version import __version__
 from .format import (replaced_dir, EXTRA_FILE, FORMAT_NAME, FORMAT_VERSION, LATEST, MANIFEST, CheckpointError, rank_file,
-                     sha256_of, write_json_atomic, write_text_atomic)
+                     SafetensorsWriter, sha256_of, write_json_atomic, write_text_atomic)
 from .interface import CheckpointParts
+
+#: room reserved for a rank file's header (see [Note: the header goes last]): ~400 tensors' entries
+_HEADER_ROOM = 1 << 16
 
 
 def barrier(parts: CheckpointParts, label: str) -> None:
@@ -36,21 +40,21 @@ def _json_or_error(value: Any, what: str) -> Any:
     return value
 
 
-def rank_tensors(parts: CheckpointParts) -> dict[str, torch.Tensor]:
-    """What this rank writes: its chunks (fp32 masters when there are any), their optimizer state
-    (read back from host memory or NVMe where offloaded), and its RNG state."""
-    out: dict[str, torch.Tensor] = dict(parts.rng.state_dict())
+def rank_tensors(parts: CheckpointParts) -> Iterator[tuple[str, torch.Tensor]]:
+    """What this rank writes, one bucket at a time: its RNG state, then per bucket its chunk (fp32
+    masters when there are any), its optimizer state (read back from host memory or NVMe where
+    offloaded) and scalar state.  Every tensor is a copy: training may go on once it is yielded."""
+    yield from parts.rng.state_dict().items()
     shards = parts.shards
     for bucket, (_, chunks) in zip(shards.layout.buckets, shards.chunk_layout()):
         if shards.rank >= chunks or not shards.writes_chunks:
             continue  # stage 0: every rank holds the same bucket, rank 0 writes it; MiCS: the first group
         values, state, scalars = shards.read_bucket(bucket)
-        out[f"param.b{bucket.index}"] = values.to("cpu")
+        yield f"param.b{bucket.index}", values.to("cpu")
         for key, value in scalars.items():
-            out[f"optim_scalar.{key}.b{bucket.index}"] = value.to("cpu")
+            yield f"optim_scalar.{key}.b{bucket.index}", value.to("cpu")
         for key, value in state.items():
-            out[f"optim.{key}.b{bucket.index}"] = value.to("cpu").reshape(-1)
-    return out
+            yield f"optim.{key}.b{bucket.index}", value.to("cpu").reshape(-1)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -87,54 +91,156 @@ def _manifest(parts: CheckpointParts, tag: str, client_state: Any, files: dict[s
     }
 
 
-def save_checkpoint(parts: CheckpointParts, save_dir: str | Path, tag: str, client_state: Any = None,
-                    save_latest: bool = True, node_local: bool = False, exclude_frozen: bool = False) -> Path:
-    """Write a checkpoint of ``parts`` under ``save_dir/tag``; every rank must call it.
+@dataclass
+class SaveRequest:
+    """One checkpoint as it was at the instant of the save: what every rank writes and where.
 
-    ``node_local`` (``checkpoint.use_node_local_storage``): ``save_dir`` is a directory of each node's
-    own; see [Note: node-local checkpoints].
+    Captured on the training thread (:func:`capture`); written by :func:`write`, on the same thread
+    (a synchronous save, reading the rank's buckets one at a time as it writes) or on a background
+    thread (``async_save``: the rank's tensors were copied first, see [Note: asynchronous saves]).
     """
+
+    root: Path
+    tag: str
+    rank: int
+    leader: bool  # who writes the frozen parameters and buffers and publishes (per node when node-local)
+    node_local: bool
+    save_latest: bool
+    tensors: Iterable[tuple[str, torch.Tensor]]
+    extra: dict[str, torch.Tensor]
+    manifest: Optional[dict[str, Any]]  # rank 0: everything but the file list
+    io_chunk: int = 64 << 20
+
+    @property
+    def staging(self) -> Path:
+        return self.root / f".{self.tag}.incomplete"
+
+    @property
+    def final(self) -> Path:
+        return self.root / self.tag
+
+
+def capture(parts: CheckpointParts, save_dir: str | Path, tag: str, client_state: Any = None,
+            save_latest: bool = True, node_local: bool = False, exclude_frozen: bool = False,
+            copy: bool = False, io_chunk: int = 64 << 20) -> SaveRequest:
+    """Prepare a save of ``parts`` (every rank calls it): the leader clears the staging directory, stage
+    3 gathers the frozen parameters, rank 0 takes the manifest's values.  With ``copy`` the rank's
+    tensors are read now (copies, so that training can change the originals); otherwise they are read
+    bucket by bucket while :func:`write` writes them."""
     root = Path(save_dir)
-    staging = root / f".{tag}.incomplete"
     rank = parts.world.rank
-    leader = parts.world.local_rank == 0 if node_local else rank == 0  # who prepares and publishes
+    leader = parts.world.local_rank == 0 if node_local else rank == 0
+    staging = root / f".{tag}.incomplete"
     if leader:
         root.mkdir(parents=True, exist_ok=True)
         if staging.exists():
             shutil.rmtree(staging)
         staging.mkdir()
     barrier(parts, "checkpoint_start")
-    mine = staging / rank_file(rank)
-    save_file(rank_tensors(parts), str(mine))
-    sidecar = {mine.name: {"bytes": mine.stat().st_size, "sha256": sha256_of(mine)}}
     model = parts.module.describe()
-    # every rank: stage 3 gathers its frozen buckets; the leader writes them
+    # every rank: stage 3 gathers its frozen buckets; the leader keeps them (copies)
     extra = parts.module.extra_tensors(set(model["trainable_of"]), keep=leader, exclude_frozen=exclude_frozen)
-    if leader:
-        if extra:
-            save_file(extra, str(staging / EXTRA_FILE))
-            sidecar[EXTRA_FILE] = {"bytes": (staging / EXTRA_FILE).stat().st_size,
-                                   "sha256": sha256_of(staging / EXTRA_FILE)}
-    final = root / tag
-    if node_local:
-        manifest = _node_local_manifest(parts, tag, client_state, sidecar, model)
-        if leader:
+    manifest = None
+    if rank == 0:  # a JSON round trip: the values as they are now, whatever the script changes later
+        manifest = json.loads(json.dumps(_manifest(parts, tag, client_state, {}, model)))
+        if node_local:
+            manifest["storage"] = {"node_local": True,
+                                   "ranks_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", parts.world.world_size))}
+    tensors = rank_tensors(parts)
+    return SaveRequest(root, tag, rank, leader, node_local, save_latest, list(tensors) if copy else tensors,
+                       extra, manifest, io_chunk)
+
+
+def _write_file(path: Path, tensors: Iterable[tuple[str, torch.Tensor]], io_chunk: int) -> dict[str, Any]:
+    writer = SafetensorsWriter(path, header_room=_HEADER_ROOM, io_chunk=io_chunk)
+    try:
+        for name, tensor in tensors:
+            writer.add(name, tensor)
+        size = writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    return {"bytes": size, "sha256": sha256_of(path)}
+
+
+def write(request: SaveRequest, comm: Collectives) -> Path:
+    """Write ``request``'s files, then publish the checkpoint (every rank calls it, over ``comm``).
+
+    Every rank reports its files, or what went wrong, to every other; the checkpoint is published
+    only if every rank wrote its part, and every rank raises otherwise (the error names the rank and
+    the file).  Returns the published directory.
+    """
+    staging = request.staging
+    files: dict[str, Any] = {}
+    problem = None
+    try:
+        files[rank_file(request.rank)] = _write_file(staging / rank_file(request.rank), request.tensors,
+                                                     request.io_chunk)
+        if request.leader and request.extra:
+            files[EXTRA_FILE] = _write_file(staging / EXTRA_FILE, request.extra.items(), request.io_chunk)
+    except OSError as err:
+        problem = f"{err.filename or staging}: {err.strerror or err}"
+    reports = comm.all_gather_json({"files": files, "problem": problem}, "checkpoint_files")
+    _raise_if_any(request, [r["problem"] for r in reports], "could not write its files")
+    files = _all_files([r["files"] for r in reports])  # every rank: a problem raises everywhere
+    manifest = None
+    if request.rank == 0:
+        assert request.manifest is not None
+        manifest = {**request.manifest, "files": files}
+    if request.node_local:  # every node publishes its own copy of the manifest
+        manifest = comm.broadcast_json(manifest, 0, "checkpoint_manifest")
+    problem = None
+    if manifest is not None and request.leader:
+        try:
             write_json_atomic(staging / MANIFEST, manifest)
-            _publish(root, staging, tag, save_latest)
-        barrier(parts, "checkpoint_done")
-        return final
-    write_json_atomic(staging / f"rank{rank:05d}.json", sidecar)
-    barrier(parts, "checkpoint_written")
-    if rank == 0:
-        files: dict[str, Any] = {}
-        for r in range(parts.world.world_size):
-            part = staging / f"rank{r:05d}.json"
-            files.update(json.loads(part.read_text()))
-            part.unlink()
-        write_json_atomic(staging / MANIFEST, _manifest(parts, tag, client_state, files, model))
-        _publish(root, staging, tag, save_latest)
-    barrier(parts, "checkpoint_done")
-    return final
+            _publish(request.root, staging, request.tag, request.save_latest)
+        except OSError as err:
+            problem = f"{err.filename or staging}: {err.strerror or err}"
+    _raise_if_any(request, comm.all_gather_json(problem, "checkpoint_done"), "could not publish it")
+    return request.final
+
+
+def _raise_if_any(request: SaveRequest, problems: list[Optional[str]], what: str) -> None:
+    failed = [f"rank {r} {what} ({p})" for r, p in enumerate(problems) if p]
+    if failed:
+        raise CheckpointError(f"checkpoint {request.tag!r} under {request.root} was not published: "
+                              + "; ".join(failed) + "; the previous checkpoint is untouched")
+
+
+def _all_files(reported: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every rank's files, for the manifest.
+
+    [Note: node-local checkpoints]
+    With ``checkpoint.use_node_local_storage`` no directory is shared between nodes: every rank
+    writes its file into its own node's ``save_dir``, each node's local rank 0 writes the frozen
+    parameters and buffers there too, and the file sizes and checksums travel by collective (as they
+    always do).  Rank 0 builds the manifest, which lists every rank's file, and each node's local rank
+    0 writes the same bytes and publishes the directory and ``latest`` on its node.  A node then holds
+    its own ranks' files: such a checkpoint loads with the same world size, ranks per node, stage and
+    buckets (each rank reads only its own file); to reshard it, copy every node's files into one
+    directory first.
+    """
+    files: dict[str, Any] = {}
+    extras = {theirs[EXTRA_FILE]["sha256"] for theirs in reported if EXTRA_FILE in theirs}
+    if len(extras) > 1:
+        raise CheckpointError(f"{EXTRA_FILE} differs between nodes (frozen parameters or buffers that are not "
+                              f"the same on every node); this checkpoint was not published")
+    for theirs in reported:
+        files.update({name: meta for name, meta in theirs.items() if name not in files})
+    return files
+
+
+def save_checkpoint(parts: CheckpointParts, save_dir: str | Path, tag: str, client_state: Any = None,
+                    save_latest: bool = True, node_local: bool = False, exclude_frozen: bool = False,
+                    io_chunk: int = 64 << 20) -> Path:
+    """Write a checkpoint of ``parts`` under ``save_dir/tag`` and publish it; every rank must call it.
+
+    The rank's state is read one bucket at a time as it is written, so a save holds one bucket's
+    copies at a time, not the rank's whole state.  ``node_local`` (``checkpoint.use_node_local_storage``):
+    ``save_dir`` is a directory of each node's own; see [Note: node-local checkpoints].
+    """
+    request = capture(parts, save_dir, tag, client_state, save_latest, node_local, exclude_frozen, io_chunk=io_chunk)
+    return write(request, parts.comm)
 
 
 def _publish(root: Path, staging: Path, tag: str, save_latest: bool) -> None:
@@ -148,32 +254,3 @@ def _publish(root: Path, staging: Path, tag: str, save_latest: bool) -> None:
     if save_latest:
         write_text_atomic(root / LATEST, tag)
     shutil.rmtree(old, ignore_errors=True)
-
-
-def _node_local_manifest(parts: CheckpointParts, tag: str, client_state: Any, sidecar: dict[str, Any],
-                         model: dict[str, Any]) -> dict[str, Any]:
-    """[Note: node-local checkpoints]
-    With ``checkpoint.use_node_local_storage`` no directory is shared between nodes: every rank
-    writes its file into its own node's ``save_dir``, each node's local rank 0 writes the frozen
-    parameters and buffers there too, and the file sizes and checksums travel by collective instead
-    of through the file system.  Rank 0 builds the manifest, which lists every rank's file, and each
-    node's local rank 0 writes the same bytes and publishes the directory and ``latest`` on its node.
-    A node then holds its own ranks' files: such a checkpoint loads with the same world size, ranks per
-    node, stage and buckets (each rank reads only its own file); to reshard it, copy every node's
-    files into one directory first.
-    """
-    files: dict[str, Any] = {}
-    extras = set()
-    for theirs in parts.comm.all_gather_json(sidecar, "checkpoint_files"):
-        if EXTRA_FILE in theirs:
-            extras.add(theirs[EXTRA_FILE]["sha256"])
-        files.update({name: meta for name, meta in theirs.items() if name not in files})
-    if len(extras) > 1:
-        raise CheckpointError(f"{EXTRA_FILE} differs between nodes (frozen parameters or buffers that are not "
-                              f"the same on every node); this checkpoint was not published")
-    manifest = None
-    if parts.world.rank == 0:
-        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", parts.world.world_size))
-        manifest = {**_manifest(parts, tag, client_state, files, model),
-                    "storage": {"node_local": True, "ranks_per_node": ranks_per_node}}
-    return parts.comm.broadcast_json(manifest, 0, "checkpoint_manifest")

@@ -181,6 +181,11 @@ class ZeroConfig:
     allgather_bucket_size: int = key(500_000_000, "Elements of parameter all-gathers in flight after the step (stages 1-2).",
                                      positive)
     overlap_comm: bool = key(True, "Launch each gradient bucket's collective as soon as it is full.")
+    overlap_param_gather: bool = key(
+        True, "zeroshard (stages 1-2): the all-gather of the updated parameters after step() runs on into the next "
+        "forward, each module waiting only for its own bucket. false: step() returns with every parameter "
+        "current, as DeepSpeed does (for scripts that read parameter tensors directly between step() and the "
+        "next forward, e.g. an EMA).")
     contiguous_gradients: bool = key(
         True, "Gradients are copied into contiguous buckets; zeroshard always does this.",
         lambda v: None if v is True else "true (zeroshard always copies gradients into contiguous buckets)",
@@ -246,6 +251,17 @@ class CSVMonitorConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointWriterConfig:
+    """``checkpoint.writer``: how checkpoint files are written (DeepSpeed's checkpoint-writer block)."""
+
+    decoupled: bool = key(
+        False, "Save asynchronously: save_checkpoint copies the rank's state to host memory and returns; a "
+        "background thread writes and publishes it while training goes on (the next save, a load or close() "
+        "waits for it). save_checkpoint(async_save=...) decides per call.")
+    io_buffer_size: int = key(64 * 2**20, "Bytes handed to the file system per write call.", positive)
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     """``checkpoint``: how checkpoints are loaded, and zeroshard's periodic saves and automatic resume."""
 
@@ -264,6 +280,7 @@ class CheckpointConfig:
     auto_resume: bool = key(
         False, "zeroshard: initialize() loads save_dir's latest checkpoint when there is one (an elastic "
         "restart resumes where the job was), RNG included.")
+    writer: CheckpointWriterConfig = key(CheckpointWriterConfig(), "How checkpoint files are written.")
 
 
 @dataclass(frozen=True)

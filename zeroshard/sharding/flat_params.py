@@ -8,7 +8,7 @@ model, tied weights and hooks all keep working.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Collection, Optional, Sequence
 
 import torch
 
@@ -60,6 +60,9 @@ class FlatParameters:
         self.dtype = dtype or first.dtype
         self.device = first.device
         self.masters = masters
+        #: waits until these buckets' values are current (None: all), set by a strategy whose post-step
+        #: gather runs into the next forward (see [Note: the parameter gather runs into the next forward])
+        self.before_read: Callable[[Optional[Collection[int]]], None] = lambda indices: None
         self.data = torch.zeros(layout.padded_numel, dtype=self.dtype, device=self.device)  # 1D, padded
         with torch.no_grad():
             for bucket in layout.buckets:
@@ -86,13 +89,15 @@ class FlatParameters:
         """Nothing to release at stages 0-2."""
 
     def pin(self, index: int, label: str) -> None:
-        """Nothing to pin at stages 0-2."""
+        """Nothing to pin at stages 0-2; the bucket's post-step gather has finished on return."""
+        self.before_read((index,))
 
     def unpin(self, index: int) -> None:
         """Nothing to unpin at stages 0-2."""
 
     @property
     def full(self) -> list[torch.Tensor]:
+        self.before_read(None)
         return [self.bucket_view(b) for b in self.layout.buckets]
 
     def commit_full(self, index: int) -> None:

@@ -18,6 +18,7 @@ class Stage1(FullGradientStrategy):
     """
 
     stage = 1
+    defers_refresh = True
 
     def launch(self, bucket: BucketLayout, async_op: bool) -> PendingCollective:
         return self.reduce_to_owner(bucket, self.to_comm_dtype(bucket), async_op)

@@ -28,6 +28,7 @@ class Stage2(ShardingStrategy):
     """
 
     stage = 2
+    defers_refresh = True
     reduces_every_micro_step = True
 
     def __init__(self, flat: ParameterStorage, params: Sequence[nn.Parameter], groups: ShardGroups,

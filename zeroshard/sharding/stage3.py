@@ -31,6 +31,7 @@ class Stage3(Stage2):
     """Stage 2's gradient path over stage 3's sharded parameter storage."""
 
     stage = 3
+    defers_refresh = False  # only persistent buckets are refreshed; the rest are gathered for use
     max_buckets_in_flight = 1  # a bucket is a whole unit here: keep fewer full-size ones alive
 
     def __init__(self, storage: ShardedParameters, params: Sequence[nn.Parameter], groups: ShardGroups,

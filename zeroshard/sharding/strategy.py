@@ -18,7 +18,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, ClassVar, Optional, Sequence
+from typing import Any, Callable, ClassVar, Collection, Optional, Sequence
 
 import torch
 from torch import nn
@@ -63,6 +63,8 @@ class ShardingStrategy(ABC):
     max_buckets_in_flight: ClassVar[int] = 2
     #: whether this rank's optimizer updates every bucket whole (stage 0) or only its chunks
     owns_whole_buckets: ClassVar[bool] = False
+    #: whether the post-step parameter gather may run on into the next forward (stages 1-2)
+    defers_refresh: ClassVar[bool] = False
 
     def __init__(self, flat: ParameterStorage, params: Sequence[torch.nn.Parameter], groups: ShardGroups,
                  zero: ZeroConfig, precision: PrecisionPolicy = PrecisionPolicy()) -> None:
@@ -93,8 +95,11 @@ class ShardingStrategy(ABC):
         #: shard-size buffers that receive reduce-scatter results (see [Note: why a pool])
         self.shard_pool = BufferPool(largest // self.world.world_size, precision.comm, flat.device)
         self._received: dict[int, torch.Tensor] = {}  # bucket index -> reduce-scatter result
-        self._gathers: list[PendingCollective] = []  # parameter all-gathers in flight after a step
+        #: parameter all-gathers in flight after a step, by bucket index, in launch order
+        self._gathers: list[tuple[int, PendingCollective]] = []
         self._gather_numel = 0
+        #: whether the gathers may outlive step() (see [Note: the parameter gather runs into the next forward])
+        self._deferred = False
 
     # ------------------------------------------------------------------ backward
     def _communicates_now(self) -> bool:
@@ -193,7 +198,10 @@ class ShardingStrategy(ABC):
         layout = plan_buckets(params, names, group_of, zero.reduce_bucket_size, comm.world.world_size)
         masters = cls.make_masters(layout, comm.world, precision, offload, params[0].device, comm)
         flat = FlatParameters(layout, params, comm, precision.compute, masters, groups.job)
-        return cls(flat, params, groups, zero, precision)
+        strategy = cls(flat, params, groups, zero, precision)
+        if cls.defers_refresh and zero.overlap_param_gather:
+            strategy.defer_refresh_to_forward(model)
+        return strategy
 
     @classmethod
     def make_masters(cls, layout: FlatLayout, world: World, precision: PrecisionPolicy, offload: OffloadPolicies,
@@ -304,15 +312,60 @@ class ShardingStrategy(ABC):
             self.finish_refresh()
         own = self.flat.shard_view(bucket, self.world.rank)
         with torch.no_grad():
-            self._gathers.append(self.comm.all_gather(self.flat.bucket_view(bucket), own,
-                                                      f"param_bucket{bucket.index}", async_op=True))
+            self._gathers.append((bucket.index, self.comm.all_gather(self.flat.bucket_view(bucket), own,
+                                                                     f"param_bucket{bucket.index}", async_op=True)))
         self._gather_numel += bucket.padded_numel
+
+    @property
+    def pending_gathers(self) -> int:
+        """Parameter gathers launched by the last step and not yet waited for."""
+        return len(self._gathers)
+
+    def end_refresh(self) -> None:
+        """The end of ``step()``: wait for the parameter gathers, unless they run on into the next forward."""
+        if not self._deferred:
+            self.finish_refresh()
 
     def finish_refresh(self) -> None:
         """Wait until every parameter gather started by :meth:`refresh_bucket` has finished."""
-        for pending in self._gathers:
+        self.wait_for_buckets(None)
+
+    def wait_for_buckets(self, indices: Optional[Collection[int]]) -> None:
+        """Wait until the gathers of these buckets (None: all) have finished, and those launched before
+        them: a group runs its collectives in the order they were launched."""
+        if not self._gathers:
+            return
+        upto = len(self._gathers) if indices is None else 1 + max(
+            (i for i, (index, _) in enumerate(self._gathers) if index in indices), default=-1)
+        for index, pending in self._gathers[:upto]:
             pending.wait()
-        self._gathers, self._gather_numel = [], 0
+            self._gather_numel -= self.layout.buckets[index].padded_numel
+        del self._gathers[:upto]
+
+    def defer_refresh_to_forward(self, model: nn.Module) -> None:
+        """[Note: the parameter gather runs into the next forward]
+        At stages 1-2 every rank holds the whole model but updates only its chunk of each bucket, and
+        the updated chunks are all-gathered after the step.  Waiting for that gather at the end of
+        ``step()`` leaves it exposed (nothing else is running then); DDP has no such phase.  Instead
+        (``overlap_param_gather``, the default) ``step()`` launches the gathers in the order the forward
+        uses the buckets and returns, and each module with parameters waits, in a forward pre-hook, only
+        for the gathers of its own buckets, so the gather of later layers runs while earlier ones
+        compute, as stage 3 prefetches.  Everything else that reads the parameters waits for all of
+        them first: ``module.state_dict()`` (a pre-hook), the engine's backward, checkpoints,
+        ``full_state_dict()``, ``GatheredParameters`` and ``close()``.  A script that reads parameter
+        tensors directly between ``step()`` and the next forward (an EMA) sets
+        ``overlap_param_gather: false``, which makes ``step()`` wait, as DeepSpeed's does.
+        """
+        bucket_of = {id(p): self._slot_of[i][0].index for i, p in enumerate(self.params)}
+        for module in model.modules():
+            needed = frozenset(bucket_of[id(p)] for p in module.parameters(recurse=False) if id(p) in bucket_of)
+            if needed:
+                self._hooks.append(module.register_forward_pre_hook(
+                    lambda _module, _args, needed=needed: self.wait_for_buckets(needed)))
+        self._hooks.append(model.register_state_dict_pre_hook(lambda *_: self.finish_refresh()))
+        assert isinstance(self.flat, FlatParameters)  # stages 1-2
+        self.flat.before_read = self.wait_for_buckets
+        self._deferred = True
 
     def comm_buffer_bytes(self) -> int:
         """Bytes of persistent communication buffers (the pools)."""

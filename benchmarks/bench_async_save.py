@@ -1,0 +1,149 @@
+"""Asynchronous checkpoint saves against synchronous ones, and against what ``dd`` writes on the same disk.
+
+    .venv/bin/python benchmarks/bench_async_save.py [--stage 2] [--steps 6] [--out benchmarks/out/async_save.json]
+
+The 91M GPT of bench_memory.py (vocabulary 8192, 768 x 12, sequence 128; fp32, AdamW) at world 2 (2
+ranks x 1 thread, gloo), in one run:
+
+- **normal step**: median step time with no save;
+- **synchronous save**: seconds ``save_checkpoint`` blocks training (every rank writes its file, then the
+  manifest is published), and its throughput: bytes written (all ranks) / seconds;
+- **asynchronous save**: seconds ``save_checkpoint(async_save=True)`` blocks training (the copy of the
+  rank's state), seconds until the checkpoint is published (``engine.saves.last_save_s``), and the time
+  of each training step that ran while it was being written, against the normal step;
+- **dd**: two ``dd if=/dev/zero bs=64M conv=fsync`` processes at once, each writing one rank file's
+  bytes into the same directory, as the two ranks do.
+
+Targets of issue #15: a step overlapping an asynchronous save <= 1.10x a normal step; the training-visible
+time of an asynchronous save <= 10% of a synchronous save; synchronous save throughput >= 80% of dd's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import zeroshard  # noqa: E402
+from zeroshard.demo.model import GPT, GPTConfig  # noqa: E402
+from zeroshard.testing import run_world  # noqa: E402
+
+CFG = dict(vocab_size=8192, seq_len=128, d_model=768, n_layer=12, n_head=12)
+
+
+def worker(rank: int, world: int, stage: int, directory: str, steps: int, micro: int) -> dict:
+    torch.set_num_threads(1)
+    cfg = GPTConfig(**CFG)
+    torch.manual_seed(0)
+    engine, _, _, _ = zeroshard.initialize(model=GPT(cfg), config={
+        "train_micro_batch_size_per_gpu": micro, "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": stage}})
+    g = torch.Generator().manual_seed(rank)
+
+    def step() -> float:
+        x = torch.randint(0, cfg.vocab_size, (micro, cfg.seq_len), generator=g)
+        start = time.perf_counter()
+        engine.backward(engine(x, x))
+        engine.step()
+        return time.perf_counter() - start
+
+    for _ in range(2):  # warm-up
+        step()
+    normal = [step() for _ in range(steps)]
+    root = Path(directory)
+    dist.barrier()
+    start = time.perf_counter()
+    engine.save_checkpoint(root, tag="sync", async_save=False)
+    sync_s = time.perf_counter() - start
+    dist.barrier()
+    start = time.perf_counter()
+    engine.save_checkpoint(root, tag="async", async_save=True)
+    async_visible_s = time.perf_counter() - start
+    overlapped = []
+    while engine.saves.in_flight:
+        overlapped.append(step())
+    engine.wait_for_checkpoint()
+    after = [step() for _ in range(2)]
+    file_bytes = (root / "sync" / f"rank{rank:05d}.safetensors").stat().st_size
+    engine.close()
+    return {"normal": normal, "sync_s": sync_s, "async_visible_s": async_visible_s,
+            "async_publish_s": engine.saves.last_save_s, "overlapped": overlapped, "after": after,
+            "file_bytes": file_bytes}
+
+
+def dd_seconds(directory: Path, sizes: list[int]) -> float:
+    """Seconds for one dd per rank file, all at once, each writing that file's bytes (fsync'd)."""
+    block = 64 << 20
+    start = time.perf_counter()
+    procs = [subprocess.Popen(["dd", "if=/dev/zero", f"of={directory / f'dd{i}.bin'}", f"bs={block}",
+                               f"count={-(-size // block)}", "conv=fsync"], stderr=subprocess.DEVNULL)
+             for i, size in enumerate(sizes)]
+    for proc in procs:
+        proc.wait()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stage", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    parser.add_argument("--out", default="benchmarks/out/async_save.json")
+    args = parser.parse_args()
+    directory = Path(tempfile.mkdtemp(prefix="zs-bench-async-", dir=args.dir))
+    try:
+        ranks = run_world(worker, 2, args=(args.stage, str(directory / "ckpt"), args.steps, args.micro_batch),
+                          timeout=3600)
+        sizes = [r["file_bytes"] for r in ranks]
+        dd_s = statistics.median(dd_seconds(directory, sizes) for _ in range(3))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    normal = max(statistics.median(r["normal"]) for r in ranks)
+    overlapped = [max(steps) for steps in zip(*(r["overlapped"] for r in ranks))] or [
+        max(r["overlapped"] or [0.0]) for r in ranks]
+    total = sum(sizes)
+    sync_s = max(r["sync_s"] for r in ranks)
+    visible = max(r["async_visible_s"] for r in ranks)
+    result = {
+        "config": {**CFG, "stage": args.stage, "micro_batch": args.micro_batch, "world": 2},
+        "normal_step_s": normal, "overlapped_steps_s": overlapped,
+        "overlapped_step_ratio_max": max(overlapped) / normal if overlapped else None,
+        "sync_save_s": sync_s, "async_visible_s": visible,
+        "async_visible_ratio": visible / sync_s,
+        "async_publish_s": max(r["async_publish_s"] for r in ranks),
+        "bytes_written": total, "sync_save_mb_s": total / sync_s / 1e6, "dd_s": dd_s, "dd_mb_s": total / dd_s / 1e6,
+        "ranks": ranks,
+    }
+    print(f"\nGPT {CFG} ({GPTConfig(**CFG).num_params():,} parameters), fp32 AdamW, stage {args.stage}, world 2\n")
+    print("| measure | value | target |")
+    print("| --- | --- | --- |")
+    print(f"| normal step (s) | {normal:.3f} | |")
+    print(f"| steps overlapping the async save (s) | {', '.join(f'{t:.3f}' for t in overlapped)} | |")
+    print(f"| worst overlapped step / normal step | {result['overlapped_step_ratio_max'] or 0:.3f} | <= 1.10 |")
+    print(f"| synchronous save, training blocked (s) | {sync_s:.3f} | |")
+    print(f"| asynchronous save, training blocked (s) | {visible:.3f} | |")
+    print(f"| async blocked / sync blocked | {result['async_visible_ratio']:.3f} | <= 0.10 |")
+    print(f"| async save until published (s) | {result['async_publish_s']:.3f} | |")
+    print(f"| bytes written per save (both ranks) | {total:,} | |")
+    print(f"| synchronous save throughput (MB/s) | {result['sync_save_mb_s']:.0f} | |")
+    print(f"| dd, one per rank at once (MB/s) | {result['dd_mb_s']:.0f} | |")
+    print(f"| save / dd throughput | {result['sync_save_mb_s'] / result['dd_mb_s']:.3f} | >= 0.80 |")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

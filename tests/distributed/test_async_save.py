@@ -1,0 +1,160 @@
+"""Asynchronous checkpoint saves (``async_save=True`` / ``checkpoint.writer.decoupled``): the state of the
+instant of the save, written while training goes on, published by the same rules; faults are never
+silent; the next save, a load and ``close()`` wait for the one in flight."""
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from zs_common import TINY, make_model, zero_config
+
+import zeroshard
+import zeroshard.checkpoint.save as saving
+from zeroshard.checkpoint import CheckpointError
+from zeroshard.testing import run_world
+
+STAGE3 = {"stage3_param_persistence_threshold": 20}
+
+
+def make_engine(stage: int, **extra):
+    config = zero_config(stage, 2, 1, **(STAGE3 if stage == 3 else {}))
+    config.update(extra)
+    engine, _, _, _ = zeroshard.initialize(model=make_model(), config=config)
+    return engine
+
+
+def step(engine, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, TINY.vocab_size, (2, TINY.seq_len), generator=g)
+    y = torch.randint(0, TINY.vocab_size, (2, TINY.seq_len), generator=g)
+    engine.backward(engine(x, y))
+    engine.step()
+
+
+def held_writer():
+    """Patch the rank-file writer so that it waits for ``release`` before writing (a slow disk)."""
+    release, original = threading.Event(), saving._write_file
+
+    def slow(path, tensors, io_chunk):
+        assert release.wait(60)
+        return original(path, tensors, io_chunk)
+
+    saving._write_file = slow
+    return release, original
+
+
+def same_state_worker(rank: int, world: int, stage: int, directory: str) -> dict:
+    engine = make_engine(stage)
+    torch.manual_seed(rank)
+    step(engine, 1)
+    engine.save_checkpoint(directory, tag="sync", client_state={"at": 1})
+    release, original = held_writer()
+    client = {"at": 1}
+    path = engine.save_checkpoint(directory, tag="async", client_state=client, async_save=True)
+    client["at"] = 99  # the script changes its state: the save has its own copy
+    for seed in (2, 3):  # training goes on, changing every parameter and moment, while the save waits
+        step(engine, seed)
+    pending = engine.saves.pending
+    published_early = (Path(directory) / "async").exists()
+    release.set()
+    done = engine.wait_for_checkpoint()
+    saving._write_file = original
+    return {"pending": str(pending), "published_early": published_early, "done": str(done), "path": str(path),
+            "latest": (Path(directory) / "latest").read_text()}
+
+
+@pytest.mark.parametrize("stage, world", [(1, 2), (3, 3), pytest.param(2, 2, marks=pytest.mark.slow)])
+def test_an_async_save_holds_the_state_of_its_instant(stage: int, world: int, tmp_path: Path) -> None:
+    results = run_world(same_state_worker, world, args=(stage, str(tmp_path)))
+    for r in results:
+        assert r["pending"] == r["done"] == r["path"] == str(tmp_path / "async")
+        assert not r["published_early"] and r["latest"] == "async"
+    sync, background = tmp_path / "sync", tmp_path / "async"
+    files = sorted(p.name for p in sync.glob("*.safetensors"))
+    assert files == sorted(p.name for p in background.glob("*.safetensors")) and len(files) >= world
+    for name in files:  # byte for byte the tensors of the synchronous save of the same instant
+        a, b = load_file(sync / name), load_file(background / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    m_sync, m_async = (json.loads((d / "manifest.json").read_text()) for d in (sync, background))
+    for key in ("buckets", "optimizer", "engine", "lr_scheduler", "client_state", "model"):
+        assert m_sync[key] == m_async[key], key
+    assert m_async["client_state"] == {"at": 1}
+
+
+def resume_worker(rank: int, world: int, directory: str, phase: str) -> list:
+    engine = make_engine(3, checkpoint={"writer": {"decoupled": True}})
+    if phase == "resume":
+        engine.load_checkpoint(directory)
+    losses = []
+    for seed in range(3):
+        if phase == "first" and seed == 1:
+            engine.save_checkpoint(directory)  # the config makes it asynchronous
+        g = torch.Generator().manual_seed(seed + (1 if phase == "resume" else 0))
+        x = torch.randint(0, TINY.vocab_size, (2, TINY.seq_len), generator=g)
+        loss = engine(x, x)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    engine.close()  # waits for the save in flight
+    return losses
+
+
+def test_the_config_key_saves_in_the_background_and_resume_is_exact(tmp_path: Path) -> None:
+    first = run_world(resume_worker, 2, args=(str(tmp_path), "first"))
+    assert (tmp_path / "latest").read_text() == "global_step1"
+    resumed = run_world(resume_worker, 2, args=(str(tmp_path), "resume"))
+    assert [r[:2] for r in resumed] == [f[1:] for f in first]  # bitwise: the steps after the save repeat
+
+
+def failing_worker(rank: int, world: int, directory: str) -> list:
+    engine = make_engine(2)
+    step(engine, 1)
+    engine.save_checkpoint(directory, tag="good", async_save=True)
+    original = saving._write_file
+
+    def full_disk(path, tensors, io_chunk):
+        if rank == 1:
+            raise OSError(28, "No space left on device", str(path))
+        return original(path, tensors, io_chunk)
+
+    saving._write_file = full_disk
+    step(engine, 2)
+    engine.save_checkpoint(directory, tag="bad", async_save=True)  # waits for "good" first
+    step(engine, 3)
+    errors = []
+    try:
+        engine.wait_for_checkpoint()
+    except CheckpointError as err:
+        errors.append(str(err))
+    saving._write_file = original
+    engine.save_checkpoint(directory, tag="again", async_save=True)  # the engine saves again after a failure
+    engine.close()
+    return errors
+
+
+def test_a_failed_background_save_raises_on_every_rank_and_publishes_nothing(tmp_path: Path) -> None:
+    errors = run_world(failing_worker, 2, args=(str(tmp_path),))
+    for rank_errors in errors:
+        assert len(rank_errors) == 1
+        assert "rank 1 could not write its files" in rank_errors[0] and "No space left on device" in rank_errors[0]
+        assert "'bad'" in rank_errors[0]
+    assert not (tmp_path / "bad").exists() and (tmp_path / "good" / "manifest.json").is_file()
+    assert (tmp_path / "latest").read_text() == "again"
+
+
+def periodic_worker(rank: int, world: int, directory: str) -> list:
+    engine = make_engine(1, checkpoint={"save_dir": directory, "save_interval": 1, "keep_last": 2,
+                                        "writer": {"decoupled": True, "io_buffer_size": 4096}})
+    for seed in range(5):
+        step(engine, seed)
+    engine.close()
+    return sorted(p.name for p in Path(directory).iterdir() if not p.name.startswith("."))
+
+
+def test_periodic_async_saves_prune_after_each_is_published(tmp_path: Path) -> None:
+    kept = run_world(periodic_worker, 2, args=(str(tmp_path),))[0]
+    assert kept == ["global_step4", "global_step5", "latest"]
+    assert (tmp_path / "latest").read_text() == "global_step5"

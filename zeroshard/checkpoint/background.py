@@ -1,0 +1,127 @@
+"""Asynchronous checkpoint saves: the files are written and published on a background thread.
+
+[Note: asynchronous saves]
+``save_checkpoint(..., async_save=True)`` (or ``checkpoint.writer.decoupled``) splits a save in two.
+On the training thread, every rank copies its state into host memory (its chunks, optimizer state and
+RNG; the leader's frozen parameters and buffers; rank 0's manifest values), exactly as a synchronous
+save would read them, and returns.  A background thread then writes the files and publishes the
+checkpoint by the same rules as a synchronous save ([Note: a save that is interrupted loses nothing]):
+staging directory, checksums, manifest, atomic rename, ``latest`` last.  A crash at any instant
+therefore leaves the last *published* checkpoint loadable; the one in flight is simply not there.
+
+The ranks agree on the outcome with collectives of their own, over a gloo group that only this
+thread uses (created once, at the first asynchronous save, when every rank is in ``save_checkpoint``),
+so they never interleave with the training collectives on the engine's groups, and their bytes are
+not counted as ZeRO traffic.  At most one save is in flight: the next save, a load and
+``engine.close()`` first wait for it (``engine.wait_for_checkpoint()`` does so explicitly), and raise
+its error, on every rank, if it failed.  At interpreter exit a pending save is finished before the
+process groups go.  The copy costs host memory equal to the rank's checkpoint bytes while the save is
+in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..distributed.collectives import Collectives
+from ..distributed.world import World
+from .format import CheckpointError
+from .save import SaveRequest, write
+
+logger = logging.getLogger(__name__)
+
+
+class BackgroundSaves:
+    """The engine's asynchronous saves: at most one in flight (see the Note)."""
+
+    def __init__(self, world: World) -> None:
+        self._world = world
+        self._comm: Optional[Collectives] = None
+        self._thread: Optional[threading.Thread] = None
+        self._request: Optional[SaveRequest] = None
+        self._error: Optional[BaseException] = None
+        #: seconds the last background save took, from its submission to its publication
+        self.last_save_s: Optional[float] = None
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a save is still being written (without waiting for it)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def pending(self) -> Optional[Path]:
+        """Where the save in flight will be published (None: nothing in flight)."""
+        return self._request.final if self._thread is not None and self._request is not None else None
+
+    def _collectives(self) -> Collectives:
+        if self._comm is None:
+            world = self._world
+            if world.is_distributed:  # every rank is in save_checkpoint: creating the group is safe here
+                world = dataclasses.replace(world, group=dist.new_group(backend="gloo"), device=torch.device("cpu"),
+                                            backend="gloo")
+            self._comm = Collectives(world)  # a ledger of its own: a save's bytes are not ZeRO's traffic
+        return self._comm
+
+    def submit(self, request: SaveRequest, then: Optional[Callable[[], None]] = None) -> None:
+        """Write and publish ``request`` in the background, then call ``then`` (pruning)."""
+        if self._thread is not None:
+            raise RuntimeError("an asynchronous save is already in flight; wait() for it first")
+        comm = self._collectives()
+
+        started = time.perf_counter()
+
+        def run() -> None:
+            try:
+                write(request, comm)
+                self.last_save_s = time.perf_counter() - started
+                if then is not None:
+                    then()
+            except BaseException as err:  # noqa: BLE001 - handed to the training thread by wait()
+                self._error = err
+
+        self._request, self._error = request, None
+        self._thread = threading.Thread(target=run, name=f"zeroshard-save-{request.tag}", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> Optional[Path]:
+        """Block until the save in flight is published; returns its directory (None: there was none).
+        Raises :class:`CheckpointError` on every rank if it failed anywhere."""
+        thread, request = self._thread, self._request
+        if thread is None or request is None:
+            return None
+        thread.join()
+        self._thread = self._request = None
+        error, self._error = self._error, None
+        if error is not None:
+            if isinstance(error, CheckpointError):
+                raise error
+            raise CheckpointError(f"the asynchronous save of checkpoint {request.tag!r} under {request.root} "
+                                  f"failed: {error}; the previous checkpoint is untouched") from error
+        return request.final
+
+    def release(self) -> None:
+        """At exit (before the process groups go): finish the save in flight, then drop the group."""
+        try:
+            self.wait()
+        except CheckpointError as err:
+            logger.error("%s", err)
+        if self._comm is not None:
+            self._comm.world = dataclasses.replace(self._comm.world, group=None)
+
+    def close(self) -> None:
+        """``engine.close()``: wait for the save in flight (raising its error), then destroy the group."""
+        try:
+            self.wait()
+        finally:
+            group = self._comm.world.group if self._comm is not None else None
+            self._comm = None
+            if group is not None and dist.is_initialized():
+                dist.destroy_process_group(group)
