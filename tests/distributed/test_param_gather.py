@@ -11,7 +11,8 @@ from zeroshard.testing import run_world
 
 
 def make_engine(stage: int, **zero):
-    zero = {"reduce_bucket_size": 800, "allgather_bucket_size": 10**9, **zero}  # several buckets, all in flight
+    zero = {"reduce_bucket_size": 800, "allgather_bucket_size": 10**9,  # several buckets, all in flight
+            "overlap_param_gather": True, **zero}
     engine, _, _, _ = zeroshard.initialize(model=make_model(), config=zero_config(stage, 2, 1, **zero))
     return engine
 
@@ -60,10 +61,10 @@ def test_each_module_waits_only_for_its_own_buckets(stage: int, world: int) -> N
 
 
 def synchronous_worker(rank: int, world: int) -> int:
-    engine = make_engine(2, overlap_param_gather=False)
+    engine, _, _, _ = zeroshard.initialize(model=make_model(), config=zero_config(2, 2, 1))  # the default
     train_step(engine, 0)
     return engine.strategy.pending_gathers
 
 
-def test_overlap_param_gather_false_makes_step_wait() -> None:
+def test_by_default_step_returns_with_every_parameter_current() -> None:
     assert run_world(synchronous_worker, 2) == [0, 0]

@@ -182,10 +182,10 @@ class ZeroConfig:
                                      positive)
     overlap_comm: bool = key(True, "Launch each gradient bucket's collective as soon as it is full.")
     overlap_param_gather: bool = key(
-        True, "zeroshard (stages 1-2): the all-gather of the updated parameters after step() runs on into the next "
-        "forward, each module waiting only for its own bucket. false: step() returns with every parameter "
-        "current, as DeepSpeed does (for scripts that read parameter tensors directly between step() and the "
-        "next forward, e.g. an EMA).")
+        False, "zeroshard (stages 1-2): the all-gather of the updated parameters after step() runs on into the next "
+        "forward, each module waiting only for its own bucket. Parameter tensors read directly between step() "
+        "and the next forward (not through state_dict(), a checkpoint or the engine) may then be stale; false "
+        "(the default): step() returns with every parameter current, as DeepSpeed's does.")
     contiguous_gradients: bool = key(
         True, "Gradients are copied into contiguous buckets; zeroshard always does this.",
         lambda v: None if v is True else "true (zeroshard always copies gradients into contiguous buckets)",

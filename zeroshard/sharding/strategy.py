@@ -346,15 +346,16 @@ class ShardingStrategy(ABC):
         """[Note: the parameter gather runs into the next forward]
         At stages 1-2 every rank holds the whole model but updates only its chunk of each bucket, and
         the updated chunks are all-gathered after the step.  Waiting for that gather at the end of
-        ``step()`` leaves it exposed (nothing else is running then); DDP has no such phase.  Instead
-        (``overlap_param_gather``, the default) ``step()`` launches the gathers in the order the forward
-        uses the buckets and returns, and each module with parameters waits, in a forward pre-hook, only
+        ``step()`` leaves it exposed (nothing else is running then); DDP has no such phase.  With
+        ``overlap_param_gather``, ``step()`` launches the gathers in the order the forward uses the
+        buckets and returns, and each module with parameters waits, in a forward pre-hook, only
         for the gathers of its own buckets, so the gather of later layers runs while earlier ones
         compute, as stage 3 prefetches.  Everything else that reads the parameters waits for all of
         them first: ``module.state_dict()`` (a pre-hook), the engine's backward, checkpoints,
-        ``full_state_dict()``, ``GatheredParameters`` and ``close()``.  A script that reads parameter
-        tensors directly between ``step()`` and the next forward (an EMA) sets
-        ``overlap_param_gather: false``, which makes ``step()`` wait, as DeepSpeed's does.
+        ``full_state_dict()``, ``GatheredParameters`` and ``close()``.  What cannot wait is a direct read
+        of a parameter tensor between ``step()`` and the next forward (an EMA; a script comparing weights
+        after its loop, as this project's own tests do): it may see values from before the step.  That
+        is why it is off by default, and ``step()`` waits, as DeepSpeed's does.
         """
         bucket_of = {id(p): self._slot_of[i][0].index for i, p in enumerate(self.params)}
         for module in model.modules():
