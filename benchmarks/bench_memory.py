@@ -4,15 +4,14 @@
         [--steps 10] [--warmup 3] [--only ddp zeroshard_3] [--plot benchmarks/out/memory_91m.png]
     .venv/bin/python benchmarks/bench_memory.py --size tiny --steps 1 --warmup 2   # a smoke test (< 1 min)
 
-Every implementation runs in a fresh world of 2 spawned processes (gloo, OMP_NUM_THREADS=1), trains
-zeroshard.demo.model.GPT (tied embedding, byte-free vocabulary of 8192, seq_len 128, micro batch 4) on
-the same batches with the same optimizer kernel: ``torch.optim.AdamW(fused=True)``, lr 1e-4, weight
-decay 0.01 (zeroshard's config builder always adds ``fused=True`` to Adam/AdamW: zeroshard/optim/builder.py;
-the worker asserts it).  Sizes: ``tiny`` d_model 128 x 4 layers (1.86M params), ``23m`` 384 x 11
-(22.7M), ``91m`` 768 x 12 (91.4M, 16 bytes/param = 1395 MiB).  zeroshard runs DeepSpeed's default
-``zero_optimization`` values (DEEPSPEED_DEFAULTS; overlap_comm left at its default).  DDP keeps torch's
-defaults (25 MB buckets, gradients kept between steps as bench_stages.py does); FSDP2 wraps every block,
-then the root (``reshard_after_forward=True``).
+Every implementation runs in a fresh world of 2 spawned processes (gloo, OMP_NUM_THREADS=1) and trains
+zeroshard.demo.model.GPT (tied embedding, vocabulary 8192, seq_len 128, micro batch 4) on the same
+batches with ``torch.optim.AdamW(fused=True)``, lr 1e-4, weight decay 0.01 (zeroshard's builder adds
+``fused=True`` to AdamW, zeroshard/optim/builder.py; asserted).  Sizes: ``tiny`` d_model 128 x 4 layers
+(1.86M params), ``23m`` 384 x 11 (22.7M), ``91m`` 768 x 12 (91.4M; 16 bytes/param = 1395 MiB).
+zeroshard runs DeepSpeed's default ``zero_optimization`` values (DEEPSPEED_DEFAULTS; overlap_comm left
+at its default).  DDP: torch's defaults (25 MB buckets), gradients kept between steps as in
+bench_stages.py; FSDP2: ``fully_shard`` per block, then the root (``reshard_after_forward=True``).
 
 ``--dtype bf16``: zeroshard ``"bf16": {"enabled": true}`` (bf16 parameters, fp32 masters, bf16
 communication); FSDP2 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)`` (fp32 sharded
@@ -134,35 +133,44 @@ Step = Callable[[torch.Tensor, torch.Tensor, Callable[[str], None]], None]
 
 def build(impl: str, model: GPT, micro: int, dtype: str) -> tuple[Step, Callable[[], dict[str, float]]]:
     """The step function (marking forward/backward/step) and a function giving the model-state bytes."""
-    bf16 = dtype == "bf16"
     if impl.startswith(("zeroshard", "deepspeed")):
-        stage = int(impl[-1])
-        config: dict[str, Any] = {"train_micro_batch_size_per_gpu": micro, "steps_per_print": 10**9,
-                                  "zero_optimization": {"stage": stage, **DEEPSPEED_DEFAULTS},
-                                  **({"bf16": {"enabled": True}} if bf16 else {})}
-        if impl.startswith("zeroshard"):
-            config["optimizer"] = {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}}
-            engine, _, _, _ = zeroshard.initialize(model=model, config=config)
-        else:  # DeepSpeed, given torch's fused AdamW object (its own CPU Adam would be another kernel)
-            import deepspeed  # type: ignore[import-not-found]
+        return build_engine(impl, model, micro, dtype == "bf16")
+    return build_torch(impl, model, dtype == "bf16")
 
-            engine, _, _, _ = deepspeed.initialize(model=model, config=config, dist_init_required=False,
-                                                   optimizer=torch.optim.AdamW(model.parameters(), fused=True, **ADAMW))
+
+def build_engine(impl: str, model: GPT, micro: int, bf16: bool) -> tuple[Step, Callable[[], dict[str, float]]]:
+    """zeroshard (or DeepSpeed) with DeepSpeed's default zero_optimization values."""
+    stage = int(impl[-1])
+    config: dict[str, Any] = {"train_micro_batch_size_per_gpu": micro, "steps_per_print": 10**9,
+                              "zero_optimization": {"stage": stage, **DEEPSPEED_DEFAULTS},
+                              **({"bf16": {"enabled": True}} if bf16 else {})}
+    if impl.startswith("zeroshard"):
+        config["optimizer"] = {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}}
+        engine, _, _, _ = zeroshard.initialize(model=model, config=config)
         assert all(g.get("fused") for g in engine.optimizer.param_groups), "not torch's fused AdamW"
+    else:  # DeepSpeed, given torch's fused AdamW object (its own CPU Adam would be another kernel)
+        import deepspeed  # type: ignore[import-not-found]
 
-        def step(x: torch.Tensor, y: torch.Tensor, mark: Callable[[str], None]) -> None:
-            mark("forward")
-            loss = engine(x, y)
-            mark("backward")
-            engine.backward(loss)
-            mark("step")
-            engine.step()
+        engine, _, _, _ = deepspeed.initialize(model=model, config=config, dist_init_required=False,
+                                               optimizer=torch.optim.AdamW(model.parameters(), fused=True, **ADAMW))
 
-        def states() -> dict[str, float]:
-            if impl.startswith("deepspeed"):
-                return {"model_states": 0.0}
-            return dict(engine.memory_breakdown())
-        return step, states
+    def step(x: torch.Tensor, y: torch.Tensor, mark: Callable[[str], None]) -> None:
+        mark("forward")
+        loss = engine(x, y)
+        mark("backward")
+        engine.backward(loss)
+        mark("step")
+        engine.step()
+
+    def states() -> dict[str, float]:
+        if impl.startswith("deepspeed"):
+            return {"model_states": float("nan")}  # DeepSpeed has no breakdown: not reported
+        return dict(engine.memory_breakdown())
+    return step, states
+
+
+def build_torch(impl: str, model: GPT, bf16: bool) -> tuple[Step, Callable[[], dict[str, float]]]:
+    """DDP or FSDP2 with torch's fused AdamW."""
     if impl == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

@@ -304,7 +304,7 @@ class Engine(DeepSpeedEngineAPI):
                                    "in between: call engine.step() after each backward()")
         self._boundary_backward_done = at_boundary
         self._backwards_since_step += 1
-        self.strategy.finish_refresh()  # a parameter no forward module waited for is current too
+        self.strategy.wait_for_buckets(None)  # a parameter no forward module waited for is current too
         divisor = self.gradient_accumulation_steps() if scale_wrt_gas else 1
         if self.loss_scaler.scale != 1.0:  # fp16: in fp32, so that the scaled loss cannot overflow
             scaled = loss.float() * (self.loss_scaler.scale / divisor)
@@ -622,7 +622,7 @@ class Engine(DeepSpeedEngineAPI):
     def checkpoint_parts(self) -> CheckpointParts:
         """The engine's stateful parts, as a checkpoint saves and restores them (checkpoint/interface.py)."""
         loader = self.data_loader if hasattr(self.data_loader, "state_dict") else None
-        self.strategy.finish_refresh()  # a save reads, a load writes the parameters: no gather in flight
+        self.strategy.wait_for_buckets(None)  # a save reads, a load writes the parameters: no gather in flight
         return CheckpointParts(
             self.world, self.comm, self.stage, ShardedState(self.updater, self.strategy),
             ModuleState(self.module, self.strategy.params, self.param_names, self.flat), OptimizerHyperparameters(self.optimizer),
@@ -672,7 +672,7 @@ class Engine(DeepSpeedEngineAPI):
         their names, as ``nn.Module.state_dict`` gives them, so ``load_state_dict(strict=True)`` works.
         """
         keep = self.world.rank == 0 or not rank0_only
-        self.strategy.finish_refresh()
+        self.strategy.wait_for_buckets(None)
         values: dict[int, torch.Tensor] = {}
         storage = self.flat
         for bucket in storage.layout.buckets:
