@@ -55,7 +55,9 @@ SIZES: dict[str, dict[str, int]] = {
     "91m": dict(vocab_size=8192, seq_len=128, d_model=768, n_layer=12, n_head=12),
 }
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
-IMPLEMENTATIONS = ["ddp", "fsdp2", *(f"zeroshard_{s}" for s in range(4)),
+#: ``zeroshard_<s>_release``: with zeroshard's explicit ``host_memory_release`` setting (glibc's thresholds
+#: fixed at 1 MiB from initialize() on; see zeroshard/memory/host_allocator.py)
+IMPLEMENTATIONS = ["ddp", "fsdp2", *(f"zeroshard_{s}" for s in range(4)), *(f"zeroshard_{s}_release" for s in range(1, 4)),
                    *((f"deepspeed_{s}" for s in range(1, 4)) if HAVE_DEEPSPEED else ())]
 #: DeepSpeed's documented zero_optimization defaults (https://www.deepspeed.ai/docs/config-json/)
 DEEPSPEED_DEFAULTS: dict[str, int] = {
@@ -140,10 +142,11 @@ def build(impl: str, model: GPT, micro: int, dtype: str) -> tuple[Step, Callable
 
 def build_engine(impl: str, model: GPT, micro: int, bf16: bool) -> tuple[Step, Callable[[], dict[str, float]]]:
     """zeroshard (or DeepSpeed) with DeepSpeed's default zero_optimization values."""
-    stage = int(impl[-1])
+    stage = int(impl.split("_")[1])
     config: dict[str, Any] = {"train_micro_batch_size_per_gpu": micro, "steps_per_print": 10**9,
                               "zero_optimization": {"stage": stage, **DEEPSPEED_DEFAULTS},
-                              **({"bf16": {"enabled": True}} if bf16 else {})}
+                              **({"bf16": {"enabled": True}} if bf16 else {}),
+                              **({"host_memory_release": True} if impl.endswith("_release") else {})}
     if impl.startswith("zeroshard"):
         config["optimizer"] = {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}}
         engine, _, _, _ = zeroshard.initialize(model=model, config=config)

@@ -37,6 +37,7 @@ from .init_context import adopt_init_params, has_init_params
 from .logging import log_rank
 from .metrics import MetricsWriter, PhaseTimers, device_peak_bytes, host_peak_bytes
 from .memory import model_state_bytes
+from .memory.host_allocator import release_freed_memory
 from .optim import build_scheduler, clip_coefficient, from_config, from_user, global_grad_norm
 from .param_groups import collect_trainable
 from .offload import OffloadIOError
@@ -120,6 +121,9 @@ class Engine(DeepSpeedEngineAPI):
         self.module = model.to(world.device)
         self.counters = TrainingCounters()
         self.config = config
+        if config.host_memory_release and not release_freed_memory():
+            log_rank("host_memory_release: the C library has no mallopt (not glibc); the allocator is unchanged",
+                     level=logging.WARNING)
         self.topology = Topology.discover(world)
         self.world = world = dataclasses.replace(world, spans_nodes=self.topology.spans_nodes(range(world.world_size)))
         self.comm = Collectives(world)

@@ -314,6 +314,10 @@ class ZeroshardConfig:
               "(Adam/AdamW with torch's fused CPU kernel).")
     csv_monitor: CSVMonitorConfig = key(CSVMonitorConfig(), "Metrics to CSV files, one per metric.")
     checkpoint: CheckpointConfig = key(CheckpointConfig(), "Checkpoint loading options.")
+    host_memory_release: bool = key(
+        False, "zeroshard: at initialize, fix glibc's mmap and trim thresholds at 1 MiB (mallopt), so that freed "
+        "blocks of a MiB or more go back to the system at once and peak RSS follows live memory; process-wide, "
+        "costs page faults (see benchmarks/RESULTS.md).")
     max_consecutive_skips: int = key(
         10, "zeroshard: fp32/bf16 steps skipped in a row for non-finite gradients before training stops with "
             "an error naming the rank and parameter.", positive)
