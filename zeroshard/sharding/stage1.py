@@ -21,27 +21,15 @@ class Stage1(FullGradientStrategy):
     defers_refresh = True
 
     def launch(self, bucket: BucketLayout, async_op: bool) -> PendingCollective:
-        full = self.to_comm_dtype(bucket)
-        if self.zero.reduce_scatter and full.data_ptr() == self.grad_bucket(bucket).data_ptr():
-            # In place: this rank's averaged chunk lands in its own chunk of the full-size gradient, which
-            # the rest of the bucket no longer needs (NCCL documents this form; gloo reads its inputs
-            # first), so no shard-size buffer is held beside the full-size one.
-            self.precision.before_reduction(full, self.data_parallel_size)
-            start, end = bucket.shard_range(self.world.rank)
-            return self.comm.reduce_scatter(full[start:end], full, f"grad_bucket{bucket.index}", async_op=async_op)
-        return self.reduce_to_owner(bucket, full, async_op)
+        return self.reduce_to_owner(bucket, self.to_comm_dtype(bucket), async_op)
 
     def complete(self, bucket: BucketLayout) -> None:
-        # The chunk of the full buffer that this rank keeps is overwritten by the reduced result.
-        received = self.take_received(bucket)
+        # The averaged chunk is in this rank's chunk of what was reduced: the gradient bucket itself, or
+        # its copy in the communication dtype, which is read back into it.
         cast = self.take_cast(bucket)
-        if received is not None:
-            self.owned_grad(bucket).copy_(received)
-            self.shard_pool.release(received)
-        elif cast is not None:  # all-reduced in the communication dtype: keep the own chunk
+        if cast is not None:
             start, end = bucket.shard_range(self.world.rank)
             self.owned_grad(bucket).copy_(cast[start:end])
-        if cast is not None:
             self.cast_pool.release(cast)
         self.precision.after_reduction(self.owned_grad(bucket), self.data_parallel_size)
 

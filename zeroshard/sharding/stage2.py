@@ -63,14 +63,18 @@ class Stage2(ShardingStrategy):
 
     def complete(self, bucket: BucketLayout) -> None:
         full = self._buffers.pop(bucket.index)
-        pooled = self.take_received(bucket)
         start, end = bucket.shard_range(self.world.rank)
-        received = full[start:end] if pooled is None else pooled
+        received = full[start:end]  # the reduction was in place (see reduce_to_owner)
         self.precision.after_reduction(received, self.data_parallel_size)
         self.owned_grad(bucket).add_(received)
-        if pooled is not None:
-            self.shard_pool.release(pooled)
         self._bucket_pool.release(full)
+
+    def finish_backward(self) -> None:
+        """Give the full-size bucket buffers back once backward is over: they are needed again only when
+        the next backward's gradients arrive, and the forward between (the activation peak) should not
+        hold them (with DeepSpeed's default bucket size, one bucket is the whole model)."""
+        super().finish_backward()
+        self._bucket_pool.trim()
 
     def owned_grad(self, bucket: BucketLayout) -> torch.Tensor:
         start = self._shard_offset[bucket.index]

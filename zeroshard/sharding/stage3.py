@@ -73,8 +73,6 @@ class Stage3(Stage2):
         and the next forward (whose peak adds the gathered units to the activations) does not need them."""
         super().finish_backward()
         self.scheduler.release_all()
-        self._bucket_pool.trim()
-        self.shard_pool.trim()
 
     def refresh_bucket(self, bucket: BucketLayout) -> None:
         """Persistent buckets are whole on every rank: gather their update; the rest waits for use."""

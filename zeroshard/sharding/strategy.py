@@ -29,7 +29,6 @@ from ..distributed.topology import ShardGroups
 from ..distributed.world import World
 from ..offload.policy import OffloadPolicies, OffloadPolicy
 from ..precision import PrecisionPolicy
-from .buffer_pool import BufferPool
 from .flat_params import FlatParameters
 from .layout import BucketLayout, FlatLayout, plan_buckets
 from .master_weights import MasterWeights, owned_spans
@@ -91,10 +90,6 @@ class ShardingStrategy(ABC):
         self._next_launch = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
-        largest = max(b.padded_numel for b in self.layout.buckets)
-        #: shard-size buffers that receive reduce-scatter results (see [Note: why a pool])
-        self.shard_pool = BufferPool(largest // self.world.world_size, precision.comm, flat.device)
-        self._received: dict[int, torch.Tensor] = {}  # bucket index -> reduce-scatter result
         #: parameter all-gathers in flight after a step, by bucket index, in launch order
         self._gathers: list[tuple[int, PendingCollective]] = []
         self._gather_numel = 0
@@ -257,23 +252,20 @@ class ShardingStrategy(ABC):
         """Called once the bucket's collective has finished."""
 
     def reduce_to_owner(self, bucket: BucketLayout, full: torch.Tensor, async_op: bool) -> PendingCollective:
-        """Average ``full`` (the whole bucket) so that this rank gets its chunk (stages 1-3).
+        """Average ``full`` (the whole bucket) so that this rank's chunk of it holds its averaged chunk
+        (stages 1-3); the rest of ``full`` is then garbage.
 
-        With ``reduce_scatter`` the chunk lands in a pooled buffer, handed back by
-        :meth:`take_received`; otherwise the bucket is all-reduced in place and the chunk is read from it.
+        The reduce-scatter is in place: its output is this rank's own chunk of ``full``, which nothing
+        else needs once the collective has read it (NCCL documents this form; gloo reads its inputs
+        first), so no shard-size buffer is held beside the full-size one.  Without ``reduce_scatter``
+        the bucket is all-reduced in place and the same chunk is read from it.
         """
         self.precision.before_reduction(full, self.data_parallel_size)
         label = f"grad_bucket{bucket.index}"
         if not self.zero.reduce_scatter:
             return self.comm.all_reduce(full, label, async_op=async_op)
-        out = self.shard_pool.acquire(bucket.shard_numel)
-        self._received[bucket.index] = out
-        return self.comm.reduce_scatter(out, full, label, async_op=async_op)
-
-    def take_received(self, bucket: BucketLayout) -> Optional[torch.Tensor]:
-        """This rank's averaged chunk after :meth:`reduce_to_owner`: a pooled buffer (give it back with
-        ``shard_pool.release``) or, after an all-reduce, ``None`` (read the all-reduced bucket instead)."""
-        return self._received.pop(bucket.index, None)
+        start, end = bucket.shard_range(self.world.rank)
+        return self.comm.reduce_scatter(full[start:end], full, label, async_op=async_op)
 
     @abstractmethod
     def owned_grad(self, bucket: BucketLayout) -> torch.Tensor:
@@ -370,7 +362,7 @@ class ShardingStrategy(ABC):
 
     def comm_buffer_bytes(self) -> int:
         """Bytes of persistent communication buffers (the pools)."""
-        return self.shard_pool.nbytes
+        return 0
 
     def grad_bytes(self) -> tuple[int, int]:
         """(bytes of real gradient elements held, bytes of padding) between steps."""
