@@ -68,3 +68,21 @@ def synchronous_worker(rank: int, world: int) -> int:
 
 def test_by_default_step_returns_with_every_parameter_current() -> None:
     assert run_world(synchronous_worker, 2) == [0, 0]
+
+
+def capped_worker(rank: int, world: int, stage: int) -> dict:
+    import zeroshard.sharding.layout as layout
+
+    layout.MIN_CAPPED_BUCKET = 1000  # the tiny model acts as a large one: DeepSpeed's 5e8 exceeds it
+    engine, _, _, _ = zeroshard.initialize(model=make_model(), config=zero_config(stage, 2, 1, reduce_bucket_size=500_000_000))
+    total = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
+    biggest_param = max(p.numel() for p in engine.module.parameters())
+    return {"sizes": [b.numel for b in engine.strategy.layout.buckets], "total": total, "biggest": biggest_param}
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_bucket_holds_at_most_an_eighth_of_the_model(stage: int) -> None:
+    r = run_world(capped_worker, 2, args=(stage,))[0]
+    cap = -(-r["total"] // 8)
+    assert len(r["sizes"]) >= 6 and sum(r["sizes"]) == r["total"]
+    assert all(size < cap + r["biggest"] for size in r["sizes"])  # filled to the cap, a parameter never split

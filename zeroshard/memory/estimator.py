@@ -19,6 +19,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..sharding.layout import capped_bucket_numel
 from .accounting import model_state_bytes, secondary_param_bytes
 
 GB = 1e9  # the seeds' tables use decimal gigabytes
@@ -87,7 +88,9 @@ def buffer_bytes(req: EstimateRequest, stage: int) -> float:
     grad_bytes = 2 if req.precision == "mixed" else 4
     if stage == 0:
         return 0.0  # stages 0-1 reduce inside the full gradient buffer
-    buckets = 2 * min(req.reduce_bucket_size, req.num_params * req.trainable) * grad_bytes if stage >= 2 else 0.0
+    trainable = int(req.num_params * req.trainable)
+    bucket = min(capped_bucket_numel(int(req.reduce_bucket_size), trainable), trainable)
+    buckets = 2 * bucket * grad_bytes if stage >= 2 else 0.0
     prefetch = min(req.prefetch_bucket_size, req.num_params) * grad_bytes if stage == 3 else 0.0
     return buckets + prefetch
 

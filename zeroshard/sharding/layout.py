@@ -154,6 +154,26 @@ class LayoutBuilder:
         return FlatLayout(tuple(self.buckets), self.world_size)
 
 
+#: a bucket holds at most this fraction of the trainable elements (see [Note: buckets smaller than the model])
+BUCKETS_PER_MODEL = 8
+#: ... but is never capped below this many elements (small models keep the configured size)
+MIN_CAPPED_BUCKET = 4 * 2**20
+
+
+def capped_bucket_numel(configured: int, trainable_numel: int) -> int:
+    """[Note: buckets smaller than the model]
+    DeepSpeed's default ``reduce_bucket_size`` (5e8 elements) is larger than most models trained on a
+    handful of devices, so a bucket is the whole model: the full-size buffer that stage 2 fills and
+    reduce-scatters is then as large as the gradients stage 2 exists to shard, nothing overlaps
+    backward, and the first layer of the next forward needs the whole post-step gather.  At stages
+    0-2 a bucket therefore holds at most 1/``BUCKETS_PER_MODEL`` of the trainable elements (never less
+    than ``MIN_CAPPED_BUCKET``): with the two in flight and one filling, stage 2 holds at most ~3/8 of a
+    full gradient.  A configured size below the cap is used as it is.
+    """
+    cap = max(-(-trainable_numel // BUCKETS_PER_MODEL), MIN_CAPPED_BUCKET)
+    return min(int(configured), cap)
+
+
 def plan_buckets(params: Sequence[torch.Tensor], names: Sequence[str], group_of: Sequence[int],
                  bucket_numel: int, world_size: int) -> FlatLayout:
     """Group parameters (in reverse order, see [Note: bucket order]) into buckets of about ``bucket_numel``."""

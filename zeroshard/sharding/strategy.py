@@ -30,7 +30,7 @@ from ..distributed.world import World
 from ..offload.policy import OffloadPolicies, OffloadPolicy
 from ..precision import PrecisionPolicy
 from .flat_params import FlatParameters
-from .layout import BucketLayout, FlatLayout, plan_buckets
+from .layout import capped_bucket_numel, BucketLayout, FlatLayout, plan_buckets
 from .master_weights import MasterWeights, owned_spans
 from .storage import InitialValues, ParameterStorage
 
@@ -190,7 +190,8 @@ class ShardingStrategy(ABC):
         """Lay out the trainable parameters and take them over (stages 0-2: one flat buffer), sharded
         over ``groups.shard``; ``frozen`` (name, parameter) pairs stay whole at stages 0-2, as in DDP."""
         comm = groups.shard
-        layout = plan_buckets(params, names, group_of, zero.reduce_bucket_size, comm.world.world_size)
+        bucket_numel = capped_bucket_numel(zero.reduce_bucket_size, sum(p.numel() for p in params))
+        layout = plan_buckets(params, names, group_of, bucket_numel, comm.world.world_size)
         masters = cls.make_masters(layout, comm.world, precision, offload, params[0].device, comm)
         flat = FlatParameters(layout, params, comm, precision.compute, masters, groups.job)
         strategy = cls(flat, params, groups, zero, precision)
