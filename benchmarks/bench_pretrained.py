@@ -14,13 +14,15 @@ a fresh process:
 - **zeroshard**: every rank builds the model under ``zeroshard.Init`` with ``from_config`` (Hugging
   Face's ``no_init_weights``: nothing randomly initialised), then ``zeroshard.load_pretrained(model,
   dir)`` reads its own slices, then ``zeroshard.initialize`` (stage 3) takes the shards over;
-- **from_pretrained under Init**: ``with zeroshard.Init(): from_pretrained(dir)`` (transformers reads
-  every tensor on every rank; Init keeps each rank's slice as it is assigned).
+- **from_pretrained under Init**: ``with zeroshard.Init(): from_pretrained(dir)`` (transformers hands
+  every weight over as a view into its mapping of the file; Init keeps each rank's slice as it is
+  assigned and gives the mapped pages back).
 
 Recorded per rank: RSS growth from just before the step to the peak (``VmHWM``, reset through
 ``/proc/self/clear_refs`` before each step), for the build, the load and the whole, and the seconds
 each takes.  The page cache is warm for both (the file was just written and read once): this compares
-memory and CPU work, not disk speed.
+memory and CPU work, not disk speed.  Every worker reads the config and imports the model's class
+before measuring (``warm_up``), so transformers' lazy import of its modelling code counts for none.
 """
 
 from __future__ import annotations
@@ -64,11 +66,22 @@ def measured(step: Any) -> tuple[Any, dict[str, float]]:
     return result, {"growth_gb": (peak() - before) / 1e9, "seconds": time.perf_counter() - start}
 
 
+def warm_up(directory: str) -> None:
+    """Read the config and import the model's class before measuring, in every worker alike: what the
+    first ``from_pretrained`` of a process would otherwise count is transformers' lazy import of the
+    modelling code, not the weights."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(directory)
+    transformers.AutoModelForCausalLM._model_mapping[type(config)]
+
+
 def plain_worker(rank: int, world: int, directory: str) -> dict:
     import torch
     import transformers
 
     torch.set_num_threads(1)
+    warm_up(directory)
     model, load = measured(lambda: transformers.AutoModelForCausalLM.from_pretrained(directory))
     # transformers maps the file and its parameters point into the mapping: nothing is resident until
     # the weights are first read (the first forward). Read each once, as training will.
@@ -86,6 +99,7 @@ def hf_under_init_worker(rank: int, world: int, directory: str) -> dict:
 
     torch.set_num_threads(1)
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    warm_up(directory)
 
     def load() -> Any:
         with zeroshard.Init(config=config):
@@ -105,6 +119,7 @@ def zeroshard_worker(rank: int, world: int, directory: str) -> dict:
     config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"},
               "zero_optimization": {"stage": 3}}
     cfg = transformers.AutoConfig.from_pretrained(directory)
+    warm_up(directory)
     start = reset_peak()
 
     def build() -> Any:

@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_map
 
 from .distributed.collectives import Collectives
 from .distributed.world import World, init_distributed
+from .memory.file_pages import drop_mapped_pages
 from .sharding.placeholder import DEVICE_GETTER, METADATA_FUNCTIONS
 from .sharding.units import rebind_external_parameters
 
@@ -70,10 +71,11 @@ class InitShardedParameter(nn.Parameter):
         if dtype is not None and param.is_floating_point():
             param = param.to(dtype)
         flat = param.detach().reshape(-1)
-        own = torch.zeros(chunk, dtype=param.dtype, device=device or comm.world.device)
+        own = torch.empty(chunk, dtype=param.dtype, device=device or comm.world.device)
         start = comm.world.rank * chunk
         real = max(0, min(chunk, flat.numel() - start))
-        own[:real].copy_(flat[start:start + real])
+        own[:real].copy_(flat[start:start + real])  # one pass over fresh memory, not a zero fill and a copy
+        own[real:].zero_()
         meta = torch.empty(param.shape, dtype=param.dtype, device="meta")
         sharded = InitShardedParameter(meta, requires_grad=param.requires_grad)
         sharded.__dict__.update(param.__dict__)  # flags loaders set on it (transformers' _is_hf_initialized)
@@ -170,13 +172,18 @@ class Init:
         self.world = world or init_distributed(timeout_s=timeout)
         self.comm = Collectives(self.world)
         self._handle: Any = None
+        #: bytes of mapped checkpoint pages given back after sharding ([Note: mapped checkpoint pages under Init])
+        self.released_file_bytes = 0
 
     def _on_register(self, module: nn.Module, name: str, param: nn.Parameter) -> Optional[nn.Parameter]:
         if param is None or isinstance(param, InitShardedParameter):
             return None  # already sharded (a tied weight registered a second time)
         if param.is_meta:  # no values yet (transformers' from_pretrained builds on meta, then assigns each
             return None   # loaded parameter: that assignment comes through here again and is sharded)
-        return InitShardedParameter.shard_of(param, self.comm, self.dtype, self.shard_device)
+        sharded = InitShardedParameter.shard_of(param, self.comm, self.dtype, self.shard_device)
+        # a view into a mapped checkpoint file: [Note: mapped checkpoint pages under Init]
+        self.released_file_bytes += drop_mapped_pages(param)
+        return sharded
 
     def __enter__(self) -> "Init":
         if self.enabled:

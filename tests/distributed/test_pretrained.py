@@ -162,3 +162,50 @@ def test_from_pretrained_under_init_builds_the_sharded_model(kind: str, sharded:
         assert result["sharded"]
         for name, value in expected.items():
             assert torch.equal(result["state"][name], value), name
+
+
+def released_under_init(rank: int, world: int, directory: str) -> dict:
+    init = zeroshard.Init(config=config(3))
+    with init:
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    engine, _, _, _ = zeroshard.initialize(model=model, config=config(3))
+    state = engine.full_state_dict(rank0_only=False)
+    engine.close()
+    return {"state": state, "released": init.released_file_bytes}
+
+
+def interior_page_bytes(file: Path) -> int:
+    """What every rank should give back: the whole pages inside each weight of at least MIN_BYTES."""
+    import json
+    import mmap
+    import struct
+
+    from zeroshard.memory.file_pages import MIN_BYTES
+    raw = file.read_bytes()
+    (header_len,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + header_len])
+    page, total = mmap.PAGESIZE, 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = (8 + header_len + offset for offset in entry["data_offsets"])
+        if end - begin >= MIN_BYTES:
+            total += max(0, end // page * page - -(-begin // page) * page)
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="Linux only")
+def test_from_pretrained_under_init_gives_back_the_mapped_file_pages(tmp_path: Path) -> None:
+    """[Note: mapped checkpoint pages under Init]: each weight's pages go back once its slice is kept,
+    so a rank's RSS grows by its shards, not the model (benchmarks/bench_pretrained.py measures it)."""
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=1024, hidden_size=256, intermediate_size=1024, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32)).save_pretrained(str(tmp_path))
+    expected = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).state_dict()
+    released = interior_page_bytes(tmp_path / "model.safetensors")
+    assert released >= 4 * (1 << 20) - 4 * 4096  # embedding, head and the two 1 MiB MLP matrices
+    for result in run_world(released_under_init, 2, args=(str(tmp_path),)):
+        assert result["released"] == released
+        for name, value in expected.items():
+            assert torch.equal(result["state"][name], value), name
