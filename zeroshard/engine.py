@@ -57,7 +57,7 @@ from .checkpoint.interface import CheckpointParts
 from .checkpoint.rotation import prune
 from .sharding import STRATEGIES
 from .compat.engine_api import DeepSpeedEngineAPI
-from .checkpoint.format import write_state_dict
+from .checkpoint.format import FileWriting, write_state_dict
 
 SchedulerSpec = Union[None, LRScheduler, Callable[[Optimizer], LRScheduler]]
 
@@ -576,7 +576,7 @@ class Engine(DeepSpeedEngineAPI):
                           f"{tag_name} ({'in the background' if background else 'synchronously'})")
         request = capture(self.checkpoint_parts(), save_dir, tag_name, client_state, save_latest,
                           node_local=self.config.checkpoint.use_node_local_storage, exclude_frozen=exclude_frozen,
-                          copy=background, io_chunk=writer.io_buffer_size)
+                          buffers=self.saves.buffers if background else None, writing=FileWriting(writer.io_buffer_size, direct=writer.type == "fast"))
         if background:
             self.saves.submit(request, then)
             return request.final

@@ -38,9 +38,9 @@ def held_writer():
     """Patch the rank-file writer so that it waits for ``release`` before writing (a slow disk)."""
     release, original = threading.Event(), saving._write_file
 
-    def slow(path, tensors, io_chunk):
+    def slow(path, tensors, writing):
         assert release.wait(60)
-        return original(path, tensors, io_chunk)
+        return original(path, tensors, writing)
 
     saving._write_file = slow
     return release, original
@@ -115,10 +115,10 @@ def failing_worker(rank: int, world: int, directory: str) -> list:
     engine.save_checkpoint(directory, tag="good", async_save=True)
     original = saving._write_file
 
-    def full_disk(path, tensors, io_chunk):
+    def full_disk(path, tensors, writing):
         if rank == 1:
             raise OSError(28, "No space left on device", str(path))
-        return original(path, tensors, io_chunk)
+        return original(path, tensors, writing)
 
     saving._write_file = full_disk
     step(engine, 2)

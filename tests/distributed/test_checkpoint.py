@@ -209,8 +209,8 @@ def crash_worker(rank: int, world: int, directory: str, background: bool) -> Non
 
     original = saving._write_file
 
-    def dies_after_writing(path, tensors, io_chunk):  # rank 1 is killed right after writing its shard
-        written = original(path, tensors, io_chunk)
+    def dies_after_writing(path, tensors, writing):  # rank 1 is killed right after writing its shard
+        written = original(path, tensors, writing)
         if rank == 1:
             os._exit(3)
         return written

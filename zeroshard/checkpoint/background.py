@@ -35,7 +35,7 @@ import torch.distributed as dist
 from ..distributed.collectives import Collectives
 from ..distributed.world import World
 from .format import CheckpointError
-from .save import SaveRequest, write
+from .save import SaveRequest, StagingBuffers, write
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,8 @@ class BackgroundSaves:
         self._error: Optional[BaseException] = None
         #: seconds the last background save took, from its submission to its publication
         self.last_save_s: Optional[float] = None
+        #: the host copies each asynchronous save is captured into, reused by the next
+        self.buffers = StagingBuffers()
 
     @property
     def in_flight(self) -> bool:
@@ -136,6 +138,7 @@ class BackgroundSaves:
         try:
             self.wait()
         finally:
+            self.buffers.release()
             group = self._comm.world.group if self._comm is not None else None
             self._comm = None
             if group is not None and dist.is_initialized():

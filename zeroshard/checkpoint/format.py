@@ -33,6 +33,8 @@ from typing import Any, BinaryIO, Callable, Iterable, Optional
 
 import torch
 
+from .direct_io import DirectFile, aligned
+
 FORMAT_NAME = "zeroshard-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -162,6 +164,16 @@ def _header_json(header: dict[str, Any]) -> bytes:
     return json.dumps(header, separators=(",", ":")).encode()
 
 
+@dataclass(frozen=True)
+class FileWriting:
+    """How checkpoint files are written (``checkpoint.writer``): bytes per write call, or the bounce
+    buffer's size for direct writes; whether around the page cache ([Note: writing checkpoints with
+    O_DIRECT] in direct_io.py)."""
+
+    io_chunk: int = 64 << 20
+    direct: bool = False
+
+
 class SafetensorsWriter:
     """Writes a safetensors file one tensor at a time, atomically; peak memory: the tensor being written.
 
@@ -171,18 +183,33 @@ class SafetensorsWriter:
     writes the tensors after it, and writes the header into the room at the end, padded with spaces
     (which the format allows: its own writer pads to 8 bytes the same way).  Should the header outgrow
     the room, the data is moved once behind a bigger one.  The file appears under its name only when
-    complete (``os.replace`` after ``fsync``).
+    complete (``os.replace`` after ``fsync``).  With ``direct`` the bytes go around the page cache
+    (:mod:`.direct_io`), the room then ending on a block boundary.
     """
 
-    def __init__(self, path: Path, header_room: int = 1 << 16, io_chunk: int = 64 << 20) -> None:
+    def __init__(self, path: Path, header_room: int = 1 << 16, io_chunk: int = 64 << 20,
+                 direct: bool = False) -> None:
         self.path = path
         self._room = header_room + (-header_room % 8)  # the data section starts 8-byte aligned
         self._io_chunk = max(1, io_chunk)
         self._tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        self._file: BinaryIO = open(self._tmp, "wb")
-        self._file.seek(8 + self._room)
+        self._direct: Optional[DirectFile] = None
+        if direct:
+            room = aligned(8 + self._room) - 8
+            self._direct = DirectFile.open(self._tmp, self._io_chunk, start=8 + room)
+            if self._direct is not None:
+                self._room = room
+        self._file: Optional[BinaryIO] = None
+        if self._direct is None:
+            self._file = open(self._tmp, "wb")
+            self._file.seek(8 + self._room)
         self._header: dict[str, Any] = {}
         self._offset = 0
+
+    @property
+    def direct(self) -> bool:
+        """Whether the bytes go around the page cache (False where the file system refused)."""
+        return self._direct is not None
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Append ``tensor`` (any device; written as it is, in its dtype and shape)."""
@@ -194,13 +221,28 @@ class SafetensorsWriter:
                               "data_offsets": [self._offset, self._offset + nbytes]}
         if nbytes:
             raw = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-            for start in range(0, nbytes, self._io_chunk):
-                self._file.write(raw[start: start + self._io_chunk])
+            if self._direct is not None:
+                self._direct.append(raw)
+            else:
+                assert self._file is not None
+                for start in range(0, nbytes, self._io_chunk):
+                    self._file.write(raw[start: start + self._io_chunk])
         self._offset += nbytes
 
     def finish(self) -> int:
         """Write the header, make the file durable and give it its name; returns its size in bytes."""
         raw = _header_json(self._header)
+        size = 8 + self._room + self._offset
+        if self._direct is not None:
+            if len(raw) <= self._room:
+                self._direct.write_at(0, struct.pack("<Q", self._room) + raw + b" " * (self._room - len(raw)))
+                self._direct.close(size)
+                os.replace(self._tmp, self.path)
+                return size
+            self._direct.close(size, durable=False)  # the rare outgrown header: on, as a buffered file
+            self._direct = None
+            self._file = open(self._tmp, "r+b")
+        assert self._file is not None
         if len(raw) > self._room:
             self._move_data(len(raw) + (-len(raw) % 8))
         raw += b" " * (self._room - len(raw))
@@ -215,12 +257,16 @@ class SafetensorsWriter:
 
     def abort(self) -> None:
         """Close and remove the unfinished file."""
-        self._file.close()
+        if self._direct is not None:
+            self._direct.discard()
+        if self._file is not None:
+            self._file.close()
         self._tmp.unlink(missing_ok=True)
 
     def _move_data(self, room: int) -> None:
         """Shift the data written so far behind a header room of ``room`` bytes (the rare case where
         the header outgrew the reserved room)."""
+        assert self._file is not None
         self._file.flush()
         bigger = self._tmp.with_name(self._tmp.name + ".grow")
         with open(self._tmp, "rb") as old, open(bigger, "wb") as new:

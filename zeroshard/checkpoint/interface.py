@@ -58,8 +58,8 @@ class ShardedStateful(Protocol):
     def chunk_layout(self) -> list[tuple[int, int]]:
         """Per bucket: (chunk size, number of chunks)."""
 
-    def read_bucket(self, bucket: BucketLayout) -> tuple[torch.Tensor, dict[str, torch.Tensor],
-                                                         dict[str, torch.Tensor]]: ...
+    def read_bucket(self, bucket: BucketLayout, copy: bool = True) -> tuple[
+            torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]: ...
 
     def write_bucket(self, bucket: BucketLayout, values: torch.Tensor, state: Optional[dict[str, torch.Tensor]],
                      scalars: dict[str, torch.Tensor]) -> None: ...

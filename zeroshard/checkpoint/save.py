@@ -21,7 +21,7 @@ import torch
 from ..distributed.collectives import Collectives
 from ..version import __version__
 from .format import (replaced_dir, EXTRA_FILE, FORMAT_NAME, FORMAT_VERSION, LATEST, MANIFEST, CheckpointError, rank_file,
-                     SafetensorsWriter, sha256_of, write_json_atomic, write_text_atomic)
+                     FileWriting, SafetensorsWriter, sha256_of, write_json_atomic, write_text_atomic)
 from .interface import CheckpointParts
 
 #: room reserved for a rank file's header (see [Note: the header goes last]): ~400 tensors' entries
@@ -40,16 +40,47 @@ def _json_or_error(value: Any, what: str) -> Any:
     return value
 
 
-def rank_tensors(parts: CheckpointParts) -> Iterator[tuple[str, torch.Tensor]]:
+class StagingBuffers:
+    """Host copies of a rank's checkpoint tensors for asynchronous saves, kept from one save to the next.
+
+    An asynchronous save copies the rank's whole state before training goes on; copied into fresh
+    memory, every page of it is first touched then (measured: 0.98 s of the 91M model's 1.6 s
+    synchronous save, on a VM where a first touch is slow), copied into the previous save's buffers,
+    only the copy is paid.  At most one asynchronous save is in flight, and the next save waits for it,
+    so the buffers are free again when the next capture reuses them.  They cost host memory equal
+    to the rank's checkpoint from the first asynchronous save on (``release()`` gives it back), as
+    DeepSpeed's decoupled writer keeps its buffers.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def copy(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        held = self._buffers.get(name)
+        if held is None or held.shape != tensor.shape or held.dtype != tensor.dtype:
+            held = self._buffers[name] = torch.empty(tensor.shape, dtype=tensor.dtype)
+        return held.copy_(tensor)
+
+    def release(self) -> None:
+        self._buffers.clear()
+
+
+def rank_tensors(parts: CheckpointParts, staging: Optional[StagingBuffers]) -> Iterator[tuple[str, torch.Tensor]]:
     """What this rank writes, one bucket at a time: its RNG state, then per bucket its chunk (fp32
     masters when there are any), its optimizer state (read back from host memory or NVMe where
-    offloaded) and scalar state.  Every tensor is a copy: training may go on once it is yielded."""
+    offloaded) and scalar state.  With ``staging`` every tensor is a copy in its buffers, so that
+    training may go on once it is yielded; without, the engine's own tensors where they are
+    resident (a synchronous save writes each before training resumes)."""
+    if staging is not None:
+        for name, tensor in rank_tensors(parts, None):
+            yield name, staging.copy(name, tensor)
+        return
     yield from parts.rng.state_dict().items()
     shards = parts.shards
     for bucket, (_, chunks) in zip(shards.layout.buckets, shards.chunk_layout()):
         if shards.rank >= chunks or not shards.writes_chunks:
             continue  # stage 0: every rank holds the same bucket, rank 0 writes it; MiCS: the first group
-        values, state, scalars = shards.read_bucket(bucket)
+        values, state, scalars = shards.read_bucket(bucket, copy=False)
         yield f"param.b{bucket.index}", values.to("cpu")
         for key, value in scalars.items():
             yield f"optim_scalar.{key}.b{bucket.index}", value.to("cpu")
@@ -109,7 +140,7 @@ class SaveRequest:
     tensors: Iterable[tuple[str, torch.Tensor]]
     extra: dict[str, torch.Tensor]
     manifest: Optional[dict[str, Any]]  # rank 0: everything but the file list
-    io_chunk: int = 64 << 20
+    writing: FileWriting = FileWriting()
 
     @property
     def staging(self) -> Path:
@@ -122,11 +153,11 @@ class SaveRequest:
 
 def capture(parts: CheckpointParts, save_dir: str | Path, tag: str, client_state: Any = None,
             save_latest: bool = True, node_local: bool = False, exclude_frozen: bool = False,
-            copy: bool = False, io_chunk: int = 64 << 20) -> SaveRequest:
+            buffers: Optional[StagingBuffers] = None, writing: FileWriting = FileWriting()) -> SaveRequest:
     """Prepare a save of ``parts`` (every rank calls it): the leader clears the staging directory, stage
-    3 gathers the frozen parameters, rank 0 takes the manifest's values.  With ``copy`` the rank's
-    tensors are read now (copies, so that training can change the originals); otherwise they are read
-    bucket by bucket while :func:`write` writes them."""
+    3 gathers the frozen parameters, rank 0 takes the manifest's values.  With ``buffers`` the rank's
+    tensors are read now (copies into them, so that training can change the originals); otherwise
+    they are read bucket by bucket while :func:`write` writes them."""
     root = Path(save_dir)
     rank = parts.world.rank
     leader = parts.world.local_rank == 0 if node_local else rank == 0
@@ -146,13 +177,13 @@ def capture(parts: CheckpointParts, save_dir: str | Path, tag: str, client_state
         if node_local:
             manifest["storage"] = {"node_local": True,
                                    "ranks_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", parts.world.world_size))}
-    tensors = rank_tensors(parts)
-    return SaveRequest(root, tag, rank, leader, node_local, save_latest, list(tensors) if copy else tensors,
-                       extra, manifest, io_chunk)
+    tensors = rank_tensors(parts, buffers)
+    return SaveRequest(root, tag, rank, leader, node_local, save_latest, list(tensors) if buffers is not None else tensors,
+                       extra, manifest, writing)
 
 
-def _write_file(path: Path, tensors: Iterable[tuple[str, torch.Tensor]], io_chunk: int) -> dict[str, Any]:
-    writer = SafetensorsWriter(path, header_room=_HEADER_ROOM, io_chunk=io_chunk)
+def _write_file(path: Path, tensors: Iterable[tuple[str, torch.Tensor]], writing: FileWriting) -> dict[str, Any]:
+    writer = SafetensorsWriter(path, header_room=_HEADER_ROOM, io_chunk=writing.io_chunk, direct=writing.direct)
     try:
         for name, tensor in tensors:
             writer.add(name, tensor)
@@ -175,9 +206,9 @@ def write(request: SaveRequest, comm: Collectives) -> Path:
     problem = None
     try:
         files[rank_file(request.rank)] = _write_file(staging / rank_file(request.rank), request.tensors,
-                                                     request.io_chunk)
+                                                     request.writing)
         if request.leader and request.extra:
-            files[EXTRA_FILE] = _write_file(staging / EXTRA_FILE, request.extra.items(), request.io_chunk)
+            files[EXTRA_FILE] = _write_file(staging / EXTRA_FILE, request.extra.items(), request.writing)
     except OSError as err:
         problem = f"{err.filename or staging}: {err.strerror or err}"
     reports = comm.all_gather_json({"files": files, "problem": problem}, "checkpoint_files")
@@ -232,14 +263,14 @@ def _all_files(reported: list[dict[str, Any]]) -> dict[str, Any]:
 
 def save_checkpoint(parts: CheckpointParts, save_dir: str | Path, tag: str, client_state: Any = None,
                     save_latest: bool = True, node_local: bool = False, exclude_frozen: bool = False,
-                    io_chunk: int = 64 << 20) -> Path:
+                    writing: FileWriting = FileWriting()) -> Path:
     """Write a checkpoint of ``parts`` under ``save_dir/tag`` and publish it; every rank must call it.
 
     The rank's state is read one bucket at a time as it is written, so a save holds one bucket's
     copies at a time, not the rank's whole state.  ``node_local`` (``checkpoint.use_node_local_storage``):
     ``save_dir`` is a directory of each node's own; see [Note: node-local checkpoints].
     """
-    request = capture(parts, save_dir, tag, client_state, save_latest, node_local, exclude_frozen, io_chunk=io_chunk)
+    request = capture(parts, save_dir, tag, client_state, save_latest, node_local, exclude_frozen, writing=writing)
     return write(request, parts.comm)
 
 

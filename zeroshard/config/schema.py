@@ -259,7 +259,13 @@ class CheckpointWriterConfig:
         False, "Save asynchronously: save_checkpoint copies the rank's state to host memory and returns; a "
         "background thread writes and publishes it while training goes on (the next save, a load or close() "
         "waits for it). save_checkpoint(async_save=...) decides per call.")
-    io_buffer_size: int = key(64 * 2**20, "Bytes handed to the file system per write call.", positive)
+    type: Literal["python", "fast"] = key(
+        "fast", "How the files are written: \"fast\" around the page cache (O_DIRECT through an aligned buffer of "
+        "io_buffer_size bytes; buffered where the file system refuses it), \"python\" through it. As in DeepSpeed, "
+        "a writer block defaults to \"fast\" and no writer block means \"python\". DeepSpeed's \"mock\" (writes "
+        "nothing) is not offered.")
+    io_buffer_size: int = key(
+        64 * 2**20, "Bytes handed to the file system per write call (\"fast\": the aligned buffer's size).", positive)
 
 
 @dataclass(frozen=True)
@@ -281,7 +287,7 @@ class CheckpointConfig:
     auto_resume: bool = key(
         False, "zeroshard: initialize() loads save_dir's latest checkpoint when there is one (an elastic "
         "restart resumes where the job was), RNG included.")
-    writer: CheckpointWriterConfig = key(CheckpointWriterConfig(), "How checkpoint files are written.")
+    writer: CheckpointWriterConfig = key(CheckpointWriterConfig(type="python"), "How checkpoint files are written.")
 
 
 @dataclass(frozen=True)

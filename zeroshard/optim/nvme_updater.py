@@ -131,7 +131,9 @@ class NVMeUpdater(ShardUpdater):
         piece.param.data = _EMPTY
 
     # ------------------------------------------------------------------ state for checkpoints
-    def read_piece(self, piece: Piece, state: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def read_piece(self, piece: Piece, state: dict[str, Any], copy: bool = True
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Read back from the swap files: always fresh tensors."""
         v = torch.empty(piece.numel, dtype=torch.float32)
         piece.files["param"].read_into(v)
         full = {}

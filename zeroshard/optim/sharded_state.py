@@ -56,8 +56,8 @@ class ShardedState:
         return [(self.updater.owned_numel(b), b.padded_numel // self.updater.owned_numel(b))
                 for b in self.layout.buckets]
 
-    def read_bucket(self, bucket: BucketLayout) -> BucketState:
-        return self.updater.read_bucket(bucket)
+    def read_bucket(self, bucket: BucketLayout, copy: bool = True) -> BucketState:
+        return self.updater.read_bucket(bucket, copy)
 
     def write_bucket(self, bucket: BucketLayout, values: torch.Tensor, state: Optional[dict[str, torch.Tensor]],
                      scalars: dict[str, torch.Tensor]) -> None:

@@ -130,16 +130,18 @@ class ShardUpdater(ABC):
         """Release files and threads (NVMe); idempotent."""
 
     # ------------------------------------------------------------------ state for checkpoints
-    def read_bucket(self, bucket: BucketLayout) -> BucketState:
-        """Copies of ``bucket``'s owned values (fp32 masters or the parameters), full-size state tensors
-        and scalar state (Adam's ``step``), wherever they live."""
+    def read_bucket(self, bucket: BucketLayout, copy: bool = True) -> BucketState:
+        """``bucket``'s owned values (fp32 masters or the parameters), full-size state tensors and scalar
+        state (Adam's ``step``), wherever they live: copies, or with ``copy=False`` the tensors
+        themselves where they are resident and whole (a synchronous save, which writes them before
+        training resumes, need not copy a model-size state first)."""
         assert self.optimizer is not None
         values: list[torch.Tensor] = []
         state_parts: dict[str, list[torch.Tensor]] = {}
         scalars: dict[str, torch.Tensor] = {}
         for piece in self.pieces[bucket.index]:
             state = self.optimizer.state.get(piece.param, {})
-            v, full = self.read_piece(piece, state)
+            v, full = self.read_piece(piece, state, copy)
             values.append(v.reshape(-1))
             for key, t in full.items():
                 state_parts.setdefault(key, []).append(t.reshape(-1))
@@ -147,10 +149,12 @@ class ShardUpdater(ABC):
         return (torch.cat(values) if len(values) > 1 else values[0],
                 {k: torch.cat(v) if len(v) > 1 else v[0] for k, v in state_parts.items()}, scalars)
 
-    def read_piece(self, piece: Piece, state: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """A copy of the piece's values and full-size state."""
-        return (piece.param.data.detach().clone(),
-                {k: t.detach().clone() for k, t in full_size_state(state, piece.numel).items()})
+    def read_piece(self, piece: Piece, state: dict[str, Any], copy: bool = True
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The piece's values and full-size state (copies with ``copy``)."""
+        def taken(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().clone() if copy else t.detach()
+        return taken(piece.param.data), {k: taken(t) for k, t in full_size_state(state, piece.numel).items()}
 
     def write_bucket(self, bucket: BucketLayout, values: torch.Tensor, state: Optional[dict[str, torch.Tensor]],
                      scalars: dict[str, torch.Tensor]) -> None:
