@@ -274,11 +274,39 @@ def test_missing_truncated_and_corrupted_files_are_named(saved, tmp_path: Path) 
         CheckpointReader(directory)
 
 
+def test_a_flipped_byte_in_the_header_or_the_data_is_caught_and_format_1_checksums_still_verify(
+        saved, tmp_path: Path) -> None:
+    """[Note: checksums while writing]: the header and the data are checksummed apart (format 2); a
+    checkpoint of format 1 records the whole file's SHA-256 and still loads."""
+    import hashlib
+    directory = broken_copy(saved[0], tmp_path)
+    victim = directory / "rank00001.safetensors"
+    data = victim.read_bytes()
+    manifest = json.loads((directory / "manifest.json").read_text())
+    split = manifest["files"][victim.name]["sha256_parts"]["split"]
+    for where in (split // 2, split + 5, len(data) - 1):  # header, first data byte block, last byte
+        flipped = bytearray(data)
+        flipped[where] ^= 0x01
+        victim.write_bytes(bytes(flipped))
+        with pytest.raises(CheckpointError, match=r"rank00001\.safetensors: checksum mismatch"):
+            CheckpointReader(directory)
+    victim.write_bytes(data)
+    manifest["format_version"] = 1
+    for name, meta in manifest["files"].items():
+        manifest["files"][name] = {"bytes": meta["bytes"],
+                                   "sha256": hashlib.sha256((directory / name).read_bytes()).hexdigest()}
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    CheckpointReader(directory)  # verifies
+    victim.write_bytes(data[:-1] + bytes([data[-1] ^ 0x01]))
+    with pytest.raises(CheckpointError, match=r"rank00001\.safetensors: checksum mismatch"):
+        CheckpointReader(directory)
+
+
 def verifying_worker(rank: int, world: int, directory: str, stage: int) -> dict:
     import zeroshard.checkpoint.format as fmt
 
-    hashed, original = [], fmt.sha256_of
-    fmt.sha256_of = lambda path, *a: hashed.append(Path(path).name) or original(path, *a)
+    hashed, original = [], fmt.file_matches
+    fmt.file_matches = lambda path, *a: hashed.append(Path(path).name) or original(path, *a)
     engine = make_engine(stage)
     try:
         engine.load_checkpoint(directory, tag="t")

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from zs_common import make_model, rank_micro_batches, zero_config
 
 import zeroshard
+from zeroshard.checkpoint import FORMAT_VERSION
 from zeroshard.checkpoint import CheckpointError
 from zeroshard.distributed.consistency import DivergenceError
 from zeroshard.testing import run_world
@@ -63,7 +64,7 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
     "manifest is null": (_manifest_edit(lambda m: None), r"manifest\.json: not a zeroshard checkpoint manifest"),
     "rank file not listed": (_manifest_edit(_unlist_rank1), r"does not list rank00001\.safetensors"),
     "counter not an int": (_manifest_edit(_string_counter), r"engine\.global_steps is missing or not an integer"),
-    "version not an int": (_manifest_edit(_string_version), r"entry 'format_version' is '1', not a positive integer"),
+    "version not an int": (_manifest_edit(_string_version), rf"entry 'format_version' is '{FORMAT_VERSION}', not a positive integer"),
     "rank file truncated": (_truncate_rank1, r"rank00001\.safetensors: .* bytes, the manifest says"),
 }
 

@@ -26,7 +26,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterable, Optional
@@ -36,7 +38,8 @@ import torch
 from .direct_io import DirectFile, aligned
 
 FORMAT_NAME = "zeroshard-checkpoint"
-FORMAT_VERSION = 1
+#: 2: a file's checksum is its header's and its data's (``sha256_parts``), taken while it is written
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 LATEST = "latest"
 EXTRA_FILE = "model_extra.safetensors"
@@ -64,14 +67,55 @@ def rank_file(rank: int) -> str:
     return f"rank{rank:05d}.safetensors"
 
 
-def sha256_of(path: Path, chunk: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
+def sha256_of(path: Path, chunk: int = 1 << 22, split: Optional[int] = None) -> str | tuple[str, str]:
+    """The file's SHA-256; with ``split``, the digests of its first ``split`` bytes and of the rest."""
+    digests = [hashlib.sha256(), hashlib.sha256()]
     with open(path, "rb") as f:
-        while True:
-            block = f.read(chunk)
-            if not block:
-                return digest.hexdigest()
-            digest.update(block)
+        if split is not None:
+            digests[0].update(f.read(split))
+        while block := f.read(chunk):
+            digests[-1].update(block)
+    return digests[-1].hexdigest() if split is None else (digests[0].hexdigest(), digests[1].hexdigest())
+
+
+def file_matches(path: Path, meta: dict[str, Any]) -> bool:
+    """Whether ``path`` has the checksum its manifest entry records: the whole file's (format 1), or
+    its header's and its data's ([Note: checksums while writing])."""
+    if "sha256" in meta:
+        return sha256_of(path) == meta["sha256"]
+    parts = meta["sha256_parts"]
+    return sha256_of(path, split=int(parts["split"])) == (parts["head"], parts["body"])
+
+
+class BackgroundDigest:
+    """SHA-256 of the bytes handed to :meth:`update`, computed on a thread of its own (hashlib lets go
+    of the GIL on large blocks) while the caller writes them: a checkpoint file is checksummed as it is
+    written, not read back afterwards.  Each block must stay unchanged until :meth:`hexdigest`."""
+
+    def __init__(self) -> None:
+        self._digest = hashlib.sha256()
+        # at most two blocks waiting: a block may be a tensor read for the save (offloaded state), held
+        # until hashed, so the writer waits rather than let them pile up
+        self._blocks: "queue.Queue[Optional[memoryview]]" = queue.Queue(maxsize=2)
+        self._thread = threading.Thread(target=self._run, name="zeroshard-checksum", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (block := self._blocks.get()) is not None:
+            self._digest.update(block)
+
+    def update(self, block: memoryview) -> None:
+        self._blocks.put(block)
+
+    def hexdigest(self) -> str:
+        """Wait for every block, then the digest; the thread ends."""
+        self.close()
+        return self._digest.hexdigest()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._blocks.put(None)
+            self._thread.join()
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -147,7 +191,7 @@ class Manifest:
             size = path.stat().st_size
             if size != meta["bytes"]:
                 raise CheckpointError(f"{path}: {size} bytes, the manifest says {meta['bytes']} (truncated?)")
-            if sha256_of(path) != meta["sha256"]:
+            if not file_matches(path, meta):
                 raise CheckpointError(f"{path}: checksum mismatch (the file is corrupted)")
 
 
@@ -185,6 +229,13 @@ class SafetensorsWriter:
     the room, the data is moved once behind a bigger one.  The file appears under its name only when
     complete (``os.replace`` after ``fsync``).  With ``direct`` the bytes go around the page cache
     (:mod:`.direct_io`), the room then ending on a block boundary.
+
+    [Note: checksums while writing]
+    A checkpoint records each file's checksum, which a load verifies.  Hashing the whole file means
+    reading it back after writing (the header, which comes first, is known only at the end); instead
+    the data's SHA-256 is taken as each tensor is written (:class:`BackgroundDigest`, beside the
+    write) and the header's at the end, and the manifest records both with the offset where the data
+    starts (``sha256_parts``, format version 2).  A load reads the file once and checks both.
     """
 
     def __init__(self, path: Path, header_room: int = 1 << 16, io_chunk: int = 64 << 20,
@@ -205,6 +256,9 @@ class SafetensorsWriter:
             self._file.seek(8 + self._room)
         self._header: dict[str, Any] = {}
         self._offset = 0
+        self._body = BackgroundDigest()
+        #: after finish(): the file's checksum as a manifest records it (see the Note)
+        self.checksum: dict[str, Any] = {}
 
     @property
     def direct(self) -> bool:
@@ -221,6 +275,7 @@ class SafetensorsWriter:
                               "data_offsets": [self._offset, self._offset + nbytes]}
         if nbytes:
             raw = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+            self._body.update(raw)  # ``tensor`` is kept alive by the view until the digest is taken
             if self._direct is not None:
                 self._direct.append(raw)
             else:
@@ -233,10 +288,13 @@ class SafetensorsWriter:
         """Write the header, make the file durable and give it its name; returns its size in bytes."""
         raw = _header_json(self._header)
         size = 8 + self._room + self._offset
+        body = self._body.hexdigest()
         if self._direct is not None:
             if len(raw) <= self._room:
-                self._direct.write_at(0, struct.pack("<Q", self._room) + raw + b" " * (self._room - len(raw)))
+                head = struct.pack("<Q", self._room) + raw + b" " * (self._room - len(raw))
+                self._direct.write_at(0, head)
                 self._direct.close(size)
+                self._record(head, body)
                 os.replace(self._tmp, self.path)
                 return size
             self._direct.close(size, durable=False)  # the rare outgrown header: on, as a buffered file
@@ -245,18 +303,23 @@ class SafetensorsWriter:
         assert self._file is not None
         if len(raw) > self._room:
             self._move_data(len(raw) + (-len(raw) % 8))
-        raw += b" " * (self._room - len(raw))
+        head = struct.pack("<Q", self._room) + raw + b" " * (self._room - len(raw))
         self._file.seek(0)
-        self._file.write(struct.pack("<Q", self._room))
-        self._file.write(raw)
+        self._file.write(head)
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
+        self._record(head, body)
         os.replace(self._tmp, self.path)
         return 8 + self._room + self._offset
 
+    def _record(self, head: bytes, body: str) -> None:
+        self.checksum = {"sha256_parts": {"split": len(head), "head": hashlib.sha256(head).hexdigest(),
+                                          "body": body}}
+
     def abort(self) -> None:
         """Close and remove the unfinished file."""
+        self._body.close()
         if self._direct is not None:
             self._direct.discard()
         if self._file is not None:

@@ -21,7 +21,7 @@ import torch
 from ..distributed.collectives import Collectives
 from ..version import __version__
 from .format import (replaced_dir, EXTRA_FILE, FORMAT_NAME, FORMAT_VERSION, LATEST, MANIFEST, CheckpointError, rank_file,
-                     FileWriting, SafetensorsWriter, sha256_of, write_json_atomic, write_text_atomic)
+                     FileWriting, SafetensorsWriter, write_json_atomic, write_text_atomic)
 from .interface import CheckpointParts
 
 #: room reserved for a rank file's header (see [Note: the header goes last]): ~400 tensors' entries
@@ -191,7 +191,7 @@ def _write_file(path: Path, tensors: Iterable[tuple[str, torch.Tensor]], writing
     except BaseException:
         writer.abort()
         raise
-    return {"bytes": size, "sha256": sha256_of(path)}
+    return {"bytes": size, **writer.checksum}
 
 
 def write(request: SaveRequest, comm: Collectives) -> Path:
@@ -252,7 +252,7 @@ def _all_files(reported: list[dict[str, Any]]) -> dict[str, Any]:
     directory first.
     """
     files: dict[str, Any] = {}
-    extras = {theirs[EXTRA_FILE]["sha256"] for theirs in reported if EXTRA_FILE in theirs}
+    extras = {json.dumps(theirs[EXTRA_FILE], sort_keys=True) for theirs in reported if EXTRA_FILE in theirs}
     if len(extras) > 1:
         raise CheckpointError(f"{EXTRA_FILE} differs between nodes (frozen parameters or buffers that are not "
                               f"the same on every node); this checkpoint was not published")
