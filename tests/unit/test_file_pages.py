@@ -76,3 +76,23 @@ def test_the_mapping_is_found_from_proc_maps_text() -> None:
     anon = file_pages.mapping_containing(0x7F0000100010, text)
     assert anon is not None and anon.inode == 0
     assert file_pages.mapping_containing(0x10, text) is None
+
+
+def test_a_swapped_out_page_counts_as_a_private_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy-on-write page the kernel swapped out is not present, yet dropping it would lose it."""
+    entries = {"present file page": (1 << 63) | (1 << 61), "present anonymous": 1 << 63, "swapped": 1 << 62,
+               "not present": 0}
+    real_open = open
+
+    def pagemap_of(entry: int):  # type: ignore[no-untyped-def]
+        def opening(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if path == "/proc/self/pagemap":
+                import io
+                return io.BytesIO(struct.pack("<Q", entry) * (1 << 20))
+            return real_open(path, *args, **kwargs)
+        return opening
+
+    for what, entry in entries.items():
+        monkeypatch.setattr("builtins.open", pagemap_of(entry))
+        copied = file_pages._has_private_copies(0, 4 * PAGE)
+        assert copied == (what in ("present anonymous", "swapped")), what

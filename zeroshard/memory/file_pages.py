@@ -32,8 +32,10 @@ import torch
 
 _MADV_DONTNEED = 4
 _PAGE = mmap.PAGESIZE
-#: /proc/self/pagemap: one 64-bit entry per page; bit 63 present, bit 61 file page or shared anonymous
+#: /proc/self/pagemap: one 64-bit entry per page; bit 63 present, bit 62 swapped out, bit 61 file page
+#: or shared anonymous
 _PRESENT = 1 << 63
+_SWAPPED = 1 << 62
 _FILE_OR_SHARED = 1 << 61
 #: smaller weights (norms, biases) are not worth a read of /proc/self/maps
 MIN_BYTES = 1 << 20
@@ -69,7 +71,8 @@ def mapping_containing(address: int, maps_text: Optional[str] = None) -> Optiona
 
 
 def _has_private_copies(start: int, length: int) -> bool:
-    """Whether any present page in ``[start, start+length)`` is anonymous (a private copy-on-write copy)."""
+    """Whether any page in ``[start, start+length)`` is a private copy-on-write copy: present and
+    anonymous, or swapped out (only anonymous pages are)."""
     first, count = start // _PAGE, length // _PAGE
     try:
         with open("/proc/self/pagemap", "rb") as pagemap:
@@ -80,7 +83,7 @@ def _has_private_copies(start: int, length: int) -> bool:
     if len(raw) != count * 8:
         return True
     for (entry,) in struct.iter_unpack("<Q", raw):
-        if entry & _PRESENT and not entry & _FILE_OR_SHARED:
+        if entry & _SWAPPED or (entry & _PRESENT and not entry & _FILE_OR_SHARED):
             return True
     return False
 
