@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from zeroshard.checkpoint.direct_io import ALIGN
-from zeroshard.checkpoint.format import SafetensorsWriter
+from zeroshard.checkpoint.format import FileWriting, SafetensorsWriter, file_matches
 
 
 def tensors() -> dict[str, torch.Tensor]:
@@ -26,7 +26,7 @@ def tensors() -> dict[str, torch.Tensor]:
 
 
 def write(path: Path, direct: bool, io_chunk: int, header_room: int = 1 << 12) -> SafetensorsWriter:
-    writer = SafetensorsWriter(path, header_room=header_room, io_chunk=io_chunk, direct=direct)
+    writer = SafetensorsWriter(path, header_room=header_room, writing=FileWriting(io_chunk, direct), checksum=True)
     for name, value in tensors().items():
         writer.add(name, value)
     writer.finish()
@@ -44,6 +44,7 @@ def test_files_read_back_equal(tmp_path: Path, direct: bool, io_chunk: int) -> N
     for name, value in tensors().items():
         assert torch.equal(loaded[name], value), name
     assert not list(tmp_path.glob(".*tmp*"))  # no leftover temporary file
+    assert file_matches(tmp_path / "f.safetensors", writer.checksum)  # the checksum taken while writing
 
 
 def test_direct_data_starts_on_a_block_and_the_file_has_its_true_size(tmp_path: Path) -> None:
@@ -59,7 +60,8 @@ def test_direct_data_starts_on_a_block_and_the_file_has_its_true_size(tmp_path: 
 
 @pytest.mark.parametrize("direct", [False, True])
 def test_a_header_that_outgrows_its_room_moves_the_data(tmp_path: Path, direct: bool) -> None:
-    write(tmp_path / "f.safetensors", direct, ALIGN, header_room=8)
+    writer = write(tmp_path / "f.safetensors", direct, ALIGN, header_room=8)
+    assert file_matches(tmp_path / "f.safetensors", writer.checksum)
     loaded = load_file(str(tmp_path / "f.safetensors"))
     for name, value in tensors().items():
         assert torch.equal(loaded[name], value), name

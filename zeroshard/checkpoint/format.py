@@ -67,24 +67,23 @@ def rank_file(rank: int) -> str:
     return f"rank{rank:05d}.safetensors"
 
 
-def sha256_of(path: Path, chunk: int = 1 << 22, split: Optional[int] = None) -> str | tuple[str, str]:
-    """The file's SHA-256; with ``split``, the digests of its first ``split`` bytes and of the rest."""
-    digests = [hashlib.sha256(), hashlib.sha256()]
+def _sha256_around(path: Path, split: int, chunk: int = 1 << 22) -> tuple[str, str]:
+    """The SHA-256 of the file's first ``split`` bytes and of the rest (0: the rest is the whole file)."""
+    head, body = hashlib.sha256(), hashlib.sha256()
     with open(path, "rb") as f:
-        if split is not None:
-            digests[0].update(f.read(split))
+        head.update(f.read(split))
         while block := f.read(chunk):
-            digests[-1].update(block)
-    return digests[-1].hexdigest() if split is None else (digests[0].hexdigest(), digests[1].hexdigest())
+            body.update(block)
+    return head.hexdigest(), body.hexdigest()
 
 
 def file_matches(path: Path, meta: dict[str, Any]) -> bool:
     """Whether ``path`` has the checksum its manifest entry records: the whole file's (format 1), or
     its header's and its data's ([Note: checksums while writing])."""
     if "sha256" in meta:
-        return sha256_of(path) == meta["sha256"]
+        return _sha256_around(path, 0)[1] == meta["sha256"]
     parts = meta["sha256_parts"]
-    return sha256_of(path, split=int(parts["split"])) == (parts["head"], parts["body"])
+    return _sha256_around(path, int(parts["split"])) == (parts["head"], parts["body"])
 
 
 class BackgroundDigest:
@@ -238,14 +237,15 @@ class SafetensorsWriter:
     starts (``sha256_parts``, format version 2).  A load reads the file once and checks both.
     """
 
-    def __init__(self, path: Path, header_room: int = 1 << 16, io_chunk: int = 64 << 20,
-                 direct: bool = False) -> None:
+    def __init__(self, path: Path, header_room: int = 1 << 16, writing: FileWriting = FileWriting(),
+                 checksum: bool = False) -> None:
+        """``checksum``: record the file's checksum for a manifest (:attr:`checksum`)."""
         self.path = path
         self._room = header_room + (-header_room % 8)  # the data section starts 8-byte aligned
-        self._io_chunk = max(1, io_chunk)
+        self._io_chunk = max(1, writing.io_chunk)
         self._tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         self._direct: Optional[DirectFile] = None
-        if direct:
+        if writing.direct:
             room = aligned(8 + self._room) - 8
             self._direct = DirectFile.open(self._tmp, self._io_chunk, start=8 + room)
             if self._direct is not None:
@@ -256,7 +256,7 @@ class SafetensorsWriter:
             self._file.seek(8 + self._room)
         self._header: dict[str, Any] = {}
         self._offset = 0
-        self._body = BackgroundDigest()
+        self._body = BackgroundDigest() if checksum else None
         #: after finish(): the file's checksum as a manifest records it (see the Note)
         self.checksum: dict[str, Any] = {}
 
@@ -275,7 +275,8 @@ class SafetensorsWriter:
                               "data_offsets": [self._offset, self._offset + nbytes]}
         if nbytes:
             raw = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-            self._body.update(raw)  # ``tensor`` is kept alive by the view until the digest is taken
+            if self._body is not None:
+                self._body.update(raw)  # ``tensor`` is kept alive by the view until the digest is taken
             if self._direct is not None:
                 self._direct.append(raw)
             else:
@@ -288,7 +289,7 @@ class SafetensorsWriter:
         """Write the header, make the file durable and give it its name; returns its size in bytes."""
         raw = _header_json(self._header)
         size = 8 + self._room + self._offset
-        body = self._body.hexdigest()
+        body = self._body.hexdigest() if self._body is not None else None
         if self._direct is not None:
             if len(raw) <= self._room:
                 head = struct.pack("<Q", self._room) + raw + b" " * (self._room - len(raw))
@@ -313,13 +314,16 @@ class SafetensorsWriter:
         os.replace(self._tmp, self.path)
         return 8 + self._room + self._offset
 
-    def _record(self, head: bytes, body: str) -> None:
+    def _record(self, head: bytes, body: Optional[str]) -> None:
+        if body is None:
+            return
         self.checksum = {"sha256_parts": {"split": len(head), "head": hashlib.sha256(head).hexdigest(),
                                           "body": body}}
 
     def abort(self) -> None:
         """Close and remove the unfinished file."""
-        self._body.close()
+        if self._body is not None:
+            self._body.close()
         if self._direct is not None:
             self._direct.discard()
         if self._file is not None:

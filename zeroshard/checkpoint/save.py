@@ -183,7 +183,7 @@ def capture(parts: CheckpointParts, save_dir: str | Path, tag: str, client_state
 
 
 def _write_file(path: Path, tensors: Iterable[tuple[str, torch.Tensor]], writing: FileWriting) -> dict[str, Any]:
-    writer = SafetensorsWriter(path, header_room=_HEADER_ROOM, io_chunk=writing.io_chunk, direct=writing.direct)
+    writer = SafetensorsWriter(path, header_room=_HEADER_ROOM, writing=writing, checksum=True)
     try:
         for name, tensor in tensors:
             writer.add(name, tensor)
