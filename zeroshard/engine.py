@@ -47,7 +47,7 @@ from .offload.policy import OffloadPolicies
 from .sharding.storage import HOMES, InitialValues
 from .precision import LossScaler, PrecisionPolicy
 from .counters import TrainingCounters
-from .checkpoint.background import BackgroundSaves
+from .checkpoint.background import BackgroundSaves, wait_for_copies
 from .sharding import STRATEGIES
 from .compat.engine_api import DeepSpeedEngineAPI
 from .engine_checkpoints import EngineCheckpoints
@@ -339,6 +339,7 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
             self._log_progress()
 
     def _optimizer_step(self) -> None:
+        wait_for_copies()  # an asynchronous save copies what this step changes (see [Note: asynchronous saves])
         self._raise_swap_failures()  # a parameter shard that could not be read: stop before updating
         grads = [self.strategy.owned_grad(b) for b in self.strategy.layout.buckets]  # on the device
         shard_comm = self.strategy.comm  # the shard group: replicas (MiCS) hold the same averaged shard

@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # only for the attribute types below; the engine imports this
     from .distributed.collectives import Collectives
     from .distributed.consistency import ConsistencyCheck
     from .distributed.world import World
+    from .offload.policy import OffloadPolicies
     from .optim.updater import ShardUpdater
     from .precision import LossScaler, PrecisionPolicy
     from .sharding import ShardingStrategy
@@ -48,6 +49,7 @@ class EngineCheckpoints:
     world: "World"
     comm: "Collectives"
     saves: BackgroundSaves
+    offload: "OffloadPolicies"
     strategy: "ShardingStrategy"
     updater: "ShardUpdater"
     optimizer: torch.optim.Optimizer
@@ -88,7 +90,9 @@ class EngineCheckpoints:
                           f"{tag_name} ({'in the background' if background else 'synchronously'})")
         request = capture(self.checkpoint_parts(), save_dir, tag_name, client_state, save_latest,
                           node_local=self.config.checkpoint.use_node_local_storage, exclude_frozen=exclude_frozen,
-                          buffers=self.saves.buffers if background else None, writing=FileWriting(writer.io_buffer_size, direct=writer.type == "fast"))
+                          buffers=self.saves.buffers if background else None,
+                          writing=FileWriting(writer.io_buffer_size, direct=writer.type == "fast"),
+                          copy_later=not self.offload.uses_nvme)  # swap files: read by one thread at a time
         if background:
             self.saves.submit(request, then)
             return request.final

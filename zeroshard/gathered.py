@@ -25,6 +25,7 @@ from torch import nn
 
 from .distributed.collectives import Collectives
 from .distributed.world import init_distributed
+from .checkpoint.background import wait_for_copies
 from .init_context import InitShardedParameter
 from .sharding.storage import HOMES, ParameterStorage
 
@@ -57,6 +58,8 @@ class GatheredParameters:
         self._plain = [p for p in self.params if _home(p) is None and not isinstance(p, InitShardedParameter)]
 
     def __enter__(self) -> "GatheredParameters":
+        if self.enabled and self.modifier_rank is not None:
+            wait_for_copies()  # the block may write parameters an asynchronous save is copying
         if self.enabled:
             for storage, index in self._buckets:
                 storage.pin(index, f"gathered_parameters{index}")

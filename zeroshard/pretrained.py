@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 import torch
 from torch import nn
 
+from .checkpoint.background import wait_for_copies
 from .init_context import InitShardedParameter
 from .sharding.storage import HOMES
 
@@ -183,6 +184,7 @@ def _unique(tensors: Any) -> list[torch.Tensor]:
 
 
 def _into_engine(engine: "Engine", index: SafetensorsIndex) -> None:
+    wait_for_copies()  # see [Note: asynchronous saves]
     module = engine.module
     storage = engine.flat
     # each stored parameter (by its slot name) -> the name it has in the file, all checked first

@@ -4,6 +4,7 @@ silent; the next save, a load and ``close()`` wait for the one in flight."""
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -46,14 +47,30 @@ def held_writer():
     return release, original
 
 
+def late_copy():
+    """Patch the copy into the staging buffers so that it starts only after ``save_checkpoint`` has
+    returned and the next step is under way (a copy slower than the next forward and backward)."""
+    returned, original = threading.Event(), saving.StagingBuffers.stage
+
+    def late(self, tensors):
+        assert returned.wait(30), "the copy ran before save_checkpoint returned"
+        time.sleep(0.3)  # the next step's forward and backward take less on this tiny model
+        return original(self, tensors)
+
+    saving.StagingBuffers.stage = late
+    return returned, original
+
+
 def same_state_worker(rank: int, world: int, stage: int, directory: str) -> dict:
     engine = make_engine(stage)
     torch.manual_seed(rank)
     step(engine, 1)
     engine.save_checkpoint(directory, tag="sync", client_state={"at": 1})
     release, original = held_writer()
+    returned, original_stage = late_copy()
     client = {"at": 1}
     path = engine.save_checkpoint(directory, tag="async", client_state=client, async_save=True)
+    returned.set()  # the copy starts now: the step below must wait for it before updating
     client["at"] = 99  # the script changes its state: the save has its own copy
     for seed in (2, 3):  # training goes on, changing every parameter and moment, while the save waits
         step(engine, seed)
@@ -61,7 +78,7 @@ def same_state_worker(rank: int, world: int, stage: int, directory: str) -> dict
     published_early = (Path(directory) / "async").exists()
     release.set()
     done = engine.wait_for_checkpoint()
-    saving._write_file = original
+    saving._write_file, saving.StagingBuffers.stage = original, original_stage
     return {"pending": str(pending), "published_early": published_early, "done": str(done), "path": str(path),
             "latest": (Path(directory) / "latest").read_text()}
 
@@ -130,6 +147,21 @@ def failing_worker(rank: int, world: int, directory: str) -> list:
     except CheckpointError as err:
         errors.append(str(err))
     saving._write_file = original
+    original_stage = saving.StagingBuffers.stage
+
+    def no_memory(self, tensors):
+        if rank == 1:
+            raise RuntimeError("out of memory (injected)")
+        return original_stage(self, tensors)
+
+    saving.StagingBuffers.stage = no_memory
+    engine.save_checkpoint(directory, tag="uncopied", async_save=True)
+    step(engine, 4)  # does not wait forever for a copy that failed
+    try:
+        engine.wait_for_checkpoint()
+    except CheckpointError as err:
+        errors.append(str(err))
+    saving.StagingBuffers.stage = original_stage
     engine.save_checkpoint(directory, tag="again", async_save=True)  # the engine saves again after a failure
     engine.close()
     return errors
@@ -138,10 +170,12 @@ def failing_worker(rank: int, world: int, directory: str) -> list:
 def test_a_failed_background_save_raises_on_every_rank_and_publishes_nothing(tmp_path: Path) -> None:
     errors = run_world(failing_worker, 2, args=(str(tmp_path),))
     for rank_errors in errors:
-        assert len(rank_errors) == 1
+        assert len(rank_errors) == 2
         assert "rank 1 could not write its files" in rank_errors[0] and "No space left on device" in rank_errors[0]
         assert "'bad'" in rank_errors[0]
-    assert not (tmp_path / "bad").exists() and (tmp_path / "good" / "manifest.json").is_file()
+        assert "rank 1 could not write its files (its state could not be copied (RuntimeError: out of memory " \
+               "(injected)))" in rank_errors[1] and "'uncopied'" in rank_errors[1]
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "uncopied").exists() and (tmp_path / "good" / "manifest.json").is_file()
     assert (tmp_path / "latest").read_text() == "again"
 
 

@@ -1,22 +1,32 @@
-"""Asynchronous checkpoint saves: the files are written and published on a background thread.
+"""Asynchronous checkpoint saves: the state is copied, then written and published, on a background thread.
 
 [Note: asynchronous saves]
 ``save_checkpoint(..., async_save=True)`` (or ``checkpoint.writer.decoupled``) splits a save in two.
-On the training thread, every rank copies its state into host memory (its chunks, optimizer state and
-RNG; the leader's frozen parameters and buffers; rank 0's manifest values), exactly as a synchronous
-save would read them, and returns.  A background thread then writes the files and publishes the
-checkpoint by the same rules as a synchronous save ([Note: a save that is interrupted loses nothing]):
-staging directory, checksums, manifest, atomic rename, ``latest`` last.  A crash at any instant
-therefore leaves the last *published* checkpoint loadable; the one in flight is simply not there.
+On the training thread, every rank takes what training changes before its next optimizer step (its
+RNG state; the leader's frozen parameters and buffers, which stage 3 gathers with collectives; rank
+0's manifest values) and returns.  A background thread then copies the rank's chunks and optimizer
+state into host staging buffers (:class:`~zeroshard.checkpoint.save.StagingBuffers`), exactly as a
+synchronous save would read them, writes the files and publishes the checkpoint by the same rules as
+a synchronous save ([Note: a save that is interrupted loses nothing]): staging directory, checksums,
+manifest, atomic rename, ``latest`` last.  A crash at any instant therefore leaves the last
+*published* checkpoint loadable; the one in flight is simply not there.
+
+The copy runs while the next forward and backward do (they only read what it copies), and whatever
+writes that state first waits for it (:func:`wait_for_copies`): the engine's optimizer step,
+``load_checkpoint``, ``load_state_dict``, ``load_pretrained``, ``GatheredParameters(modifier_rank=...)``,
+the next save and ``close()``.  As with torch.distributed.checkpoint's ``async_save``, a script that
+writes parameters by hand between a save and the next step must call ``engine.wait_for_checkpoint()``
+first.  Under NVMe offload the copy is taken on the training thread (the swap files are read by one
+thread at a time).
 
 The ranks agree on the outcome with collectives of their own, over a gloo group that only this
 thread uses (created once, at the first asynchronous save, when every rank is in ``save_checkpoint``),
 so they never interleave with the training collectives on the engine's groups, and their bytes are
 not counted as ZeRO traffic.  At most one save is in flight: the next save, a load and
 ``engine.close()`` first wait for it (``engine.wait_for_checkpoint()`` does so explicitly), and raise
-its error, on every rank, if it failed.  At interpreter exit a pending save is finished before the
-process groups go.  The copy costs host memory equal to the rank's checkpoint bytes while the save is
-in flight.
+its error, on every rank, if it failed (a copy that failed is reported by the same collectives).  At
+interpreter exit a pending save is finished before the process groups go.  The staging buffers cost
+host memory equal to the rank's checkpoint bytes, kept for the next save until ``close()``.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -38,6 +49,16 @@ from .format import CheckpointError
 from .save import SaveRequest, StagingBuffers, write
 
 logger = logging.getLogger(__name__)
+
+#: the copies of asynchronous saves in this process, set once the state is copied (see the Note)
+_COPIES: "weakref.WeakSet[threading.Event]" = weakref.WeakSet()
+
+
+def wait_for_copies() -> None:
+    """Block until every asynchronous save in flight has copied the state it saves; call it before
+    writing parameters or optimizer state (see [Note: asynchronous saves])."""
+    for copied in list(_COPIES):
+        copied.wait()
 
 
 def _lower_priority() -> None:
@@ -87,17 +108,27 @@ class BackgroundSaves:
         return self._comm
 
     def submit(self, request: SaveRequest, then: Optional[Callable[[], None]] = None) -> None:
-        """Write and publish ``request`` in the background, then call ``then`` (pruning)."""
+        """Copy (unless captured already), write and publish ``request`` in the background, then call
+        ``then`` (pruning)."""
         if self._thread is not None:
             raise RuntimeError("an asynchronous save is already in flight; wait() for it first")
         comm = self._collectives()
 
         started = time.perf_counter()
+        copied = threading.Event()
+        _COPIES.add(copied)
 
         def run() -> None:
+            copy_failed: Optional[Exception] = None
+            try:  # at normal priority: the next optimizer step waits for this copy
+                request.stage()
+            except Exception as err:  # noqa: BLE001 - reported to every rank by write()
+                copy_failed = err
+            finally:
+                copied.set()
             _lower_priority()
             try:
-                write(request, comm)
+                write(request, comm, copy_failed)
                 self.last_save_s = time.perf_counter() - started
                 if then is not None:
                     then()

@@ -9,6 +9,7 @@ then replace ``latest`` atomically.  A process killed at any point leaves the pr
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -64,18 +65,21 @@ class StagingBuffers:
     def release(self) -> None:
         self._buffers.clear()
 
+    def stage(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """Copy every tensor of ``tensors`` into these buffers (the copies, in order)."""
+        return [(name, self.copy(name, tensor)) for name, tensor in tensors]
 
-def rank_tensors(parts: CheckpointParts, staging: Optional[StagingBuffers]) -> Iterator[tuple[str, torch.Tensor]]:
-    """What this rank writes, one bucket at a time: its RNG state, then per bucket its chunk (fp32
-    masters when there are any), its optimizer state (read back from host memory or NVMe where
-    offloaded) and scalar state.  With ``staging`` every tensor is a copy in its buffers, so that
-    training may go on once it is yielded; without, the engine's own tensors where they are
-    resident (a synchronous save writes each before training resumes)."""
-    if staging is not None:
-        for name, tensor in rank_tensors(parts, None):
-            yield name, staging.copy(name, tensor)
-        return
-    yield from parts.rng.state_dict().items()
+
+def rank_tensors(parts: CheckpointParts) -> Iterator[tuple[str, torch.Tensor]]:
+    """What this rank writes: its RNG state, copied now (every forward with dropout changes it), then,
+    one bucket at a time as the result is iterated, its chunk (fp32 masters when there are any), its
+    optimizer state (read back from host memory or NVMe where offloaded) and scalar state: the
+    engine's own tensors where they are resident, which only the next optimizer step changes."""
+    rng = [(name, tensor.clone()) for name, tensor in parts.rng.state_dict().items()]
+    return itertools.chain(rng, _bucket_tensors(parts))
+
+
+def _bucket_tensors(parts: CheckpointParts) -> Iterator[tuple[str, torch.Tensor]]:
     shards = parts.shards
     for bucket, (_, chunks) in zip(shards.layout.buckets, shards.chunk_layout()):
         if shards.rank >= chunks or not shards.writes_chunks:
@@ -128,7 +132,8 @@ class SaveRequest:
 
     Captured on the training thread (:func:`capture`); written by :func:`write`, on the same thread
     (a synchronous save, reading the rank's buckets one at a time as it writes) or on a background
-    thread (``async_save``: the rank's tensors were copied first, see [Note: asynchronous saves]).
+    thread (``async_save``, see [Note: asynchronous saves]): then ``stage_into`` holds the buffers the
+    background thread first copies the rank's tensors into, unless :func:`capture` copied them already.
     """
 
     root: Path
@@ -141,6 +146,7 @@ class SaveRequest:
     extra: dict[str, torch.Tensor]
     manifest: Optional[dict[str, Any]]  # rank 0: everything but the file list
     writing: FileWriting = FileWriting()
+    stage_into: Optional[StagingBuffers] = None
 
     @property
     def staging(self) -> Path:
@@ -150,14 +156,21 @@ class SaveRequest:
     def final(self) -> Path:
         return self.root / self.tag
 
+    def stage(self) -> None:
+        """Copy the rank's tensors into ``stage_into`` (on the background thread, before writing)."""
+        if self.stage_into is not None:
+            self.tensors, self.stage_into = self.stage_into.stage(self.tensors), None
+
 
 def capture(parts: CheckpointParts, save_dir: str | Path, tag: str, client_state: Any = None,
             save_latest: bool = True, node_local: bool = False, exclude_frozen: bool = False,
-            buffers: Optional[StagingBuffers] = None, writing: FileWriting = FileWriting()) -> SaveRequest:
+            buffers: Optional[StagingBuffers] = None, writing: FileWriting = FileWriting(),
+            copy_later: bool = False) -> SaveRequest:
     """Prepare a save of ``parts`` (every rank calls it): the leader clears the staging directory, stage
-    3 gathers the frozen parameters, rank 0 takes the manifest's values.  With ``buffers`` the rank's
-    tensors are read now (copies into them, so that training can change the originals); otherwise
-    they are read bucket by bucket while :func:`write` writes them."""
+    3 gathers the frozen parameters, rank 0 takes the manifest's values, the RNG state is copied.
+    With ``buffers`` the rank's tensors are copied into them, now or, with ``copy_later``, by
+    :meth:`SaveRequest.stage` before anything changes them; otherwise they are read bucket by bucket
+    while :func:`write` writes them."""
     root = Path(save_dir)
     rank = parts.world.rank
     leader = parts.world.local_rank == 0 if node_local else rank == 0
@@ -177,9 +190,11 @@ def capture(parts: CheckpointParts, save_dir: str | Path, tag: str, client_state
         if node_local:
             manifest["storage"] = {"node_local": True,
                                    "ranks_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", parts.world.world_size))}
-    tensors = rank_tensors(parts, buffers)
-    return SaveRequest(root, tag, rank, leader, node_local, save_latest, list(tensors) if buffers is not None else tensors,
-                       extra, manifest, writing)
+    request = SaveRequest(root, tag, rank, leader, node_local, save_latest, rank_tensors(parts), extra, manifest,
+                          writing, stage_into=buffers)
+    if not copy_later:
+        request.stage()
+    return request
 
 
 def _write_file(path: Path, tensors: Iterable[tuple[str, torch.Tensor]], writing: FileWriting) -> dict[str, Any]:
@@ -194,23 +209,32 @@ def _write_file(path: Path, tensors: Iterable[tuple[str, torch.Tensor]], writing
     return {"bytes": size, **writer.checksum}
 
 
-def write(request: SaveRequest, comm: Collectives) -> Path:
+def _describe(err: Exception, where: Path) -> str:
+    if isinstance(err, OSError):
+        return f"{err.filename or where}: {err.strerror or err}"
+    return f"{type(err).__name__}: {err}"
+
+
+def write(request: SaveRequest, comm: Collectives, copy_failed: Optional[Exception] = None) -> Path:
     """Write ``request``'s files, then publish the checkpoint (every rank calls it, over ``comm``).
 
     Every rank reports its files, or what went wrong, to every other; the checkpoint is published
     only if every rank wrote its part, and every rank raises otherwise (the error names the rank and
-    the file).  Returns the published directory.
+    the file).  ``copy_failed``: the copy of this rank's state into its staging buffers failed, so it
+    writes nothing and reports that (the other ranks are in the same collectives and must hear of
+    it).  Returns the published directory.
     """
     staging = request.staging
     files: dict[str, Any] = {}
-    problem = None
+    problem = None if copy_failed is None else f"its state could not be copied ({_describe(copy_failed, staging)})"
     try:
-        files[rank_file(request.rank)] = _write_file(staging / rank_file(request.rank), request.tensors,
-                                                     request.writing)
-        if request.leader and request.extra:
-            files[EXTRA_FILE] = _write_file(staging / EXTRA_FILE, request.extra.items(), request.writing)
-    except OSError as err:
-        problem = f"{err.filename or staging}: {err.strerror or err}"
+        if problem is None:
+            files[rank_file(request.rank)] = _write_file(staging / rank_file(request.rank), request.tensors,
+                                                         request.writing)
+            if request.leader and request.extra:
+                files[EXTRA_FILE] = _write_file(staging / EXTRA_FILE, request.extra.items(), request.writing)
+    except Exception as err:  # noqa: BLE001 - every rank must hear of it, or the others wait forever
+        problem = _describe(err, staging)
     reports = comm.all_gather_json({"files": files, "problem": problem}, "checkpoint_files")
     _raise_if_any(request, [r["problem"] for r in reports], "could not write its files")
     files = _all_files([r["files"] for r in reports])  # every rank: a problem raises everywhere
@@ -226,7 +250,7 @@ def write(request: SaveRequest, comm: Collectives) -> Path:
             write_json_atomic(staging / MANIFEST, manifest)
             _publish(request.root, staging, request.tag, request.save_latest)
         except OSError as err:
-            problem = f"{err.filename or staging}: {err.strerror or err}"
+            problem = _describe(err, staging)
     _raise_if_any(request, comm.all_gather_json(problem, "checkpoint_done"), "could not publish it")
     return request.final
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 from torch import nn
 
+from ..checkpoint.background import wait_for_copies
 from ..gathered import GatheredParameters
 from .refused import refuse
 
@@ -120,6 +121,7 @@ class DeepSpeedEngineAPI:
         At stage 3 the parameters are gathered for the load and rank 0's values written into every
         rank's shard (peak: the whole model gathered once).
         """
+        wait_for_copies()  # see [Note: asynchronous saves]
         if self.stage < 3:
             return self.module.load_state_dict(state_dict, strict=strict)
         with GatheredParameters(list(self.module.parameters()), modifier_rank=0):
