@@ -358,7 +358,10 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
         clip = clip_coefficient(self._grad_norm, self.config.gradient_clipping)
         # fp32: the gradient buffers, clipped in place; masters: fp32 copies (on the host under
         # offload), unscaled and clipped by the factor
-        self._step_and_refresh(*self.updater.prepare_step(grads, clip, scale))
+        prepared, factor = self.updater.prepare_step(grads, clip, scale)
+        step_grads: list[Optional[torch.Tensor]] = list(prepared)
+        del grads, prepared  # each bucket's gradients go once it is stepped (see [Note: gradients live
+        self._step_and_refresh(step_grads, factor)  # from backward to the step] in sharding/strategy.py)
         self.strategy.zero_grad()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
@@ -390,7 +393,7 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
                  f"state and LR schedule unchanged ({self._consecutive_skips} in a row, {self.skipped_steps} "
                  f"skipped so far)", level=logging.WARNING)
 
-    def _step_and_refresh(self, grads: list[torch.Tensor], factor: float) -> None:
+    def _step_and_refresh(self, grads: list[Optional[torch.Tensor]], factor: float) -> None:
         """Update the owned chunks bucket by bucket, gathering each one while the next is updated.
 
         [Note: stepping bucket by bucket]
@@ -408,7 +411,12 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
         order = list(reversed(self.strategy.layout.buckets))
         self.updater.begin_step(order)
         for bucket in order:
-            self.updater.step_bucket(bucket, grads[bucket.index], factor)
+            grad = grads[bucket.index]
+            assert grad is not None
+            grads[bucket.index] = None
+            self.updater.step_bucket(bucket, grad, factor)
+            del grad
+            self.strategy.release_grad(bucket)  # its memory goes now, while the gathers run
             self.strategy.refresh_bucket(bucket)
         self.updater.end_step()
         self.strategy.end_refresh()  # stages 1-2: may run on into the next forward

@@ -26,14 +26,9 @@ class Stage2(ShardingStrategy):
     accumulation this communicates K times per optimizer step where stage 1 communicates once: the
     price of holding 4Ψ/N instead of 4Ψ of gradients, as in DeepSpeed.
 
-    [Note: gradient chunks live from backward to the step]
-    Each bucket's averaged chunk is a tensor of its own, created when the bucket's first reduction of
-    a step completes and dropped by ``zero_grad()`` after the optimizer step.  The forward, where
-    activations peak, therefore holds no gradient memory at all, and backward grows the chunks one
-    bucket at a time while it frees the activations of the layers behind it, instead of one 4Ψ/N
-    shard held for the whole run (174 MiB per rank for a 91M model at world 2).  ``grad_bytes()``
-    still reports the 4Ψ/N the chunks take from the end of backward to the step: the ZeRO formula's
-    gradient term is that peak, not the time between steps.
+    Each bucket's averaged chunk is born from its first reduction of a step (see [Note: gradients
+    live from backward to the step] in strategy.py): 174 MiB per rank for a 91M model at world 2 that
+    the forward no longer holds.
     """
 
     stage = 2
@@ -70,7 +65,7 @@ class Stage2(ShardingStrategy):
         received = full[start:end]  # the reduction was in place (see reduce_to_owner)
         self.precision.after_reduction(received, self.data_parallel_size)
         held = self._grad_chunks.get(bucket.index)
-        if held is None:  # the first reduction since zero_grad: the chunk is born (see the Note)
+        if held is None:  # the first reduction since zero_grad: the chunk is born
             self._grad_chunks[bucket.index] = received.to(self.precision.grad_accum, copy=True)
         else:
             held.add_(received)
@@ -90,11 +85,13 @@ class Stage2(ShardingStrategy):
                 bucket.shard_numel, dtype=self.precision.grad_accum, device=self.flat.device)
         return held
 
+    def release_grad(self, bucket: BucketLayout) -> None:
+        self._grad_chunks.pop(bucket.index, None)
+
     def zero_grad(self) -> None:
         self._grad_chunks.clear()
 
     def held_grad_bytes(self) -> int:
-        """Bytes the gradient chunks hold right now (0 between a step and the next backward)."""
         return sum(chunk.untyped_storage().nbytes() for chunk in self._grad_chunks.values())
 
     def grad_bytes(self) -> tuple[int, int]:

@@ -274,7 +274,27 @@ class ShardingStrategy(ABC):
 
     @abstractmethod
     def zero_grad(self) -> None:
-        """Forget accumulated gradients (after the optimizer step)."""
+        """Forget accumulated gradients (after the optimizer step), giving their memory back.
+
+        [Note: gradients live from backward to the step]
+        Every stage keeps each bucket's gradients (stages 0-1: the full bucket; stages 2-3: this rank's
+        averaged chunk) in a tensor of its own, created when the bucket's first gradient of a step
+        arrives and dropped as soon as the optimizer has stepped that bucket (:meth:`release_grad`),
+        or by ``zero_grad()``.  The forward, where activations peak, therefore holds no gradient
+        memory; backward grows it one bucket at a time while it frees the activations behind it; and
+        the step shrinks it while the parameter gathers run, instead of one buffer of 4Ψ (4Ψ/N)
+        held for the whole run, as FSDP2's ``zero_grad()`` frees its gradients.  ``grad_bytes()``
+        still reports the ZeRO formula's gradient term: what is held from the end of backward to the
+        step.
+        """
+
+    @abstractmethod
+    def release_grad(self, bucket: BucketLayout) -> None:
+        """The optimizer has stepped ``bucket``: drop its gradients (see the Note above)."""
+
+    @abstractmethod
+    def held_grad_bytes(self) -> int:
+        """Bytes the gradient buffers hold right now (0 between a step and the next backward)."""
 
     def owned_param(self, bucket: BucketLayout) -> torch.Tensor:
         """The part of the flat buffer this rank's optimizer updates, for ``bucket``."""
