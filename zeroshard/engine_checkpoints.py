@@ -74,9 +74,9 @@ class EngineCheckpoints:
         ``tag`` may be of any type (DeepSpeed scripts pass step numbers): it names a directory by
         ``str(tag)``.  ``exclude_frozen_parameters`` leaves frozen parameters out (a LoRA job's base
         model, which the job loads from its pretrained weights anyway); a load then keeps the model's
-        current frozen values.  ``async_save`` (default: ``checkpoint.writer.decoupled``): copy the state
-        and return at once; the checkpoint is written and published in the background (see [Note:
-        asynchronous saves] in checkpoint/background.py).
+        current frozen values.  ``async_save`` (default: ``checkpoint.writer.decoupled``): return at once;
+        the state is copied (the next optimizer step waits for that), written and published in the
+        background (see [Note: asynchronous saves] in checkpoint/background.py).
         """
         return self._save(save_dir, tag, client_state, save_latest, exclude_frozen_parameters, async_save)
 
