@@ -83,10 +83,12 @@ def test_memory_breakdown_matches_the_zero_formulas(stage: int, n: int) -> None:
         mb, own = r["mb"], r["real_in_shard"]
         assert mb["params"] == 4 * psi
         assert mb["grads"] == 4 * (own if stage == 2 else psi)
-        # what the formula counts is held from the end of backward to the step, no longer
         held = r["held"]
-        assert held["after_step"] == held["after_next_step"] == 0
-        assert held["after_backward"] == 4 * r["padded"] // (n if stage == 2 else 1) >= mb["grads"]  # padding too
+        if stage == 2:  # what the formula counts is held from the end of backward to the step, no longer
+            assert held["after_step"] == held["after_next_step"] == 0
+            assert held["after_backward"] == 4 * r["padded"] // n >= mb["grads"]  # padding included
+        else:  # stages 0-1 keep their full-size buffer (see [Note: gradients live from backward to the step])
+            assert held["after_step"] == held["after_backward"] == held["after_next_step"] == 4 * r["padded"]
         assert mb["optimizer"] == 8 * (psi if stage == 0 else own)
         assert mb["frozen_params"] == 4 * r["frozen"]
         assert mb["padding"] > 0 if n == 3 else mb["padding"] >= 0  # 61-token vocabulary: world 3 pads

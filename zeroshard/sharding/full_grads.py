@@ -20,17 +20,16 @@ class FullGradientStrategy(ShardingStrategy):
     """Gradients accumulate, across micro steps, into full-size buckets shaped like the flat parameters.
 
     Communication happens only at the accumulation boundary (``sync_gradients``), so accumulating
-    over K micro steps costs one reduction, exactly like ``DistributedDataParallel.no_sync``.  A
-    bucket's gradient buffer is created (zeroed) when its first gradient of a step arrives and dropped
-    once the optimizer has stepped it (see [Note: gradients live from backward to the step] in
-    strategy.py).
+    over K micro steps costs one reduction, exactly like ``DistributedDataParallel.no_sync``.  The
+    buffer is kept from step to step (zeroed, not freed: see [Note: gradients live from backward to
+    the step] in strategy.py for why stages 0-1 differ from 2-3 here).
     """
 
     def __init__(self, flat: ParameterStorage, params: Sequence[nn.Parameter], groups: ShardGroups,
                  zero: ZeroConfig, precision: PrecisionPolicy = PrecisionPolicy()) -> None:
         super().__init__(flat, params, groups, zero, precision)
-        #: bucket index -> its gradients (1D, padded like the parameters, in the accumulation dtype)
-        self._grad_buckets: dict[int, torch.Tensor] = {}
+        # 1D, padded, same layout as the parameters, in the accumulation dtype
+        self.grads = torch.zeros(self.layout.padded_numel, dtype=self.precision.grad_accum, device=self.flat.device)
         largest = max(b.padded_numel for b in self.layout.buckets)
         #: buckets converted to the communication dtype while in flight (only when it differs)
         self.cast_pool = BufferPool(largest, self.precision.comm, self.flat.device)
@@ -55,24 +54,21 @@ class FullGradientStrategy(ShardingStrategy):
         return self.cast_pool.nbytes + super().comm_buffer_bytes()
 
     def store_grad(self, bucket: BucketLayout, offset: int, grad: torch.Tensor) -> None:
-        self.grad_bucket(bucket)[offset: offset + grad.numel()].add_(grad)
+        start = bucket.offset + offset
+        self.grads[start: start + grad.numel()].add_(grad)
 
     def grad_bucket(self, bucket: BucketLayout) -> torch.Tensor:
-        held = self._grad_buckets.get(bucket.index)
-        if held is None:
-            held = self._grad_buckets[bucket.index] = torch.zeros(
-                bucket.padded_numel, dtype=self.precision.grad_accum, device=self.flat.device)
-        return held
+        return self.grads[bucket.offset: bucket.offset + bucket.padded_numel]
 
     def release_grad(self, bucket: BucketLayout) -> None:
-        self._grad_buckets.pop(bucket.index, None)
+        """Kept: zeroed by :meth:`zero_grad` after the step."""
 
     def zero_grad(self) -> None:
-        self._grad_buckets.clear()
+        self.grads.zero_()
 
     def held_grad_bytes(self) -> int:
-        return sum(t.untyped_storage().nbytes() for t in self._grad_buckets.values())
+        return self.grads.untyped_storage().nbytes()
 
     def grad_bytes(self) -> tuple[int, int]:
-        size = torch.empty(0, dtype=self.precision.grad_accum).element_size()
+        size = self.grads.element_size()
         return self.layout.numel * size, (self.layout.padded_numel - self.layout.numel) * size
