@@ -132,8 +132,8 @@ def failing_worker(rank: int, world: int, directory: str) -> list:
     engine.save_checkpoint(directory, tag="good", async_save=True)
     original = saving._write_file
 
-    def full_disk(path, tensors, writing):
-        if rank == 1:
+    def full_disk(path, tensors, writing):  # only for "bad": "good" may still be being written now
+        if rank == 1 and ".bad.incomplete" in str(path):
             raise OSError(28, "No space left on device", str(path))
         return original(path, tensors, writing)
 
