@@ -56,9 +56,11 @@ SIZES: dict[str, dict[str, int]] = {
 }
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 #: ``zeroshard_<s>_release``: with zeroshard's explicit ``host_memory_release`` setting (glibc's thresholds
-#: fixed at 1 MiB from initialize() on; see zeroshard/memory/host_allocator.py); ``zeroshard_<s>_overlap``
+#: fixed at 1 MiB from initialize() on; see zeroshard/memory/host_allocator.py); ``zeroshard_<s>_trim``: with
+#: ``host_memory_trim`` (malloc_trim(0) after every step, glibc's settings untouched); ``zeroshard_<s>_overlap``
 #: (stages 1-2, by --only): ``overlap_param_gather`` on
 IMPLEMENTATIONS = ["ddp", "fsdp2", *(f"zeroshard_{s}" for s in range(4)), *(f"zeroshard_{s}_release" for s in range(1, 4)),
+                   *(f"zeroshard_{s}_trim" for s in range(1, 4)),
                    *((f"deepspeed_{s}" for s in range(1, 4)) if HAVE_DEEPSPEED else ())]
 #: DeepSpeed's documented zero_optimization defaults (https://www.deepspeed.ai/docs/config-json/)
 DEEPSPEED_DEFAULTS: dict[str, int] = {
@@ -147,7 +149,8 @@ def build_engine(impl: str, model: GPT, micro: int, bf16: bool) -> tuple[Step, C
     config: dict[str, Any] = {"train_micro_batch_size_per_gpu": micro, "steps_per_print": 10**9,
                               "zero_optimization": {"stage": stage, **DEEPSPEED_DEFAULTS},
                               **({"bf16": {"enabled": True}} if bf16 else {}),
-                              **({"host_memory_release": True} if impl.endswith("_release") else {})}
+                              **({"host_memory_release": True} if impl.endswith("_release") else {}),
+                              **({"host_memory_trim": True} if impl.endswith("_trim") else {})}
     if impl.endswith("_overlap"):  # stages 1-2: the post-step gather runs into the next forward
         config["zero_optimization"]["overlap_param_gather"] = True
     if impl.startswith("zeroshard"):

@@ -37,7 +37,7 @@ from .init_context import adopt_init_params, has_init_params
 from .logging import log_rank
 from .metrics import MetricsWriter, PhaseTimers, device_peak_bytes, host_peak_bytes
 from .memory import model_state_bytes
-from .memory.host_allocator import release_freed_memory
+from .memory.host_allocator import HostMemoryPolicy
 from .optim import build_scheduler, clip_coefficient, from_config, from_user, global_grad_norm
 from .param_groups import collect_trainable
 from .offload import OffloadIOError
@@ -114,9 +114,7 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
         self.module = model.to(world.device)
         self.counters = TrainingCounters()
         self.config = config
-        if config.host_memory_release and not release_freed_memory():
-            log_rank("host_memory_release: the C library has no mallopt (not glibc); the allocator is unchanged",
-                     level=logging.WARNING)
+        self.host_memory = HostMemoryPolicy(config.host_memory_release, config.host_memory_trim).apply()
         self.topology = Topology.discover(world)
         self.world = world = dataclasses.replace(world, spans_nodes=self.topology.spans_nodes(range(world.world_size)))
         self.comm = Collectives(world)
@@ -330,6 +328,7 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
             self._optimizer_step()
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
+            self.host_memory.after_step()  # the step's activations and gradients are freed by now
         self.micro_steps += 1
         self._timers.add("step", started)
         if boundary:

@@ -88,8 +88,11 @@ def lora_worker(rank: int, world: int, directory: str) -> dict:
     named = dict(engine.module.named_parameters())
     # between steps no rank holds a frozen bucket (or any of its parameters) whole
     held = {s.name: storage.params[s.index].untyped_storage().nbytes() for b in frozen_buckets for s in b.slots}
-    held.update({f"bucket{b.index}": storage.full[b.index].untyped_storage().nbytes() for b in frozen_buckets})
+    held.update({f"bucket{b.index}": storage.held_bytes(b.index) for b in frozen_buckets})  # measured
+    with zeroshard.GatheredParameters([p for p in storage.params if not p.requires_grad]):
+        held_gathered = sum(storage.held_bytes(b.index) for b in frozen_buckets)  # the measure sees them
     out = {"frozen_names": sorted(frozen_names), "held": held, "memory": engine.memory_breakdown(),
+           "held_gathered": held_gathered,
            "shard_frozen": sum(b.real_numel_in_shard(engine.strategy.world.rank) for b in frozen_buckets) * 4,
            "frozen_sharded_total": sum(b.numel for b in frozen_buckets) * 4,
            "frozen_padded_total": sum(b.padded_numel for b in frozen_buckets) * 4,
@@ -118,6 +121,7 @@ def test_stage3_shards_the_frozen_base_and_trains_lora_as_one_process(world: int
         # the base's large weights are sharded: no rank holds one whole between steps
         assert {n for n in result["frozen_names"]} >= {k for k in expected if ".base." in k and k.endswith("weight")}
         assert all(nbytes == 0 for nbytes in result["held"].values()), result["held"]
+        assert result["held_gathered"] > 0
         memory = result["memory"]
         assert memory["frozen_params"] == result["shard_frozen"] + result["whole_frozen"]
         assert result["shard_frozen"] <= result["frozen_padded_total"] // world  # 1/N of the frozen base

@@ -114,7 +114,7 @@ def held_storage(engine: Any) -> dict[str, int]:
                             if flat.store.view(b) is not None) * flat.store.device_shard.element_size(),
         "frozen_chunks": sum(c.numel() * c.element_size() for c in chunks if c is not None),
         # the gathered buffers and the parameters themselves hold nothing of it between steps
-        "frozen_gathered": sum(flat.full[b.index].untyped_storage().nbytes() for b in frozen),
+        "frozen_gathered": sum(flat.held_bytes(b.index) for b in frozen),  # resident pages, measured
         "frozen_params": params,
         "frozen_model_bytes": sum(b.numel for b in frozen) * flat.store.device_shard.element_size(),
         "frozen_buckets": len(frozen),

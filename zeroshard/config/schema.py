@@ -325,6 +325,10 @@ class ZeroshardConfig:
         False, "zeroshard: at initialize, fix glibc's mmap and trim thresholds at 1 MiB (mallopt), so that freed "
         "blocks of a MiB or more go back to the system at once and peak RSS follows live memory; process-wide, "
         "costs page faults (see benchmarks/RESULTS.md).")
+    host_memory_trim: bool = key(
+        False, "zeroshard: after every optimizer step, give the pages of the C heap's free blocks back to the "
+        "system (glibc's malloc_trim); glibc's settings stay as they are; the next step faults them in again "
+        "(see benchmarks/RESULTS.md).")
     max_consecutive_skips: int = key(
         10, "zeroshard: fp32/bf16 steps skipped in a row for non-finite gradients before training stops with "
             "an error naming the rank and parameter.", positive)

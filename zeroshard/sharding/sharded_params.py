@@ -4,10 +4,11 @@
 Autograd saves parameters for backward (a Linear saves its weight).  Dropping our reference to a
 gathered buffer would free nothing, and replacing ``param.data`` would leave autograd with a stale
 tensor.  Instead every parameter is, once and for all, a view into its bucket's full buffer, and
-releasing a bucket shrinks that buffer's *storage* to zero bytes (``untyped_storage().resize_(0)``):
-the memory really goes back to the allocator, every view (the parameter, autograd's saved copies)
-keeps its shape, and gathering again re-grows the same storage and all-gathers into it, so those
-views see the right values again.  A released parameter still reports its full ``.shape``; reading
+releasing a bucket gives its memory back while the *storage* object stays: in host memory on Linux
+its pages are dropped (``madvise``, see [Note: releasing a gathered unit's pages] in
+memory/page_release.py), elsewhere the storage shrinks to zero bytes (``untyped_storage().resize_(0)``)
+and gathering re-grows it.  Either way every view (the parameter, autograd's saved copies) keeps its
+shape, and gathering all-gathers into the same storage, so those views see the right values again.  A released parameter still reports its full ``.shape``; reading
 its values outside forward raises a clear error (see [Note: reading a sharded parameter outside
 forward] in placeholder.py).
 """
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from ..distributed.collectives import Collectives, PendingCollective
+from ..memory.page_release import can_release_pages, prefer_huge_pages, release_pages, resident_bytes
 from ..offload.policy import NoOffload, OffloadPolicy, SwapFailure
 from .flat_params import bucket_values
 from .layout import BucketLayout, FlatLayout
@@ -72,6 +74,9 @@ class ShardedParameters:
         self._secondary: dict[int, torch.Tensor] = {}  # allocated once, reused after every step
         self._secondary_valid: set[int] = set()
         self._primary_pending: set[int] = set()
+        #: host memory on Linux: a released buffer keeps its storage and drops its pages (see
+        #: [Note: releasing a gathered unit's pages] in memory/page_release.py); elsewhere it is freed
+        self._drops_pages = can_release_pages(torch.empty(0, device=self.device))
 
         with torch.no_grad():
             for bucket in layout.buckets:
@@ -88,6 +93,8 @@ class ShardedParameters:
                     HOMES.add(self._placeholders[slot.index], home)
                 start, end = bucket.shard_range(self.rank)
                 self.store.write(bucket, 0, full[start:end])
+                if self._drops_pages:
+                    prefer_huge_pages(full)
                 self.full.append(full)
                 self.state.append(GatherState.GATHERED)
                 if bucket.index not in persistent:
@@ -143,7 +150,9 @@ class ShardedParameters:
         if self.state[index] is GatherState.SHARDED:
             bucket = self.layout.buckets[index]
             full = self.full[index]
-            full.untyped_storage().resize_(bucket.padded_numel * full.element_size())
+            needed = bucket.padded_numel * full.element_size()
+            if full.untyped_storage().nbytes() < needed:  # freed (see the Note above), not only its pages
+                full.untyped_storage().resize_(needed)
             kept = self._secondary.get(index) if index in self._secondary_valid else None
             if kept is not None and self.secondary is not None:  # hpZ: gather inside the group
                 with torch.no_grad():
@@ -224,7 +233,10 @@ class ShardedParameters:
         if index in self.persistent or index in self._pins or self.state[index] is GatherState.SHARDED:
             return
         self.wait(index)
-        self.full[index].untyped_storage().resize_(0)
+        if self._drops_pages:
+            release_pages(self.full[index])
+        else:
+            self.full[index].untyped_storage().resize_(0)
         self._show(index, gathered=False)
         self.state[index] = GatherState.SHARDED
 
@@ -268,10 +280,17 @@ class ShardedParameters:
     def close(self) -> None:
         self.store.close()
 
+    def held_bytes(self, index: int) -> int:
+        """Memory bucket ``index``'s full buffer holds now, measured: its resident pages where releasing
+        drops pages (whole pages: the partial page at either end is not counted), else its storage."""
+        full = self.full[index]
+        return resident_bytes(full) if self._drops_pages else full.untyped_storage().nbytes()
+
     def gathered_bytes(self) -> int:
-        """Bytes of non-persistent full buffers currently present (0 between steps)."""
-        return sum(self.full[b.index].untyped_storage().nbytes() for b in self.layout.buckets
-                   if b.index not in self.persistent)
+        """Bytes of the non-persistent full buffers gathered (or being gathered) now: 0 between steps.
+        :meth:`held_bytes` measures what a buffer really holds."""
+        return sum(self.full[b.index].numel() * self.full[b.index].element_size() for b in self.layout.buckets
+                   if b.index not in self.persistent and self.state[b.index] is not GatherState.SHARDED)
 
     def persistent_bytes(self) -> int:
         size = self.store.device_shard.element_size()
