@@ -96,6 +96,6 @@ class Stage2(ShardingStrategy):
 
     def grad_bytes(self) -> tuple[int, int]:
         """The chunks' bytes from the end of backward to the step (see the Note), and their padding."""
-        size = torch.empty(0, dtype=self.precision.grad_accum).element_size()
+        size = self.precision.grad_accum.itemsize
         real = self.owned_real_numel()
         return real * size, (self.layout.shard_numel() - real) * size
