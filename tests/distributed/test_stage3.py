@@ -374,3 +374,39 @@ def test_stage3_prefetch_gathers_ahead_of_use(prefetch: int) -> None:
             # gradient arrives
             assert (fwd_gather["blocks.1"] < fwd["blocks.0"] < fwd_wait["blocks.1"]) == ahead, events
             assert (bwd_gather["blocks.0"] < bwd["blocks.1"]) == ahead, events
+
+
+def page_release_worker(rank: int, world: int) -> dict:
+    """Units of ~800 KB (hundreds of whole pages): what each full buffer holds, measured with mincore,
+    between steps and while its block runs; and whether the buffers keep their storage."""
+    from zeroshard.demo.model import GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=8, d_model=128, n_layer=2, n_head=2))
+    engine, *_ = zeroshard.initialize(model=model, config=zero_config(3, 2, 1, **SHARD_ALL))
+    storage = engine.flat
+    units = [b.index for b in storage.layout.buckets if b.index not in storage.persistent]
+    addresses = [storage.full[i].untyped_storage().data_ptr() for i in units]
+    seen: dict = {"while_running": [], "between_steps": []}
+    block_unit = next(u.bucket_index for u in engine.strategy.plan.units if u.module is model.blocks[1])
+    model.blocks[1].register_forward_pre_hook(  # after the scheduler's own pre-hook, which gathers
+        lambda *_: seen["while_running"].append(storage.held_bytes(block_unit)))
+    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
+    for _ in range(2):
+        engine.backward(engine(x, x))
+        engine.step()
+        seen["between_steps"].append(sum(storage.held_bytes(i) for i in units))
+    seen["unit_bytes"] = storage.full[block_unit].numel() * 4
+    seen["same_storage"] = addresses == [storage.full[i].untyped_storage().data_ptr() for i in units]
+    engine.close()
+    return seen
+
+
+def test_stage3_releases_a_units_pages_and_keeps_its_buffer() -> None:
+    """[Note: releasing a gathered unit's pages]: between steps no unit holds a resident page; while a
+    block runs its unit is resident (all but the partial pages at its ends); the buffers never move."""
+    for seen in run_world(page_release_worker, 2):
+        assert seen["between_steps"] == [0, 0]
+        assert seen["while_running"] and all(
+            seen["unit_bytes"] - 8192 <= held <= seen["unit_bytes"] for held in seen["while_running"])
+        assert seen["same_storage"]
