@@ -5,9 +5,11 @@ A 16-bit run cannot match fp32 to rounding: its forward and backward compute in 
 mantissa bits.  Over 50 steps of the test GPT (lr 1e-3, clipping active, losses about 4.1) we require:
 - ``deviation``: ||ours - ref|| / ||ref - start|| over all parameters, i.e. how far the 16-bit run
   ended from the fp32 run, relative to how far training moved the weights: <= 0.06 (bf16), 0.01 (fp16);
-- every step's loss within 2e-3 (bf16) or 2e-4 (fp16) of the reference's, on every rank.
+- every step's loss within 2e-3 (bf16) or 6e-4 (fp16) of the reference's, on every rank.
 Measured at stages 0-3, worlds 2 and 3: deviation 0.026-0.030 (bf16) and 0.0029-0.0044 (fp16); loss
-differences at most 7.7e-4 (bf16) and 8.0e-5 (fp16).  The bounds are about twice that.  A bug in the
+differences at most 7.7e-4 (bf16) and 8.0e-5 (fp16) on the host of the first sessions, 3.0e-4 (fp16,
+world 2, every stage alike) on an AMD EPYC host with AVX2 only: torch's CPU kernels for 16-bit types
+round differently from one instruction set to another.  The bounds are about twice the largest.  A bug in the
 mixed-precision path fails them by far: an update without unscaling moves the weights by the loss
 scale, a missed clip (norms are ~20x the 0.05 threshold) or a stale master gives deviations near 1.
 """
@@ -27,7 +29,7 @@ from zeroshard.testing import run_world
 
 STEPS = 50
 DEVIATION_TOL = {"bf16": 0.06, "fp16": 0.01}
-LOSS_TOL = {"bf16": 2e-3, "fp16": 2e-4}
+LOSS_TOL = {"bf16": 2e-3, "fp16": 6e-4}
 
 
 def ddp_losses(model: torch.nn.Module, rank: int, world: int, steps: int) -> list[float]:
