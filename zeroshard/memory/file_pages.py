@@ -20,18 +20,14 @@ memory as it was; it is an optimisation, never a condition for a correct load.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import mmap
-import os
 import struct
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-_MADV_DONTNEED = 4
-_PAGE = mmap.PAGESIZE
+from . import libc
+
 #: /proc/self/pagemap: one 64-bit entry per page; bit 63 present, bit 62 swapped out, bit 61 file page
 #: or shared anonymous
 _PRESENT = 1 << 63
@@ -73,7 +69,7 @@ def mapping_containing(address: int, maps_text: Optional[str] = None) -> Optiona
 def _has_private_copies(start: int, length: int) -> bool:
     """Whether any page in ``[start, start+length)`` is a private copy-on-write copy: present and
     anonymous, or swapped out (only anonymous pages are)."""
-    first, count = start // _PAGE, length // _PAGE
+    first, count = start // libc.PAGE, length // libc.PAGE
     try:
         with open("/proc/self/pagemap", "rb") as pagemap:
             pagemap.seek(first * 8)
@@ -88,37 +84,22 @@ def _has_private_copies(start: int, length: int) -> bool:
     return False
 
 
-def _madvise() -> Optional[ctypes._CFuncPtr]:  # type: ignore[name-defined]
-    name = ctypes.util.find_library("c")
-    try:
-        func = getattr(ctypes.CDLL(name, use_errno=True), "madvise", None) if name else None
-    except OSError:
-        return None
-    if func is not None:
-        func.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        func.restype = ctypes.c_int
-    return func
-
-
-_MADVISE = _madvise() if os.name == "posix" else None
-
-
 def drop_mapped_pages(tensor: torch.Tensor) -> int:
     """Release the resident pages wholly inside ``tensor``'s bytes if they belong to a file mapping and
     hold no private writes (see the Note); returns the bytes advised away (0 where nothing was done)."""
     nbytes = tensor.numel() * tensor.element_size()
-    if _MADVISE is None or tensor.device.type != "cpu" or nbytes < MIN_BYTES:
+    if libc.madvise is None or tensor.device.type != "cpu" or nbytes < MIN_BYTES:
         return 0
     begin = tensor.data_ptr()
     end = begin + nbytes
     mapping = mapping_containing(begin)
     if mapping is None or mapping.inode == 0 or end > mapping.end:
         return 0
-    first, last = -(-begin // _PAGE) * _PAGE, end // _PAGE * _PAGE  # whole pages inside the tensor
-    if last <= first:
+    first, length = libc.whole_pages(begin, nbytes)  # whole pages inside the tensor
+    if not length:
         return 0
-    if not mapping.shared and _has_private_copies(first, last - first):
+    if not mapping.shared and _has_private_copies(first, length):
         return 0
-    if _MADVISE(first, last - first, _MADV_DONTNEED) != 0:
+    if libc.madvise(first, length, libc.MADV_DONTNEED) != 0:
         return 0
-    return last - first
+    return length

@@ -24,13 +24,11 @@ Two explicit settings give it back, both off by default, both measured in benchm
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
 
 from ..logging import log_rank
+from . import libc
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -38,33 +36,20 @@ _M_MMAP_THRESHOLD = -3
 RELEASE_THRESHOLD = 1 << 20
 
 
-def _libc() -> Optional[Any]:
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-
-
-_LIBC = _libc()
-
-
 def release_freed_memory(threshold: int = RELEASE_THRESHOLD) -> bool:
     """Fix glibc's mmap and trim thresholds at ``threshold`` bytes (see the Note); False where the C
     library has no ``mallopt`` (not glibc), and nothing changes."""
-    mallopt = getattr(_LIBC, "mallopt", None)
-    if mallopt is None:
+    if libc.mallopt is None:
         return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, threshold))
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, threshold))
 
 
 def trim_free_memory() -> bool:
     """Give the pages of the heap's free blocks back to the system (``malloc_trim(0)``, every arena);
     False where the C library has no ``malloc_trim`` (not glibc)."""
-    trim = getattr(_LIBC, "malloc_trim", None)
-    if trim is None:
+    if libc.malloc_trim is None:
         return False
-    trim(0)
+    libc.malloc_trim(0)
     return True
 
 
@@ -85,7 +70,7 @@ class HostMemoryPolicy:
             log_rank("host_memory_release: the C library has no mallopt (not glibc); the allocator is unchanged",
                      level=logging.WARNING)
             release = False
-        if trim and getattr(_LIBC, "malloc_trim", None) is None:
+        if trim and libc.malloc_trim is None:
             log_rank("host_memory_trim: the C library has no malloc_trim (not glibc); nothing is trimmed",
                      level=logging.WARNING)
             trim = False

@@ -8,9 +8,9 @@ releasing a bucket gives its memory back while the *storage* object stays: in ho
 its pages are dropped (``madvise``, see [Note: releasing a gathered unit's pages] in
 memory/page_release.py), elsewhere the storage shrinks to zero bytes (``untyped_storage().resize_(0)``)
 and gathering re-grows it.  Either way every view (the parameter, autograd's saved copies) keeps its
-shape, and gathering all-gathers into the same storage, so those views see the right values again.  A released parameter still reports its full ``.shape``; reading
-its values outside forward raises a clear error (see [Note: reading a sharded parameter outside
-forward] in placeholder.py).
+shape, and gathering all-gathers into the same storage, so those views see the right values again.
+A released parameter still reports its full ``.shape``; reading its values outside forward raises a clear
+error (see [Note: reading a sharded parameter outside forward] in placeholder.py).
 """
 
 from __future__ import annotations
