@@ -392,10 +392,17 @@ def page_release_worker(rank: int, world: int) -> dict:
     model.blocks[1].register_forward_pre_hook(  # after the scheduler's own pre-hook, which gathers
         lambda *_: seen["while_running"].append(storage.held_bytes(block_unit)))
     x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
+    chunks = engine.strategy._chunk_buffers  # [Note: where gradient chunks live]
+    seen["chunks_after_backward"], seen["chunks_between_steps"] = [], []
     for _ in range(2):
         engine.backward(engine(x, x))
+        seen["chunks_after_backward"].append(chunks.held_bytes())
         engine.step()
         seen["between_steps"].append(sum(storage.held_bytes(i) for i in units))
+        seen["chunks_between_steps"].append(chunks.held_bytes())
+    trainable = [b for b in storage.layout.buckets if not b.frozen]
+    seen["chunk_bytes"] = sum(b.shard_numel * 4 for b in trainable)
+    seen["chunk_slack"] = len(trainable) * 2 * 4096  # the partial pages at either end of each chunk
     seen["unit_bytes"] = storage.full[block_unit].numel() * 4
     seen["same_storage"] = addresses == [storage.full[i].untyped_storage().data_ptr() for i in units]
     engine.close()
@@ -410,3 +417,7 @@ def test_stage3_releases_a_units_pages_and_keeps_its_buffer() -> None:
         assert seen["while_running"] and all(
             seen["unit_bytes"] - 8192 <= held <= seen["unit_bytes"] for held in seen["while_running"])
         assert seen["same_storage"]
+        # the gradient chunks, kept for the run, hold their pages from backward to the step only
+        assert seen["chunks_between_steps"] == [0, 0]
+        assert all(seen["chunk_bytes"] - seen["chunk_slack"] <= held <= seen["chunk_bytes"]
+                   for held in seen["chunks_after_backward"])

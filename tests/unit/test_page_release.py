@@ -40,3 +40,31 @@ def test_device_memory_is_refused_clearly() -> None:
     assert not can_release_pages(meta)
     with pytest.raises(RuntimeError, match="can_release_pages"):
         release_pages(meta)
+
+
+def test_a_trimmed_pool_keeps_its_buffers_and_gives_back_their_pages() -> None:
+    from zeroshard.sharding.buffer_pool import BufferPool
+
+    pool = BufferPool(1 << 20, torch.float32, torch.device("cpu"))  # 4 MiB buffers
+    first = pool.acquire(1 << 20)
+    first.fill_(3.0)
+    buffer = pool._lent[first.data_ptr()]
+    pool.release(first)
+    assert pool.nbytes == 4 << 20
+    pool.trim()
+    assert resident_bytes(buffer) == 0 and pool.nbytes == 0  # kept, but holding no page
+    again = pool.acquire(1000)
+    assert again.data_ptr() == first.data_ptr() and bool((again == 0).all())  # same buffer, zeroed
+    assert pool.nbytes == 4 << 20
+
+
+def test_kept_buffers_give_back_their_pages_and_keep_their_address() -> None:
+    from zeroshard.sharding.buffer_pool import KeptBuffers
+
+    kept = KeptBuffers(torch.device("cpu"))
+    chunk = kept.take(7, 1 << 20, torch.float32).fill_(1.0)
+    kept.give_back(7)
+    assert resident_bytes(chunk) == 0
+    assert kept.take(7, 1 << 20, torch.float32).data_ptr() == chunk.data_ptr()
+    assert kept.take(7, 1 << 19, torch.float32).numel() == 1 << 19  # another size: a new buffer
+    kept.give_back(8)  # never taken: nothing to give back

@@ -7,11 +7,19 @@ the allocator hand out and reclaim tens of megabytes per step: the kernel zero-f
 time (slow), and glibc keeps freed blocks of changing sizes (peak RSS grows).  A small pool of
 fixed-capacity buffers, reused from step to step, costs a constant, reported amount of memory
 (``comm_buffers`` in the breakdown) bounded by the bucket size, not by the model.
+
+Between backwards (:meth:`BufferPool.trim`) the pool gives its memory back.  In host memory on Linux
+it keeps the buffers and drops their pages, as stage 3 does with a released unit ([Note: releasing a
+gathered unit's pages] in memory/page_release.py): freed buffers would go back into glibc's heap,
+where the next forward's activations take them in pieces and the next backward's buffers come from
+new memory.  Elsewhere the buffers themselves are freed.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ..memory.page_release import can_release_pages, prefer_huge_pages, release_pages, resident_bytes
 
 
 class BufferPool:
@@ -24,6 +32,8 @@ class BufferPool:
         self._free: list[torch.Tensor] = []
         self._all: list[torch.Tensor] = []
         self._lent: dict[int, torch.Tensor] = {}  # data_ptr of a lent view -> its buffer
+        self._drops_pages = can_release_pages(torch.empty(0, device=device))
+        self._idle: set[int] = set()  # ids of the buffers whose pages were given back
 
     def acquire(self, numel: int) -> torch.Tensor:
         """A zeroed view of ``numel`` elements (1D); give it back with :meth:`release`."""
@@ -31,8 +41,11 @@ class BufferPool:
             raise ValueError(f"buffer of {numel} elements asked from a pool of capacity {self.capacity}")
         if self._free:
             buffer = self._free.pop()
+            self._idle.discard(id(buffer))
         else:
             buffer = torch.empty(self.capacity, dtype=self.dtype, device=self.device)
+            if self._drops_pages:
+                prefer_huge_pages(buffer)
             self._all.append(buffer)
         view = buffer[:numel]
         view.zero_()
@@ -43,12 +56,53 @@ class BufferPool:
         self._free.append(self._lent.pop(view.data_ptr()))
 
     def trim(self) -> None:
-        """Give back the buffers not lent out (they are allocated again when next needed)."""
+        """Give back the memory of the buffers not lent out (see the Note)."""
+        if self._drops_pages:
+            for buffer in self._free:
+                if id(buffer) not in self._idle:
+                    release_pages(buffer)
+                    self._idle.add(id(buffer))
+            return
         free = {id(b) for b in self._free}
         self._all = [b for b in self._all if id(b) not in free]
         self._free = []
 
     @property
     def nbytes(self) -> int:
-        """Bytes the pool holds (lent or free)."""
-        return len(self._all) * self.capacity * torch.empty((), dtype=self.dtype).element_size()
+        """Bytes the pool holds (lent or free; not the buffers whose pages were given back)."""
+        return (len(self._all) - len(self._idle)) * self.capacity * self.dtype.itemsize
+
+
+class KeptBuffers:
+    """One buffer per key, allocated at its first use and kept for the run: :meth:`give_back` drops its
+    pages in host memory on Linux (see the Note), elsewhere frees it (and :meth:`take` allocates it
+    again).  Stages 2-3 keep each bucket's gradient chunk in one."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._drops_pages = can_release_pages(torch.empty(0, device=device))
+        self._buffers: dict[int, torch.Tensor] = {}
+
+    def take(self, key: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Buffer ``key`` (1D, ``numel`` elements of ``dtype``); its values are undefined."""
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() != numel or buffer.dtype != dtype:
+            buffer = torch.empty(numel, dtype=dtype, device=self.device)
+            if self._drops_pages:
+                prefer_huge_pages(buffer)
+            self._buffers[key] = buffer
+        return buffer
+
+    def give_back(self, key: int) -> None:
+        """Buffer ``key``'s memory goes back to the system until it is next taken."""
+        if self._drops_pages:
+            if key in self._buffers:
+                release_pages(self._buffers[key])
+        else:
+            self._buffers.pop(key, None)
+
+    def held_bytes(self) -> int:
+        """Memory the buffers hold now, measured: resident whole pages, or the buffers' bytes."""
+        if self._drops_pages:
+            return sum(resident_bytes(b) for b in self._buffers.values())
+        return sum(b.untyped_storage().nbytes() for b in self._buffers.values())

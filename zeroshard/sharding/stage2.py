@@ -11,7 +11,7 @@ from ..config import ZeroConfig
 from ..distributed.collectives import PendingCollective
 from ..distributed.topology import ShardGroups
 from ..precision import PrecisionPolicy
-from .buffer_pool import BufferPool
+from .buffer_pool import BufferPool, KeptBuffers
 from .layout import BucketLayout
 from .storage import ParameterStorage
 from .strategy import ShardingStrategy
@@ -29,16 +29,30 @@ class Stage2(ShardingStrategy):
     Each bucket's averaged chunk is born from its first reduction of a step (see [Note: gradients
     live from backward to the step] in strategy.py): 174 MiB per rank for a 91M model at world 2 that
     the forward no longer holds.
+
+    [Note: where gradient chunks live]
+    At stage 2 a chunk is allocated from the heap when it is born: backward frees activations as it
+    goes, and the chunks reuse that memory.  At stage 3 each bucket's chunk has a buffer of its own,
+    kept for the run, whose pages are dropped when the chunk is released (``KeptBuffers``, as stage
+    3's units: [Note: releasing a gathered unit's pages] in memory/page_release.py): its peak is at
+    the end of the forward, where the chunks freed by the last step were holes in the heap that the
+    activations did not fill.  Measured at 91M fp32, world 2, DeepSpeed's defaults, glibc's
+    (benchmarks/bench_memory.py, 4 steps, three runs each): stage 3 peaked at 1832-1937 MiB with
+    kept chunks, 1951-2067 with heap chunks; stage 2 at 1777-1873 with kept chunks, 1734-1775 with
+    heap chunks.
     """
 
     stage = 2
     defers_refresh = True
     reduces_every_micro_step = True
+    keeps_chunk_buffers = False  # see [Note: where gradient chunks live]
 
     def __init__(self, flat: ParameterStorage, params: Sequence[nn.Parameter], groups: ShardGroups,
                  zero: ZeroConfig, precision: PrecisionPolicy = PrecisionPolicy()) -> None:
         super().__init__(flat, params, groups, zero, precision)
         self._grad_chunks: dict[int, torch.Tensor] = {}  # bucket index -> this rank's averaged chunk
+        #: stage 3: where each bucket's chunk lives while held (see [Note: where gradient chunks live])
+        self._chunk_buffers = KeptBuffers(self.flat.device) if self.keeps_chunk_buffers else None
         self._buffers: dict[int, torch.Tensor] = {}  # bucket index -> full bucket being filled or in flight
         largest = max(b.padded_numel for b in self.layout.buckets)
         self._bucket_pool = BufferPool(largest, self.precision.comm, self.flat.device)  # filled, then reduced
@@ -66,7 +80,7 @@ class Stage2(ShardingStrategy):
         self.precision.after_reduction(received, self.data_parallel_size)
         held = self._grad_chunks.get(bucket.index)
         if held is None:  # the first reduction since zero_grad: the chunk is born
-            self._grad_chunks[bucket.index] = received.to(self.precision.grad_accum, copy=True)
+            self._grad_chunks[bucket.index] = self._chunk(bucket).copy_(received)
         else:
             held.add_(received)
         self._bucket_pool.release(full)
@@ -81,15 +95,22 @@ class Stage2(ShardingStrategy):
     def owned_grad(self, bucket: BucketLayout) -> torch.Tensor:
         held = self._grad_chunks.get(bucket.index)
         if held is None:  # no reduction since zero_grad (a step without backward is refused earlier)
-            held = self._grad_chunks[bucket.index] = torch.zeros(
-                bucket.shard_numel, dtype=self.precision.grad_accum, device=self.flat.device)
+            held = self._grad_chunks[bucket.index] = self._chunk(bucket).zero_()
         return held
 
+    def _chunk(self, bucket: BucketLayout) -> torch.Tensor:
+        """A new home for the bucket's chunk: from the heap, or (stage 3) its kept buffer."""
+        if self._chunk_buffers is None:
+            return torch.empty(bucket.shard_numel, dtype=self.precision.grad_accum, device=self.flat.device)
+        return self._chunk_buffers.take(bucket.index, bucket.shard_numel, self.precision.grad_accum)
+
     def release_grad(self, bucket: BucketLayout) -> None:
-        self._grad_chunks.pop(bucket.index, None)
+        if self._grad_chunks.pop(bucket.index, None) is not None and self._chunk_buffers is not None:
+            self._chunk_buffers.give_back(bucket.index)
 
     def zero_grad(self) -> None:
-        self._grad_chunks.clear()
+        for bucket in self.layout.buckets:
+            self.release_grad(bucket)
 
     def held_grad_bytes(self) -> int:
         return sum(chunk.untyped_storage().nbytes() for chunk in self._grad_chunks.values())
