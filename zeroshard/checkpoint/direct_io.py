@@ -11,10 +11,17 @@ length aligned to the device's block, so the bytes go through one page-aligned b
 partial block is written padded with zeros and the file truncated to its true size.  Where the file
 system refuses ``O_DIRECT`` (tmpfs, some network file systems), a probe write at open says so and
 the writer falls back to buffered writes: the same file either way.
+
+The copy into the bounce buffer is a ``memmove`` called through ctypes, which lets go of the GIL
+while it copies: an asynchronous save writes on a thread of the training process, and a copy of
+64 MiB done by Python (a memoryview slice assignment) holds the GIL for tens of milliseconds; at
+the writer's low priority, on a machine whose cores all run training, the training thread then
+waits for a thread the scheduler seldom runs.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -68,6 +75,7 @@ class DirectFile:
         self._fd = fd
         self._buffer = mmap.mmap(-1, max(ALIGN, buffer_bytes // ALIGN * ALIGN))  # page-aligned
         self._view = memoryview(self._buffer)
+        self._address = ctypes.addressof(ctypes.c_char.from_buffer(self._buffer))
         self._fill = 0
         self._position = start  # where the buffer's first byte goes
 
@@ -76,13 +84,23 @@ class DirectFile:
         size = len(self._buffer)
         while data:
             n = min(len(data), size - self._fill)
-            self._view[self._fill: self._fill + n] = data[:n]
+            self._copy_in(self._fill, data[:n])
             self._fill += n
             data = data[n:]
             if self._fill == size:
                 _write_all(self._fd, self._view, self._position)
                 self._position += size
                 self._fill = 0
+
+    def _copy_in(self, at: int, data: memoryview) -> None:
+        """Copy ``data`` into the buffer at ``at``, without the GIL where ``data`` is writable memory
+        (a tensor's: see the Note); a read-only buffer is copied by Python."""
+        try:
+            source = ctypes.addressof(ctypes.c_char.from_buffer(data))
+        except TypeError:
+            self._view[at: at + len(data)] = data
+            return
+        ctypes.memmove(self._address + at, source, len(data))
 
     def _flush_tail(self) -> int:
         """Write the buffered rest padded to a block; returns the end of the real bytes."""
