@@ -76,7 +76,7 @@ class BufferPool:
 class KeptBuffers:
     """One buffer per key, allocated at its first use and kept for the run: :meth:`give_back` drops its
     pages in host memory on Linux (see the Note), elsewhere frees it (and :meth:`take` allocates it
-    again).  Stages 2-3 keep each bucket's gradient chunk in one."""
+    again).  Stage 3 keeps each bucket's gradient chunk in one ([Note: where gradient chunks live])."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
