@@ -82,6 +82,7 @@ def parity_worker(rank: int, world: int, stage: int, reentrant: bool) -> dict:
     return out
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_checkpointed_gradients_equal_plain_ones(stage: int, reentrant: bool) -> None:

@@ -83,6 +83,7 @@ def same_state_worker(rank: int, world: int, stage: int, directory: str) -> dict
             "latest": (Path(directory) / "latest").read_text()}
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 @pytest.mark.parametrize("stage, world", [(1, 2), (3, 3), pytest.param(2, 2, marks=pytest.mark.slow)])
 def test_an_async_save_holds_the_state_of_its_instant(stage: int, world: int, tmp_path: Path) -> None:
     results = run_world(same_state_worker, world, args=(stage, str(tmp_path)))
@@ -119,6 +120,7 @@ def resume_worker(rank: int, world: int, directory: str, phase: str) -> list:
     return losses
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 def test_the_config_key_saves_in_the_background_and_resume_is_exact(tmp_path: Path) -> None:
     first = run_world(resume_worker, 2, args=(str(tmp_path), "first"))
     assert (tmp_path / "latest").read_text() == "global_step1"

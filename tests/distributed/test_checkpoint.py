@@ -134,6 +134,7 @@ def load_flags_worker(rank: int, world: int, stage: int, directory: str) -> dict
     return out
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 @pytest.mark.parametrize("stage", [2, 3])
 def test_load_flags_restore_exactly_what_they_say(stage: int, tmp_path: Path) -> None:
     """load_module_only: the weights only; load_optimizer_states=False: all but the Adam state (moments
@@ -190,6 +191,7 @@ def same_contents(a: Path, b: Path) -> None:
     ((3, 3), [(2, 2)]),                  # stage 3 -> 2 (and world 3 -> 2)
     ((2, 0), [(3, 3)]),                  # stage 0 -> 3
 ])
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 def test_load_reshards_across_world_sizes_and_stages(source, targets, tmp_path: Path) -> None:
     world, stage = source
     expected = run_world(reshard_save_worker, world, args=(stage, str(tmp_path / "a")))[0]
@@ -227,6 +229,7 @@ def load_latest_worker(rank: int, world: int, directory: str) -> str:
     return path.name
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 @pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(background: bool, tmp_path: Path) -> None:
     with pytest.raises(WorldFailed):  # rank 1 dies; rank 0 fails in whichever collective it is waiting in
@@ -316,6 +319,7 @@ def verifying_worker(rank: int, world: int, directory: str, stage: int) -> dict:
     return {"hashed": sorted(hashed), "error": error}
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 def test_a_load_verifies_only_the_files_the_rank_reads(saved, tmp_path: Path) -> None:
     directory = tmp_path / "t"
     shutil.copytree(saved[0] / "t", directory)
@@ -422,6 +426,7 @@ print(host_peak_bytes() - before)
 """
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 def test_consolidation_memory_is_bounded_by_a_shard_not_the_model(tmp_path: Path) -> None:
     run_world(tower_worker, 4, args=(str(tmp_path),))
     model_bytes = 16 * 1024 * 1024 * 4

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from zeroshard.testing import free_port
 
 JOB = """
@@ -19,6 +21,7 @@ print("finished", flush=True)
 """
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 def test_ten_finished_runs_in_a_row_all_exit_zero(tmp_path) -> None:
     script = tmp_path / "job.py"
     script.write_text(JOB)

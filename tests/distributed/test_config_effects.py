@@ -24,6 +24,7 @@ def train(rank: int, world: int, stage: int, extra: dict, steps: int = 3):
     return engine.full_state_dict()
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_prescaled_gradient_averaging_equals_the_default_average(stage) -> None:
     default = run_world(train, 3, args=(stage, {}))[0]
@@ -65,6 +66,7 @@ def seeded_worker(rank: int, world: int, seed: int) -> dict:
     return {"drawn": drawn, "losses": losses}
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 def test_different_seeds_give_different_runs() -> None:
     first = run_world(seeded_worker, 2, args=(1,))
     again = run_world(seeded_worker, 2, args=(1,))

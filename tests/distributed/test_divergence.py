@@ -36,6 +36,7 @@ def diverging(rank: int, world: int, stage: int, what: str, tmp: str) -> str:
 
 @pytest.mark.parametrize("stage, what", [(1, "skip_backward"), (3, "skip_backward"), (1, "skip_step"),
                                          (3, "skip_step"), (2, "save_on_one_rank"), (3, "different_tags")])
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 def test_divergence_is_a_named_error_on_every_rank(tmp_path, stage, what) -> None:
     messages = run_world(diverging, 2, args=(stage, what, str(tmp_path)), pg_timeout_s=30, timeout=120)
     if what in ("different_tags", "save_on_one_rank"):  # the first save names a different tag on each rank

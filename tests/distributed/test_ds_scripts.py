@@ -38,6 +38,7 @@ def launch(tmp: Path, config: dict, *args: str, nproc: int = 2) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_ds_style_script_equals_native_api(tmp_path, stage) -> None:
     compat = launch(tmp_path, ds_config(stage), "--steps", "5")
@@ -47,6 +48,7 @@ def test_ds_style_script_equals_native_api(tmp_path, stage) -> None:
     assert compat["lr"] == native["lr"]
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 def test_an_unmodified_import_deepspeed_script_under_zeroshard_run_as_deepspeed(tmp_path) -> None:
     """`zeroshard run --as-deepspeed --num_gpus 2` runs a script that says `import deepspeed`, passing
     --local_rank as the deepspeed launcher does; it trains exactly as zeroshard's own API."""
@@ -69,6 +71,7 @@ def test_run_refuses_several_nodes_by_deepspeed_flags() -> None:
     assert proc.returncode == 2 and "--rdzv-endpoint" in proc.stderr
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 def test_ds_style_script_resumes_from_an_int_tag_and_exports(tmp_path) -> None:
     config = ds_config(3)
     straight = launch(tmp_path, config, "--steps", "6")

@@ -25,6 +25,7 @@ def accumulation_worker(rank: int, world: int, stage: int) -> float:
     return max_rel_diff(a, b)
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_micro4_accum1_equals_micro1_accum4(stage: int) -> None:
     assert max(run_world(accumulation_worker, 2, args=(stage,))) <= 1e-5
@@ -137,6 +138,7 @@ def unused_worker(rank: int, world: int, stage: int) -> float:
     return max_rel_diff(ours, ref)
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_unused_parameters_neither_hang_nor_get_wrong_gradients(stage: int) -> None:
     assert max(run_world(unused_worker, 2, args=(stage,), timeout=120)) <= 1e-6

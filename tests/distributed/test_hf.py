@@ -75,6 +75,7 @@ def hf_worker(rank: int, world: int, kind: str, directory: str = "") -> dict:
             "expected": expected.tolist()}
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_hf_model_trains_and_generates_under_stage3(kind: str, tmp_path) -> None:
     results = run_world(hf_worker, 2, args=(kind, str(tmp_path / "ckpt")))
@@ -107,6 +108,7 @@ def init_worker(rank: int, world: int, kind: str) -> bool:
     return all(torch.equal(got[k], v) for k, v in expected.items()) and list(got) == list(expected)
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_hf_model_built_under_init_has_plain_construction_values(kind: str) -> None:
     assert all(run_world(init_worker, 2, args=(kind,)))
@@ -139,6 +141,7 @@ def hf_checkpointing_worker(rank: int, world: int, kind: str, reentrant: bool) -
     return all(torch.equal(results[0][k], results[1][k]) for k in results[0]) if rank == 0 else True
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_hf_gradient_checkpointing_at_stage3(kind: str, reentrant: bool) -> None:

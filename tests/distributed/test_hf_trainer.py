@@ -46,6 +46,7 @@ def ddp_runs(tmp_path_factory) -> dict[int, dict]:
     return runs
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("stage", [2, 3])
 def test_trainer_with_a_deepspeed_config_equals_ddp(tmp_path, ddp_runs, stage, world) -> None:
@@ -71,6 +72,7 @@ def test_trainer_bf16(tmp_path, ddp_runs, stage) -> None:
     assert final_weights(tmp_path / "final")["transformer.wte.weight"].dtype == torch.bfloat16
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 def test_trainer_resumes_exactly_at_stage3(tmp_path) -> None:
     straight = launch("trainer_script.py", tmp_path / "a", "--stage", "3")
     resumed = launch("trainer_script.py", tmp_path / "b", "--stage", "3", "--resume",
@@ -79,6 +81,7 @@ def test_trainer_resumes_exactly_at_stage3(tmp_path) -> None:
     assert resumed["losses"][2:] == straight["losses"][2:]  # bitwise: same RNG, data order and state
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 def test_from_pretrained_under_zero_init_at_world2_with_resize(tmp_path, ddp_runs) -> None:
     """Stage 3: from_pretrained builds the model under zero.Init (HfDeepSpeedConfig), resize_token_embeddings
     works on the sharded model, model.dtype / model.device answer, and training matches DDP from the
@@ -97,6 +100,7 @@ def test_from_pretrained_under_zero_init_at_world2_with_resize(tmp_path, ddp_run
     assert final_weights(tmp_path / "rz" / "final")["transformer.wte.weight"].shape == (101, 32)
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 def test_accelerate_loop_with_a_deepspeed_plugin_equals_ddp(tmp_path) -> None:
     ours = launch("accelerate_script.py", tmp_path / "ds", "--stage", "2")
     theirs = launch("accelerate_script.py", tmp_path / "ddp", "--ddp")

@@ -118,6 +118,7 @@ def test_mics_trains_as_one_process_and_only_the_replica_all_reduce_crosses_node
         assert predicted(stage, results[0], "mics")["inside_node"] == inside
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 def test_hpz_trains_as_one_process_and_gathers_inside_the_node_after_the_first() -> None:
     """hpZ over groups of 2: the first gather of each bucket after a step comes over all 4 ranks (and
     across nodes); every later one (backward, the second micro step's forward) from the secondary
@@ -182,6 +183,7 @@ def save_resume_modify(rank: int, world: int, hybrid: str, directory: str) -> di
     return {"uninterrupted": uninterrupted, "resumed": after_resume, "modified": modified}
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 @pytest.mark.parametrize("hybrid", ["mics", "hpz"])
 def test_hybrid_checkpoints_resume_exactly_and_reshard(hybrid: str, tmp_path: Path) -> None:
     results = run_world(save_resume_modify, WORLD, args=(hybrid, str(tmp_path)), ranks_per_node=PER_NODE)

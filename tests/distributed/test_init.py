@@ -48,6 +48,7 @@ def build_worker(rank: int, world: int, use_init: bool) -> dict:
     return {"growth": growth, "held": held}
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 @pytest.mark.parametrize("world", [2, 4])
 def test_building_under_init_takes_about_one_nth_of_the_memory(world: int) -> None:
     env = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}

@@ -25,6 +25,7 @@ def run_demo(*args: str, out: str = "") -> str:
     return proc.stdout + proc.stderr
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 def test_demo_trains_under_torchrun_and_reports_memory(tmp_path) -> None:
     out = run_demo("--steps", "4", "--nproc", "2", out=str(tmp_path))
     assert (tmp_path / "model.safetensors").is_file() and (tmp_path / "checkpoint" / "latest").is_file()
@@ -47,6 +48,7 @@ def test_demo_trains_under_torchrun_and_reports_memory(tmp_path) -> None:
     assert "---- sample ----" in out
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 def test_demo_takes_a_config_file(tmp_path) -> None:
     config = {"train_batch_size": 8, "steps_per_print": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
               "zero_optimization": {"stage": 1}}
@@ -77,6 +79,7 @@ def cli(*args: str) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 def test_cli_flags(tmp_path) -> None:
     """Each flag has the effect it promises, seen in what the command does (not in argparse's namespace)."""
     # demo: --stage, --nproc, --precision, --steps and --out, none of them at its default

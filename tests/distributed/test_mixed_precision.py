@@ -100,6 +100,7 @@ def check_follow(stage: int, world: int, variant: str) -> None:
             assert r["skipped"] == 0
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 @pytest.mark.parametrize("variant", ["all_reduce", "fp32_comm", "bf16_accum"])
 @pytest.mark.parametrize("stage", [1, 2])
 def test_bf16_gradient_dtype_variants_follow_fp32_ddp(stage: int, variant: str) -> None:
@@ -233,6 +234,7 @@ def memory_worker(rank: int, world: int, stage: int, dtype: str, accum: str | No
     (0, 3, "fp16", None), (1, 3, "bf16", "bf16"), (2, 3, "fp16", None), (3, 3, "bf16", "bf16"),
     (1, 2, "fp16", None), (2, 2, "bf16", None), (3, 2, "bf16", None),
 ])
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 def test_mixed_precision_memory_is_the_seed_formula(stage: int, world: int, dtype: str, accum) -> None:
     results = run_world(memory_worker, world, args=(stage, dtype, accum))
     psi = results[0]["psi"]
@@ -271,6 +273,7 @@ def load_any_worker(rank: int, world: int, directory: str, stage: int, dtype: st
     return {"state": engine.full_state_dict(), "masters": engine.strategy.masters is not None}
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 def test_mixed_checkpoint_holds_fp32_masters_and_loads_into_any_precision(tmp_path) -> None:
     from safetensors.torch import load_file
 

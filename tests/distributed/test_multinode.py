@@ -69,6 +69,7 @@ def reference(steps: int) -> dict[str, torch.Tensor]:
     return single_process_reference(steps, 4, 2, 2)
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 @pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_two_agents_as_two_nodes_train_as_one_process(stage: int, tmp_path: Path) -> None:
     check_two_node_run(tmp_path, stage, run_two_agents(tmp_path, stage))
@@ -76,6 +77,7 @@ def test_two_agents_as_two_nodes_train_as_one_process(stage: int, tmp_path: Path
     assert all(p["sent"]["inside_node"] == 0 < p["sent"]["across_nodes"] for p in placements)  # groups span both
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 @pytest.mark.parametrize("hybrid", ["mics", pytest.param("hpz", marks=pytest.mark.slow)])
 def test_two_agents_with_hybrid_sharding_train_as_one_process(hybrid: str, tmp_path: Path) -> None:
     """MiCS and hpZ with a group per node (torchrun's nodes): the same weights as one process; MiCS
@@ -148,6 +150,7 @@ def check_two_node_run(tmp_path: Path, stage: int, agents: list[subprocess.Compl
         assert torch.equal(saved[name], value), name
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 @pytest.mark.parametrize("stage", [1, 3])
 def test_node_local_checkpoints_resume_exactly_with_each_node_reading_only_its_own(stage: int,
                                                                                   tmp_path: Path) -> None:

@@ -43,6 +43,7 @@ def clean_without(rank: int, world: int, stage: int, precision: str, skipped_ste
     return engine.full_state_dict()
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [1, 3])
 def test_a_nan_on_one_rank_skips_the_step_on_every_rank(stage, precision) -> None:

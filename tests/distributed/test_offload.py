@@ -141,6 +141,7 @@ def swap_size_worker(rank: int, world: int, nvme: str) -> tuple[dict, dict, tupl
     return sizes, expected, (held, engine.flat.layout.shard_numel())
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 @pytest.mark.parametrize("world", [2, 3])  # 3: padded buckets, chunks of unequal real size
 def test_each_swap_file_is_exactly_its_tensor(tmp_path: Path, world: int) -> None:
     for sizes, expected, (held, shard) in run_world(swap_size_worker, world, args=(str(tmp_path),)):
@@ -179,6 +180,7 @@ def amsgrad_worker(rank: int, world: int, nvme: str, stage: int) -> dict:
     return out
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 @pytest.mark.parametrize("stage", [2, 3])
 def test_amsgrad_under_nvme_offload_matches_torch(tmp_path: Path, stage: int) -> None:
     """amsgrad: true is honoured under NVMe offload: its running maximum of the second moment is swapped
@@ -211,6 +213,7 @@ def resume_worker(rank: int, world: int, nvme: str, directory: str, stage: int, 
     return out
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 @pytest.mark.parametrize("stage, param", [(2, "none"), (3, "nvme")])
 def test_offloaded_state_survives_a_checkpoint_into_any_offload_setting(tmp_path: Path, stage: int,
                                                                          param: str) -> None:
@@ -273,6 +276,7 @@ def preflight_worker(rank: int, world: int, nvme: str, problem: str) -> str:
     ("room", "has 0.00 GiB free but the swap files of 2 rank(s) need"),
     ("memory", "the offload buffers need"),
 ])
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 def test_preflight_names_the_path_and_the_numbers(tmp_path: Path, problem: str, expected: str) -> None:
     (tmp_path / "a_file").write_text("x")
     # /sys: a directory that not even root may create files in
@@ -326,6 +330,7 @@ def modify_worker(rank: int, world: int, nvme: str, optimizer: str) -> tuple[int
     return int(changed.sum()), bool((after[changed] == 0.5).all())
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 @pytest.mark.parametrize("optimizer", ["none", "cpu", "nvme"])
 def test_modified_parameters_reach_the_masters_and_only_they(tmp_path: Path, optimizer: str) -> None:
     results = run_world(modify_worker, 2, args=(str(tmp_path), optimizer))

@@ -49,6 +49,7 @@ def forward_worker(rank: int, world: int, stage: int) -> dict:
     return {"buckets": buckets, "after_step": after_step, "seen": seen, "readers": readers}
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 @pytest.mark.parametrize("stage, world", [(1, 2), (2, 3)])
 def test_each_module_waits_only_for_its_own_buckets(stage: int, world: int) -> None:
     for r in run_world(forward_worker, world, args=(stage,)):
@@ -80,6 +81,7 @@ def capped_worker(rank: int, world: int, stage: int) -> dict:
     return {"sizes": [b.numel for b in engine.strategy.layout.buckets], "total": total, "biggest": biggest_param}
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 @pytest.mark.parametrize("stage", [0, 2])
 def test_a_bucket_holds_at_most_an_eighth_of_the_model(stage: int) -> None:
     r = run_world(capped_worker, 2, args=(stage,))[0]

@@ -61,6 +61,7 @@ def test_stage3_matches_ddp_adamw(variant: str, world: int) -> None:
     check(run_world(parity_worker, world, args=(3, variant)), 3, world)
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_communication_variants_match_ddp(stage: int, variant: str) -> None:

@@ -128,6 +128,7 @@ def held_storage(engine: Any) -> dict[str, int]:
         ("llama", 0, 2, "fp32"), ("llama", 2, 3, "fp32"), ("gpt2", 3, 3, "fp32"), ("llama", 1, 1, "fp32"),
         ("llama", 3, 2, "bf16")]),
 ])
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 def test_peft_lora_trains_as_one_process_and_its_adapter_loads(kind: str, stage: int, world: int, precision: str,
                                                                 pretrained: bool, tmp_path: Path) -> None:
     if pretrained:

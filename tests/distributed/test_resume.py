@@ -65,6 +65,7 @@ def worker(rank: int, world: int, stage: int, phase: str, directory: str) -> dic
     return {"losses": losses, "state": engine.full_state_dict(), "position": loader.state_dict()}
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 @pytest.mark.parametrize("stage", [2, 3])
 def test_resume_with_dropout_and_the_engines_loader_is_bitwise(stage: int, tmp_path: Path) -> None:
     full = run_world(worker, 2, args=(stage, "full", str(tmp_path / "unused")))

@@ -39,6 +39,7 @@ def accounting_worker(rank: int, world: int, persistence: int) -> dict:
     }
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 @pytest.mark.parametrize("persistence", [0, 20])
 def test_stage3_memory_and_communication_are_exact(persistence: int) -> None:
     n = 3
@@ -283,6 +284,7 @@ def reuse_worker(rank: int, world: int, zero: dict) -> int:
     return engine.comm.counters[CommKind.ALL_GATHER].calls
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 def test_reuse_distance_and_live_parameter_limits_are_honoured() -> None:
     release_all = run_world(reuse_worker, 2, args=({"stage3_max_reuse_distance": 0},))[0]
     keep = run_world(reuse_worker, 2, args=({"stage3_max_reuse_distance": 10**9},))[0]
@@ -342,6 +344,7 @@ def gather_order_worker(rank: int, world: int, prefetch: int) -> list[list[tuple
     return steps
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 @pytest.mark.parametrize("prefetch", [0, 10**6])
 def test_stage3_prefetch_gathers_ahead_of_use(prefetch: int) -> None:
     """With prefetch, once the order is recorded (the first step), each block's all-gather is launched

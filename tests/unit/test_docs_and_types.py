@@ -22,6 +22,7 @@ def test_readme_lists_every_supported_key() -> None:
 
 @pytest.mark.skipif(shutil.which("mypy") is None and not (Path(sys.executable).parent / "mypy").exists(),
                     reason="mypy is not installed (pip install -e .[test])")
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 def test_package_type_checks() -> None:
     proc = subprocess.run([sys.executable, "-m", "mypy", "zeroshard"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
