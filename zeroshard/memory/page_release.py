@@ -70,3 +70,9 @@ def resident_bytes(tensor: torch.Tensor) -> int:
     if libc.mincore(address, length, (ctypes.c_ubyte * len(vector)).from_buffer(vector)) != 0:
         raise libc.errno_message("mincore", length, address)
     return int(torch.frombuffer(vector, dtype=torch.uint8).bitwise_and(1).sum()) * libc.PAGE
+
+
+def held_bytes(tensor: torch.Tensor) -> int:
+    """Memory under ``tensor``'s storage now: its resident whole pages where pages can be released
+    (the partial page at either end is not counted), else the storage's bytes."""
+    return resident_bytes(tensor) if can_release_pages(tensor) else tensor.untyped_storage().nbytes()

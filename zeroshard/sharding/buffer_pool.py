@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..memory.page_release import can_release_pages, prefer_huge_pages, release_pages, resident_bytes
+from ..memory.page_release import can_release_pages, held_bytes, prefer_huge_pages, release_pages
 
 
 class BufferPool:
@@ -103,6 +103,4 @@ class KeptBuffers:
 
     def held_bytes(self) -> int:
         """Memory the buffers hold now, measured: resident whole pages, or the buffers' bytes."""
-        if self._drops_pages:
-            return sum(resident_bytes(b) for b in self._buffers.values())
-        return sum(b.untyped_storage().nbytes() for b in self._buffers.values())
+        return sum(held_bytes(b) for b in self._buffers.values())

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..distributed.collectives import Collectives, PendingCollective
-from ..memory.page_release import can_release_pages, prefer_huge_pages, release_pages, resident_bytes
+from ..memory.page_release import can_release_pages, held_bytes, prefer_huge_pages, release_pages
 from ..offload.policy import NoOffload, OffloadPolicy, SwapFailure
 from .flat_params import bucket_values
 from .layout import BucketLayout, FlatLayout
@@ -283,8 +283,7 @@ class ShardedParameters:
     def held_bytes(self, index: int) -> int:
         """Memory bucket ``index``'s full buffer holds now, measured: its resident pages where releasing
         drops pages (whole pages: the partial page at either end is not counted), else its storage."""
-        full = self.full[index]
-        return resident_bytes(full) if self._drops_pages else full.untyped_storage().nbytes()
+        return held_bytes(self.full[index])
 
     def gathered_bytes(self) -> int:
         """Bytes of the non-persistent full buffers gathered (or being gathered) now: 0 between steps.
