@@ -328,6 +328,7 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
             self._optimizer_step()
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
+            self.saves.stepped()  # an asynchronous save spread over steps writes its next share
             self.host_memory.after_step()  # the step's activations and gradients are freed by now
         self.micro_steps += 1
         self._timers.add("step", started)

@@ -94,7 +94,7 @@ class EngineCheckpoints:
                           writing=FileWriting(writer.io_buffer_size, direct=writer.type == "fast"),
                           copy_later=not self.offload.uses_nvme)  # swap files: read by one thread at a time
         if background:
-            self.saves.submit(request, then)
+            self.saves.submit(request, then, spread_over_steps=writer.spread_over_steps)
             return request.final
         write(request, self.comm)
         if then is not None:

@@ -5,6 +5,7 @@ silent; the next save, a load and ``close()`` wait for the one in flight."""
 import json
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -39,9 +40,9 @@ def held_writer():
     """Patch the rank-file writer so that it waits for ``release`` before writing (a slow disk)."""
     release, original = threading.Event(), saving._write_file
 
-    def slow(path, tensors, writing):
+    def slow(path, tensors, writing, pacing):
         assert release.wait(60)
-        return original(path, tensors, writing)
+        return original(path, tensors, writing, pacing)
 
     saving._write_file = slow
     return release, original
@@ -134,10 +135,10 @@ def failing_worker(rank: int, world: int, directory: str) -> list:
     engine.save_checkpoint(directory, tag="good", async_save=True)
     original = saving._write_file
 
-    def full_disk(path, tensors, writing):  # only for "bad": "good" may still be being written now
+    def full_disk(path, tensors, writing, pacing):  # only for "bad": "good" may still be being written now
         if rank == 1 and ".bad.incomplete" in str(path):
             raise OSError(28, "No space left on device", str(path))
-        return original(path, tensors, writing)
+        return original(path, tensors, writing, pacing)
 
     saving._write_file = full_disk
     step(engine, 2)
@@ -194,3 +195,39 @@ def test_periodic_async_saves_prune_after_each_is_published(tmp_path: Path) -> N
     kept = run_world(periodic_worker, 2, args=(str(tmp_path),))[0]
     assert kept == ["global_step4", "global_step5", "latest"]
     assert (tmp_path / "latest").read_text() == "global_step5"
+
+
+def paced_worker(rank: int, world: int, directory: str) -> dict:
+    engine = make_engine(2, checkpoint={"writer": {"type": "python", "io_buffer_size": 4096, "spread_over_steps": 4}})
+    step(engine, 1)
+    engine.save_checkpoint(directory, tag="sync")
+    engine.save_checkpoint(directory, tag="paced", async_save=True)
+    pacing = engine.saves._pacing
+    seen = []
+    for s in range(3):
+        time.sleep(0.3)  # the writer goes as far as its share lets it
+        seen.append({"taken": pacing._taken, "total": pacing._total,
+                     "published": (Path(directory) / "paced").exists()})
+        step(engine, 2 + s)
+    done = engine.wait_for_checkpoint()
+    # a share of one byte a step: only a wait lets the rest go
+    engine.config = replace(engine.config, checkpoint=replace(engine.config.checkpoint, writer=replace(
+        engine.config.checkpoint.writer, spread_over_steps=10**9)))
+    engine.save_checkpoint(directory, tag="lifted", async_save=True)
+    lifted = engine.wait_for_checkpoint()
+    engine.close()
+    return {"seen": seen, "done": str(done), "lifted": str(lifted)}
+
+
+def test_a_save_spread_over_steps_writes_a_share_per_step_and_a_wait_lifts_the_pace(tmp_path: Path) -> None:
+    results = run_world(paced_worker, 2, args=(str(tmp_path),))
+    for r in results:
+        assert r["done"] == str(tmp_path / "paced") and r["lifted"] == str(tmp_path / "lifted")
+        for steps, seen in enumerate(r["seen"]):
+            assert not seen["published"], steps  # the last quarter waits for the third step
+            share = -(-seen["total"] * (steps + 1) // 4)
+            assert seen["taken"] <= share + 4095, (steps, seen)  # a piece starts only within the share
+    assert (tmp_path / "latest").read_text() == "lifted"
+    for name in sorted(p.name for p in (tmp_path / "sync").glob("*.safetensors")):
+        a, b = load_file(tmp_path / "sync" / name), load_file(tmp_path / "paced" / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name

@@ -26,7 +26,9 @@ not counted as ZeRO traffic.  At most one save is in flight: the next save, a lo
 ``engine.close()`` first wait for it (``engine.wait_for_checkpoint()`` does so explicitly), and raise
 its error, on every rank, if it failed (a copy that failed is reported by the same collectives).  At
 interpreter exit a pending save is finished before the process groups go.  The staging buffers cost
-host memory equal to the rank's checkpoint bytes, kept for the next save until ``close()``.
+host memory equal to the rank's checkpoint bytes, kept for the next save until ``close()``.  With
+``checkpoint.writer.spread_over_steps`` the writing is paced by the engine's optimizer steps
+([Note: a save spread over steps] in pacing.py).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import torch.distributed as dist
 from ..distributed.collectives import Collectives
 from ..distributed.world import World
 from .format import CheckpointError
+from .pacing import StepPacing
 from .save import SaveRequest, StagingBuffers, write
 
 logger = logging.getLogger(__name__)
@@ -83,6 +86,7 @@ class BackgroundSaves:
         self._thread: Optional[threading.Thread] = None
         self._request: Optional[SaveRequest] = None
         self._error: Optional[BaseException] = None
+        self._pacing: Optional[StepPacing] = None
         #: seconds the last background save took, from its submission to its publication
         self.last_save_s: Optional[float] = None
         #: the host copies each asynchronous save is captured into, reused by the next
@@ -107,12 +111,14 @@ class BackgroundSaves:
             self._comm = Collectives(world)  # a ledger of its own: a save's bytes are not ZeRO's traffic
         return self._comm
 
-    def submit(self, request: SaveRequest, then: Optional[Callable[[], None]] = None) -> None:
+    def submit(self, request: SaveRequest, then: Optional[Callable[[], None]] = None, spread_over_steps: int = 1) -> None:
         """Copy (unless captured already), write and publish ``request`` in the background, then call
-        ``then`` (pruning)."""
+        ``then`` (pruning).  ``spread_over_steps``: write at most that fraction of the bytes per
+        optimizer step (:meth:`stepped`), see [Note: a save spread over steps]."""
         if self._thread is not None:
             raise RuntimeError("an asynchronous save is already in flight; wait() for it first")
         comm = self._collectives()
+        pacing = self._pacing = StepPacing(spread_over_steps)
 
         started = time.perf_counter()
         copied = threading.Event()
@@ -128,7 +134,7 @@ class BackgroundSaves:
                 copied.set()
             _lower_priority()
             try:
-                write(request, comm, copy_failed)
+                write(request, comm, copy_failed, pacing if pacing.paced else None)
                 self.last_save_s = time.perf_counter() - started
                 if then is not None:
                     then()
@@ -139,13 +145,22 @@ class BackgroundSaves:
         self._thread = threading.Thread(target=run, name=f"zeroshard-save-{request.tag}", daemon=True)
         self._thread.start()
 
+    def stepped(self) -> None:
+        """The engine took an optimizer step: a paced save may write its next share."""
+        if self._pacing is not None:
+            self._pacing.stepped()
+
     def wait(self) -> Optional[Path]:
         """Block until the save in flight is published; returns its directory (None: there was none).
-        Raises :class:`CheckpointError` on every rank if it failed anywhere."""
+        Raises :class:`CheckpointError` on every rank if it failed anywhere.  A paced save goes at full
+        speed from here."""
         thread, request = self._thread, self._request
         if thread is None or request is None:
             return None
+        if self._pacing is not None:
+            self._pacing.lift()
         thread.join()
+        self._pacing = None
         self._thread = self._request = None
         error, self._error = self._error, None
         if error is not None:

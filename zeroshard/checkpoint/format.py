@@ -238,9 +238,12 @@ class SafetensorsWriter:
     """
 
     def __init__(self, path: Path, header_room: int = 1 << 16, writing: FileWriting = FileWriting(),
-                 checksum: bool = False) -> None:
-        """``checksum``: record the file's checksum for a manifest (:attr:`checksum`)."""
+                 checksum: bool = False, pace: Optional[Callable[[int], None]] = None) -> None:
+        """``checksum``: record the file's checksum for a manifest (:attr:`checksum`).  ``pace``: called
+        with the size of each write call's bytes before they are written, and may block (an asynchronous
+        save spread over steps, :mod:`.pacing`)."""
         self.path = path
+        self._pace = pace
         self._room = header_room + (-header_room % 8)  # the data section starts 8-byte aligned
         self._io_chunk = max(1, writing.io_chunk)
         self._tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
@@ -275,15 +278,24 @@ class SafetensorsWriter:
                               "data_offsets": [self._offset, self._offset + nbytes]}
         if nbytes:
             raw = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-            if self._body is not None:
-                self._body.update(raw)  # ``tensor`` is kept alive by the view until the digest is taken
-            if self._direct is not None:
-                self._direct.append(raw)
-            else:
-                assert self._file is not None
+            if self._pace is None:
+                self._append(raw)
+            else:  # one write call's bytes at a time, each when the pace lets it go
                 for start in range(0, nbytes, self._io_chunk):
-                    self._file.write(raw[start: start + self._io_chunk])
+                    piece = raw[start: start + self._io_chunk]
+                    self._pace(len(piece))
+                    self._append(piece)
         self._offset += nbytes
+
+    def _append(self, raw: memoryview) -> None:
+        if self._body is not None:
+            self._body.update(raw)  # the tensor is kept alive by the view until the digest is taken
+        if self._direct is not None:
+            self._direct.append(raw)
+        else:
+            assert self._file is not None
+            for start in range(0, len(raw), self._io_chunk):
+                self._file.write(raw[start: start + self._io_chunk])
 
     def finish(self) -> int:
         """Write the header, make the file durable and give it its name; returns its size in bytes."""

@@ -24,6 +24,7 @@ from ..version import __version__
 from .format import (replaced_dir, EXTRA_FILE, FORMAT_NAME, FORMAT_VERSION, LATEST, MANIFEST, CheckpointError, rank_file,
                      FileWriting, SafetensorsWriter, write_json_atomic, write_text_atomic)
 from .interface import CheckpointParts
+from .pacing import StepPacing
 
 #: room reserved for a rank file's header (see [Note: the header goes last]): ~400 tensors' entries
 _HEADER_ROOM = 1 << 16
@@ -197,8 +198,10 @@ def capture(parts: CheckpointParts, save_dir: str | Path, tag: str, client_state
     return request
 
 
-def _write_file(path: Path, tensors: Iterable[tuple[str, torch.Tensor]], writing: FileWriting) -> dict[str, Any]:
-    writer = SafetensorsWriter(path, header_room=_HEADER_ROOM, writing=writing, checksum=True)
+def _write_file(path: Path, tensors: Iterable[tuple[str, torch.Tensor]], writing: FileWriting,
+                pacing: Optional[StepPacing]) -> dict[str, Any]:
+    writer = SafetensorsWriter(path, header_room=_HEADER_ROOM, writing=writing, checksum=True,
+                               pace=pacing.take if pacing is not None else None)
     try:
         for name, tensor in tensors:
             writer.add(name, tensor)
@@ -215,24 +218,34 @@ def _describe(err: Exception, where: Path) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-def write(request: SaveRequest, comm: Collectives, copy_failed: Optional[Exception] = None) -> Path:
+def _nbytes(tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    return sum(tensor.numel() * tensor.element_size() for _, tensor in tensors)
+
+
+def write(request: SaveRequest, comm: Collectives, copy_failed: Optional[Exception] = None,
+          pacing: Optional[StepPacing] = None) -> Path:
     """Write ``request``'s files, then publish the checkpoint (every rank calls it, over ``comm``).
 
     Every rank reports its files, or what went wrong, to every other; the checkpoint is published
     only if every rank wrote its part, and every rank raises otherwise (the error names the rank and
     the file).  ``copy_failed``: the copy of this rank's state into its staging buffers failed, so it
     writes nothing and reports that (the other ranks are in the same collectives and must hear of
-    it).  Returns the published directory.
+    it).  ``pacing``: the writing of an asynchronous save spread over optimizer steps (its tensors
+    are staged copies, see [Note: a save spread over steps]).  Returns the published directory.
     """
     staging = request.staging
     files: dict[str, Any] = {}
     problem = None if copy_failed is None else f"its state could not be copied ({_describe(copy_failed, staging)})"
+    extra = list(request.extra.items()) if request.leader else []
     try:
         if problem is None:
+            if pacing is not None:
+                assert isinstance(request.tensors, list), "a paced save writes staged copies"
+                pacing.begin(_nbytes(request.tensors) + _nbytes(extra))
             files[rank_file(request.rank)] = _write_file(staging / rank_file(request.rank), request.tensors,
-                                                         request.writing)
-            if request.leader and request.extra:
-                files[EXTRA_FILE] = _write_file(staging / EXTRA_FILE, request.extra.items(), request.writing)
+                                                         request.writing, pacing)
+            if extra:
+                files[EXTRA_FILE] = _write_file(staging / EXTRA_FILE, extra, request.writing, pacing)
     except Exception as err:  # noqa: BLE001 - every rank must hear of it, or the others wait forever
         problem = _describe(err, staging)
     reports = comm.all_gather_json({"files": files, "problem": problem}, "checkpoint_files")

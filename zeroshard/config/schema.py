@@ -266,6 +266,10 @@ class CheckpointWriterConfig:
         "nothing) is not offered.")
     io_buffer_size: int = key(
         64 * 2**20, "Bytes handed to the file system per write call (\"fast\": the aligned buffer's size).", positive)
+    spread_over_steps: int = key(
+        1, "zeroshard: an asynchronous save writes at most 1/N of its bytes per optimizer step, so that its cost "
+        "is shared by the N steps it overlaps; it is published within N steps, at once when something waits for "
+        "it (the next save, a load, wait_for_checkpoint(), close()). 1: as fast as it goes.", positive)
 
 
 @dataclass(frozen=True)
