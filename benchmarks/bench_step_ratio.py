@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_step_ratio.py [--size 91m] [--stages 0 1 2 3] [--pairs 8] [--warmup 2]
         [--out benchmarks/out/step_ratio_91m.json]
+    .venv/bin/python benchmarks/bench_step_ratio.py --stages 2 2_overlap   # overlap_param_gather
 
 bench_memory.py runs every implementation in a world of its own, one after the other; on a machine
 whose speed drifts by 10-30% from minute to minute (the 2-core VM of benchmarks/RESULTS.md) a ratio of
@@ -34,7 +35,7 @@ from zeroshard.demo.model import GPT, GPTConfig  # noqa: E402
 from zeroshard.testing import run_world  # noqa: E402
 
 
-def worker(rank: int, world: int, stage: int, cfg_dict: dict, micro: int, pairs: int, warmup: int) -> dict:
+def worker(rank: int, world: int, stage: str, cfg_dict: dict, micro: int, pairs: int, warmup: int) -> dict:
     torch.set_num_threads(1)
     cfg = GPTConfig(**cfg_dict)
     steps = {}
@@ -57,14 +58,15 @@ def worker(rank: int, world: int, stage: int, cfg_dict: dict, micro: int, pairs:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default="91m")
-    parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
+    parser.add_argument("--stages", nargs="+", default=["0", "1", "2", "3"],
+                        help="stages, or bench_memory.py's variants of one: 1_overlap, 2_overlap, 3_trim, ...")
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--pairs", type=int, default=8, help="measured (DDP step, stage step) pairs")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default=None, help="default benchmarks/out/step_ratio_<size>.json")
     args = parser.parse_args()
     cfg = SIZES[args.size]
-    results = {}
+    results: dict[str, dict] = {}
     for stage in args.stages:
         ranks = run_world(worker, 2, args=(stage, cfg, args.micro_batch, args.pairs, args.warmup),
                           timeout=3600, env={"OMP_NUM_THREADS": "1"})
