@@ -206,8 +206,8 @@ class Collectives:
         if not self.world.is_distributed:
             output.copy_(full)
         chunk, n = output.numel(), self.world.world_size
-        if self._in_pieces(chunk):
-            return self._run(CommKind.REDUCE_SCATTER, label, counter, lambda: _Pieces(chunk, lambda lo, hi: dist.reduce_scatter(
+        if self._in_pieces(full):
+            return self._run(CommKind.REDUCE_SCATTER, label, counter, lambda: _Pieces(chunk, self._piece(full), lambda lo, hi: dist.reduce_scatter(
                 output[lo:hi], [full[r * chunk + lo: r * chunk + hi] for r in range(n)], group=self.world.group,
                 async_op=True)), async_op)
         return self._run(CommKind.REDUCE_SCATTER, label, counter,
@@ -221,18 +221,23 @@ class Collectives:
         if not self.world.is_distributed and shard.data_ptr() != full.data_ptr():
             full.copy_(shard)
         chunk, n = shard.numel(), self.world.world_size
-        if self._in_pieces(chunk):
-            return self._run(CommKind.ALL_GATHER, label, counter, lambda: _Pieces(chunk, lambda lo, hi: dist.all_gather(
+        if self._in_pieces(full):
+            return self._run(CommKind.ALL_GATHER, label, counter, lambda: _Pieces(chunk, self._piece(full), lambda lo, hi: dist.all_gather(
                 [full[r * chunk + lo: r * chunk + hi] for r in range(n)], shard[lo:hi], group=self.world.group,
                 async_op=True)), async_op)
         return self._run(CommKind.ALL_GATHER, label, counter,
                          lambda: _all_gather_1d(full, shard, group=self.world.group, async_op=True),
                          async_op)
 
-    def _in_pieces(self, chunk: int) -> bool:
-        """Whether a reduce-scatter or all-gather of ``chunk`` elements per rank goes in pieces (see
-        [Note: gloo's whole-buffer copies])."""
-        return self.world.is_distributed and self.world.backend == "gloo" and chunk > PIECE_ELEMENTS
+    def _piece(self, full: torch.Tensor) -> int:
+        """Elements per rank in one piece of a collective over ``full`` (see [Note: gloo's whole-buffer
+        copies]): every rank's part of a piece together is at most ``PIECE_BYTES``."""
+        return max(1, PIECE_BYTES // (self.world.world_size * full.element_size()))
+
+    def _in_pieces(self, full: torch.Tensor) -> bool:
+        """Whether a reduce-scatter or all-gather over ``full`` goes in pieces."""
+        return self.world.is_distributed and self.world.backend == "gloo" and \
+            full.numel() // self.world.world_size > self._piece(full)
 
     def broadcast(self, tensor: torch.Tensor, src: int, label: str) -> None:
         """Copy rank ``src``'s ``tensor`` into every rank's."""
@@ -283,7 +288,7 @@ class Collectives:
 
 
 #: elements per rank of one piece of a gloo reduce-scatter or all-gather (16 MiB of fp32)
-PIECE_ELEMENTS = 4 * 2**20
+PIECE_BYTES = 16 * 2**20
 #: pieces in flight at once
 PIECES_IN_FLIGHT = 2
 
@@ -294,18 +299,27 @@ class _Pieces:
     the whole buffer (measured: +349 MiB for a 349 MiB gradient bucket), and a finished ``Work`` keeps
     them until it is dropped.  With DeepSpeed's default bucket size (5e8 elements, larger than most
     models on one host) a bucket is the whole model, so that copy was the largest transient of stages
-    1 and 2.  On gloo, a collective with more than ``PIECE_ELEMENTS`` per rank therefore runs as the
-    list form over pieces of that size, at most ``PIECES_IN_FLIGHT`` at once, each ``Work`` dropped
-    once finished: the same bytes and results, a transient of two pieces.  (It is counted as one
-    collective.)  NCCL works in place and keeps the tensor forms.
+    1 and 2.  On gloo, a large collective therefore runs as the list form over pieces, at most
+    ``PIECES_IN_FLIGHT`` at once, each ``Work`` dropped once finished: the same bytes and results, a
+    transient of two pieces.  (It is counted as one collective.)  NCCL works in place and keeps the
+    tensor forms.
+
+    A piece's temporary (every rank's part of the piece) is at most ``PIECE_BYTES``, 16 MiB, half of
+    glibc's largest dynamic mmap threshold (32 MiB on 64-bit systems).  glibc serves a block at or
+    above its threshold with a fresh ``mmap`` and unmaps it when freed, and raises the threshold to a
+    freed block's size only below that maximum: a temporary of 32 MiB (4M fp32 elements per rank at
+    world 2, the pieces' size until the twelfth session) was mapped afresh at every piece and every
+    page of it faulted in again, 65,536 page faults per step at stages 1-2 for the 91M benchmark model
+    (the post-step gather), where DDP and stage 3 took none.  Below the maximum, the first piece's
+    temporary raises the threshold and the later ones reuse the heap.
     """
 
-    def __init__(self, chunk: int, launch_piece: Any) -> None:
+    def __init__(self, chunk: int, piece: int, launch_piece: Any) -> None:
         self._works: list[Any] = []
-        for lo in range(0, chunk, PIECE_ELEMENTS):
+        for lo in range(0, chunk, piece):
             if len(self._works) >= PIECES_IN_FLIGHT:
                 self._works.pop(0).wait()
-            self._works.append(launch_piece(lo, min(chunk, lo + PIECE_ELEMENTS)))
+            self._works.append(launch_piece(lo, min(chunk, lo + piece)))
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
         while self._works:
