@@ -40,9 +40,9 @@ def held_writer():
     """Patch the rank-file writer so that it waits for ``release`` before writing (a slow disk)."""
     release, original = threading.Event(), saving._write_file
 
-    def slow(path, tensors, writing, pacing):
+    def slow(path, tensors, *rest):
         assert release.wait(60)
-        return original(path, tensors, writing, pacing)
+        return original(path, tensors, *rest)
 
     saving._write_file = slow
     return release, original
@@ -135,10 +135,10 @@ def failing_worker(rank: int, world: int, directory: str) -> list:
     engine.save_checkpoint(directory, tag="good", async_save=True)
     original = saving._write_file
 
-    def full_disk(path, tensors, writing, pacing):  # only for "bad": "good" may still be being written now
+    def full_disk(path, tensors, *rest):  # only for "bad": "good" may still be being written now
         if rank == 1 and ".bad.incomplete" in str(path):
             raise OSError(28, "No space left on device", str(path))
-        return original(path, tensors, writing, pacing)
+        return original(path, tensors, *rest)
 
     saving._write_file = full_disk
     step(engine, 2)

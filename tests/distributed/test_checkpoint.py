@@ -211,8 +211,8 @@ def crash_worker(rank: int, world: int, directory: str, background: bool) -> Non
 
     original = saving._write_file
 
-    def dies_after_writing(path, tensors, writing):  # rank 1 is killed right after writing its shard
-        written = original(path, tensors, writing)
+    def dies_after_writing(path, tensors, *rest):  # rank 1 is killed right after writing its shard
+        written = original(path, tensors, *rest)
         if rank == 1:
             os._exit(3)
         return written
