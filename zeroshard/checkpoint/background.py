@@ -111,10 +111,11 @@ class BackgroundSaves:
             self._comm = Collectives(world)  # a ledger of its own: a save's bytes are not ZeRO's traffic
         return self._comm
 
-    def submit(self, request: SaveRequest, then: Optional[Callable[[], None]] = None, spread_over_steps: int = 1) -> None:
+    def submit(self, request: SaveRequest, then: Optional[Callable[[], None]] = None,
+               spread_over_steps: int = 1) -> None:
         """Copy (unless captured already), write and publish ``request`` in the background, then call
-        ``then`` (pruning).  ``spread_over_steps``: write at most that fraction of the bytes per
-        optimizer step (:meth:`stepped`), see [Note: a save spread over steps]."""
+        ``then`` (pruning).  ``spread_over_steps`` N: write at most 1/N of the bytes per optimizer step
+        (:meth:`stepped`), see [Note: a save spread over steps]."""
         if self._thread is not None:
             raise RuntimeError("an asynchronous save is already in flight; wait() for it first")
         comm = self._collectives()
