@@ -44,7 +44,7 @@ def faults_worker(rank: int, world: int, piece_bytes: int) -> list:
     chunk = 5_700_000  # per rank: a bucket of DeepSpeed's default size capped at 1/8 of a 91M model
     full, out = torch.zeros(world * chunk), torch.empty(chunk)
     faults = []
-    for _ in range(5):  # the gathers, between reduce-scatters as in training
+    for _ in range(8):  # the gathers, between reduce-scatters as in training
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         comm.all_gather(full, full[rank * chunk:(rank + 1) * chunk], "gather")
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
@@ -56,6 +56,9 @@ def faults_worker(rank: int, world: int, piece_bytes: int) -> list:
 def test_large_gloo_collectives_reuse_the_heap_instead_of_faulting_in_fresh_pages() -> None:
     """gloo's temporary for a piece stays under glibc's largest mmap threshold (see [Note: gloo's
     whole-buffer copies]): once the first calls have raised the threshold, a gather of 23 MB per rank
-    faults in almost nothing (with 32 MiB temporaries: 8192 faults, a whole piece's pages, every call)."""
+    reuses the heap; with 32 MiB temporaries every call faults in a whole piece's pages again (8,194).
+    Now and then a warm call still faults one 16 MiB temporary's pages (~4,100: glibc trims the heap's
+    top), so the bounds are: no warm call faults 32 MiB, and the last six together fault at most three
+    of the old calls' pages (the old size: six)."""
     for faults in run_world(faults_worker, 2, args=(collectives.PIECE_BYTES,)):
-        assert max(faults[-2:]) < 1024, faults
+        assert max(faults[-6:]) < 8192 and sum(faults[-6:]) < 3 * 8192, faults

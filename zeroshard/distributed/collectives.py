@@ -206,8 +206,9 @@ class Collectives:
         if not self.world.is_distributed:
             output.copy_(full)
         chunk, n = output.numel(), self.world.world_size
-        if self._in_pieces(full):
-            return self._run(CommKind.REDUCE_SCATTER, label, counter, lambda: _Pieces(chunk, self._piece(full), lambda lo, hi: dist.reduce_scatter(
+        piece = self._piece(full)
+        if piece is not None:
+            return self._run(CommKind.REDUCE_SCATTER, label, counter, lambda: _Pieces(chunk, piece, lambda lo, hi: dist.reduce_scatter(
                 output[lo:hi], [full[r * chunk + lo: r * chunk + hi] for r in range(n)], group=self.world.group,
                 async_op=True)), async_op)
         return self._run(CommKind.REDUCE_SCATTER, label, counter,
@@ -221,23 +222,23 @@ class Collectives:
         if not self.world.is_distributed and shard.data_ptr() != full.data_ptr():
             full.copy_(shard)
         chunk, n = shard.numel(), self.world.world_size
-        if self._in_pieces(full):
-            return self._run(CommKind.ALL_GATHER, label, counter, lambda: _Pieces(chunk, self._piece(full), lambda lo, hi: dist.all_gather(
+        piece = self._piece(full)
+        if piece is not None:
+            return self._run(CommKind.ALL_GATHER, label, counter, lambda: _Pieces(chunk, piece, lambda lo, hi: dist.all_gather(
                 [full[r * chunk + lo: r * chunk + hi] for r in range(n)], shard[lo:hi], group=self.world.group,
                 async_op=True)), async_op)
         return self._run(CommKind.ALL_GATHER, label, counter,
                          lambda: _all_gather_1d(full, shard, group=self.world.group, async_op=True),
                          async_op)
 
-    def _piece(self, full: torch.Tensor) -> int:
-        """Elements per rank in one piece of a collective over ``full`` (see [Note: gloo's whole-buffer
-        copies]): every rank's part of a piece together is at most ``PIECE_BYTES``."""
-        return max(1, PIECE_BYTES // (self.world.world_size * full.element_size()))
-
-    def _in_pieces(self, full: torch.Tensor) -> bool:
-        """Whether a reduce-scatter or all-gather over ``full`` goes in pieces."""
-        return self.world.is_distributed and self.world.backend == "gloo" and \
-            full.numel() // self.world.world_size > self._piece(full)
+    def _piece(self, full: torch.Tensor) -> Optional[int]:
+        """Elements per rank in one piece of a reduce-scatter or all-gather over ``full``, or None when it
+        goes whole (see [Note: gloo's whole-buffer copies]): every rank's part of a piece together is
+        at most ``PIECE_BYTES``."""
+        if not (self.world.is_distributed and self.world.backend == "gloo"):
+            return None
+        piece = max(1, PIECE_BYTES // (self.world.world_size * full.element_size()))
+        return piece if full.numel() // self.world.world_size > piece else None
 
     def broadcast(self, tensor: torch.Tensor, src: int, label: str) -> None:
         """Copy rank ``src``'s ``tensor`` into every rank's."""
@@ -287,7 +288,7 @@ class Collectives:
         return json.loads(bytes(buffer.cpu().tolist()))
 
 
-#: elements per rank of one piece of a gloo reduce-scatter or all-gather (16 MiB of fp32)
+#: bytes of one piece of a gloo reduce-scatter or all-gather, every rank's part together (see the Note)
 PIECE_BYTES = 16 * 2**20
 #: pieces in flight at once
 PIECES_IN_FLIGHT = 2
