@@ -58,7 +58,8 @@ HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 #: ``zeroshard_<s>_release``: with zeroshard's explicit ``host_memory_release`` setting (glibc's thresholds
 #: fixed at 1 MiB from initialize() on; see zeroshard/memory/host_allocator.py); ``zeroshard_<s>_trim``: with
 #: ``host_memory_trim`` (malloc_trim(0) after every step, glibc's settings untouched); ``zeroshard_<s>_overlap``
-#: (stages 1-2, by --only): ``overlap_param_gather`` on
+#: (stages 1-2, by --only): ``overlap_param_gather`` on; ``zeroshard_<s>_allreduce`` (stages 1-3, by --only):
+#: ``reduce_scatter: false`` (each bucket all-reduced in place, as DDP does; see bench_collectives.py)
 IMPLEMENTATIONS = ["ddp", "fsdp2", *(f"zeroshard_{s}" for s in range(4)), *(f"zeroshard_{s}_release" for s in range(1, 4)),
                    *(f"zeroshard_{s}_trim" for s in range(1, 4)),
                    *((f"deepspeed_{s}" for s in range(1, 4)) if HAVE_DEEPSPEED else ())]
@@ -153,6 +154,8 @@ def build_engine(impl: str, model: GPT, micro: int, bf16: bool) -> tuple[Step, C
                               **({"host_memory_trim": True} if impl.endswith("_trim") else {})}
     if impl.endswith("_overlap"):  # stages 1-2: the post-step gather runs into the next forward
         config["zero_optimization"]["overlap_param_gather"] = True
+    if impl.endswith("_allreduce"):
+        config["zero_optimization"]["reduce_scatter"] = False
     if impl.startswith("zeroshard"):
         config["optimizer"] = {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}}
         engine, _, _, _ = zeroshard.initialize(model=model, config=config)
