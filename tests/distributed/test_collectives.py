@@ -1,5 +1,6 @@
-"""The collectives layer: gloo reduce-scatters and all-gathers of large buffers run in pieces (see [Note:
-gloo's whole-buffer copies]), with the results and the byte counts of the whole-buffer forms."""
+"""The collectives layer: gloo reduce-scatters and all-gathers run as rings of messages (see [Note: gloo's
+collectives as rings] in distributed/ring.py), received in pieces, with the results and byte counts of
+the whole collectives."""
 
 import resource
 import sys
@@ -22,7 +23,7 @@ def pieces_worker(rank: int, world: int) -> dict:
     comm.reduce_scatter(whole_rs, full.clone(), "whole")
     comm.all_gather(whole_ag, full[rank * chunk:(rank + 1) * chunk].clone(), "whole")
     before = comm.total_bytes_sent()
-    collectives.PIECE_BYTES = 128 * world * 4  # 128 fp32 elements per rank: 8 pieces, at most 2 in flight
+    collectives.PIECE_BYTES = 128 * 2 * 4  # temporaries of 128 fp32 elements: 8 pieces, two receiving at once
     pieced_rs, pieced_ag = torch.empty(chunk), torch.empty(world * chunk)
     comm.reduce_scatter(pieced_rs, full.clone(), "pieces", async_op=True).wait()
     comm.all_gather(pieced_ag, full[rank * chunk:(rank + 1) * chunk].clone(), "pieces")
@@ -36,6 +37,45 @@ def test_gloo_collectives_in_pieces_give_the_same_results_and_bytes() -> None:
         assert r["rs_close"] and r["ag"]
         assert r["bytes"][0] == r["bytes"][1]  # counted as the one collective it is
         assert r["calls"] == 2
+
+
+def everyones(world: int, chunk: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    """Every rank's input (small integers: their sums are exact in any dtype and any order)."""
+    return [torch.randint(-8, 8, (world * chunk,), generator=torch.Generator().manual_seed(seed * 100 + r)).to(dtype)
+            for r in range(world)]
+
+
+def rings_worker(rank: int, world: int) -> list:
+    """Several ring collectives in flight at once, waited for in another order, ragged pieces."""
+    collectives.PIECE_BYTES = 2 * 5 * 8  # 5 elements (of float64) a temporary: ragged pieces of a 23-element chunk
+    comm = Collectives(init_distributed())
+    chunk, checks, pending = 23, [], []
+    for seed, dtype in enumerate([torch.float64, torch.bfloat16, torch.float32]):
+        inputs = everyones(world, chunk, dtype, seed)
+        expected = torch.stack(inputs).sum(0)
+        full, out = inputs[rank].clone(), torch.empty(chunk, dtype=dtype)
+        pending.append((comm.reduce_scatter(out, full, f"rs{seed}", async_op=True), out,
+                        expected[rank * chunk:(rank + 1) * chunk]))
+        gathered = torch.zeros(world * chunk, dtype=dtype)
+        shard = inputs[rank][rank * chunk:(rank + 1) * chunk].clone()  # a separate tensor
+        pending.append((comm.all_gather(gathered, shard, f"ag{seed}", async_op=True), gathered,
+                        torch.cat([inputs[r][r * chunk:(r + 1) * chunk] for r in range(world)])))
+        in_place = inputs[rank].clone()  # the shard is the output's own chunk, as stage 3 gathers
+        pending.append((comm.all_gather(in_place, in_place[rank * chunk:(rank + 1) * chunk], f"agi{seed}",
+                                        async_op=True), in_place, pending[-1][2]))
+    for work, got, want in reversed(pending):
+        work.wait()
+        checks.append(torch.equal(got, want))
+    return checks
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ring_collectives_in_flight_together_give_exact_results(world: int) -> None:
+    """gloo's reduce-scatters and all-gathers are zeroshard's rings of messages ([Note: gloo's collectives
+    as rings] in ring.py): nine of them in flight at once between the same ranks, each of its own
+    dtype and pieces, waited for newest first, each gives exactly what the whole sum or gather is."""
+    for checks in run_world(rings_worker, world):
+        assert checks == [True] * 9
 
 
 def faults_worker(rank: int, world: int, piece_bytes: int) -> list:

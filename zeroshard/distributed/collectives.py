@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from .ring import RingAllGather, RingReduceScatter
 from .world import World
 
 
@@ -201,16 +202,15 @@ class Collectives:
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, label: str,
                        async_op: bool = False) -> PendingCollective:
-        """Sum ``full`` (1D, N equal chunks) across ranks; this rank's chunk lands in ``output``."""
+        """Sum ``full`` (1D, N equal chunks) across ranks; this rank's chunk lands in ``output``.  ``full``
+        is scratch: on gloo the ring writes partial sums into it (see ring.py)."""
         counter = self._account(CommKind.REDUCE_SCATTER, _nbytes(full), 1, label)
         if not self.world.is_distributed:
             output.copy_(full)
-        chunk, n = output.numel(), self.world.world_size
-        piece = self._piece(full)
-        if piece is not None:
-            return self._run(CommKind.REDUCE_SCATTER, label, counter, lambda: _Pieces(chunk, piece, lambda lo, hi: dist.reduce_scatter(
-                output[lo:hi], [full[r * chunk + lo: r * chunk + hi] for r in range(n)], group=self.world.group,
-                async_op=True)), async_op)
+        if self._rings:
+            piece = max(1, PIECE_BYTES // (2 * full.element_size()))
+            return self._run(CommKind.REDUCE_SCATTER, label, counter,
+                             lambda: RingReduceScatter(self.world, full, output, piece), async_op)
         return self._run(CommKind.REDUCE_SCATTER, label, counter,
                          lambda: _reduce_scatter_1d(output, full, group=self.world.group, async_op=True),
                          async_op)
@@ -221,24 +221,18 @@ class Collectives:
         counter = self._account(CommKind.ALL_GATHER, _nbytes(full), 1, label)
         if not self.world.is_distributed and shard.data_ptr() != full.data_ptr():
             full.copy_(shard)
-        chunk, n = shard.numel(), self.world.world_size
-        piece = self._piece(full)
-        if piece is not None:
-            return self._run(CommKind.ALL_GATHER, label, counter, lambda: _Pieces(chunk, piece, lambda lo, hi: dist.all_gather(
-                [full[r * chunk + lo: r * chunk + hi] for r in range(n)], shard[lo:hi], group=self.world.group,
-                async_op=True)), async_op)
+        if self._rings:
+            return self._run(CommKind.ALL_GATHER, label, counter, lambda: RingAllGather(self.world, full, shard),
+                             async_op)
         return self._run(CommKind.ALL_GATHER, label, counter,
                          lambda: _all_gather_1d(full, shard, group=self.world.group, async_op=True),
                          async_op)
 
-    def _piece(self, full: torch.Tensor) -> Optional[int]:
-        """Elements per rank in one piece of a reduce-scatter or all-gather over ``full``, or None when it
-        goes whole (see [Note: gloo's whole-buffer copies]): every rank's part of a piece together is
-        at most ``PIECE_BYTES``."""
-        if not (self.world.is_distributed and self.world.backend == "gloo"):
-            return None
-        piece = max(1, PIECE_BYTES // (self.world.world_size * full.element_size()))
-        return piece if full.numel() // self.world.world_size > piece else None
+    @property
+    def _rings(self) -> bool:
+        """Whether reduce-scatters and all-gathers run as rings of messages (gloo: see [Note: gloo's
+        collectives as rings] in ring.py); NCCL's own are the ring, in place."""
+        return self.world.is_distributed and self.world.backend == "gloo"
 
     def broadcast(self, tensor: torch.Tensor, src: int, label: str) -> None:
         """Copy rank ``src``'s ``tensor`` into every rank's."""
@@ -288,45 +282,22 @@ class Collectives:
         return json.loads(bytes(buffer.cpu().tolist()))
 
 
-#: bytes of one piece of a gloo reduce-scatter or all-gather, every rank's part together (see the Note)
+#: bytes of the two temporaries a gloo reduce-scatter receives into, together (see the Note)
 PIECE_BYTES = 16 * 2**20
-#: pieces in flight at once
-PIECES_IN_FLIGHT = 2
 
-
-class _Pieces:
-    """[Note: gloo's whole-buffer copies]
-    gloo runs the tensor forms of reduce-scatter and all-gather through flat temporaries the size of
-    the whole buffer (measured: +349 MiB for a 349 MiB gradient bucket), and a finished ``Work`` keeps
-    them until it is dropped.  With DeepSpeed's default bucket size (5e8 elements, larger than most
-    models on one host) a bucket is the whole model, so that copy was the largest transient of stages
-    1 and 2.  On gloo, a large collective therefore runs as the list form over pieces, at most
-    ``PIECES_IN_FLIGHT`` at once, each ``Work`` dropped once finished: the same bytes and results, a
-    transient of two pieces.  (It is counted as one collective.)  NCCL works in place and keeps the
-    tensor forms.
-
-    A piece's temporary (every rank's part of the piece) is at most ``PIECE_BYTES``, 16 MiB, half of
-    glibc's largest dynamic mmap threshold (32 MiB on 64-bit systems).  glibc serves a block at or
-    above its threshold with a fresh ``mmap`` and unmaps it when freed, and raises the threshold to a
-    freed block's size only below that maximum: a temporary of 32 MiB (4M fp32 elements per rank at
-    world 2, the pieces' size until the twelfth session) was mapped afresh at every piece and every
-    page of it faulted in again, 65,536 page faults per step at stages 1-2 for the 91M benchmark model
-    (the post-step gather), where DDP and stage 3 took none.  Below the maximum, the first piece's
-    temporary raises the threshold and the later ones reuse the heap.
-    """
-
-    def __init__(self, chunk: int, piece: int, launch_piece: Any) -> None:
-        self._works: list[Any] = []
-        for lo in range(0, chunk, piece):
-            if len(self._works) >= PIECES_IN_FLIGHT:
-                self._works.pop(0).wait()
-            self._works.append(launch_piece(lo, min(chunk, lo + piece)))
-
-    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
-        while self._works:
-            work = self._works.pop(0)
-            work.wait() if timeout is None else work.wait(timeout=timeout)
-        return True
+# [Note: gloo's whole-buffer copies]
+# gloo runs the tensor forms of reduce-scatter and all-gather through flat temporaries the size of the
+# whole buffer (measured: +349 MiB for a 349 MiB gradient bucket), and its list forms through
+# temporaries the size of what they are given.  With DeepSpeed's default bucket size (5e8 elements,
+# larger than most models on one host) a bucket is the whole model, so that copy was the largest
+# transient of stages 1 and 2.  On gloo zeroshard therefore sends the rings' messages itself
+# (ring.py): an all-gather receives in place, and a reduce-scatter receives into two temporaries of
+# at most ``PIECE_BYTES`` together.  16 MiB is half of glibc's largest dynamic mmap threshold (32 MiB
+# on 64-bit systems): glibc serves a block at or above its threshold with a fresh ``mmap`` and unmaps
+# it when freed, and raises the threshold to a freed block's size only below that maximum, so a 32 MiB
+# temporary (the pieces' size until the twelfth session) was mapped afresh every time and every page
+# of it faulted in again (65,536 page faults per step at stages 1-2 for the 91M benchmark model).
+# Below the maximum, the first temporaries raise the threshold and the later ones reuse the heap.
 
 
 def _nbytes(t: torch.Tensor) -> int:
