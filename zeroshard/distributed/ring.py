@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -41,7 +42,9 @@ from .world import World
 _TAGS_PER_COLLECTIVE = 1 << 12
 #: collectives counted before the tags wrap round (tags stay below 2**31, as gloo needs)
 _COLLECTIVE_TAG_ROUNDS = 1 << 19
-_sequences: dict[Any, "itertools.count[int]"] = {}
+#: per process group, weakly (a destroyed group is not kept alive; one created again counts from 0 on
+#: every rank, as all ranks create it)
+_sequences: "weakref.WeakKeyDictionary[Any, itertools.count[int]]" = weakref.WeakKeyDictionary()
 
 
 def _next_base_tag(world: World) -> int:
