@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from .ring import RingAllGather, RingReduceScatter
+from .ring import RECEIVES_IN_FLIGHT, RingAllGather, RingReduceScatter
 from .world import World
 
 
@@ -208,7 +208,7 @@ class Collectives:
         if not self.world.is_distributed:
             output.copy_(full)
         if self._rings:
-            piece = max(1, PIECE_BYTES // (2 * full.element_size()))
+            piece = max(1, PIECE_BYTES // (RECEIVES_IN_FLIGHT * full.element_size()))
             return self._run(CommKind.REDUCE_SCATTER, label, counter,
                              lambda: RingReduceScatter(self.world, full, output, piece), async_op)
         return self._run(CommKind.REDUCE_SCATTER, label, counter,

@@ -44,6 +44,8 @@ _TAGS_PER_COLLECTIVE = 1 << 12
 _COLLECTIVE_TAG_ROUNDS = 1 << 19
 #: per process group, weakly (a destroyed group is not kept alive; one created again counts from 0 on
 #: every rank, as all ranks create it)
+#: pieces of a reduce-scatter being received at once, each into a temporary of its own
+RECEIVES_IN_FLIGHT = 2
 _sequences: "weakref.WeakKeyDictionary[Any, itertools.count[int]]" = weakref.WeakKeyDictionary()
 
 
@@ -120,7 +122,7 @@ class RingReduceScatter(_Ring):
         self.output = output
         self.piece = max(1, min(piece, self.chunk))
         self._temps = [torch.empty(self.piece, dtype=full.dtype, device=full.device)
-                       for _ in range(min(2, -(-self.chunk // self.piece)))]
+                       for _ in range(min(RECEIVES_IN_FLIGHT, -(-self.chunk // self.piece)))]
         self._pending: list[tuple[int, tuple[int, int]]] = []  # pieces of this step not yet received
         self._ranges = [(lo, min(self.chunk, lo + self.piece)) for lo in range(0, self.chunk, self.piece)]
         self._step = 0
