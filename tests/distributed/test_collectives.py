@@ -81,24 +81,23 @@ def test_ring_collectives_in_flight_together_give_exact_results(world: int) -> N
 def faults_worker(rank: int, world: int, piece_bytes: int) -> list:
     collectives.PIECE_BYTES = piece_bytes
     comm = Collectives(init_distributed())
-    chunk = 5_700_000  # per rank: a bucket of DeepSpeed's default size capped at 1/8 of a 91M model
+    chunk = 9_000_000  # per rank (36 MB): room for a reduce-scatter's temporaries of 32 MiB, were they so large
     full, out = torch.zeros(world * chunk), torch.empty(chunk)
     faults = []
-    for _ in range(8):  # the gathers, between reduce-scatters as in training
+    for _ in range(8):  # a gather and a reduce-scatter, as in training
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         comm.all_gather(full, full[rank * chunk:(rank + 1) * chunk], "gather")
-        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
         comm.reduce_scatter(out, full, "reduce")
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     return faults
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator and getrusage page faults")
 def test_large_gloo_collectives_reuse_the_heap_instead_of_faulting_in_fresh_pages() -> None:
-    """gloo's temporary for a piece stays under glibc's largest mmap threshold (see [Note: gloo's
-    whole-buffer copies]): once the first calls have raised the threshold, a gather of 23 MB per rank
-    reuses the heap; with 32 MiB temporaries every call faults in a whole piece's pages again (8,194).
-    Now and then a warm call still faults one 16 MiB temporary's pages (~4,100: glibc trims the heap's
-    top), so the bounds are: no warm call faults 32 MiB, and the last six together fault at most three
-    of the old calls' pages (the old size: six)."""
+    """Large gloo collectives do not map fresh memory at every call (see [Note: gloo's whole-buffer
+    copies]): once warm, a gather of 36 MB per rank (received in place by the ring) and a reduce-scatter
+    (received into two temporaries under glibc's largest mmap threshold) fault in no 32 MiB of pages,
+    and the last six pairs together at most three such calls' worth.  With temporaries of 32 MiB
+    (``PIECE_BYTES`` of 64 MiB) a pair faults more than that (measured: 8,791 pages)."""
     for faults in run_world(faults_worker, 2, args=(collectives.PIECE_BYTES,)):
         assert max(faults[-6:]) < 8192 and sum(faults[-6:]) < 3 * 8192, faults
