@@ -42,10 +42,10 @@ from .world import World
 _TAGS_PER_COLLECTIVE = 1 << 12
 #: collectives counted before the tags wrap round (tags stay below 2**31, as gloo needs)
 _COLLECTIVE_TAG_ROUNDS = 1 << 19
-#: per process group, weakly (a destroyed group is not kept alive; one created again counts from 0 on
-#: every rank, as all ranks create it)
 #: pieces of a reduce-scatter being received at once, each into a temporary of its own
 RECEIVES_IN_FLIGHT = 2
+#: collectives started, per process group, weakly (a destroyed group is not kept alive; one created
+#: again counts from 0 on every rank, as all ranks create it)
 _sequences: "weakref.WeakKeyDictionary[Any, itertools.count[int]]" = weakref.WeakKeyDictionary()
 
 
@@ -159,7 +159,7 @@ class RingReduceScatter(_Ring):
                 self._receive_next(temp)
             if last:
                 break
-            self.wait_sends(timeout)  # this step's sends read chunks the next step does not write
+            self.wait_sends(timeout)  # not for correctness (no step writes a chunk sent before): few works held
             self._step += 1
             self._launch_step()
         self.wait_sends(timeout)
