@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from .ring import RECEIVES_IN_FLIGHT, RingAllGather, RingReduceScatter
+from .ring import RingAllGather, RingReduceScatter
 from .world import World
 
 
@@ -208,9 +208,8 @@ class Collectives:
         if not self.world.is_distributed:
             output.copy_(full)
         if self._rings:
-            piece = max(1, PIECE_BYTES // (RECEIVES_IN_FLIGHT * full.element_size()))
             return self._run(CommKind.REDUCE_SCATTER, label, counter,
-                             lambda: RingReduceScatter(self.world, full, output, piece), async_op)
+                             lambda: RingReduceScatter(self.world, full, output, PIECE_BYTES), async_op)
         return self._run(CommKind.REDUCE_SCATTER, label, counter,
                          lambda: _reduce_scatter_1d(output, full, group=self.world.group, async_op=True),
                          async_op)

@@ -8,7 +8,8 @@ took 47 ms, its reduce-scatter 61 ms (list form, in pieces; 100 ms as the tensor
 all-gather 46 ms (87 ms as the tensor form), so a stage-1/2 step spent 2.2x DDP's time in collectives
 (both flatten their inputs into temporaries, and gloo's algorithms for them are not the ring).  Sent
 as the ring's messages (``isend``/``irecv`` to the neighbours, N-1 steps of one chunk each), the same
-reduce-scatter took 25-27 ms and the all-gather 22 ms: together one all-reduce, as the arithmetic says.
+reduce-scatter took 35-44 ms and the all-gather 29-40 ms here (a bare exchange without the per-piece
+add: 25-28 and 21-25 ms, about one all-reduce together, as the arithmetic says).
 
 - All-gather: at step s a rank sends chunk (r - s) to its right neighbour and receives chunk
   (r - s - 1) from its left one, straight into the output: no temporary at all.
@@ -16,7 +17,7 @@ reduce-scatter took 25-27 ms and the all-gather 22 ms: together one all-reduce, 
   neighbour's partial sum of chunk (r - s - 2), which it adds into its own; after N-1 steps chunk r
   holds the whole sum.  The partial sums are written into the input's chunks (the input is scratch:
   zeroshard reduces a bucket in place and reads only its own chunk), and what is received arrives in
-  pieces of at most ``piece`` elements into two temporaries, so that the transient is two pieces
+  pieces into two temporaries of ``temporary_bytes`` together, so that the transient is two pieces
   whatever the bucket's size (see [Note: gloo's whole-buffer copies] in collectives.py).
 
 A collective launches its first step's messages and returns; the rest (each step needs the one
@@ -117,9 +118,10 @@ class RingAllGather(_Ring):
 class RingReduceScatter(_Ring):
     """The sum over ranks of ``full``'s chunk r into ``output`` (``full`` is scratch; see the Note)."""
 
-    def __init__(self, world: World, full: torch.Tensor, output: torch.Tensor, piece: int) -> None:
+    def __init__(self, world: World, full: torch.Tensor, output: torch.Tensor, temporary_bytes: int) -> None:
         super().__init__(world, full, output.numel())
         self.output = output
+        piece = temporary_bytes // (RECEIVES_IN_FLIGHT * full.element_size())  # the temporaries together
         self.piece = max(1, min(piece, self.chunk))
         self._temps = [torch.empty(self.piece, dtype=full.dtype, device=full.device)
                        for _ in range(min(RECEIVES_IN_FLIGHT, -(-self.chunk // self.piece)))]
