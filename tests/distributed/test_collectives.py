@@ -23,7 +23,7 @@ def pieces_worker(rank: int, world: int) -> dict:
     comm.reduce_scatter(whole_rs, full.clone(), "whole")
     comm.all_gather(whole_ag, full[rank * chunk:(rank + 1) * chunk].clone(), "whole")
     before = comm.total_bytes_sent()
-    collectives.PIECE_BYTES = 128 * 2 * 4  # temporaries of 128 fp32 elements: 8 pieces, two receiving at once
+    collectives.PIECE_BYTES = 128 * 4  # pieces of 128 fp32 elements: 8 a chunk, two received at once
     pieced_rs, pieced_ag = torch.empty(chunk), torch.empty(world * chunk)
     comm.reduce_scatter(pieced_rs, full.clone(), "pieces", async_op=True).wait()
     comm.all_gather(pieced_ag, full[rank * chunk:(rank + 1) * chunk].clone(), "pieces")
@@ -47,7 +47,7 @@ def everyones(world: int, chunk: int, dtype: torch.dtype, seed: int) -> list[tor
 
 def rings_worker(rank: int, world: int) -> list:
     """Several ring collectives in flight at once, waited for in another order, ragged pieces."""
-    collectives.PIECE_BYTES = 2 * 5 * 8  # 5 elements (of float64) a temporary: ragged pieces of a 23-element chunk
+    collectives.PIECE_BYTES = 5 * 8  # 5 float64 elements a piece (10 fp32, 20 bf16): ragged pieces of a 23-element chunk
     comm = Collectives(init_distributed())
     chunk, checks, pending = 23, [], []
     for seed, dtype in enumerate([torch.float64, torch.bfloat16, torch.float32]):
@@ -98,6 +98,6 @@ def test_large_gloo_collectives_reuse_the_heap_instead_of_faulting_in_fresh_page
     copies]): once warm, a gather of 36 MB per rank (received in place by the ring) and a reduce-scatter
     (received into two temporaries under glibc's largest mmap threshold) fault in no 32 MiB of pages,
     and the last six pairs together at most three such calls' worth.  With temporaries of 32 MiB
-    (``PIECE_BYTES`` of 64 MiB) a pair faults more than that (measured: 8,791 pages)."""
+    (``PIECE_BYTES`` of 32 MiB) a pair faults more than that (measured: 8,791 pages)."""
     for faults in run_world(faults_worker, 2, args=(collectives.PIECE_BYTES,)):
         assert max(faults[-6:]) < 8192 and sum(faults[-6:]) < 3 * 8192, faults

@@ -221,8 +221,8 @@ class Collectives:
         if not self.world.is_distributed and shard.data_ptr() != full.data_ptr():
             full.copy_(shard)
         if self._rings:
-            return self._run(CommKind.ALL_GATHER, label, counter, lambda: RingAllGather(self.world, full, shard),
-                             async_op)
+            return self._run(CommKind.ALL_GATHER, label, counter,
+                             lambda: RingAllGather(self.world, full, shard, PIECE_BYTES), async_op)
         return self._run(CommKind.ALL_GATHER, label, counter,
                          lambda: _all_gather_1d(full, shard, group=self.world.group, async_op=True),
                          async_op)
@@ -281,8 +281,9 @@ class Collectives:
         return json.loads(bytes(buffer.cpu().tolist()))
 
 
-#: bytes of the two temporaries a gloo reduce-scatter receives into, together (see the Note)
-PIECE_BYTES = 16 * 2**20
+#: bytes of one message of a gloo ring (see [Note: gloo's collectives as rings] in ring.py); a
+#: reduce-scatter receives into two temporaries of this size
+PIECE_BYTES = 2 * 2**20
 
 # [Note: gloo's whole-buffer copies]
 # gloo runs the tensor forms of reduce-scatter and all-gather through flat temporaries the size of the
@@ -291,7 +292,7 @@ PIECE_BYTES = 16 * 2**20
 # larger than most models on one host) a bucket is the whole model, so that copy was the largest
 # transient of stages 1 and 2.  On gloo zeroshard therefore sends the rings' messages itself
 # (ring.py): an all-gather receives in place, and a reduce-scatter receives into two temporaries of
-# at most ``PIECE_BYTES`` together.  16 MiB is half of glibc's largest dynamic mmap threshold (32 MiB
+# ``PIECE_BYTES`` each.  Temporaries must stay below glibc's largest dynamic mmap threshold (32 MiB
 # on 64-bit systems): glibc serves a block at or above its threshold with a fresh ``mmap`` and unmaps
 # it when freed, and raises the threshold to a freed block's size only below that maximum, so a 32 MiB
 # temporary (the pieces' size until the twelfth session) was mapped afresh every time and every page

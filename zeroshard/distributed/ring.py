@@ -8,27 +8,34 @@ took 47 ms, its reduce-scatter 61 ms (list form, in pieces; 100 ms as the tensor
 all-gather 46 ms (87 ms as the tensor form), so a stage-1/2 step spent 2.2x DDP's time in collectives
 (both flatten their inputs into temporaries, and gloo's algorithms for them are not the ring).  Sent
 as the ring's messages (``isend``/``irecv`` to the neighbours, N-1 steps of one chunk each), the same
-reduce-scatter took 35-44 ms and the all-gather 29-40 ms here (a bare exchange without the per-piece
-add: 25-28 and 21-25 ms, about one all-reduce together, as the arithmetic says).
+reduce-scatter took 35-44 ms and the all-gather 29-40 ms here with 8 MiB messages; in messages of
+``piece_bytes`` (2 MiB, collectives.PIECE_BYTES) 24-29 and 18-21 ms, in the same runs as all-reduces
+of 39-55 ms: a piece that fits the cache is received, added and sent on while it is still there.
 
 - All-gather: at step s a rank sends chunk (r - s) to its right neighbour and receives chunk
-  (r - s - 1) from its left one, straight into the output: no temporary at all.
+  (r - s - 1) from its left one, straight into the output: no temporary at all.  Step 0 sends from
+  the shard itself, and copies it into the output's own chunk while the first pieces travel.
 - Reduce-scatter: at step s a rank sends its partial sum of chunk (r - s - 1) and receives the left
   neighbour's partial sum of chunk (r - s - 2), which it adds into its own; after N-1 steps chunk r
   holds the whole sum.  The partial sums are written into the input's chunks (the input is scratch:
-  zeroshard reduces a bucket in place and reads only its own chunk), and what is received arrives in
-  pieces into two temporaries of ``temporary_bytes`` together, so that the transient is two pieces
-  whatever the bucket's size (see [Note: gloo's whole-buffer copies] in collectives.py).
+  zeroshard reduces a bucket in place and reads only its own chunk), and what is received arrives
+  into two temporaries of one piece each, so that the transient is two pieces whatever the bucket's
+  size (see [Note: gloo's whole-buffer copies] in collectives.py).
 
-A collective launches its first step's messages and returns; the rest (each step needs the one
-before, and a received piece must be added before its temporary is reused) runs in ``wait()``.
-Every message carries a tag of its own, drawn from a count kept per process group, so that two
-collectives in flight between the same two ranks cannot take each other's messages; the count
-advances identically on every rank because every rank issues its collectives in the same order.
+A chunk travels as pieces, and each piece goes round the ring on its own: a rank passes piece k of
+step s on (step s+1's message) as soon as it has received it (and, in a reduce-scatter, added it),
+without waiting for the rest of the step.  A collective launches step 0's messages and returns; the
+rest runs in ``wait()``.  Every message carries a tag of its own (the collective's, drawn from a
+count kept per process group, plus the message's number), so that two collectives in flight between
+the same two ranks cannot take each other's messages; the count advances identically on every rank
+because every rank issues its collectives in the same order.  Both ends post a collective's messages
+in the order of their numbers, so tags reused past ``_TAGS_PER_COLLECTIVE`` messages still match in
+order.
 """
 
 from __future__ import annotations
 
+import collections
 import datetime
 import itertools
 import weakref
@@ -57,60 +64,67 @@ def _next_base_tag(world: World) -> int:
 
 
 class _Ring:
-    """What both rings share: the neighbours, tagged messages, and the works still to be waited for."""
+    """What both rings share: the neighbours, the pieces, tagged messages, and the sends still to be
+    waited for."""
 
-    def __init__(self, world: World, full: torch.Tensor, chunk: int) -> None:
+    def __init__(self, world: World, full: torch.Tensor, chunk: int, piece_bytes: int) -> None:
         self.world = world
         self.full = full
         self.chunk = chunk
         self.rank, self.size = world.rank, world.world_size
         self.right, self.left = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        #: elements of one message; a chunk travels as pieces [lo, hi) of it (the last may be shorter)
+        self.piece = max(1, min(piece_bytes // full.element_size(), chunk))
+        self.ranges = [(lo, min(chunk, lo + self.piece)) for lo in range(0, chunk, self.piece)]
         self._base_tag = _next_base_tag(world)
-        self._sends: list[Any] = []
+        self._sends: collections.deque[Any] = collections.deque()
+        #: receives posted and not yet waited for, oldest first: (work, step, piece number, temporary)
+        self._receiving: collections.deque[tuple[Any, int, int, Optional[torch.Tensor]]] = collections.deque()
 
     def part(self, index: int, lo: int = 0, hi: Optional[int] = None) -> torch.Tensor:
         """Elements [lo, hi) of chunk ``index`` (of the ring, mod N) of the full buffer."""
         start = (index % self.size) * self.chunk
         return self.full[start + lo: start + (self.chunk if hi is None else hi)]
 
-    def _tag(self, message: int) -> int:
-        return self._base_tag + message % _TAGS_PER_COLLECTIVE
+    def _tag(self, step: int, piece: int) -> int:
+        return self._base_tag + (step * len(self.ranges) + piece) % _TAGS_PER_COLLECTIVE
 
-    def send(self, tensor: torch.Tensor, message: int) -> None:
-        """Message number ``message`` of this collective to the right neighbour, which receives it as the
-        same number from its left."""
-        self._sends.append(dist.isend(tensor, group=self.world.group, group_dst=self.right, tag=self._tag(message)))
+    def send(self, tensor: torch.Tensor, step: int, piece: int) -> None:
+        """Piece ``piece`` of step ``step`` to the right neighbour, which receives it under the same
+        numbers from its left."""
+        tag = self._tag(step, piece)
+        self._sends.append(dist.isend(tensor, group=self.world.group, group_dst=self.right, tag=tag))
 
-    def receive(self, tensor: torch.Tensor, message: int) -> Any:
-        return dist.irecv(tensor, group=self.world.group, group_src=self.left, tag=self._tag(message))
+    def receive(self, tensor: torch.Tensor, step: int, piece: int, temporary: Optional[torch.Tensor] = None) -> None:
+        tag = self._tag(step, piece)
+        work = dist.irecv(tensor, group=self.world.group, group_src=self.left, tag=tag)
+        self._receiving.append((work, step, piece, temporary))
 
     def wait_sends(self, timeout: Optional[datetime.timedelta]) -> None:
         while self._sends:
-            _wait(self._sends.pop(0), timeout)
+            _wait(self._sends.popleft(), timeout)
 
 
 class RingAllGather(_Ring):
     """Every rank's ``shard`` into ``full`` (N equal chunks), received in place (see the Note)."""
 
-    def __init__(self, world: World, full: torch.Tensor, shard: torch.Tensor) -> None:
-        super().__init__(world, full, shard.numel())
+    def __init__(self, world: World, full: torch.Tensor, shard: torch.Tensor, piece_bytes: int) -> None:
+        super().__init__(world, full, shard.numel(), piece_bytes)
+        for piece, (lo, hi) in enumerate(self.ranges):  # step 0 sends this rank's chunk: from the shard
+            self.send(shard[lo:hi], 0, piece)
+            self.receive(self.part(self.rank - 1, lo, hi), 0, piece)
         own = self.part(self.rank)
         if own.data_ptr() != shard.data_ptr():
-            own.copy_(shard)
-        self._step = 0
-        self._receiving = self._launch_step()
-
-    def _launch_step(self) -> Any:
-        self.send(self.part(self.rank - self._step), self._step)
-        return self.receive(self.part(self.rank - self._step - 1), self._step)
+            own.copy_(shard)  # while the first pieces travel
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
-        while True:
-            _wait(self._receiving, timeout)
-            self._step += 1
-            if self._step == self.size - 1:
-                break
-            self._receiving = self._launch_step()
+        while self._receiving:
+            work, step, piece, _ = self._receiving.popleft()
+            _wait(work, timeout)
+            if step + 1 < self.size - 1:  # pass the piece on: chunk (r - s - 1) is step s+1's to send
+                lo, hi = self.ranges[piece]
+                self.send(self.part(self.rank - step - 1, lo, hi), step + 1, piece)
+                self.receive(self.part(self.rank - step - 2, lo, hi), step + 1, piece)
         self.wait_sends(timeout)
         return True
 
@@ -118,54 +132,48 @@ class RingAllGather(_Ring):
 class RingReduceScatter(_Ring):
     """The sum over ranks of ``full``'s chunk r into ``output`` (``full`` is scratch; see the Note)."""
 
-    def __init__(self, world: World, full: torch.Tensor, output: torch.Tensor, temporary_bytes: int) -> None:
-        super().__init__(world, full, output.numel())
+    def __init__(self, world: World, full: torch.Tensor, output: torch.Tensor, piece_bytes: int) -> None:
+        super().__init__(world, full, output.numel(), piece_bytes)
         self.output = output
-        piece = temporary_bytes // (RECEIVES_IN_FLIGHT * full.element_size())  # the temporaries together
-        self.piece = max(1, min(piece, self.chunk))
-        self._temps = [torch.empty(self.piece, dtype=full.dtype, device=full.device)
-                       for _ in range(min(RECEIVES_IN_FLIGHT, -(-self.chunk // self.piece)))]
-        self._pending: list[tuple[int, tuple[int, int]]] = []  # pieces of this step not yet received
-        self._ranges = [(lo, min(self.chunk, lo + self.piece)) for lo in range(0, self.chunk, self.piece)]
-        self._step = 0
-        self._receiving: list[tuple[Any, int, int, torch.Tensor]] = []  # (work, lo, hi, temporary)
-        self._launch_step()
+        self._free = [torch.empty(self.piece, dtype=full.dtype, device=full.device)
+                      for _ in range(min(RECEIVES_IN_FLIGHT, len(self.ranges)))]
+        #: (step, piece) still to be received, in the order they are sent
+        self._to_receive = collections.deque((0, piece) for piece in range(len(self.ranges)))
+        for piece in range(len(self.ranges)):
+            self._send_partial(0, piece)
+        self._receive_next()
 
-    def _message(self, piece_index: int) -> int:
-        return self._step * len(self._ranges) + piece_index
+    def _send_partial(self, step: int, piece: int) -> None:
+        """Step s sends this rank's partial sum of chunk (r - s - 1)."""
+        lo, hi = self.ranges[piece]
+        self.send(self.part(self.rank - step - 1, lo, hi), step, piece)
 
-    def _launch_step(self) -> None:
-        for i, (lo, hi) in enumerate(self._ranges):
-            self.send(self.part(self.rank - self._step - 1, lo, hi), self._message(i))
-        self._pending = list(enumerate(self._ranges))
-        for temp in self._temps:
-            self._receive_next(temp)
-
-    def _receive_next(self, temp: torch.Tensor) -> None:
-        if self._pending:
-            i, (lo, hi) = self._pending.pop(0)
-            self._receiving.append((self.receive(temp[:hi - lo], self._message(i)), lo, hi, temp))
+    def _receive_next(self) -> None:
+        while self._free and self._to_receive:
+            step, piece = self._to_receive.popleft()
+            lo, hi = self.ranges[piece]
+            temporary = self._free.pop()
+            self.receive(temporary[:hi - lo], step, piece, temporary)
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
-        while True:
-            last = self._step == self.size - 2
-            index = self.rank - self._step - 2  # the chunk being received this step (r itself at the last)
-            while self._receiving:
-                work, lo, hi, temp = self._receiving.pop(0)
-                _wait(work, timeout)
-                received = temp[:hi - lo]
-                if last:
-                    torch.add(self.part(index, lo, hi), received, out=self.output[lo:hi])
-                else:
-                    self.part(index, lo, hi).add_(received)
-                self._receive_next(temp)
-            if last:
-                break
-            self.wait_sends(timeout)  # not for correctness (no step writes a chunk sent before): few works held
-            self._step += 1
-            self._launch_step()
+        last = self.size - 2
+        while self._receiving:
+            work, step, piece, temporary = self._receiving.popleft()
+            assert temporary is not None
+            _wait(work, timeout)
+            lo, hi = self.ranges[piece]
+            received = temporary[:hi - lo]
+            index = self.rank - step - 2  # the chunk received at step s (r itself at the last)
+            if step == last:
+                torch.add(self.part(index, lo, hi), received, out=self.output[lo:hi])
+            else:  # the sum so far is step s+1's to send
+                self.part(index, lo, hi).add_(received)
+                self._send_partial(step + 1, piece)
+                self._to_receive.append((step + 1, piece))
+            self._free.append(temporary)
+            self._receive_next()
         self.wait_sends(timeout)
-        self._temps = []
+        self._free = []
         return True
 
 
