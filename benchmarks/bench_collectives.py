@@ -1,7 +1,7 @@
 """What one gradient bucket's collectives cost on this host, and whether they overlap with compute at all.
 
     .venv/bin/python benchmarks/bench_collectives.py [--elements 11430720] [--reps 8]
-        [--out benchmarks/out/collectives.json]
+        [--out benchmarks/out/collectives.json] [--pieces-kib 1024 2048 8192]
 
 Why: in ring arithmetic an all-reduce is a reduce-scatter plus an all-gather, so ZeRO stages 1-2 move
 the bytes DDP moves (the seeds' argument) and their step should cost what DDP's does.  Whether that
@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import zeroshard.distributed.collectives as collectives  # noqa: E402
 from zeroshard.distributed.collectives import Collectives  # noqa: E402
 from zeroshard.distributed.world import World  # noqa: E402
 from zeroshard.testing import run_world  # noqa: E402
@@ -45,7 +46,7 @@ from zeroshard.testing import run_world  # noqa: E402
 BUCKETS_91M = 8
 
 
-def worker(rank: int, world_size: int, elements: int, reps: int) -> dict[str, float]:
+def worker(rank: int, world_size: int, elements: int, reps: int, pieces_kib: list[int]) -> dict[str, float]:
     torch.set_num_threads(1)
     comm = Collectives(World(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"),
                              backend="gloo"))
@@ -82,6 +83,14 @@ def worker(rank: int, world_size: int, elements: int, reps: int) -> dict[str, fl
         work()
         pending.wait()
     timed("all_reduce_during_work", overlapped)
+    default = collectives.PIECE_BYTES
+    for kib in pieces_kib:  # the rings' message size (see [Note: gloo's collectives as rings])
+        collectives.PIECE_BYTES = kib << 10
+        timed(f"reduce_scatter_{kib}KiB", lambda: comm.reduce_scatter(own, full, "bucket"))
+        timed(f"all_gather_{kib}KiB", lambda: comm.all_gather(full, params, "bucket"))
+    collectives.PIECE_BYTES = default
+    if pieces_kib:
+        timed("all_reduce_again", lambda: dist.all_reduce(full))
     return out
 
 
@@ -90,8 +99,11 @@ def main() -> None:
     parser.add_argument("--elements", type=int, default=11_430_720, help="fp32 elements of one bucket")
     parser.add_argument("--reps", type=int, default=8)
     parser.add_argument("--out", default="benchmarks/out/collectives.json")
+    parser.add_argument("--pieces-kib", type=int, nargs="*", default=[],
+                        help="also time the rings with messages of these sizes (KiB; default: PIECE_BYTES)")
     args = parser.parse_args()
-    ranks = run_world(worker, 2, args=(args.elements, args.reps), timeout=1800, env={"OMP_NUM_THREADS": "1"})
+    ranks = run_world(worker, 2, args=(args.elements, args.reps, args.pieces_kib), timeout=1800,
+                      env={"OMP_NUM_THREADS": "1"})
     ms = {k: 1000 * max(r[k] for r in ranks) for k in ranks[0]}
     mb = args.elements * 4 / 1e6
     print(f"\none bucket of {args.elements:,} fp32 elements ({mb:.1f} MB), world 2 (gloo, 1 thread a rank), "
@@ -108,6 +120,13 @@ def main() -> None:
     print(f"overlap: work {ms['work']:.1f} ms, all_reduce {ms['all_reduce']:.1f} ms, both "
           f"{ms['all_reduce_during_work']:.1f} ms: {hidden:.1f} ms of the collective hidden "
           f"({100 * hidden / ms['all_reduce']:.0f}%)")
+    if args.pieces_kib:
+        print(f"\nthe rings by message size (default {collectives.PIECE_BYTES >> 10} KiB); all_reduce measured "
+              f"again after them: {ms['all_reduce_again']:.1f} ms\n")
+        print("| message KiB | reduce_scatter ms | all_gather ms |")
+        print("| --- | --- | --- |")
+        for kib in args.pieces_kib:
+            print(f"| {kib} | {ms[f'reduce_scatter_{kib}KiB']:.1f} | {ms[f'all_gather_{kib}KiB']:.1f} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"elements": args.elements, "world": 2, "reps": args.reps, "ms": ms,

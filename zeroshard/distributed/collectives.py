@@ -283,7 +283,7 @@ class Collectives:
 
 #: bytes of one message of a gloo ring (see [Note: gloo's collectives as rings] in ring.py); a
 #: reduce-scatter receives into two temporaries of this size
-PIECE_BYTES = 2 * 2**20
+PIECE_BYTES = 2**20
 
 # [Note: gloo's whole-buffer copies]
 # gloo runs the tensor forms of reduce-scatter and all-gather through flat temporaries the size of the

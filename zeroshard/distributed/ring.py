@@ -8,9 +8,12 @@ took 47 ms, its reduce-scatter 61 ms (list form, in pieces; 100 ms as the tensor
 all-gather 46 ms (87 ms as the tensor form), so a stage-1/2 step spent 2.2x DDP's time in collectives
 (both flatten their inputs into temporaries, and gloo's algorithms for them are not the ring).  Sent
 as the ring's messages (``isend``/``irecv`` to the neighbours, N-1 steps of one chunk each), the same
-reduce-scatter took 35-44 ms and the all-gather 29-40 ms here with 8 MiB messages; in messages of
-``piece_bytes`` (2 MiB, collectives.PIECE_BYTES) 24-29 and 18-21 ms, in the same runs as all-reduces
-of 39-55 ms: a piece that fits the cache is received, added and sent on while it is still there.
+reduce-scatter took 35-44 ms and the all-gather 29-40 ms here in messages of 8 MiB.  The message
+size matters more than anything else (``piece_bytes``; benchmarks/bench_collectives.py --pieces-kib,
+one run: reduce-scatter 20 ms in messages of 1 MiB, 24-28 at 2 MiB, 32 at 4, 34 at 8, 38 at 16; the
+all-gather 23-27 ms at any size; all-reduces of 33-48 ms in the same run): a piece that fits the
+cache is received, added and sent on while it is still there.  zeroshard sends 1 MiB
+(collectives.PIECE_BYTES).
 
 - All-gather: at step s a rank sends chunk (r - s) to its right neighbour and receives chunk
   (r - s - 1) from its left one, straight into the output: no temporary at all.  Step 0 sends from
