@@ -101,3 +101,24 @@ def test_large_gloo_collectives_reuse_the_heap_instead_of_faulting_in_fresh_page
     (``PIECE_BYTES`` of 32 MiB) a pair faults more than that (measured: 8,791 pages)."""
     for faults in run_world(faults_worker, 2, args=(collectives.PIECE_BYTES,)):
         assert max(faults[-6:]) < 8192 and sum(faults[-6:]) < 3 * 8192, faults
+
+
+def other_kind_worker(rank: int, world: int) -> list:
+    comm = Collectives(init_distributed())
+    wider = torch.arange(6, dtype=torch.float64) + 10 * rank  # float64 into a float32 output
+    strided = (torch.arange(12.0) + 100 * rank)[::2]  # a view that is not contiguous
+    out = []
+    for shard in (wider, strided):
+        full = torch.zeros(world * 6)
+        comm.all_gather(full, shard, "other_kind")
+        out.append(full.tolist())
+    return out
+
+
+def test_ring_all_gather_takes_a_shard_of_another_dtype_or_layout() -> None:
+    """The ring's all-gather sends its first step from the shard itself; a shard of another dtype, or
+    not contiguous, is first copied into the output's own chunk (as gloo's collective did), so every
+    rank gets every shard's values in the output's dtype."""
+    for got in run_world(other_kind_worker, 3):
+        assert got[0] == [float(i + 10 * r) for r in range(3) for i in range(6)]
+        assert got[1] == [float(2 * i + 100 * r) for r in range(3) for i in range(6)]

@@ -17,7 +17,8 @@ cache is received, added and sent on while it is still there.  zeroshard sends 1
 
 - All-gather: at step s a rank sends chunk (r - s) to its right neighbour and receives chunk
   (r - s - 1) from its left one, straight into the output: no temporary at all.  Step 0 sends from
-  the shard itself, and copies it into the output's own chunk while the first pieces travel.
+  the shard itself, and copies it into the output's own chunk while the first pieces travel (a
+  shard of another dtype, or not contiguous, is copied first and sent from there).
 - Reduce-scatter: at step s a rank sends its partial sum of chunk (r - s - 1) and receives the left
   neighbour's partial sum of chunk (r - s - 2), which it adds into its own; after N-1 steps chunk r
   holds the whole sum.  The partial sums are written into the input's chunks (the input is scratch:
@@ -113,11 +114,15 @@ class RingAllGather(_Ring):
 
     def __init__(self, world: World, full: torch.Tensor, shard: torch.Tensor, piece_bytes: int) -> None:
         super().__init__(world, full, shard.numel(), piece_bytes)
-        for piece, (lo, hi) in enumerate(self.ranges):  # step 0 sends this rank's chunk: from the shard
-            self.send(shard[lo:hi], 0, piece)
-            self.receive(self.part(self.rank - 1, lo, hi), 0, piece)
         own = self.part(self.rank)
-        if own.data_ptr() != shard.data_ptr():
+        source = shard  # step 0 sends this rank's chunk: from the shard, as the output's own chunk fills
+        if shard.dtype != full.dtype or shard.device != full.device or not shard.is_contiguous():
+            own.copy_(shard)  # what travels must be the output's kind of values
+            source = own
+        for piece, (lo, hi) in enumerate(self.ranges):
+            self.send(source[lo:hi], 0, piece)
+            self.receive(self.part(self.rank - 1, lo, hi), 0, piece)
+        if own.data_ptr() != source.data_ptr():
             own.copy_(shard)  # while the first pieces travel
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
