@@ -216,7 +216,8 @@ class Collectives:
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, label: str,
                    async_op: bool = False) -> PendingCollective:
-        """Concatenate every rank's ``shard`` into ``full`` (1D, N equal chunks)."""
+        """Concatenate every rank's ``shard`` into ``full`` (1D, N equal chunks).  ``shard`` must not change
+        until the gather is waited for: on gloo the ring sends from it (see ring.py)."""
         counter = self._account(CommKind.ALL_GATHER, _nbytes(full), 1, label)
         if not self.world.is_distributed and shard.data_ptr() != full.data_ptr():
             full.copy_(shard)
