@@ -146,6 +146,7 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
             config.zero_optimization, self.precision, self.offload, InitialValues(from_init),
             [(name_of[id(p)], p) for p in trainable.frozen])
         self.flat = self.strategy.flat
+        self.flat.read_chunks_elsewhere_while(self.saves.copying)  # an asynchronous save's copy
         #: frozen parameters kept whole in their modules (all of them below stage 3); stage 3's storage
         #: holds the others (see [Note: frozen parameters at stage 3] in sharding/units.py)
         self.frozen_params = [p for p in trainable.frozen if HOMES.home_of(p) is None]
@@ -340,6 +341,7 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
 
     def _optimizer_step(self) -> None:
         wait_for_copies()  # an asynchronous save copies what this step changes (see [Note: asynchronous saves])
+        self.flat.take_back_chunks()  # the optimizer steps the chunks in place
         self._raise_swap_failures()  # a parameter shard that could not be read: stop before updating
         grads = [self.strategy.owned_grad(b) for b in self.strategy.layout.buckets]  # on the device
         shard_comm = self.strategy.comm  # the shard group: replicas (MiCS) hold the same averaged shard

@@ -143,6 +143,7 @@ class EngineCheckpoints:
         """The engine's stateful parts, as a checkpoint saves and restores them (checkpoint/interface.py)."""
         loader = self.data_loader if hasattr(self.data_loader, "state_dict") else None
         self.strategy.wait_for_buckets(None)  # a save reads, a load writes the parameters: no gather in flight
+        self.flat.take_back_chunks()  # ... and each chunk is in its store
         return CheckpointParts(
             self.world, self.comm, self.strategy.stage, ShardedState(self.updater, self.strategy),
             ModuleState(self.module, self.strategy.params, self.param_names, self.flat), OptimizerHyperparameters(self.optimizer),

@@ -103,6 +103,57 @@ def test_an_async_save_holds_the_state_of_its_instant(stage: int, world: int, tm
     assert m_async["client_state"] == {"at": 1}
 
 
+def lent_chunks_worker(rank: int, world: int, directory: str) -> dict:
+    """Stage 3 lends a gathered unit this rank's chunk ([Note: a gathered unit borrows this rank's
+    chunk]): not while an asynchronous save copies the chunks.  The copy here runs exactly while the
+    next forward's units are gathered."""
+    engine = make_engine(3)
+    for seed in (1, 2):  # the second forward follows the recorded order: its units stay gathered
+        step(engine, seed)
+    engine.save_checkpoint(directory, tag="sync")
+    go, copied, original = threading.Event(), threading.Event(), saving.StagingBuffers.stage
+
+    def when_told(self, tensors):
+        assert go.wait(30), "the forward never started the copy"
+        try:
+            return original(self, tensors)
+        finally:
+            copied.set()
+
+    saving.StagingBuffers.stage = when_told
+    engine.save_checkpoint(directory, tag="async", async_save=True)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, TINY.vocab_size, (2, TINY.seq_len), generator=g)
+    loss = engine(x, x)  # every unit gathered now, until backward
+    go.set()
+    assert copied.wait(30)
+    lent_during_copy = engine.flat.lent_bytes()
+    engine.backward(loss)
+    engine.step()
+    engine.wait_for_checkpoint()
+    saving.StagingBuffers.stage = original
+    step(engine, 4)
+    lent_later = []
+    loss = engine(x, x)
+    lent_later.append(engine.flat.lent_bytes())
+    engine.backward(loss)
+    engine.step()
+    engine.close()
+    return {"lent_during_copy": lent_during_copy, "lent_later": lent_later}
+
+
+def test_stage3_lends_no_chunk_while_an_async_save_copies_them(tmp_path: Path) -> None:
+    results = run_world(lent_chunks_worker, 3, args=(str(tmp_path),))
+    for r in results:
+        assert r["lent_during_copy"] == 0 and r["lent_later"][0] > 0, r
+    sync, background = tmp_path / "sync", tmp_path / "async"
+    files = sorted(p.name for p in sync.glob("*.safetensors"))
+    assert files == sorted(p.name for p in background.glob("*.safetensors")) and len(files) >= 3
+    for name in files:  # byte for byte the tensors of the synchronous save of the same instant
+        a, b = load_file(sync / name), load_file(background / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+
+
 def resume_worker(rank: int, world: int, directory: str, phase: str) -> list:
     engine = make_engine(3, checkpoint={"writer": {"decoupled": True}})
     if phase == "resume":

@@ -412,6 +412,54 @@ def page_release_worker(rank: int, world: int) -> dict:
     return seen
 
 
+def lent_chunk_worker(rank: int, world: int) -> dict:
+    """DeepSpeed's default reuse distance (every unit stays gathered from its forward to its backward):
+    what the store holds of the units' chunks after forward and between steps, measured with mincore."""
+    from zeroshard.demo.model import GPTConfig
+    from zeroshard.memory.page_release import resident_bytes
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=8, d_model=128, n_layer=2, n_head=2))
+    engine, *_ = zeroshard.initialize(model=model, config=zero_config(3, 2, 1, stage3_param_persistence_threshold=0))
+    storage = engine.flat
+    units = [b for b in storage.layout.buckets if b.index not in storage.persistent]
+    seen: dict = {key: [] for key in ("lent_after_forward", "resident_after_forward", "lent_between_steps",
+                                      "resident_between_steps", "losses")}
+
+    def resident() -> int:  # the store's own pages under the units' chunks, not through shard_view
+        return sum(resident_bytes(storage.store.view(b)) for b in units)
+
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed * world + rank)
+        x = torch.randint(0, 64, (2, 8), generator=g)
+        loss = engine(x, x)
+        seen["lent_after_forward"].append(storage.lent_bytes())
+        seen["resident_after_forward"].append(resident())
+        engine.backward(loss)
+        engine.step()
+        seen["lent_between_steps"].append(storage.lent_bytes())
+        seen["resident_between_steps"].append(resident())
+        seen["losses"].append(float(loss))
+    seen["chunk_bytes"] = sum(b.shard_numel * 4 for b in units)
+    seen["chunk_slack"] = len(units) * 2 * 4096  # the partial pages at either end of each chunk
+    engine.close()
+    return seen
+
+
+def test_a_gathered_unit_borrows_this_ranks_chunk() -> None:
+    """[Note: a gathered unit borrows this rank's chunk]: from the second forward on (the first records
+    the order, so its units are released after their forward), every unit is gathered from forward to
+    backward and the store holds none of their chunks' whole pages; between steps the store holds them
+    all and nothing is lent.  World 3: the chunks are ragged."""
+    for seen in run_world(lent_chunk_worker, 3):
+        chunk, slack = seen["chunk_bytes"], seen["chunk_slack"]
+        assert seen["lent_after_forward"][1:] == [chunk, chunk], seen
+        assert seen["resident_after_forward"][1:] == [0, 0], seen
+        assert seen["lent_between_steps"] == [0, 0, 0]
+        assert all(chunk - slack <= held <= chunk for held in seen["resident_between_steps"]), seen
+        assert all(0 < loss < 10 for loss in seen["losses"])
+
+
 def test_stage3_releases_a_units_pages_and_keeps_its_buffer() -> None:
     """[Note: releasing a gathered unit's pages]: between steps no unit holds a resident page; while a
     block runs its unit is resident (all but the partial pages at its ends); the buffers never move."""

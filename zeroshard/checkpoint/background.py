@@ -87,10 +87,15 @@ class BackgroundSaves:
         self._request: Optional[SaveRequest] = None
         self._error: Optional[BaseException] = None
         self._pacing: Optional[StepPacing] = None
+        self._copied: Optional[threading.Event] = None  # set once the save in flight has copied the state
         #: seconds the last background save took, from its submission to its publication
         self.last_save_s: Optional[float] = None
         #: the host copies each asynchronous save is captured into, reused by the next
         self.buffers = StagingBuffers()
+
+    def copying(self) -> bool:
+        """Whether the save in flight is still copying the state (stage 3 lends no chunk meanwhile)."""
+        return self._copied is not None and not self._copied.is_set()
 
     @property
     def in_flight(self) -> bool:
@@ -122,7 +127,7 @@ class BackgroundSaves:
         pacing = self._pacing = StepPacing(spread_over_steps)
 
         started = time.perf_counter()
-        copied = threading.Event()
+        copied = self._copied = threading.Event()
         _COPIES.add(copied)
 
         def run() -> None:

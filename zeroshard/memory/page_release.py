@@ -38,15 +38,18 @@ def can_release_pages(tensor: torch.Tensor) -> bool:
 
 
 def _whole_pages(tensor: torch.Tensor, page: int = libc.PAGE) -> tuple[int, int]:
-    """The page-aligned part of the tensor's storage: (address, length); length 0 if none."""
+    """The page-aligned part of the tensor's own bytes (a contiguous view: only the pages lying wholly
+    inside it, so that its neighbours in the same storage are untouched): (address, length); length 0
+    if none."""
     if not can_release_pages(tensor):
         raise RuntimeError("page release needs host memory on Linux: check can_release_pages() first")
-    storage = tensor.untyped_storage()
-    return libc.whole_pages(storage.data_ptr(), storage.nbytes(), page)
+    if not tensor.is_contiguous():
+        raise RuntimeError("page release needs a contiguous tensor: its bytes must be one range")
+    return libc.whole_pages(tensor.data_ptr(), tensor.numel() * tensor.element_size(), page)
 
 
 def prefer_huge_pages(tensor: torch.Tensor) -> None:
-    """Ask for transparent huge pages under ``tensor``'s storage (advice: a kernel without THP, or
+    """Ask for transparent huge pages under ``tensor`` (advice: a kernel without THP, or
     with THP off, ignores it and the buffer keeps 4 KiB pages)."""
     address, length = _whole_pages(tensor, libc.HUGE_PAGE)
     if length and libc.madvise is not None:
@@ -54,15 +57,16 @@ def prefer_huge_pages(tensor: torch.Tensor) -> None:
 
 
 def release_pages(tensor: torch.Tensor) -> None:
-    """Drop the physical pages under ``tensor``'s storage (its values become zeros); the storage
-    keeps its address and size.  Only whole pages go: a partial page at either end stays resident."""
+    """Drop the physical pages under ``tensor`` (its values become zeros); the storage keeps its
+    address and size.  Only whole pages go: a partial page at either end stays resident, so a view
+    gives back its own pages and leaves its neighbours' values alone."""
     address, length = _whole_pages(tensor)
     if length and libc.madvise is not None and libc.madvise(address, length, libc.MADV_DONTNEED) != 0:
         raise libc.errno_message("madvise(MADV_DONTNEED)", length, address)
 
 
 def resident_bytes(tensor: torch.Tensor) -> int:
-    """Bytes of ``tensor``'s storage in physical memory now (``mincore``), whole pages only."""
+    """Bytes of ``tensor`` in physical memory now (``mincore``), whole pages only."""
     address, length = _whole_pages(tensor)
     if not length or libc.mincore is None:
         return 0
@@ -73,6 +77,6 @@ def resident_bytes(tensor: torch.Tensor) -> int:
 
 
 def held_bytes(tensor: torch.Tensor) -> int:
-    """Memory under ``tensor``'s storage now: its resident whole pages where pages can be released
-    (the partial page at either end is not counted), else the storage's bytes."""
+    """Memory under ``tensor`` now: its resident whole pages where pages can be released (the partial
+    page at either end is not counted), else its storage's bytes."""
     return resident_bytes(tensor) if can_release_pages(tensor) else tensor.untyped_storage().nbytes()

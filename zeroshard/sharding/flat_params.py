@@ -109,6 +109,12 @@ class FlatParameters:
         """Stages 0-2 keep frozen parameters in their modules: they have no frozen bucket."""
         raise AssertionError("stages 0-2 have no frozen buckets")
 
+    def take_back_chunks(self) -> None:
+        """Stages 0-2 lend no chunk: each lives in the one flat buffer."""
+
+    def read_chunks_elsewhere_while(self, busy: Callable[[], bool]) -> None:
+        """Stages 0-2 lend no chunk: nothing to hold back."""
+
     def take_failure(self) -> SwapFailure:
         """Stages 0-2 never swap parameters."""
         return None

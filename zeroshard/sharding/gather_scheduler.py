@@ -106,6 +106,7 @@ class GatherScheduler:
         """The unit is about to compute: make sure it is gathered, then prefetch what comes next."""
         self.current.append(index)
         self.storage.gather(index, self._labels[index])
+        self.storage.lend_chunk(index)  # see [Note: a gathered unit borrows this rank's chunk]
         self._prefetch()
 
     def _prefetch(self) -> None:

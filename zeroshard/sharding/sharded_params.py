@@ -11,12 +11,27 @@ and gathering re-grows it.  Either way every view (the parameter, autograd's sav
 shape, and gathering all-gathers into the same storage, so those views see the right values again.
 A released parameter still reports its full ``.shape``; reading its values outside forward raises a clear
 error (see [Note: reading a sharded parameter outside forward] in placeholder.py).
+
+[Note: a gathered unit borrows this rank's chunk]
+A gathered unit's full buffer holds this rank's chunk in its own slot, and the store holds the same
+values a second time: at DeepSpeed's default reuse distance every unit stays gathered from its forward
+to its backward, so at the backward peak a rank holds its whole shard twice (174 MiB of a 91M-parameter
+model at world 2).  So a unit gathered for training (:meth:`GatherScheduler.use`) *borrows* the chunk:
+:meth:`lend_chunk` drops the store's whole pages under it (the full buffer's slot is now the only copy)
+and :meth:`release` copies the slot back before it drops the full buffer's pages.  Whatever reads or
+writes the chunks as a whole first takes every lent chunk back (:meth:`take_back_chunks`): the
+optimizer step (it steps the store in place) and ``checkpoint_parts`` (saves, loads, pretrained
+weights); writes to one chunk (:meth:`commit_full`, the updater's pieces, :meth:`shard_view`) take
+that chunk back.  Nothing is lent while something outside training reads the chunks (an asynchronous
+save's copy, :meth:`read_chunks_elsewhere_while`), nor where the store and the full buffer differ in
+device or dtype (parameter offload), nor for persistent buckets, nor where pages cannot be dropped
+(device memory).  The price is one copy of the chunk per release, into pages that fault back in.
 """
 
 from __future__ import annotations
 
 from enum import Enum
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -34,6 +49,10 @@ from .storage import HOMES, InitialValues, ParamHome
 # What a released parameter's own .data becomes: zero elements, so that a stale reference to the
 # Parameter object reads nothing rather than freed memory.
 _EMPTY = torch.empty(0)
+
+
+def _never() -> bool:
+    return False
 
 
 class GatherState(Enum):
@@ -77,6 +96,12 @@ class ShardedParameters:
         #: host memory on Linux: a released buffer keeps its storage and drops its pages (see
         #: [Note: releasing a gathered unit's pages] in memory/page_release.py); elsewhere it is freed
         self._drops_pages = can_release_pages(torch.empty(0, device=self.device))
+        #: buckets whose own chunk lives only in the full buffer's slot (see [Note: a gathered unit
+        #: borrows this rank's chunk]); and what says the chunks are being read outside training
+        self._lent: set[int] = set()
+        self._read_elsewhere: Callable[[], bool] = _never
+        if self._drops_pages:  # a lent chunk's pages fault back in at its release: 2 MiB at a time
+            prefer_huge_pages(self.store.device_shard)
 
         with torch.no_grad():
             for bucket in layout.buckets:
@@ -135,6 +160,7 @@ class ShardedParameters:
     def shard_view(self, bucket: BucketLayout, rank: int) -> torch.Tensor:
         """This rank's chunk of ``bucket`` (1D) where it is resident; only the own chunk is stored here."""
         assert rank == self.rank, "stage 3 stores only this rank's chunk"
+        self.take_back_chunk(bucket.index)
         view = self.store.view(bucket)
         if view is None:
             raise RuntimeError(f"bucket {bucket.index}'s shard lives on NVMe (offload_param): it has no "
@@ -228,11 +254,53 @@ class ShardedParameters:
             del self._pins[index]
             self.release(index)
 
+    # ------------------------------------------------------------------ lending the own chunk
+    def read_chunks_elsewhere_while(self, busy: Callable[[], bool]) -> None:
+        """While ``busy()``, something outside training reads the chunks (an asynchronous save's copy):
+        no chunk is lent then (see [Note: a gathered unit borrows this rank's chunk])."""
+        self._read_elsewhere = busy
+
+    def lend_chunk(self, index: int) -> None:
+        """Bucket ``index`` is gathered for training: its full buffer's slot becomes the only copy of
+        this rank's chunk, and the store's pages under the chunk go (see the Note above)."""
+        if (index in self._lent or index in self.persistent or not self._drops_pages
+                or self.state[index] is not GatherState.GATHERED or self._read_elsewhere()):
+            return
+        own = self.store.view(self.layout.buckets[index])
+        full = self.full[index]
+        if own is None or own.device != full.device or own.dtype != full.dtype:
+            return
+        release_pages(own)
+        self._lent.add(index)
+
+    def take_back_chunk(self, index: int) -> None:
+        """Copy bucket ``index``'s lent chunk back from the full buffer's slot into the store."""
+        if index not in self._lent:
+            return
+        bucket = self.layout.buckets[index]
+        start, end = bucket.shard_range(self.rank)
+        own = self.store.view(bucket)
+        assert own is not None
+        with torch.no_grad():
+            own.copy_(self.full[index][start:end])
+        self._lent.discard(index)
+
+    def take_back_chunks(self) -> None:
+        """Every lent chunk back in the store: before anything reads or writes the chunks as a whole."""
+        for index in sorted(self._lent):
+            self.take_back_chunk(index)
+
+    def lent_bytes(self) -> int:
+        """Bytes of this rank's chunks lent to gathered full buffers now (0 between steps)."""
+        return sum(self.layout.buckets[i].shard_numel for i in self._lent) * self.store.device_shard.element_size()
+
     def release(self, index: int) -> None:
-        """Free bucket ``index``'s full buffer (persistent and pinned buckets are kept)."""
+        """Free bucket ``index``'s full buffer (persistent and pinned buckets are kept); a lent chunk
+        goes back to the store first."""
         if index in self.persistent or index in self._pins or self.state[index] is GatherState.SHARDED:
             return
         self.wait(index)
+        self.take_back_chunk(index)
         if self._drops_pages:
             release_pages(self.full[index])
         else:
@@ -247,6 +315,7 @@ class ShardedParameters:
         self.drop_secondary(index)
         with torch.no_grad():
             self.store.write(bucket, 0, self.full[index][start:end])
+            self._lent.discard(index)  # the store holds the chunk again
             if self.masters is not None and not bucket.frozen:
                 self.masters.take(bucket, self.full[index], only_changed=True)
 
@@ -269,6 +338,7 @@ class ShardedParameters:
         with torch.no_grad():
             for bucket in self.layout.buckets:
                 self.gather(bucket.index, f"detach{bucket.index}")
+                self.take_back_chunk(bucket.index)
                 for slot in bucket.slots:
                     self.params[slot.index].data = self._views[slot.index].clone()
                     self._show_param(slot.index, self.params[slot.index])

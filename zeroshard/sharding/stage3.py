@@ -99,6 +99,7 @@ class Stage3(Stage2):
 
     def publish_piece(self, bucket: BucketLayout, start: int, values: torch.Tensor) -> None:
         """The owned chunk may be off the device (parameter offload): the store writes it in place."""
+        self.storage.take_back_chunk(bucket.index)  # a lent chunk would be copied back over the update
         with torch.no_grad():
             self.storage.store.write(bucket, start, values)
 

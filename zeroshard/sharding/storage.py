@@ -57,6 +57,14 @@ class ParameterStorage(Protocol):
 
     def unpin(self, index: int) -> None: ...
 
+    def take_back_chunks(self) -> None:
+        """Stage 3: every chunk lent to a gathered unit back in the store (see [Note: a gathered unit
+        borrows this rank's chunk] in sharded_params.py), before the chunks are read or written as a
+        whole (the optimizer step, a save or a load).  Nothing to do at stages 0-2."""
+
+    def read_chunks_elsewhere_while(self, busy: Callable[[], bool]) -> None:
+        """Stage 3 lends no chunk while ``busy()`` (an asynchronous save copying them)."""
+
     def commit_full(self, index: int) -> None:
         """The full bucket was modified in place: the owned chunk (and the masters) follow it."""
 
