@@ -23,9 +23,8 @@ writes the chunks as a whole first takes every lent chunk back (:meth:`take_back
 optimizer step (it steps the store in place) and ``checkpoint_parts`` (saves, loads, pretrained
 weights); writes to one chunk (:meth:`commit_full`, the updater's pieces, :meth:`shard_view`) take
 that chunk back.  Nothing is lent while something outside training reads the chunks (an asynchronous
-save's copy, :meth:`read_chunks_elsewhere_while`), nor where the store and the full buffer differ in
-device or dtype (parameter offload), nor for persistent buckets, nor where pages cannot be dropped
-(device memory).  The price is one copy of the chunk per release, into pages that fault back in.
+save's copy, :meth:`read_chunks_elsewhere_while`), nor for chunks offloaded to host memory or NVMe
+(``offload_param``), nor for persistent buckets, nor where pages cannot be dropped (device memory).  The price is one copy of the chunk per release, into pages that fault back in.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from torch import nn
 
 from ..distributed.collectives import Collectives, PendingCollective
 from ..memory.page_release import can_release_pages, held_bytes, prefer_huge_pages, release_pages
-from ..offload.policy import NoOffload, OffloadPolicy, SwapFailure
+from ..offload.policy import NoOffload, OffloadPolicy, Place, SwapFailure
 from .flat_params import bucket_values
 from .layout import BucketLayout, FlatLayout
 from .master_weights import MasterWeights
@@ -264,12 +263,11 @@ class ShardedParameters:
         """Bucket ``index`` is gathered for training: its full buffer's slot becomes the only copy of
         this rank's chunk, and the store's pages under the chunk go (see the Note above)."""
         if (index in self._lent or index in self.persistent or not self._drops_pages
+                or self.store.where[index] is not Place.DEVICE  # offloaded: the chunk is elsewhere anyway
                 or self.state[index] is not GatherState.GATHERED or self._read_elsewhere()):
             return
         own = self.store.view(self.layout.buckets[index])
-        full = self.full[index]
-        if own is None or own.device != full.device or own.dtype != full.dtype:
-            return
+        assert own is not None
         release_pages(own)
         self._lent.add(index)
 
@@ -279,10 +277,8 @@ class ShardedParameters:
             return
         bucket = self.layout.buckets[index]
         start, end = bucket.shard_range(self.rank)
-        own = self.store.view(bucket)
-        assert own is not None
         with torch.no_grad():
-            own.copy_(self.full[index][start:end])
+            self.store.write(bucket, 0, self.full[index][start:end])
         self._lent.discard(index)
 
     def take_back_chunks(self) -> None:
