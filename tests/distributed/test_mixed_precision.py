@@ -47,12 +47,13 @@ def mixed_config(stage: int, dtype: str, **extra) -> dict:
 
 
 # Other paths through the gradient dtypes: all-reduce instead of reduce-scatter (the own chunk is read
-# from the bucket converted to bf16), fp32 communication, and bf16 accumulation (the seeds' 2 bytes).
+# from the bucket converted to bf16), fp32 communication, and fp32 gradients (the default holds bf16 ones
+# with one micro step per optimizer step).
 VARIANTS = {
     "": {},
     "all_reduce": {"zero_optimization": {"reduce_scatter": False}},
     "fp32_comm": {"communication_data_type": "fp32"},
-    "bf16_accum": {"data_types": {"grad_accum_dtype": "bf16"}},
+    "fp32_accum": {"data_types": {"grad_accum_dtype": "fp32"}},
 }
 
 
@@ -101,7 +102,7 @@ def check_follow(stage: int, world: int, variant: str) -> None:
 
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
-@pytest.mark.parametrize("variant", ["all_reduce", "fp32_comm", "bf16_accum"])
+@pytest.mark.parametrize("variant", ["all_reduce", "fp32_comm", "fp32_accum"])
 @pytest.mark.parametrize("stage", [1, 2])
 def test_bf16_gradient_dtype_variants_follow_fp32_ddp(stage: int, variant: str) -> None:
     check_follow(stage, 3, variant)
@@ -231,14 +232,14 @@ def memory_worker(rank: int, world: int, stage: int, dtype: str, accum: str | No
 
 
 @pytest.mark.parametrize("stage, world, dtype, accum", [
-    (0, 3, "fp16", None), (1, 3, "bf16", "bf16"), (2, 3, "fp16", None), (3, 3, "bf16", "bf16"),
-    (1, 2, "fp16", None), (2, 2, "bf16", None), (3, 2, "bf16", None),
+    (0, 3, "fp16", None), (1, 3, "bf16", None), (2, 3, "fp16", None), (3, 3, "bf16", "bf16"),
+    (1, 2, "fp16", None), (2, 2, "bf16", "fp32"), (3, 2, "bf16", "fp32"),
 ])
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
 def test_mixed_precision_memory_is_the_seed_formula(stage: int, world: int, dtype: str, accum) -> None:
     results = run_world(memory_worker, world, args=(stage, dtype, accum))
     psi = results[0]["psi"]
-    g = 4 if dtype == "bf16" and accum is None else 2  # bf16 accumulates in fp32 unless told otherwise
+    g = 4 if accum == "fp32" else 2  # one micro step: bf16 gradients by default (DeepSpeed's under ZeRO)
     total = 0.0
     for r in results:
         mb, own = r["mb"], r["own"]
@@ -255,6 +256,44 @@ def test_mixed_precision_memory_is_the_seed_formula(stage: int, world: int, dtyp
     assert results[0]["mb"]["formula"] == pytest.approx(formula)
     if g == 2:
         assert estimate_stage(EstimateRequest(psi, n, "mixed"), stage).model_states == pytest.approx(total / n)
+
+
+def gradient_dtype_worker(rank: int, world: int) -> dict:
+    """Each stage twice from the same weights: the default gradient dtype and fp32 gradients."""
+    out = {}
+    for stage in (1, 2, 3):
+        runs = {}
+        for accum in (None, "fp32"):
+            cfg = mixed_config(stage, "bf16")
+            if accum:
+                cfg["data_types"] = {"grad_accum_dtype": accum}
+            engine, _, _, _ = zeroshard.initialize(model=make_model(), config=cfg)
+            for step in range(3):
+                for x, y in rank_micro_batches(step, rank, world, 2, 1):
+                    engine.backward(engine(x, y))
+                    engine.step()
+            runs[accum] = {"dtype": engine.precision.grad_accum, "grads": engine.memory_breakdown()["grads"],
+                           "masters": engine.strategy.masters.data.clone(), "params": engine.flat.data.clone(),
+                           "norm": engine.get_global_grad_norm()}
+        default, fp32 = runs[None], runs["fp32"]
+        out[stage] = {"dtypes": (default["dtype"], fp32["dtype"]), "grads": (default["grads"], fp32["grads"]),
+                      "norms": (default["norm"], fp32["norm"]),
+                      "equal": torch.equal(default["masters"], fp32["masters"])
+                      and torch.equal(default["params"], fp32["params"])}
+    return out
+
+
+def test_bf16_holds_bf16_gradients_without_accumulation_and_updates_as_fp32_ones() -> None:
+    """With one micro step per optimizer step and a bf16 reduction, bf16 gradients hold exactly what fp32
+    ones would (autograd's gradients are bf16, and so is what the ranks sum): the default keeps them in
+    bf16, half the bytes, and three clipped steps at world 3 (padded chunks) end bitwise where fp32
+    gradients end, at stages 1-3."""
+    for result in run_world(gradient_dtype_worker, 3):
+        for stage, r in result.items():
+            assert r["dtypes"] == (torch.bfloat16, torch.float32), stage
+            assert 2 * r["grads"][0] == r["grads"][1] > 0, stage
+            assert r["norms"][0] == r["norms"][1], stage
+            assert r["equal"], f"stage {stage}: bf16 gradients updated differently from fp32 ones"
 
 
 def save_mixed_worker(rank: int, world: int, directory: str) -> None:

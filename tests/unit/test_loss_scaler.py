@@ -52,6 +52,16 @@ def test_precision_policy_defaults() -> None:
 
     assert PrecisionPolicy.from_config(load_config({})) == PrecisionPolicy()
     bf16 = PrecisionPolicy.from_config(load_config({"bf16": {"enabled": True}}))
-    assert (bf16.compute, bf16.comm, bf16.grad_accum) == (torch.bfloat16, torch.bfloat16, torch.float32)
+    # nothing accumulates and the reduction is bf16: bf16 gradients, DeepSpeed's default under ZeRO
+    assert (bf16.compute, bf16.comm, bf16.grad_accum) == (torch.bfloat16, torch.bfloat16, torch.bfloat16)
+
+    def bf16_accum(**config) -> torch.dtype:
+        return PrecisionPolicy.from_config(load_config({"bf16": {"enabled": True}, **config})).grad_accum
+
+    assert bf16_accum(gradient_accumulation_steps=1, train_micro_batch_size_per_gpu=2) == torch.bfloat16
+    assert bf16_accum(gradient_accumulation_steps=4, train_micro_batch_size_per_gpu=2) == torch.float32
+    assert bf16_accum(communication_data_type="fp32") == torch.float32
+    assert bf16_accum(gradient_accumulation_steps=4, data_types={"grad_accum_dtype": "bf16"}) == torch.bfloat16
+    assert bf16_accum(data_types={"grad_accum_dtype": "fp32"}) == torch.float32
     fp16 = PrecisionPolicy.from_config(load_config({"fp16": {"enabled": True}, "communication_data_type": "fp32"}))
     assert (fp16.compute, fp16.comm, fp16.grad_accum) == (torch.float16, torch.float32, torch.float16)

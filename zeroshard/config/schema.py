@@ -97,7 +97,8 @@ class DataTypesConfig:
     """``data_types``: the dtype gradients accumulate in."""
 
     grad_accum_dtype: Optional[Literal["fp32", "fp16", "bf16"]] = key(
-        None, "Gradient accumulation dtype: fp32 or the training dtype; default fp32 (fp16 under fp16).")
+        None, "Gradient dtype (held and accumulated in): fp32 or the training dtype; default the training "
+              "dtype, but fp32 under bf16 with gradient_accumulation_steps > 1 or an fp32 communication_data_type.")
 
 
 @dataclass(frozen=True)

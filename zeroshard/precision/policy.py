@@ -9,16 +9,23 @@
   the optimizer updates the parameters themselves.
 - ``comm``: the dtype gradients are reduced in (``communication_data_type``; default ``compute``,
   which halves the traffic of fp32).
-- ``grad_accum``: the dtype gradients accumulate in across micro steps (``data_types.grad_accum_dtype``).
-  Default fp32 for bf16 (bf16's 8-bit mantissa loses small additions) and fp16 for fp16 (the loss
-  scale keeps fp16 gradients well inside their range, as in DeepSpeed).  The ZeRO paper's 2-bytes-per-
-  parameter gradient figures hold when it is the 16-bit dtype; fp32 accumulation costs 2 more bytes
-  per gradient element held (stages 0-1: every element; stages 2-3: the shard).
+- ``grad_accum``: the dtype gradients are held and accumulate in across micro steps
+  (``data_types.grad_accum_dtype``).  Under bf16 the default depends on whether anything
+  accumulates: with ``gradient_accumulation_steps`` 1 and ``comm`` bf16 (its default) it is bf16,
+  DeepSpeed's default under ZeRO (autograd's gradients are bf16 and they are reduced in bf16, so an
+  fp32 buffer would hold the very same values at twice the bytes); with more micro steps, or an fp32
+  reduction, it is fp32 (bf16's 8-bit mantissa loses small additions: summing K micro steps'
+  gradients, or N ranks' in fp32, is where fp32 pays).  Under fp16
+  it is fp16 (the loss scale keeps fp16 gradients well inside their range, as in DeepSpeed).  The
+  ZeRO paper's 2-bytes-per-parameter gradient figures hold when it is the 16-bit dtype; fp32
+  accumulation costs 2 more bytes per gradient element held (stages 0-1: every element; stages 2-3:
+  the shard).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -29,6 +36,16 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 def dtype_name(dtype: torch.dtype) -> str:
     return next(name for name, d in DTYPES.items() if d == dtype)
+
+
+def default_grad_accum(compute: str, comm: str, accumulation_steps: Optional[int]) -> str:
+    """The dtype gradients are held in when ``data_types.grad_accum_dtype`` is not set (see [Note: the
+    dtypes of mixed precision]): the training dtype, except under bf16 where an fp32 buffer would hold
+    more than bf16 can: more than one micro step per optimizer step (unset steps mean one, as in the
+    batch-size formula), or a reduction in fp32 (``communication_data_type``)."""
+    if compute == "bf16" and ((accumulation_steps or 1) > 1 or comm == "fp32"):
+        return "fp32"
+    return compute
 
 
 @dataclass(frozen=True)
@@ -70,7 +87,8 @@ class PrecisionPolicy:
     @classmethod
     def from_config(cls, config: ZeroshardConfig) -> "PrecisionPolicy":
         compute = "fp16" if config.fp16.enabled else "bf16" if config.bf16.enabled else "fp32"
-        accum = config.data_types.grad_accum_dtype or ("fp16" if compute == "fp16" else "fp32")
         comm = config.communication_data_type or compute
+        accum = config.data_types.grad_accum_dtype or default_grad_accum(compute, comm,
+                                                                         config.gradient_accumulation_steps)
         return cls(DTYPES[compute], DTYPES[comm], DTYPES[accum], config.prescale_gradients,
                    config.gradient_predivide_factor)

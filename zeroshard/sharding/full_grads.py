@@ -37,7 +37,7 @@ class FullGradientStrategy(ShardingStrategy):
 
     def to_comm_dtype(self, bucket: BucketLayout) -> torch.Tensor:
         """The bucket's gradients in the communication dtype: the bucket itself, or a pooled copy
-        (bf16 training accumulates in fp32 and communicates in bf16 by default)."""
+        (bf16 training with accumulation holds fp32 gradients and communicates in bf16 by default)."""
         grads = self.grad_bucket(bucket)
         if grads.dtype == self.precision.comm:
             return grads
