@@ -15,11 +15,10 @@
   DeepSpeed's default under ZeRO (autograd's gradients are bf16 and they are reduced in bf16, so an
   fp32 buffer would hold the very same values at twice the bytes); with more micro steps, or an fp32
   reduction, it is fp32 (bf16's 8-bit mantissa loses small additions: summing K micro steps'
-  gradients, or N ranks' in fp32, is where fp32 pays).  Under fp16
-  it is fp16 (the loss scale keeps fp16 gradients well inside their range, as in DeepSpeed).  The
-  ZeRO paper's 2-bytes-per-parameter gradient figures hold when it is the 16-bit dtype; fp32
-  accumulation costs 2 more bytes per gradient element held (stages 0-1: every element; stages 2-3:
-  the shard).
+  gradients, or N ranks' in fp32, is where fp32 pays).  Under fp16 it is fp16 (the loss scale keeps
+  fp16 gradients well inside their range, as in DeepSpeed).  The ZeRO paper's 2-bytes-per-parameter
+  gradient figures hold when it is the 16-bit dtype; fp32 costs 2 more bytes per gradient element
+  held (stages 0-1: every element; stages 2-3: the shard).
 """
 
 from __future__ import annotations
