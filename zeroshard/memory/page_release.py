@@ -24,7 +24,7 @@ that stay free for about two seconds go to the host, and touching them again cos
 well: 351 MiB refilled in 0.06-0.07 s up to a second after the drop, 0.17 s from two seconds on
 (benchmarks/bench_page_refill.py).  A unit released in one backward is gathered again in the next
 forward, seconds later, so stage 3 pays that price every step (benchmarks/RESULTS.md, seventeenth
-session: it is most of stage 3's step time above DDP's there).
+session: much of stage 3's step time above DDP's there).
 
 A released buffer reads as zeros rather than as freed memory; nothing reads it (the modules show
 placeholders, see placeholder.py, and every use gathers first).  Where ``madvise`` is not available
