@@ -72,6 +72,7 @@ def memory_worker(rank: int, world: int, stage: int) -> dict:
     held["after_next_step"] = engine.strategy.held_grad_bytes()
     return {"mb": engine.memory_breakdown(), "held": held, "psi": sum(p.numel() for p in model.parameters() if p.requires_grad),
             "real_in_shard": layout.real_numel_in_shard(rank), "padded": layout.padded_numel,
+            "largest_bucket": max(b.padded_numel for b in layout.buckets),
             "frozen": sum(p.numel() for p in model.parameters() if not p.requires_grad)}
 
 
@@ -88,6 +89,9 @@ def test_memory_breakdown_matches_the_zero_formulas(stage: int, n: int) -> None:
         if stage == 2:  # what the formula counts is held from the end of backward to the step, no longer
             assert held["after_step"] == held["after_next_step"] == 0
             assert held["after_backward"] == 4 * r["padded"] // n >= mb["grads"]  # padding included
+            # its bucket buffers are kept from one backward to the next ([Note: when the bucket pool lets go])
+            buffers, rest = divmod(mb["comm_buffers"], 4 * r["largest_bucket"])
+            assert buffers >= 1 and rest == 0
         else:  # stages 0-1 keep their full-size buffer (see [Note: gradients live from backward to the step])
             assert held["after_step"] == held["after_backward"] == held["after_next_step"] == 4 * r["padded"]
         assert mb["optimizer"] == 8 * (psi if stage == 0 else own)

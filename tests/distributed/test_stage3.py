@@ -50,6 +50,7 @@ def test_stage3_memory_and_communication_are_exact(persistence: int) -> None:
         assert mb["params"] == mb["grads"] == 4 * r["own"]
         assert mb["optimizer"] == 8 * r["own"]
         assert mb["gathered_params"] == 0  # nothing stays gathered between steps
+        assert mb["comm_buffers"] == 0  # nor the bucket buffers ([Note: when the bucket pool lets go])
         assert mb["persistent_params"] == 4 * r["real_persistent"]
         total += mb["model_states"]
         sharded = 4 * (r["padded"] - r["padded_persistent"] + r["padded_frozen"])

@@ -8,7 +8,8 @@ time (slow), and glibc keeps freed blocks of changing sizes (peak RSS grows).  A
 fixed-capacity buffers, reused from step to step, costs a constant, reported amount of memory
 (``comm_buffers`` in the breakdown) bounded by the bucket size, not by the model.
 
-Between backwards (:meth:`BufferPool.trim`) the pool gives its memory back.  In host memory on Linux
+At stage 3 the pool gives its memory back between backwards (:meth:`BufferPool.trim`; stage 2 keeps
+it: [Note: when the bucket pool lets go] in stage2.py).  In host memory on Linux
 it keeps the buffers and drops their pages, as stage 3 does with a released unit ([Note: releasing a
 gathered unit's pages] in memory/page_release.py): freed buffers would go back into glibc's heap,
 where the next forward's activations take them in pieces and the next backward's buffers come from
