@@ -17,9 +17,10 @@ import argparse
 import os
 import subprocess
 import sys
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 if TYPE_CHECKING:
+    from .config import ZeroshardConfig
     from .memory import Cluster, EstimateRequest
 
 
@@ -87,7 +88,7 @@ def _model_numbers(args: argparse.Namespace) -> tuple[float, dict]:
 
 
 _SCALE_LINKS = ("intra_node_bw", "inter_node_bw", "tflops")
-_SCALE_ONLY = ("grad_accum", "mics_shard_size", "hpz_partition_size")
+_SCALE_ONLY = ("mics_shard_size", "hpz_partition_size")
 
 
 def _flag(name: str) -> str:
@@ -145,6 +146,23 @@ def _group_sizes(args: argparse.Namespace, world_size: int) -> tuple[list[int], 
     return sizes["mics_shard_size"], sizes["hpz_partition_size"]
 
 
+def _grad_bytes(args: argparse.Namespace, config: "ZeroshardConfig") -> Optional[int]:
+    """Bytes per held gradient element, as the engine decides it for ``--precision`` and the config's
+    ``data_types.grad_accum_dtype`` / ``communication_data_type`` / ``gradient_accumulation_steps``
+    (``--grad-accum`` wins over the last): bf16 accumulating over several micro steps holds fp32."""
+    from .precision.policy import DTYPES, default_grad_accum
+
+    if args.precision == "fp32":
+        return None
+    held = config.data_types.grad_accum_dtype or default_grad_accum(
+        args.precision, config.communication_data_type or args.precision, _micro_steps(args, config))
+    return DTYPES[held].itemsize
+
+
+def _micro_steps(args: argparse.Namespace, config: "ZeroshardConfig") -> int:
+    return args.grad_accum or config.gradient_accumulation_steps or 1
+
+
 def _estimate(args: argparse.Namespace) -> int:
     from .config import load_config
     from .memory import EstimateRequest, ModelShape, estimate_all, format_table
@@ -159,15 +177,17 @@ def _estimate(args: argparse.Namespace) -> int:
     num_params, shape = _model_numbers(args)
     shape = {k: v for k, v in shape.items() if v}
     shape.update({k: v for k, v in (("hidden", args.hidden), ("layers", args.layers), ("heads", args.heads)) if v})
-    zero = load_config(args.config).zero_optimization if args.config else load_config({}).zero_optimization
+    config = load_config(args.config) if args.config else load_config({})
+    zero = config.zero_optimization
     req = EstimateRequest(num_params=num_params, world_size=args.gpus_per_node * args.nodes,
                           precision="fp32" if args.precision == "fp32" else "mixed", offload=args.offload,
                           micro_batch=args.micro_batch, seq_len=args.seq_len, checkpointing=args.checkpointing,
                           shape=ModelShape(**shape), reduce_bucket_size=zero.reduce_bucket_size,
-                          prefetch_bucket_size=zero.stage3_prefetch_bucket_size, trainable=args.trainable)
+                          prefetch_bucket_size=zero.stage3_prefetch_bucket_size, trainable=args.trainable,
+                          grad_bytes=_grad_bytes(args, config))
     estimates = estimate_all(req)
     if scale:
-        print(_scale_table(args, req))
+        print(_scale_table(args, req, _micro_steps(args, config)))
     else:
         print(format_table(req, estimates, args.gpu_memory))
     if args.plot:
@@ -177,14 +197,13 @@ def _estimate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _scale_table(args: argparse.Namespace, req: "EstimateRequest") -> str:
+def _scale_table(args: argparse.Namespace, req: "EstimateRequest", micro_steps: int) -> str:
     """The scale model's table (zeroshard/memory/scale_model.py) for the parsed options."""
     from .memory import default_shardings, format_scale_table, scale_estimates
 
     cluster = _cluster(args)
     mics, hpz = _group_sizes(args, cluster.world_size)
     shardings = default_shardings(cluster.world_size, cluster.gpus_per_node, mics, hpz)
-    micro_steps = args.grad_accum or 1
     table = format_scale_table(req, cluster, scale_estimates(req, cluster, shardings, micro_steps), args.gpu_memory,
                                micro_steps)
     if args.offload:
@@ -289,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--layers", type=int)
     est.add_argument("--heads", type=int)
     est.add_argument("--checkpointing", action="store_true", help="activation checkpointing on")
+    est.add_argument("--grad-accum", type=int,
+                     help="micro steps per optimizer step (default: the config's gradient_accumulation_steps, "
+                          "else 1); under bf16 more than one holds gradients in fp32")
     est.add_argument("--gpu-memory", type=float, help="GB per GPU: recommend the lowest stage that fits")
     est.add_argument("--config", help="a DeepSpeed-style JSON config (bucket sizes for the buffers)")
     est.add_argument("--plot", help="also draw stacked bars per stage to this PNG (needs matplotlib)")
@@ -297,7 +319,6 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--intra-node-bw", help="bandwidth one GPU sends inside its node, e.g. 900GB/s or 3600Gbps")
     scale.add_argument("--inter-node-bw", help="network bandwidth per GPU (node NICs / GPUs), e.g. 50GB/s or 400Gbps")
     scale.add_argument("--tflops", type=float, help="achieved model TFLOPS per GPU (6 x params per token), e.g. 400")
-    scale.add_argument("--grad-accum", type=int, help="micro steps per optimizer step (default 1)")
     scale.add_argument("--mics-shard-size", type=int, action="append",
                        help="also model MiCS with this shard group size (repeatable; gpus-per-node is always shown)")
     scale.add_argument("--hpz-partition-size", type=int, action="append",

@@ -72,6 +72,26 @@ def test_cli_estimate_prints_the_table_and_a_recommendation(tmp_path, capsys) ->
     assert "| 3 | 0 | 0.5 | 0 | 0.5 | 0 | 0.006 | 0.506 | 3.5 |" in out
 
 
+def test_cli_estimate_counts_fp32_gradients_where_bf16_accumulates(tmp_path, capsys) -> None:
+    """bf16 over several micro steps holds fp32 gradients ([Note: the dtypes of mixed precision]): 4 bytes
+    an element, from --grad-accum or the config's gradient_accumulation_steps; fp16, or a grad_accum_dtype
+    set to bf16, keeps 2."""
+    base = ["estimate", "--params", "7e9", "--gpus-per-node", "8"]
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"gradient_accumulation_steps": 4, "bf16": {"enabled": True}}))
+    for extra in (["--grad-accum", "4"], ["--config", str(config)]):
+        assert main(base + extra) == 0
+        out = capsys.readouterr().out
+        assert "mixed precision (16-bit params/grads, fp32 Adam), gradients held in fp32" in out
+        assert "| 0 | 14 | 28 | 84 | 126 |" in out and "| 2 | 14 | 3.5 | 10.5 | 28 |" in out
+    config.write_text(json.dumps({"gradient_accumulation_steps": 4, "bf16": {"enabled": True},
+                                  "data_types": {"grad_accum_dtype": "bf16"}}))
+    for extra in (["--config", str(config)], ["--precision", "fp16", "--grad-accum", "4"]):
+        assert main(base + extra) == 0
+        out = capsys.readouterr().out
+        assert "held in fp32" not in out and "| 2 | 14 | 1.75 | 10.5 | 26.25 |" in out
+
+
 def test_cli_estimate_from_a_model_factory_and_a_hf_config(tmp_path, capsys) -> None:
     assert main(["estimate", "--model", "zeroshard.demo.model:demo_gpt", "--gpus-per-node", "2"]) == 0
     from zeroshard.demo.model import GPTConfig

@@ -257,7 +257,6 @@ def test_cli_without_the_scale_options_prints_the_memory_table(capsys) -> None:
 @pytest.mark.parametrize("extra, message", [
     (["--tflops", "400"], "missing --intra-node-bw, --inter-node-bw"),
     (["--mics-shard-size", "8"], "--mics-shard-size belong"),
-    (["--grad-accum", "2"], "--grad-accum belong"),
 ])
 def test_cli_refuses_a_half_given_scale_model(extra, message) -> None:
     with pytest.raises(SystemExit, match=message):

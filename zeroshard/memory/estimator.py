@@ -69,6 +69,9 @@ class EstimateRequest:
     prefetch_bucket_size: float = 5e7
     #: the fraction of parameters that train (LoRA: ~0.01); the rest are frozen (see estimate_stage)
     trainable: float = 1.0
+    #: bytes per gradient element held; None: the precision's (2 mixed, 4 fp32).  4 under bf16 when
+    #: gradients accumulate in fp32 ([Note: the dtypes of mixed precision] in precision/policy.py)
+    grad_bytes: Optional[int] = None
 
 
 def activation_bytes(req: EstimateRequest) -> float:
@@ -100,7 +103,7 @@ def estimate_stage(req: EstimateRequest, stage: int) -> StageEstimate:
     gradients and optimizer state; every parameter, frozen or not, is held in the training dtype, sharded
     at stage 3 and whole below (as the engine holds frozen parameters), so ``params`` does not change."""
     states = model_state_bytes(stage, req.num_params, req.world_size, req.precision)
-    trained = model_state_bytes(stage, req.num_params * req.trainable, req.world_size, req.precision)
+    trained = model_state_bytes(stage, req.num_params * req.trainable, req.world_size, req.precision, req.grad_bytes)
     params, grads, optimizer, host = states.params, trained.grads, trained.optimizer, 0.0
     if req.offload in ("optimizer", "params") and stage >= 1:
         host += optimizer
@@ -147,7 +150,9 @@ def recommend(estimates: list[StageEstimate], gpu_memory_gb: Optional[float], he
 
 def format_table(req: EstimateRequest, estimates: list[StageEstimate], gpu_memory_gb: Optional[float]) -> str:
     precision = "mixed precision (16-bit params/grads, fp32 Adam)" if req.precision == "mixed" else "fp32 (Adam)"
+    held_in_fp32 = req.precision == "mixed" and req.grad_bytes == 4
     lines = [f"{req.num_params:.3g} parameters, {req.world_size} ranks, {precision}"
+             + (", gradients held in fp32" if held_in_fp32 else "")
              + (f", offload {req.offload}" if req.offload else "")
              + (f", {req.trainable:g} of them trainable (the rest frozen)" if req.trainable < 1 else "")
              + "; per rank, decimal GB",
