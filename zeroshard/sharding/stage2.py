@@ -49,9 +49,11 @@ class Stage2(ShardingStrategy):
     pages to its hypervisor, see [Note: releasing a gathered unit's pages] in memory/page_release.py).
     Measured at 91M fp32, world 2, DeepSpeed's defaults (three 45 MiB buffers), stage 2 beside DDP in
     one world: backward 4.17-4.30 s with 0.55-0.76 s of system time when the pages were given back,
-    3.52-3.75 s with 0.25-0.42 s when kept (DDP: 3.15-3.61 s, 0.17-0.25 s); peak RSS 1719/1654 MiB
-    against 1725/1644 (both in backward).  Stage 3 gives them back (``trims_bucket_pool``): its peak
-    is at the end of the forward, where the gathered units add to the activations.
+    3.52-3.75 s with 0.25-0.42 s when kept (DDP: 3.15-3.61 s, 0.17-0.25 s); the whole step 1.177 and
+    1.173x DDP's against 1.100 and 1.096x (benchmarks/bench_step_ratio.py, two runs each, alternated);
+    peak RSS 1719/1654 MiB against 1725/1644 (both in backward).  Stage 3 gives them back
+    (``trims_bucket_pool``): its peak is at the end of the forward, where the gathered units add to
+    the activations.
     """
 
     stage = 2
