@@ -4,6 +4,7 @@ the whole collectives."""
 
 import resource
 import sys
+import time
 
 import pytest
 import torch
@@ -122,3 +123,34 @@ def test_ring_all_gather_takes_a_shard_of_another_dtype_or_layout() -> None:
     for got in run_world(other_kind_worker, 3):
         assert got[0] == [float(i + 10 * r) for r in range(3) for i in range(6)]
         assert got[1] == [float(2 * i + 100 * r) for r in range(3) for i in range(6)]
+
+
+def progress_worker(rank: int, world: int) -> dict:
+    comm = Collectives(init_distributed())
+    chunk = 6 * collectives.PIECE_BYTES // 4  # six pieces a chunk: more than a reduce-scatter receives at once
+    inputs = everyones(world, chunk, torch.float32, seed=7)
+    full, out = inputs[rank].clone(), torch.empty(chunk)
+    gathered = torch.zeros(world * chunk)
+    reduce = comm.reduce_scatter(out, full, "unwaited_rs", async_op=True)
+    gather = comm.all_gather(gathered, inputs[rank][rank * chunk:(rank + 1) * chunk].clone(), "unwaited_ag",
+                             async_op=True)
+    polls = 0
+    while not (reduce.is_completed() and gather.is_completed()) and polls < 6000:  # 60 s: a hang, not a speed
+        time.sleep(0.01)
+        polls += 1
+    finished_unwaited = reduce.is_completed() and gather.is_completed()
+    reduce.wait()
+    gather.wait()
+    return {"finished_unwaited": finished_unwaited,
+            "rs": torch.equal(out, torch.stack(inputs).sum(0)[rank * chunk:(rank + 1) * chunk]),
+            "ag": torch.equal(gathered, torch.cat([inputs[r][r * chunk:(r + 1) * chunk] for r in range(world)]))}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_rings_finish_while_the_training_thread_does_not_wait(world: int) -> None:
+    """A launched ring is carried to its end by the progress thread ([Note: rings progress on their own
+    thread] in ring_progress.py), not in ``wait()``: a reduce-scatter of six pieces a chunk and an
+    all-gather that must pass pieces on (world 3) both finish while the training thread only sleeps,
+    with exact results.  Driven from ``wait()``, the reduce-scatter stopped after its first two pieces."""
+    for r in run_world(progress_worker, world):
+        assert r == {"finished_unwaited": True, "rs": True, "ag": True}

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from .ring import RingAllGather, RingReduceScatter
+from .ring_progress import RING_PROGRESS, DrivenRing, Ring
 from .world import World
 
 
@@ -118,6 +119,10 @@ class PendingCollective:
         self.label = label
         self._counter = counter
         self._timeout = datetime.timedelta(seconds=timeout_s)
+
+    def is_completed(self) -> bool:
+        """Whether the collective has finished (``wait()`` would not block): it runs on without one."""
+        return self._work is None or bool(self._work.is_completed())
 
     def wait(self) -> None:
         if self._work is None:
@@ -209,7 +214,7 @@ class Collectives:
             output.copy_(full)
         if self._rings:
             return self._run(CommKind.REDUCE_SCATTER, label, counter,
-                             lambda: RingReduceScatter(self.world, full, output, PIECE_BYTES), async_op)
+                             lambda: self._driven(RingReduceScatter(self.world, full, output, PIECE_BYTES)), async_op)
         return self._run(CommKind.REDUCE_SCATTER, label, counter,
                          lambda: _reduce_scatter_1d(output, full, group=self.world.group, async_op=True),
                          async_op)
@@ -223,10 +228,15 @@ class Collectives:
             full.copy_(shard)
         if self._rings:
             return self._run(CommKind.ALL_GATHER, label, counter,
-                             lambda: RingAllGather(self.world, full, shard, PIECE_BYTES), async_op)
+                             lambda: self._driven(RingAllGather(self.world, full, shard, PIECE_BYTES)), async_op)
         return self._run(CommKind.ALL_GATHER, label, counter,
                          lambda: _all_gather_1d(full, shard, group=self.world.group, async_op=True),
                          async_op)
+
+    def _driven(self, ring: Ring) -> DrivenRing:
+        """A launched ring, carried forward on the progress thread (see [Note: rings progress on their
+        own thread] in ring_progress.py)."""
+        return RING_PROGRESS.drive(ring, datetime.timedelta(seconds=self.world.timeout_s))
 
     @property
     def _rings(self) -> bool:

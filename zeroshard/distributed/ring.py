@@ -29,7 +29,8 @@ cache is received, added and sent on while it is still there.  zeroshard sends 1
 A chunk travels as pieces, and each piece goes round the ring on its own: a rank passes piece k of
 step s on (step s+1's message) as soon as it has received it (and, in a reduce-scatter, added it),
 without waiting for the rest of the step.  A collective launches step 0's messages and returns; the
-rest runs in ``wait()``.  Every message carries a tag of its own (the collective's, drawn from a
+rest runs in ``wait()``, which the progress thread calls at once ([Note: rings progress on their own
+thread] in ring_progress.py).  Every message carries a tag of its own (the collective's, drawn from a
 count kept per process group, plus the message's number), so that two collectives in flight between
 the same two ranks cannot take each other's messages; the count advances identically on every rank
 because every rank issues its collectives in the same order.  Both ends post a collective's messages
