@@ -404,12 +404,16 @@ def page_release_worker(rank: int, world: int) -> dict:
         engine.step()
         seen["between_steps"].append(sum(storage.held_bytes(i) for i in units))
         seen["chunks_between_steps"].append(chunks.held_bytes())
+        seen.setdefault("parked", []).append(storage.page_reserve.nbytes)
     trainable = [b for b in storage.layout.buckets if not b.frozen]
     seen["chunk_bytes"] = sum(b.shard_numel * 4 for b in trainable)
     seen["chunk_slack"] = len(trainable) * 2 * 4096  # the partial pages at either end of each chunk
     seen["unit_bytes"] = storage.full[block_unit].numel() * 4
     seen["same_storage"] = addresses == [storage.full[i].untyped_storage().data_ptr() for i in units]
+    seen["capacity"] = storage.page_reserve.capacity
+    seen["moved"] = storage.page_reserve.moved_bytes
     engine.close()
+    seen["parked_after_close"] = storage.page_reserve.nbytes
     return seen
 
 
@@ -462,14 +466,20 @@ def test_a_gathered_unit_borrows_this_ranks_chunk() -> None:
 
 
 def test_stage3_releases_a_units_pages_and_keeps_its_buffer() -> None:
-    """[Note: releasing a gathered unit's pages]: between steps no unit holds a resident page; while a
-    block runs its unit is resident (all but the partial pages at its ends); the buffers never move."""
+    """[Note: releasing a gathered unit's pages]: between steps a unit holds no resident page of its own,
+    only pages parked for the next gather ([Note: released pages move to the next gather]), no more than
+    the reserve's capacity, and pages did move from buffer to buffer; while a block runs its unit is
+    resident (all but the partial pages at its ends); the buffers never move; closing drops what is
+    parked."""
     for seen in run_world(page_release_worker, 2):
-        assert seen["between_steps"] == [0, 0]
+        assert all(held <= parked <= seen["capacity"] for held, parked in zip(seen["between_steps"], seen["parked"]))
+        assert seen["moved"] > 0 and seen["parked_after_close"] == 0
         assert seen["while_running"] and all(
             seen["unit_bytes"] - 8192 <= held <= seen["unit_bytes"] for held in seen["while_running"])
         assert seen["same_storage"]
-        # the gradient chunks, kept for the run, hold their pages from backward to the step only
-        assert seen["chunks_between_steps"] == [0, 0]
+        # the gradient chunks, kept for the run, hold their own pages from backward to the step only:
+        # between steps whatever units and chunks hold is parked
+        assert all(units + chunks <= parked for units, chunks, parked
+                   in zip(seen["between_steps"], seen["chunks_between_steps"], seen["parked"])), seen
         assert all(seen["chunk_bytes"] - seen["chunk_slack"] <= held <= seen["chunk_bytes"]
                    for held in seen["chunks_after_backward"])

@@ -1,8 +1,9 @@
 """The C library's memory calls, loaded once for the memory modules: ``madvise`` and ``mincore``
-(page_release.py, file_pages.py), ``mallopt`` and ``malloc_trim`` (host_allocator.py).
+(page_release.py, file_pages.py), ``mremap`` (page_reserve.py), ``mallopt`` and ``malloc_trim``
+(host_allocator.py).
 
-Each is None where the C library lacks it (``malloc_trim`` and ``mallopt`` are glibc's; ``madvise``
-and ``mincore`` are loaded on Linux only), and every caller has a path for that.
+Each is None where the C library lacks it (``malloc_trim`` and ``mallopt`` are glibc's; ``madvise``,
+``mincore`` and ``mremap`` are loaded on Linux only), and every caller has a path for that.
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ madvise = _function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int],
 mincore = _function("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p], linux_only=True)
 mallopt = _function("mallopt", [ctypes.c_int, ctypes.c_int])
 malloc_trim = _function("malloc_trim", [ctypes.c_size_t])
+#: moves pages between mappings (page_reserve.py); returns the new address, or MAP_FAILED
+mremap = _function("mremap", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p],
+                   linux_only=True)
+if mremap is not None:
+    mremap.restype = ctypes.c_void_p
 
 
 def whole_pages(start: int, nbytes: int, page: int = PAGE) -> tuple[int, int]:

@@ -26,7 +26,11 @@ well: 351 MiB refilled in 0.06-0.07 s up to a second after the drop, 0.17 s from
 forward, seconds later, so stage 3 pays that price every step (benchmarks/RESULTS.md, seventeenth
 session: much of stage 3's step time above DDP's there).
 
-A released buffer reads as zeros rather than as freed memory; nothing reads it (the modules show
+Since the nineteenth session a release hands its pages to a reserve that moves them under the next
+buffer filled, dropping only what the reserve cannot hold ([Note: released pages move to the next
+gather] in page_reserve.py).
+
+A released buffer reads as zeros (or stale values, under the reserve) rather than as freed memory; nothing reads it (the modules show
 placeholders, see placeholder.py, and every use gathers first).  Where ``madvise`` is not available
 (not Linux, or device memory) the caller frees the storage instead, as before.
 """

@@ -18,15 +18,19 @@ new memory.  Elsewhere the buffers themselves are freed.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..memory.page_release import can_release_pages, held_bytes, prefer_huge_pages, release_pages
+from ..memory.page_reserve import PageReserve
 
 
 class BufferPool:
     """Hands out zeroed 1D views of fixed-capacity buffers; grows only when all are in use."""
 
-    def __init__(self, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, capacity: int, dtype: torch.dtype, device: torch.device,
+                 reserve: Optional[PageReserve] = None) -> None:
         self.capacity = capacity
         self.dtype = dtype
         self.device = device
@@ -35,6 +39,8 @@ class BufferPool:
         self._lent: dict[int, torch.Tensor] = {}  # data_ptr of a lent view -> its buffer
         self._drops_pages = can_release_pages(torch.empty(0, device=device))
         self._idle: set[int] = set()  # ids of the buffers whose pages were given back
+        #: stage 3: where given-back pages wait, and where an idle buffer's come from
+        self._reserve = reserve if self._drops_pages else None
 
     def acquire(self, numel: int) -> torch.Tensor:
         """A zeroed view of ``numel`` elements (1D); give it back with :meth:`release`."""
@@ -42,6 +48,8 @@ class BufferPool:
             raise ValueError(f"buffer of {numel} elements asked from a pool of capacity {self.capacity}")
         if self._free:
             buffer = self._free.pop()
+            if id(buffer) in self._idle and self._reserve is not None:
+                self._reserve.fill(buffer)
             self._idle.discard(id(buffer))
         else:
             buffer = torch.empty(self.capacity, dtype=self.dtype, device=self.device)
@@ -61,7 +69,7 @@ class BufferPool:
         if self._drops_pages:
             for buffer in self._free:
                 if id(buffer) not in self._idle:
-                    release_pages(buffer)
+                    self._reserve.give(buffer) if self._reserve is not None else release_pages(buffer)
                     self._idle.add(id(buffer))
             return
         free = {id(b) for b in self._free}
@@ -79,26 +87,33 @@ class KeptBuffers:
     pages in host memory on Linux (see the Note), elsewhere frees it (and :meth:`take` allocates it
     again).  Stage 3 keeps each bucket's gradient chunk in one ([Note: where gradient chunks live])."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, reserve: Optional[PageReserve] = None) -> None:
         self.device = device
         self._drops_pages = can_release_pages(torch.empty(0, device=device))
         self._buffers: dict[int, torch.Tensor] = {}
+        #: stage 3: where given-back pages wait, and where a buffer taken again gets its pages
+        self._reserve = reserve if self._drops_pages else None
 
     def take(self, key: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Buffer ``key`` (1D, ``numel`` elements of ``dtype``); its values are undefined."""
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() != numel or buffer.dtype != dtype:
+            if buffer is not None and self._reserve is not None:
+                self._reserve.reclaim(buffer)  # freed: nothing of it may stay parked
             buffer = torch.empty(numel, dtype=dtype, device=self.device)
             if self._drops_pages:
                 prefer_huge_pages(buffer)
             self._buffers[key] = buffer
+        if self._reserve is not None:
+            self._reserve.fill(buffer)
         return buffer
 
     def give_back(self, key: int) -> None:
         """Buffer ``key``'s memory goes back to the system until it is next taken."""
         if self._drops_pages:
             if key in self._buffers:
-                release_pages(self._buffers[key])
+                buffer = self._buffers[key]
+                self._reserve.give(buffer) if self._reserve is not None else release_pages(buffer)
         else:
             self._buffers.pop(key, None)
 

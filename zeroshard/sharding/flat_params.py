@@ -13,6 +13,7 @@ from typing import Callable, Collection, Optional, Sequence
 import torch
 
 from ..distributed.collectives import Collectives
+from ..memory.page_reserve import PageReserve
 from ..offload.policy import SwapFailure
 from .layout import BucketLayout, FlatLayout
 from .master_weights import MasterWeights
@@ -60,6 +61,7 @@ class FlatParameters:
         self.dtype = dtype or first.dtype
         self.device = first.device
         self.masters = masters
+        self.page_reserve: Optional[PageReserve] = None  # stages 0-2 release no pages between uses
         #: waits until these buckets' values are current (None: all), set by a strategy whose post-step
         #: gather runs into the next forward (see [Note: the parameter gather runs into the next forward])
         self.before_read: Callable[[Optional[Collection[int]]], None] = lambda indices: None

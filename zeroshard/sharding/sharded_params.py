@@ -37,6 +37,7 @@ from torch import nn
 
 from ..distributed.collectives import Collectives, PendingCollective
 from ..memory.page_release import can_release_pages, held_bytes, prefer_huge_pages, release_pages
+from ..memory.page_reserve import PageReserve
 from ..offload.policy import NoOffload, OffloadPolicy, Place, SwapFailure
 from .flat_params import bucket_values
 from .layout import BucketLayout, FlatLayout
@@ -101,6 +102,12 @@ class ShardedParameters:
         self._read_elsewhere: Callable[[], bool] = _never
         if self._drops_pages:  # a lent chunk's pages fault back in at its release: 2 MiB at a time
             prefer_huge_pages(self.store.device_shard)
+        #: where released pages wait for the next buffer filled (see [Note: released pages move to the
+        #: next gather] in memory/page_reserve.py): at most what one forward's gathers need beyond the
+        #: chunks its units borrow
+        self.page_reserve: Optional[PageReserve] = PageReserve(
+            sum(b.padded_numel - b.shard_numel for b in layout.buckets if b.index not in persistent)
+            * self.dtype.itemsize) if self._drops_pages else None
 
         with torch.no_grad():
             for bucket in layout.buckets:
@@ -178,6 +185,8 @@ class ShardedParameters:
             needed = bucket.padded_numel * full.element_size()
             if full.untyped_storage().nbytes() < needed:  # freed (see the Note above), not only its pages
                 full.untyped_storage().resize_(needed)
+            if self.page_reserve is not None:
+                self.page_reserve.fill(full)
             kept = self._secondary.get(index) if index in self._secondary_valid else None
             if kept is not None and self.secondary is not None:  # hpZ: gather inside the group
                 with torch.no_grad():
@@ -268,6 +277,9 @@ class ShardedParameters:
             return
         own = self.store.view(self.layout.buckets[index])
         assert own is not None
+        # dropped, not parked: the forward's gathers have all been launched by now (prefetch), so
+        # parked pages would wait through the forward's peak (see [Note: released pages move to the
+        # next gather] in memory/page_reserve.py)
         release_pages(own)
         self._lent.add(index)
 
@@ -277,9 +289,16 @@ class ShardedParameters:
             return
         bucket = self.layout.buckets[index]
         start, end = bucket.shard_range(self.rank)
+        self._refill_store(bucket)
         with torch.no_grad():
             self.store.write(bucket, 0, self.full[index][start:end])
         self._lent.discard(index)
+
+    def _refill_store(self, bucket: BucketLayout) -> None:
+        """A lent chunk's place in the store is about to be written: pages for it, from the reserve."""
+        own = self.store.view(bucket)
+        if bucket.index in self._lent and self.page_reserve is not None and own is not None:
+            self.page_reserve.fill(own)
 
     def take_back_chunks(self) -> None:
         """Every lent chunk back in the store: before anything reads or writes the chunks as a whole."""
@@ -297,8 +316,8 @@ class ShardedParameters:
             return
         self.wait(index)
         self.take_back_chunk(index)
-        if self._drops_pages:
-            release_pages(self.full[index])
+        if self.page_reserve is not None:
+            self.page_reserve.give(self.full[index])
         else:
             self.full[index].untyped_storage().resize_(0)
         self._show(index, gathered=False)
@@ -309,6 +328,7 @@ class ShardedParameters:
         bucket = self.layout.buckets[index]
         start, end = bucket.shard_range(self.rank)
         self.drop_secondary(index)
+        self._refill_store(bucket)
         with torch.no_grad():
             self.store.write(bucket, 0, self.full[index][start:end])
             self._lent.discard(index)  # the store holds the chunk again
@@ -345,6 +365,8 @@ class ShardedParameters:
 
     def close(self) -> None:
         self.store.close()
+        if self.page_reserve is not None:
+            self.page_reserve.drop_all()
 
     def held_bytes(self, index: int) -> int:
         """Memory bucket ``index``'s full buffer holds now, measured: its resident pages where releasing

@@ -67,10 +67,11 @@ class Stage2(ShardingStrategy):
         super().__init__(flat, params, groups, zero, precision)
         self._grad_chunks: dict[int, torch.Tensor] = {}  # bucket index -> this rank's averaged chunk
         #: stage 3: where each bucket's chunk lives while held (see [Note: where gradient chunks live])
-        self._chunk_buffers = KeptBuffers(self.flat.device) if self.keeps_chunk_buffers else None
+        reserve = self.flat.page_reserve  # stage 3: see [Note: released pages move to the next gather]
+        self._chunk_buffers = KeptBuffers(self.flat.device, reserve) if self.keeps_chunk_buffers else None
         self._buffers: dict[int, torch.Tensor] = {}  # bucket index -> full bucket being filled or in flight
         largest = max(b.padded_numel for b in self.layout.buckets)
-        self._bucket_pool = BufferPool(largest, self.precision.comm, self.flat.device)  # filled, then reduced
+        self._bucket_pool = BufferPool(largest, self.precision.comm, self.flat.device, reserve)  # filled, then reduced
 
     def _bucket_buffer(self, bucket: BucketLayout) -> torch.Tensor:
         buffer = self._buffers.get(bucket.index)

@@ -111,8 +111,11 @@ class Stage3(Stage2):
         self.storage.drop_secondary()
 
     def extra_memory(self) -> dict[str, Any]:
+        reserve = self.storage.page_reserve
         out = {"persistent_params": self.storage.persistent_bytes(),
-               "gathered_params": self.storage.gathered_bytes()}
+               "gathered_params": self.storage.gathered_bytes(),
+               # released pages waiting for the next gather (see memory/page_reserve.py)
+               "parked_pages": reserve.nbytes if reserve is not None else 0}
         if self.storage.secondary is not None:
             out["secondary_params"] = self.storage.secondary_bytes()
         return out

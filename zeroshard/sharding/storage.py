@@ -21,6 +21,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..distributed.collectives import Collectives
+from ..memory.page_reserve import PageReserve
 from ..offload.policy import SwapFailure
 from .layout import BucketLayout, FlatLayout
 from .master_weights import MasterWeights
@@ -36,6 +37,8 @@ class ParameterStorage(Protocol):
     dtype: torch.dtype  # the compute dtype of the parameters
     device: torch.device  # the training device
     masters: Optional[MasterWeights]  # fp32 masters of the owned chunks, if any
+    #: stage 3 in host memory on Linux: where released pages wait for the next buffer (else None)
+    page_reserve: Optional[PageReserve]
 
     @property
     def full(self) -> list[torch.Tensor]:

@@ -1,0 +1,70 @@
+"""Released pages parked and moved under the next buffer filled (see [Note: released pages move to the
+next gather] in memory/page_reserve.py), measured with mincore."""
+
+import sys
+
+import pytest
+import torch
+
+from zeroshard.memory import libc
+from zeroshard.memory.page_reserve import PageReserve
+from zeroshard.memory.page_release import resident_bytes
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or libc.mremap is None,
+                                reason="mremap/madvise/mincore: Linux only")
+
+
+def whole(tensor: torch.Tensor) -> int:
+    return libc.whole_pages(tensor.data_ptr(), tensor.numel() * tensor.element_size())[1]
+
+
+def aligned_values(tensor: torch.Tensor) -> torch.Tensor:
+    """The elements lying on the tensor's whole pages."""
+    start = libc.whole_pages(tensor.data_ptr(), 1 << 30)[0]
+    first = (start - tensor.data_ptr()) // tensor.element_size()
+    return tensor[first: first + whole(tensor) // tensor.element_size()]
+
+
+def test_parked_pages_move_under_the_next_buffer_filled() -> None:
+    """Given pages stay resident where they were until another buffer is filled: then they are under that
+    buffer, with the values they had (moved, not zeroed or copied), and the first holds none."""
+    first, second = torch.full((1 << 20,), 3.0), torch.empty(1 << 20)
+    reserve = PageReserve(capacity=1 << 30)
+    reserve.give(first)
+    assert reserve.nbytes == whole(first) == resident_bytes(first)
+    reserve.fill(second)
+    moved = min(whole(first), whole(second))
+    assert reserve.moved_bytes == moved and reserve.nbytes == whole(first) - moved
+    assert resident_bytes(first) == whole(first) - moved
+    assert resident_bytes(second) >= moved
+    assert int((aligned_values(second) == 3.0).sum()) * 4 >= moved - 4096  # the pages' own values came along
+
+
+def test_a_buffer_filled_takes_its_own_parked_pages_back_without_moving_them() -> None:
+    buffer = torch.full((1 << 20,), 5.0)
+    reserve = PageReserve(capacity=1 << 30)
+    reserve.give(buffer)
+    reserve.fill(buffer)
+    assert reserve.moved_bytes == 0 and reserve.nbytes == 0
+    assert bool((buffer == 5.0).all()) and resident_bytes(buffer) == whole(buffer)
+
+
+def test_what_is_parked_beyond_capacity_goes_oldest_first_and_close_drops_the_rest() -> None:
+    old, new = torch.ones(1 << 20), torch.ones(1 << 20)
+    reserve = PageReserve(capacity=whole(new))
+    reserve.give(old)
+    reserve.give(new)
+    assert reserve.nbytes == whole(new)
+    assert resident_bytes(old) == 0 and resident_bytes(new) == whole(new)
+    reserve.drop_all()
+    assert reserve.nbytes == 0 and resident_bytes(new) == 0
+
+
+def test_a_reclaimed_range_leaves_the_reserve_and_the_rest_of_a_buffer_stays_parked() -> None:
+    buffer = torch.full((1 << 20,), 7.0)
+    reserve = PageReserve(capacity=1 << 30)
+    reserve.give(buffer)
+    half = aligned_values(buffer)[: (whole(buffer) // 2) // 4]
+    reserve.reclaim(half)
+    assert reserve.nbytes == whole(buffer) - whole(half)
+    assert bool((half == 7.0).all())
