@@ -68,3 +68,18 @@ def test_a_reclaimed_range_leaves_the_reserve_and_the_rest_of_a_buffer_stays_par
     reserve.reclaim(half)
     assert reserve.nbytes == whole(buffer) - whole(half)
     assert bool((half == 7.0).all())
+
+
+def test_a_kernel_that_cannot_move_pages_gets_them_dropped_as_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mremap refused (a kernel without MREMAP_DONTUNMAP): what was parked is dropped, moves stop, and
+    every later release drops its pages at once."""
+    import zeroshard.memory.page_reserve as page_reserve
+
+    monkeypatch.setattr(page_reserve, "_MOVE", lambda *args: 2**64 - 1)  # MAP_FAILED
+    first, second, third = torch.ones(1 << 20), torch.empty(1 << 20), torch.ones(1 << 20)
+    reserve = PageReserve(capacity=1 << 30)
+    reserve.give(first)
+    reserve.fill(second)
+    assert reserve.nbytes == 0 and reserve.moved_bytes == 0 and resident_bytes(first) == 0
+    reserve.give(third)
+    assert reserve.nbytes == 0 and resident_bytes(third) == 0

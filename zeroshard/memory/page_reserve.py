@@ -38,12 +38,10 @@ from __future__ import annotations
 import torch
 
 from . import libc
-from .page_release import can_release_pages
 
 #: flags of mremap(2)
 _MREMAP_MAYMOVE, _MREMAP_FIXED, _MREMAP_DONTUNMAP = 1, 2, 4
-
-
+#: None where the C library has no mremap (not Linux): the reserve then drops what it is given
 _MOVE = libc.mremap
 
 
@@ -56,10 +54,6 @@ class PageReserve:
         self._parked: list[tuple[int, int]] = []
         self._moves = _MOVE is not None
         self.moved_bytes = 0  # bytes handed from one buffer to another so far (tests, benchmarks)
-
-    @staticmethod
-    def applies_to(tensor: torch.Tensor) -> bool:
-        return can_release_pages(tensor)
 
     @property
     def nbytes(self) -> int:
@@ -99,11 +93,11 @@ class PageReserve:
             return
         holes = self.reclaim_range(address, length)
         for start, size in holes:
-            while size and self._parked:
+            while size and self._parked and self._moves:
                 source, available = self._parked.pop()
                 moved = min(size, available)
                 if not self._move(source + available - moved, start, moved):
-                    self._parked.append((source, available))
+                    _drop(source, available)  # moves are off from now on: nothing stays parked
                     return
                 if moved < available:
                     self._parked.append((source, available - moved))
