@@ -88,10 +88,12 @@ def lora_worker(rank: int, world: int, directory: str) -> dict:
     named = dict(engine.module.named_parameters())
     # between steps no rank holds a frozen bucket (or any of its parameters) whole
     held = {s.name: storage.params[s.index].untyped_storage().nbytes() for b in frozen_buckets for s in b.slots}
-    held.update({f"bucket{b.index}": storage.held_bytes(b.index) for b in frozen_buckets})  # measured
+    buckets_held = {f"bucket{b.index}": storage.held_bytes(b.index) for b in frozen_buckets}  # measured
+    parked = storage.page_reserve.nbytes if storage.page_reserve is not None else 0
     with zeroshard.GatheredParameters([p for p in storage.params if not p.requires_grad]):
         held_gathered = sum(storage.held_bytes(b.index) for b in frozen_buckets)  # the measure sees them
-    out = {"frozen_names": sorted(frozen_names), "held": held, "memory": engine.memory_breakdown(),
+    out = {"frozen_names": sorted(frozen_names), "held": held, "buckets_held": buckets_held, "parked": parked,
+           "memory": engine.memory_breakdown(),
            "held_gathered": held_gathered,
            "shard_frozen": sum(b.real_numel_in_shard(engine.strategy.world.rank) for b in frozen_buckets) * 4,
            "frozen_sharded_total": sum(b.numel for b in frozen_buckets) * 4,
@@ -121,6 +123,9 @@ def test_stage3_shards_the_frozen_base_and_trains_lora_as_one_process(world: int
         # the base's large weights are sharded: no rank holds one whole between steps
         assert {n for n in result["frozen_names"]} >= {k for k in expected if ".base." in k and k.endswith("weight")}
         assert all(nbytes == 0 for nbytes in result["held"].values()), result["held"]
+        # what the buckets' buffers still have resident is parked for the next gather, not held
+        # (see [Note: released pages move to the next gather] in memory/page_reserve.py)
+        assert sum(result["buckets_held"].values()) <= result["parked"], (result["buckets_held"], result["parked"])
         assert result["held_gathered"] > 0
         memory = result["memory"]
         assert memory["frozen_params"] == result["shard_frozen"] + result["whole_frozen"]

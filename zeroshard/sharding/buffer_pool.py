@@ -10,10 +10,10 @@ fixed-capacity buffers, reused from step to step, costs a constant, reported amo
 
 At stage 3 the pool gives its memory back between backwards (:meth:`BufferPool.trim`; stage 2 keeps
 it: [Note: when the bucket pool lets go] in stage2.py).  In host memory on Linux
-it keeps the buffers and drops their pages, as stage 3 does with a released unit ([Note: releasing a
-gathered unit's pages] in memory/page_release.py): freed buffers would go back into glibc's heap,
-where the next forward's activations take them in pieces and the next backward's buffers come from
-new memory.  Elsewhere the buffers themselves are freed.
+it keeps the buffers and gives their pages to stage 3's page reserve, as a released unit does ([Note:
+released pages move to the next gather] in memory/page_reserve.py): freed buffers would go back into
+glibc's heap, where the next forward's activations take them in pieces and the next backward's buffers
+come from new memory.  Elsewhere the buffers themselves are freed.
 """
 
 from __future__ import annotations
@@ -84,7 +84,8 @@ class BufferPool:
 
 class KeptBuffers:
     """One buffer per key, allocated at its first use and kept for the run: :meth:`give_back` drops its
-    pages in host memory on Linux (see the Note), elsewhere frees it (and :meth:`take` allocates it
+    pages in host memory on Linux (see the Note), or parks them in the page reserve it was given, whence
+    :meth:`take` moves pages back in; elsewhere it frees the buffer (and :meth:`take` allocates it
     again).  Stage 3 keeps each bucket's gradient chunk in one ([Note: where gradient chunks live])."""
 
     def __init__(self, device: torch.device, reserve: Optional[PageReserve] = None) -> None:

@@ -33,8 +33,8 @@ class Stage2(ShardingStrategy):
     [Note: where gradient chunks live]
     At stage 2 a chunk is allocated from the heap when it is born: backward frees activations as it
     goes, and the chunks reuse that memory.  At stage 3 each bucket's chunk has a buffer of its own,
-    kept for the run, whose pages are dropped when the chunk is released (``KeptBuffers``, as stage
-    3's units: [Note: releasing a gathered unit's pages] in memory/page_release.py): its peak is at
+    kept for the run, whose pages go when the chunk is released (``KeptBuffers``, as stage 3's units:
+    [Note: released pages move to the next gather] in memory/page_reserve.py): its peak is at
     the end of the forward, where the chunks freed by the last step were holes in the heap that the
     activations did not fill.  Measured at 91M fp32, world 2, DeepSpeed's defaults, glibc's
     (benchmarks/bench_memory.py, 4 steps, three runs each): stage 3 peaked at 1832-1937 MiB with
