@@ -30,9 +30,10 @@ Since the nineteenth session a release hands its pages to a reserve that moves t
 buffer filled, dropping only what the reserve cannot hold ([Note: released pages move to the next
 gather] in page_reserve.py).
 
-A released buffer reads as zeros (or stale values, under the reserve) rather than as freed memory; nothing reads it (the modules show
-placeholders, see placeholder.py, and every use gathers first).  Where ``madvise`` is not available
-(not Linux, or device memory) the caller frees the storage instead, as before.
+A released buffer reads as zeros (or stale values, under the reserve) rather than as freed memory;
+nothing reads it (the modules show placeholders, see placeholder.py, and every use gathers first).
+Where ``madvise`` is not available (not Linux, or device memory) the caller frees the storage
+instead, as before.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def can_release_pages(tensor: torch.Tensor) -> bool:
     return libc.madvise is not None and libc.mincore is not None and tensor.device.type == "cpu"
 
 
-def _whole_pages(tensor: torch.Tensor, page: int = libc.PAGE) -> tuple[int, int]:
+def whole_pages_of(tensor: torch.Tensor, page: int = libc.PAGE) -> tuple[int, int]:
     """The page-aligned part of the tensor's own bytes (a contiguous view: only the pages lying wholly
     inside it, so that its neighbours in the same storage are untouched): (address, length); length 0
     if none."""
@@ -63,7 +64,7 @@ def _whole_pages(tensor: torch.Tensor, page: int = libc.PAGE) -> tuple[int, int]
 def prefer_huge_pages(tensor: torch.Tensor) -> None:
     """Ask for transparent huge pages under ``tensor`` (advice: a kernel without THP, or
     with THP off, ignores it and the buffer keeps 4 KiB pages)."""
-    address, length = _whole_pages(tensor, libc.HUGE_PAGE)
+    address, length = whole_pages_of(tensor, libc.HUGE_PAGE)
     if length and libc.madvise is not None:
         libc.madvise(address, length, libc.MADV_HUGEPAGE)
 
@@ -72,14 +73,18 @@ def release_pages(tensor: torch.Tensor) -> None:
     """Drop the physical pages under ``tensor`` (its values become zeros); the storage keeps its
     address and size.  Only whole pages go: a partial page at either end stays resident, so a view
     gives back its own pages and leaves its neighbours' values alone."""
-    address, length = _whole_pages(tensor)
+    drop_pages(*whole_pages_of(tensor))
+
+
+def drop_pages(address: int, length: int) -> None:
+    """Drop the physical pages of [address, address + length) (page-aligned; length 0: nothing)."""
     if length and libc.madvise is not None and libc.madvise(address, length, libc.MADV_DONTNEED) != 0:
         raise libc.errno_message("madvise(MADV_DONTNEED)", length, address)
 
 
 def resident_bytes(tensor: torch.Tensor) -> int:
     """Bytes of ``tensor`` in physical memory now (``mincore``), whole pages only."""
-    address, length = _whole_pages(tensor)
+    address, length = whole_pages_of(tensor)
     if not length or libc.mincore is None:
         return 0
     vector = bytearray(length // libc.PAGE)

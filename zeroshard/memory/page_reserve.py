@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from . import libc
+from .page_release import drop_pages, whole_pages_of
 
 #: flags of mremap(2)
 _MREMAP_MAYMOVE, _MREMAP_FIXED, _MREMAP_DONTUNMAP = 1, 2, 4
@@ -62,19 +63,19 @@ class PageReserve:
 
     def give(self, tensor: torch.Tensor) -> None:
         """``tensor``'s whole pages are released: parked (its values are garbage from now on)."""
-        address, length = libc.whole_pages(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        address, length = whole_pages_of(tensor)
         if not length:
             return
         self.reclaim_range(address, length)  # never parked twice
         if not self._moves or not self.capacity:
-            _drop(address, length)
+            drop_pages(address, length)
             return
         self._parked.append((address, length))
         excess = self.nbytes - self.capacity
         while excess > 0:  # the oldest pages go to the kernel
             address, length = self._parked[0]
             dropped = min(length, -(-excess // libc.PAGE) * libc.PAGE)
-            _drop(address, dropped)
+            drop_pages(address, dropped)
             if dropped == length:
                 self._parked.pop(0)
             else:
@@ -83,12 +84,12 @@ class PageReserve:
 
     def reclaim(self, tensor: torch.Tensor) -> None:
         """``tensor`` is about to be written: its own parked pages are its own again (nothing else moves)."""
-        self.reclaim_range(*libc.whole_pages(tensor.data_ptr(), tensor.numel() * tensor.element_size()))
+        self.reclaim_range(*whole_pages_of(tensor))
 
     def fill(self, tensor: torch.Tensor) -> None:
         """``tensor`` is about to be written whole: reclaim its own parked pages, and move parked pages of
         other buffers under the rest of it (newest first: the warmest); what is left faults in."""
-        address, length = libc.whole_pages(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        address, length = whole_pages_of(tensor)
         if not length:
             return
         holes = self.reclaim_range(address, length)
@@ -97,7 +98,7 @@ class PageReserve:
                 source, available = self._parked.pop()
                 moved = min(size, available)
                 if not self._move(source + available - moved, start, moved):
-                    _drop(source, available)  # moves are off from now on: nothing stays parked
+                    drop_pages(source, available)  # moves are off from now on: nothing stays parked
                     return
                 if moved < available:
                     self._parked.append((source, available - moved))
@@ -132,7 +133,7 @@ class PageReserve:
     def drop_all(self) -> None:
         """Every parked page to the kernel (the engine closes)."""
         for address, length in self._parked:
-            _drop(address, length)
+            drop_pages(address, length)
         self._parked = []
 
     def _move(self, source: int, target: int, length: int) -> bool:
@@ -145,9 +146,3 @@ class PageReserve:
             return False
         self.moved_bytes += length
         return True
-
-
-def _drop(address: int, length: int) -> None:
-    assert libc.madvise is not None
-    if libc.madvise(address, length, libc.MADV_DONTNEED) != 0:
-        raise libc.errno_message("madvise(MADV_DONTNEED)", length, address)

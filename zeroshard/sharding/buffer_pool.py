@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from ..memory.page_release import can_release_pages, held_bytes, prefer_huge_pages, release_pages
+from ..memory.page_release import can_release_pages, held_bytes, prefer_huge_pages
 from ..memory.page_reserve import PageReserve
 
 
@@ -37,10 +37,10 @@ class BufferPool:
         self._free: list[torch.Tensor] = []
         self._all: list[torch.Tensor] = []
         self._lent: dict[int, torch.Tensor] = {}  # data_ptr of a lent view -> its buffer
-        self._drops_pages = can_release_pages(torch.empty(0, device=device))
         self._idle: set[int] = set()  # ids of the buffers whose pages were given back
-        #: stage 3: where given-back pages wait, and where an idle buffer's come from
-        self._reserve = reserve if self._drops_pages else None
+        #: where given-back pages go (in host memory on Linux): stage 3's reserve, whence an idle
+        #: buffer's come back; else a reserve of no capacity, which drops them
+        self._pages = (reserve or PageReserve(0)) if can_release_pages(torch.empty(0, device=device)) else None
 
     def acquire(self, numel: int) -> torch.Tensor:
         """A zeroed view of ``numel`` elements (1D); give it back with :meth:`release`."""
@@ -48,12 +48,12 @@ class BufferPool:
             raise ValueError(f"buffer of {numel} elements asked from a pool of capacity {self.capacity}")
         if self._free:
             buffer = self._free.pop()
-            if id(buffer) in self._idle and self._reserve is not None:
-                self._reserve.fill(buffer)
+            if id(buffer) in self._idle and self._pages is not None:
+                self._pages.fill(buffer)
             self._idle.discard(id(buffer))
         else:
             buffer = torch.empty(self.capacity, dtype=self.dtype, device=self.device)
-            if self._drops_pages:
+            if self._pages is not None:
                 prefer_huge_pages(buffer)
             self._all.append(buffer)
         view = buffer[:numel]
@@ -66,10 +66,10 @@ class BufferPool:
 
     def trim(self) -> None:
         """Give back the memory of the buffers not lent out (see the Note)."""
-        if self._drops_pages:
+        if self._pages is not None:
             for buffer in self._free:
                 if id(buffer) not in self._idle:
-                    self._reserve.give(buffer) if self._reserve is not None else release_pages(buffer)
+                    self._pages.give(buffer)
                     self._idle.add(id(buffer))
             return
         free = {id(b) for b in self._free}
@@ -90,31 +90,30 @@ class KeptBuffers:
 
     def __init__(self, device: torch.device, reserve: Optional[PageReserve] = None) -> None:
         self.device = device
-        self._drops_pages = can_release_pages(torch.empty(0, device=device))
         self._buffers: dict[int, torch.Tensor] = {}
-        #: stage 3: where given-back pages wait, and where a buffer taken again gets its pages
-        self._reserve = reserve if self._drops_pages else None
+        #: where given-back pages go (in host memory on Linux): stage 3's reserve, whence a buffer
+        #: taken again gets its pages; else a reserve of no capacity, which drops them
+        self._pages = (reserve or PageReserve(0)) if can_release_pages(torch.empty(0, device=device)) else None
 
     def take(self, key: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Buffer ``key`` (1D, ``numel`` elements of ``dtype``); its values are undefined."""
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() != numel or buffer.dtype != dtype:
-            if buffer is not None and self._reserve is not None:
-                self._reserve.reclaim(buffer)  # freed: nothing of it may stay parked
+            if buffer is not None and self._pages is not None:
+                self._pages.reclaim(buffer)  # freed: nothing of it may stay parked
             buffer = torch.empty(numel, dtype=dtype, device=self.device)
-            if self._drops_pages:
+            if self._pages is not None:
                 prefer_huge_pages(buffer)
             self._buffers[key] = buffer
-        if self._reserve is not None:
-            self._reserve.fill(buffer)
+        if self._pages is not None:
+            self._pages.fill(buffer)
         return buffer
 
     def give_back(self, key: int) -> None:
         """Buffer ``key``'s memory goes back to the system until it is next taken."""
-        if self._drops_pages:
+        if self._pages is not None:
             if key in self._buffers:
-                buffer = self._buffers[key]
-                self._reserve.give(buffer) if self._reserve is not None else release_pages(buffer)
+                self._pages.give(self._buffers[key])
         else:
             self._buffers.pop(key, None)
 
