@@ -154,3 +154,40 @@ def test_rings_finish_while_the_training_thread_does_not_wait(world: int) -> Non
     with exact results.  Driven from ``wait()``, the reduce-scatter stopped after its first two pieces."""
     for r in run_world(progress_worker, world):
         assert r == {"finished_unwaited": True, "rs": True, "ag": True}
+
+
+def two_groups_worker(rank: int, world: int) -> dict:
+    import dataclasses
+
+    import torch.distributed as dist
+
+    base = init_distributed()
+    other = Collectives(dataclasses.replace(base, group=dist.new_group(backend="gloo")))
+    comm = Collectives(base)
+    chunk = 6 * collectives.PIECE_BYTES // 4  # six pieces: a reduce-scatter receives two at a time
+    inputs = everyones(world, chunk, torch.float32, seed=3)
+    outs = {name: torch.empty(chunk) for name in ("main", "other")}
+    launch = [(comm, "main"), (other, "other")]
+    if rank % 2:  # the other order: as an asynchronous save's thread and the training thread may
+        launch.reverse()
+    pending = [c.reduce_scatter(outs[name], inputs[rank].clone(), name, async_op=True) for c, name in launch]
+    polls = 0
+    while not all(p.is_completed() for p in pending) and polls < 3000:  # 30 s: a deadlock, not a speed
+        time.sleep(0.01)
+        polls += 1
+    done = all(p.is_completed() for p in pending)
+    if not done:
+        return {"done": False}
+    for p in pending:
+        p.wait()
+    expected = torch.stack(inputs).sum(0)[rank * chunk:(rank + 1) * chunk]
+    return {"done": True, "exact": all(torch.equal(out, expected) for out in outs.values())}
+
+
+def test_rings_of_two_groups_launched_in_different_orders_both_finish() -> None:
+    """Each process group's rings progress on a thread of their own: rank 0 launches a reduce-scatter
+    on the default group and then one on another group, rank 1 the other way round (as an asynchronous
+    save's group and training's may), and both finish, exactly.  With one queue for every group, each
+    rank's thread waited on the ring its neighbour had queued second: a deadlock (checked)."""
+    for r in run_world(two_groups_worker, 2, timeout=120):
+        assert r == {"done": True, "exact": True}

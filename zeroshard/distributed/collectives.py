@@ -236,7 +236,7 @@ class Collectives:
     def _driven(self, ring: Ring) -> DrivenRing:
         """A launched ring, carried forward on the progress thread (see [Note: rings progress on their
         own thread] in ring_progress.py)."""
-        return RING_PROGRESS.drive(ring, datetime.timedelta(seconds=self.world.timeout_s))
+        return RING_PROGRESS.drive(ring, datetime.timedelta(seconds=self.world.timeout_s), self.world.group)
 
     @property
     def _rings(self) -> bool:

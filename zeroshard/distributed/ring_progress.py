@@ -11,10 +11,13 @@ all-reduces run on gloo's own threads): stage 2's backward took 4.11-4.18 s agai
 driven from this thread, 3.51-3.59 s against 3.53-3.55, and the whole step went from 1.10-1.17x
 DDP's to 1.02x (benchmarks/RESULTS.md, nineteenth session).
 
-Here each launched ring is handed to one daemon thread per process, which drives the rings to
-completion in the order they were launched (every rank launches them in the same order, so no rank
-waits for a ring its neighbour has not reached); ``wait()`` on the training thread only waits for
-the thread to finish that ring.  The thread holds the GIL only between torch calls (a wait for a
+Here each launched ring is handed to a daemon thread of its process group, which drives the group's
+rings to completion in the order they were launched (every rank launches a group's rings in the same
+order, so no rank waits for a ring its neighbour has not reached); ``wait()`` on the training thread
+only waits for the thread to finish that ring.  One thread per group, not per process: rings of
+different groups are launched from different threads (an asynchronous save gathers its file list on a
+group of its own while training launches gathers), so their order differs from rank to rank, and one
+queue for all of them deadlocked two ranks each waiting on the ring the other had queued behind.  The thread holds the GIL only between torch calls (a wait for a
 message and an addition both release it), so it runs while autograd computes.  A ring computes the
 same additions in the same order as before: results are bitwise the same.  An error in a ring (a
 timeout, a lost peer) is raised by that ring's ``wait()``, on the training thread.
@@ -68,26 +71,38 @@ class DrivenRing:
         return True
 
 
+class _GroupThread:
+    """One group's progress thread and the queue of its launched rings (the group is kept alive here,
+    so that its id is not reused while the thread serves it)."""
+
+    def __init__(self, group: object) -> None:
+        self.group = group
+        self.queue: "queue.SimpleQueue[DrivenRing]" = queue.SimpleQueue()
+        self.thread = threading.Thread(target=RingProgress._serve, args=(self.queue,),
+                                       name="zeroshard-rings", daemon=True)
+        self.thread.start()
+
+
 class RingProgress:
-    """The process's one progress thread, started on first use (and again in a forked child)."""
+    """The process's progress threads, one per process group, each started on the group's first ring
+    (and again in a forked child)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._queue: "queue.SimpleQueue[DrivenRing]" = queue.SimpleQueue()
-        self._thread: Optional[threading.Thread] = None
+        self._threads: dict[int, _GroupThread] = {}
         self._pid = 0
 
-    def drive(self, ring: Ring, timeout: Optional[datetime.timedelta]) -> DrivenRing:
-        """Hand a launched ring to the thread; it is completed after every ring handed over before it."""
+    def drive(self, ring: Ring, timeout: Optional[datetime.timedelta], group: object) -> DrivenRing:
+        """Hand a launched ring to ``group``'s thread; it is completed after every ring of that group
+        handed over before it."""
         driven = DrivenRing(ring, timeout)
         with self._lock:
-            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
-                self._queue = queue.SimpleQueue()  # a forked child inherits neither thread nor rings
-                self._pid = os.getpid()
-                self._thread = threading.Thread(target=self._serve, args=(self._queue,),
-                                                name="zeroshard-rings", daemon=True)
-                self._thread.start()
-            self._queue.put(driven)
+            if self._pid != os.getpid():  # a forked child inherits neither threads nor rings
+                self._threads, self._pid = {}, os.getpid()
+            served = self._threads.get(id(group))
+            if served is None or not served.thread.is_alive():
+                served = self._threads[id(group)] = _GroupThread(group)
+            served.queue.put(driven)
         return driven
 
     @staticmethod
@@ -96,5 +111,5 @@ class RingProgress:
             rings.get().run()
 
 
-#: the one per process: rings of every group are completed in the order this process launched them
+#: the one per process: each group's rings are completed in the order this process launched them
 RING_PROGRESS = RingProgress()
