@@ -83,3 +83,36 @@ def test_a_kernel_that_cannot_move_pages_gets_them_dropped_as_before(monkeypatch
     assert reserve.nbytes == 0 and reserve.moved_bytes == 0 and resident_bytes(first) == 0
     reserve.give(third)
     assert reserve.nbytes == 0 and resident_bytes(third) == 0
+
+
+def test_a_hand_over_moves_the_whole_pages_and_copies_the_partial_ends() -> None:
+    """``target`` ends with ``source``'s exact values; ``source``'s whole pages are now ``target``'s (moved,
+    not copied: source holds none of them), its partial end pages stay; parked pages under either are
+    no longer parked."""
+    big = torch.zeros(4 << 20)
+    shift = 1000  # elements: the views start mid-page, at the same offset within a page
+    source = big[shift: shift + (1 << 20) + 77]
+    offset = (1 << 21) + shift  # the same offset within a page as source's (a page: 1024 floats)
+    target = big[offset: offset + source.numel()]
+    assert target.numel() == source.numel()
+    assert (source.data_ptr() - target.data_ptr()) % libc.PAGE == 0
+    source.copy_(torch.arange(source.numel(), dtype=torch.float32))
+    reserve = PageReserve(capacity=1 << 30)
+    reserve.give(target)
+    assert reserve.nbytes == whole(target)
+    assert reserve.hand_over(source, target)
+    assert reserve.nbytes == 0 and reserve.moved_bytes == whole(source)
+    assert torch.equal(target, torch.arange(source.numel(), dtype=torch.float32))
+    assert resident_bytes(source) == 0
+    assert resident_bytes(target) == whole(target)
+
+
+def test_a_hand_over_is_refused_where_pages_cannot_line_up() -> None:
+    """Different offsets within a page, sizes or dtypes: nothing moves, nothing changes (the caller copies)."""
+    big = torch.ones(3 << 20)
+    reserve = PageReserve(capacity=1 << 30)
+    source = big[: 1 << 20]
+    assert not reserve.hand_over(source, big[(1 << 21) + 1: (1 << 21) + 1 + (1 << 20)])  # 4 bytes off
+    assert not reserve.hand_over(source, big[1 << 21: (1 << 21) + (1 << 20) - 1024])
+    assert not reserve.hand_over(source, torch.ones(1 << 20, dtype=torch.float64))
+    assert reserve.moved_bytes == 0 and resident_bytes(source) == whole(source)

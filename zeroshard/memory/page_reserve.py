@@ -14,18 +14,22 @@ faulted or copied, and both buffers keep their addresses: tensors that autograd 
 where they did).  Whatever the reserve cannot cover is faulted in as before; what is parked beyond
 ``capacity`` is dropped at once, oldest first.
 
-Where the pages go.  A backward releases each unit (its pages parked) and takes back the chunk it
-lent and a gradient chunk (both filled from the reserve); the step gives the gradient chunks back
-(parked); the next forward's gathers take what is parked.  A chunk lent at a forward gather is
-dropped, not parked: by the time a unit is used, prefetch has launched (under DeepSpeed's defaults)
-every gather of the forward, so its pages would only wait through the forward's end, where stage 3
-peaks (measured: parked, they raised the peak by 50-100 MiB at 91M).  The capacity is what
-one forward gathers beyond the chunks its units borrow; past that the oldest pages are dropped.
+Where the pages go.  A forward's gather moves the store's pages under this rank's chunk into the
+unit's slot (:meth:`PageReserve.hand_over`; see [Note: a gathered unit borrows this rank's chunk] in
+sharding/sharded_params.py) and fills the rest of the unit from the reserve.  A backward releases each
+unit: the slot's pages go home to the store (handed over again), the rest is parked, and the gradient
+chunk it produces is filled from the reserve; the step gives the gradient chunks back (parked); the
+next forward's gathers take what is parked.  The capacity is what one forward gathers beyond the
+chunks its units borrow (174 MiB at 91M, world 2): exactly what the gathers take from the reserve.
+Before the twentieth session a gather filled the whole unit from the reserve and lent the chunk by
+dropping the store's pages, so half of a forward's gathers faulted in (the pages of a lent chunk could
+not be parked: prefetch launches every gather of the forward before the first unit lends, so they
+would have waited through the forward's end, where stage 3 peaks).
 Between steps the parked pages count in the process's RSS (``memory_breakdown()["parked_pages"]``);
 at the forward's end the gathers have taken them.  Measured at 91M fp32, world 2, DeepSpeed's
-defaults (benchmarks/RESULTS.md, nineteenth session): peak RSS 1500/1519 MiB (1501/1582 before);
-the forward faulted 44,500-46,600 pages with 0.34-0.47 s of system time instead of 0.59-0.65 s,
-and took 1.91-2.16 s instead of 2.59-2.69 (DDP's: 1.52).
+defaults (benchmarks/RESULTS.md, nineteenth and twentieth sessions): peak RSS 1500/1519 MiB
+(1501/1582 before the reserve); the forward faulted 44,500-46,600 pages with 0.34-0.47 s of system
+time instead of 0.59-0.65 s, and none once the chunks moved too.
 
 Every page range the reserve holds lies inside one buffer that released it; a buffer must be filled
 (:meth:`PageReserve.fill`) or reclaimed (:meth:`PageReserve.reclaim`) before anything writes to it
@@ -103,6 +107,31 @@ class PageReserve:
                 if moved < available:
                     self._parked.append((source, available - moved))
                 start, size = start + moved, size - moved
+
+    def hand_over(self, source: torch.Tensor, target: torch.Tensor) -> bool:
+        """``target`` takes ``source``'s values, and ``source``'s pages with them: the whole pages move
+        under ``target`` and the partial page at either end is copied (its other bytes belong to the
+        neighbours).  ``source`` keeps its address; its whole pages are gone (it reads as zeros) until it
+        is filled or handed pages again.  False, with nothing done, where pages cannot move: moves are
+        off, the two differ in size, or they lie at different offsets within a page (the caller copies)."""
+        size = source.element_size()
+        if (not self._moves or source.dtype != target.dtype or source.numel() != target.numel()
+                or (source.data_ptr() - target.data_ptr()) % libc.PAGE):
+            return False
+        address, length = whole_pages_of(source)
+        if not length:
+            return False
+        destination = target.data_ptr() + (address - source.data_ptr())
+        self.reclaim_range(address, length)  # neither range may stay parked under live values
+        self.reclaim_range(destination, length)
+        if not self._move(address, destination, length):
+            return False
+        head = (address - source.data_ptr()) // size
+        tail = head + length // size
+        with torch.no_grad():
+            target[:head].copy_(source[:head])
+            target[tail:].copy_(source[tail:])
+        return True
 
     def reclaim_range(self, address: int, length: int) -> list[tuple[int, int]]:
         """Un-park whatever lies inside [address, address + length); returns the parts of that range not

@@ -8,12 +8,7 @@ time (slow), and glibc keeps freed blocks of changing sizes (peak RSS grows).  A
 fixed-capacity buffers, reused from step to step, costs a constant, reported amount of memory
 (``comm_buffers`` in the breakdown) bounded by the bucket size, not by the model.
 
-At stage 3 the pool gives its memory back between backwards (:meth:`BufferPool.trim`; stage 2 keeps
-it: [Note: when the bucket pool lets go] in stage2.py).  In host memory on Linux
-it keeps the buffers and gives their pages to stage 3's page reserve, as a released unit does ([Note:
-released pages move to the next gather] in memory/page_reserve.py): freed buffers would go back into
-glibc's heap, where the next forward's activations take them in pieces and the next backward's buffers
-come from new memory.  Elsewhere the buffers themselves are freed.
+The buffers are kept for the run, pages included ([Note: when the bucket pool lets go] in stage2.py).
 """
 
 from __future__ import annotations
@@ -29,18 +24,14 @@ from ..memory.page_reserve import PageReserve
 class BufferPool:
     """Hands out zeroed 1D views of fixed-capacity buffers; grows only when all are in use."""
 
-    def __init__(self, capacity: int, dtype: torch.dtype, device: torch.device,
-                 reserve: Optional[PageReserve] = None) -> None:
+    def __init__(self, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
         self.capacity = capacity
         self.dtype = dtype
         self.device = device
         self._free: list[torch.Tensor] = []
         self._all: list[torch.Tensor] = []
         self._lent: dict[int, torch.Tensor] = {}  # data_ptr of a lent view -> its buffer
-        self._idle: set[int] = set()  # ids of the buffers whose pages were given back
-        #: where given-back pages go (in host memory on Linux): stage 3's reserve, whence an idle
-        #: buffer's come back; else a reserve of no capacity, which drops them
-        self._pages = (reserve or PageReserve(0)) if can_release_pages(torch.empty(0, device=device)) else None
+        self._huge_pages = can_release_pages(torch.empty(0, device=device))  # host memory on Linux
 
     def acquire(self, numel: int) -> torch.Tensor:
         """A zeroed view of ``numel`` elements (1D); give it back with :meth:`release`."""
@@ -48,12 +39,9 @@ class BufferPool:
             raise ValueError(f"buffer of {numel} elements asked from a pool of capacity {self.capacity}")
         if self._free:
             buffer = self._free.pop()
-            if id(buffer) in self._idle and self._pages is not None:
-                self._pages.fill(buffer)
-            self._idle.discard(id(buffer))
         else:
             buffer = torch.empty(self.capacity, dtype=self.dtype, device=self.device)
-            if self._pages is not None:
+            if self._huge_pages:
                 prefer_huge_pages(buffer)
             self._all.append(buffer)
         view = buffer[:numel]
@@ -64,22 +52,10 @@ class BufferPool:
     def release(self, view: torch.Tensor) -> None:
         self._free.append(self._lent.pop(view.data_ptr()))
 
-    def trim(self) -> None:
-        """Give back the memory of the buffers not lent out (see the Note)."""
-        if self._pages is not None:
-            for buffer in self._free:
-                if id(buffer) not in self._idle:
-                    self._pages.give(buffer)
-                    self._idle.add(id(buffer))
-            return
-        free = {id(b) for b in self._free}
-        self._all = [b for b in self._all if id(b) not in free]
-        self._free = []
-
     @property
     def nbytes(self) -> int:
-        """Bytes the pool holds (lent or free; not the buffers whose pages were given back)."""
-        return (len(self._all) - len(self._idle)) * self.capacity * self.dtype.itemsize
+        """Bytes the pool holds (lent or free)."""
+        return len(self._all) * self.capacity * self.dtype.itemsize
 
 
 class KeptBuffers:

@@ -16,15 +16,23 @@ error (see [Note: reading a sharded parameter outside forward] in placeholder.py
 A gathered unit's full buffer holds this rank's chunk in its own slot, and the store holds the same
 values a second time: at DeepSpeed's default reuse distance every unit stays gathered from its forward
 to its backward, so at the backward peak a rank holds its whole shard twice (174 MiB of a 91M-parameter
-model at world 2).  So a unit gathered for training (:meth:`GatherScheduler.use`) *borrows* the chunk:
-:meth:`lend_chunk` drops the store's whole pages under it (the full buffer's slot is now the only copy)
-and :meth:`release` copies the slot back before it drops the full buffer's pages.  Whatever reads or
+model at world 2).  So a gathered unit *borrows* the chunk: where pages can move (host memory on
+Linux, see [Note: released pages move to the next gather] in memory/page_reserve.py), the gather moves
+the store's whole pages under the chunk into the full buffer's slot (the buffer is placed so that the
+slot lies at the chunk's offset within a page: :meth:`_allocate_full`) and sends from the slot, and
+:meth:`release` moves them back; only the partial page at either end is copied.  Nothing is copied
+or faulted, and the chunk's pages never wait in the page reserve.  Where they cannot move, a unit
+gathered for training (:meth:`GatherScheduler.use`) lends its chunk by :meth:`lend_chunk`, which drops
+the store's pages (the slot is the only copy), and :meth:`release` copies the slot back into pages
+from the reserve.  Whatever reads or
 writes the chunks as a whole first takes every lent chunk back (:meth:`take_back_chunks`): the
 optimizer step (it steps the store in place) and ``checkpoint_parts`` (saves, loads, pretrained
 weights); writes to one chunk (:meth:`commit_full`, the updater's pieces, :meth:`shard_view`) take
 that chunk back.  Nothing is lent while something outside training reads the chunks (an asynchronous
 save's copy, :meth:`read_chunks_elsewhere_while`), nor for chunks offloaded to host memory or NVMe
-(``offload_param``), nor for persistent buckets, nor where pages cannot be dropped (device memory).  The price is one copy of the chunk per release, into pages that fault back in.
+(``offload_param``), nor for persistent buckets, nor where pages cannot be dropped (device memory).
+Measured (91M fp32, world 2, DeepSpeed's defaults; benchmarks/RESULTS.md, twentieth session): moving
+the chunk instead of copying it took the forward's page faults from ~45,000 to none.
 """
 
 from __future__ import annotations
@@ -36,7 +44,8 @@ import torch
 from torch import nn
 
 from ..distributed.collectives import Collectives, PendingCollective
-from ..memory.page_release import can_release_pages, held_bytes, prefer_huge_pages, release_pages
+from ..memory.libc import PAGE
+from ..memory.page_release import can_release_pages, held_bytes, prefer_huge_pages, release_pages, whole_pages_of
 from ..memory.page_reserve import PageReserve
 from ..offload.policy import NoOffload, OffloadPolicy, Place, SwapFailure
 from .flat_params import bucket_values
@@ -111,7 +120,7 @@ class ShardedParameters:
 
         with torch.no_grad():
             for bucket in layout.buckets:
-                full = torch.zeros(bucket.padded_numel, dtype=self.dtype, device=self.device)
+                full = self._allocate_full(bucket)
                 # built under zeroshard.Init: gathered one parameter at a time
                 bucket_values(bucket, lambda i: initial.of(params[i]), full, None if bucket.frozen else masters)
                 for slot in bucket.slots:
@@ -130,6 +139,21 @@ class ShardedParameters:
                 self.state.append(GatherState.GATHERED)
                 if bucket.index not in persistent:
                     self.release(bucket.index)
+
+    def _allocate_full(self, bucket: BucketLayout) -> torch.Tensor:
+        """Bucket ``bucket``'s full buffer (zeros).  Where its chunk can be lent by moving pages, the
+        buffer is a view placed so that this rank's slot lies at the same offset within a page as the
+        chunk in the store (up to one page of slack before it): the chunk's whole pages can then move
+        into the slot and back (see [Note: a gathered unit borrows this rank's chunk])."""
+        own = self.store.view(bucket)
+        if (not self._drops_pages or bucket.index in self.persistent
+                or self.store.where[bucket.index] is not Place.DEVICE or own is None):
+            return torch.zeros(bucket.padded_numel, dtype=self.dtype, device=self.device)
+        size = self.dtype.itemsize
+        raw = torch.zeros(bucket.padded_numel + PAGE // size, dtype=self.dtype, device=self.device)
+        start, _ = bucket.shard_range(self.rank)
+        shift = (own.data_ptr() - raw.data_ptr() - start * size) % PAGE
+        return raw[shift // size: shift // size + bucket.padded_numel]
 
     def _find_registrations(self, model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
         """Where each parameter is registered (a tied weight is registered in several modules)."""
@@ -182,20 +206,20 @@ class ShardedParameters:
         if self.state[index] is GatherState.SHARDED:
             bucket = self.layout.buckets[index]
             full = self.full[index]
-            needed = bucket.padded_numel * full.element_size()
+            needed = (int(full.storage_offset()) + bucket.padded_numel) * full.element_size()
             if full.untyped_storage().nbytes() < needed:  # freed (see the Note above), not only its pages
                 full.untyped_storage().resize_(needed)
-            if self.page_reserve is not None:
-                self.page_reserve.fill(full)
             kept = self._secondary.get(index) if index in self._secondary_valid else None
-            if kept is not None and self.secondary is not None:  # hpZ: gather inside the group
+            group = self.secondary if kept is not None else None
+            lent = self._fill(index, lend=group is None)
+            if group is not None and kept is not None:  # hpZ: gather inside the group
                 with torch.no_grad():
-                    self._pending[index] = self.secondary.all_gather(full, kept, f"{label}.hpz", async_op=True)
+                    self._pending[index] = group.all_gather(full, kept, f"{label}.hpz", async_op=True)
                 self.state[index] = GatherState.GATHERING
                 if not async_op:
                     self.wait(index)
                 return
-            own = self.store.view(bucket)
+            own = lent if lent is not None else self.store.view(bucket)
             if own is None or own.device != full.device:  # offloaded: bring the chunk to its slot first
                 start, end = bucket.shard_range(self.rank)
                 own = full[start:end]
@@ -206,6 +230,42 @@ class ShardedParameters:
             self.state[index] = GatherState.GATHERING
         if not async_op:
             self.wait(index)
+
+    def _fill(self, index: int, lend: bool) -> Optional[torch.Tensor]:
+        """Pages for bucket ``index``'s full buffer, about to be gathered: from the page reserve, except
+        that where the chunk can be lent (``lend`` and :meth:`_may_lend`) the store's own pages move
+        under the slot instead; then the slot is returned (the chunk, lent) for the gather to send from."""
+        reserve = self.page_reserve
+        if reserve is None:
+            return None
+        full = self.full[index]
+        pages = self._slot_pages(index)
+        if not (lend and pages and self._may_lend(index)):
+            reserve.fill(full)
+            return None
+        bucket = self.layout.buckets[index]
+        start, end = bucket.shard_range(self.rank)
+        own, slot = self.store.view(bucket), full[start:end]
+        assert own is not None
+        first, last = pages
+        reserve.fill(full[:first])
+        reserve.fill(full[last:])
+        if reserve.hand_over(own, slot):  # the slot's whole pages: [first, last)
+            self._lent.add(index)
+            return slot
+        reserve.fill(full[first:last])
+        return None
+
+    def _slot_pages(self, index: int) -> Optional[tuple[int, int]]:
+        """The elements [first, last) of bucket ``index``'s full buffer on the whole pages of this rank's
+        slot: what a lent chunk's pages move into; None where the slot has no whole page."""
+        start, end = self.layout.buckets[index].shard_range(self.rank)
+        slot = self.full[index][start:end]
+        address, length = whole_pages_of(slot)
+        if not length:
+            return None
+        first = start + (address - slot.data_ptr()) // slot.element_size()
+        return first, first + length // slot.element_size()
 
     def wait(self, index: int) -> None:
         pending: Optional[PendingCollective] = self._pending.pop(index, None)
@@ -268,12 +328,17 @@ class ShardedParameters:
         no chunk is lent then (see [Note: a gathered unit borrows this rank's chunk])."""
         self._read_elsewhere = busy
 
+    def _may_lend(self, index: int) -> bool:
+        """Whether bucket ``index``'s chunk may be lent to its full buffer now (see the Note above)."""
+        return (index not in self._lent and index not in self.persistent and self._drops_pages
+                and self.store.where[index] is Place.DEVICE  # offloaded: the chunk is elsewhere anyway
+                and not self._read_elsewhere())
+
     def lend_chunk(self, index: int) -> None:
         """Bucket ``index`` is gathered for training: its full buffer's slot becomes the only copy of
-        this rank's chunk, and the store's pages under the chunk go (see the Note above)."""
-        if (index in self._lent or index in self.persistent or not self._drops_pages
-                or self.store.where[index] is not Place.DEVICE  # offloaded: the chunk is elsewhere anyway
-                or self.state[index] is not GatherState.GATHERED or self._read_elsewhere()):
+        this rank's chunk, and the store's pages under the chunk go (see the Note above).  A gather
+        that moved the chunk's pages into the slot has lent it already."""
+        if not self._may_lend(index) or self.state[index] is not GatherState.GATHERED:
             return
         own = self.store.view(self.layout.buckets[index])
         assert own is not None
@@ -315,10 +380,21 @@ class ShardedParameters:
         if index in self.persistent or index in self._pins or self.state[index] is GatherState.SHARDED:
             return
         self.wait(index)
-        self.take_back_chunk(index)
-        if self.page_reserve is not None:
-            self.page_reserve.give(self.full[index])
+        full, reserve = self.full[index], self.page_reserve
+        bucket = self.layout.buckets[index]
+        start, end = bucket.shard_range(self.rank)
+        own = self.store.view(bucket)
+        pages = self._slot_pages(index) if reserve is not None else None
+        if (index in self._lent and reserve is not None and own is not None and pages
+                and reserve.hand_over(full[start:end], own)):  # the chunk's pages go home
+            self._lent.discard(index)
+            reserve.give(full[:pages[0]])  # the rest, the partial pages at the slot's ends included
+            reserve.give(full[pages[1]:])
+        elif reserve is not None:
+            self.take_back_chunk(index)
+            reserve.give(full)
         else:
+            self.take_back_chunk(index)
             self.full[index].untyped_storage().resize_(0)
         self._show(index, gathered=False)
         self.state[index] = GatherState.SHARDED

@@ -51,16 +51,18 @@ class Stage2(ShardingStrategy):
     one world: backward 4.17-4.30 s with 0.55-0.76 s of system time when the pages were given back,
     3.52-3.75 s with 0.25-0.42 s when kept (DDP: 3.15-3.61 s, 0.17-0.25 s); the whole step 1.177 and
     1.173x DDP's against 1.100 and 1.096x (benchmarks/bench_step_ratio.py, two runs each, alternated);
-    peak RSS 1719/1654 MiB against 1725/1644 (both in backward).  Stage 3 gives them back
-    (``trims_bucket_pool``): its peak is at the end of the forward, where the gathered units add to
-    the activations.
+    peak RSS 1719/1654 MiB against 1725/1644 (both in backward).  Stage 3 gave them back (to its page
+    reserve) until the twentieth session, when its forward peak was the higher one; once its gathers
+    moved the lent chunks' pages instead of faulting new ones ([Note: a gathered unit borrows this
+    rank's chunk] in sharded_params.py), its peak moved into backward too, and keeping its two 27 MiB
+    buffers took the backward's page faults from 12,000-15,000 to 4,000-5,000 (91M fp32, world 2)
+    with the peak still in backward (benchmarks/RESULTS.md, twentieth session).
     """
 
     stage = 2
     defers_refresh = True
     reduces_every_micro_step = True
     keeps_chunk_buffers = False  # see [Note: where gradient chunks live]
-    trims_bucket_pool = False  # see [Note: when the bucket pool lets go]
 
     def __init__(self, flat: ParameterStorage, params: Sequence[nn.Parameter], groups: ShardGroups,
                  zero: ZeroConfig, precision: PrecisionPolicy = PrecisionPolicy()) -> None:
@@ -71,7 +73,7 @@ class Stage2(ShardingStrategy):
         self._chunk_buffers = KeptBuffers(self.flat.device, reserve) if self.keeps_chunk_buffers else None
         self._buffers: dict[int, torch.Tensor] = {}  # bucket index -> full bucket being filled or in flight
         largest = max(b.padded_numel for b in self.layout.buckets)
-        self._bucket_pool = BufferPool(largest, self.precision.comm, self.flat.device, reserve)  # filled, then reduced
+        self._bucket_pool = BufferPool(largest, self.precision.comm, self.flat.device)  # filled, then reduced
 
     def _bucket_buffer(self, bucket: BucketLayout) -> torch.Tensor:
         buffer = self._buffers.get(bucket.index)
@@ -100,12 +102,6 @@ class Stage2(ShardingStrategy):
         else:
             held.add_(received)
         self._bucket_pool.release(full)
-
-    def finish_backward(self) -> None:
-        """Stage 3 gives its bucket buffers back here (see [Note: when the bucket pool lets go])."""
-        super().finish_backward()
-        if self.trims_bucket_pool:
-            self._bucket_pool.trim()
 
     def owned_grad(self, bucket: BucketLayout) -> torch.Tensor:
         held = self._grad_chunks.get(bucket.index)

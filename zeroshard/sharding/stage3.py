@@ -34,7 +34,6 @@ class Stage3(Stage2):
     defers_refresh = False  # only persistent buckets are refreshed; the rest are gathered for use
     max_buckets_in_flight = 1  # a bucket is a whole unit here: keep fewer full-size ones alive
     keeps_chunk_buffers = True  # see [Note: where gradient chunks live] in stage2.py
-    trims_bucket_pool = True  # see [Note: when the bucket pool lets go] in stage2.py
 
     def __init__(self, storage: ShardedParameters, params: Sequence[nn.Parameter], groups: ShardGroups,
                  zero: ZeroConfig, plan: Stage3Plan, model: nn.Module,
