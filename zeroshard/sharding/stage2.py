@@ -54,7 +54,7 @@ class Stage2(ShardingStrategy):
     peak RSS 1719/1654 MiB against 1725/1644 (both in backward).  Stage 3 gave them back (to its page
     reserve) until the twentieth session, when its forward peak was the higher one; once its gathers
     moved the lent chunks' pages instead of faulting new ones ([Note: a gathered unit borrows this
-    rank's chunk] in sharded_params.py), its peak moved into backward too, and keeping its two 27 MiB
+    rank's chunk] in sharded_params.py), its peak moved into backward too, and keeping its 27 MiB
     buffers took the backward's page faults from 12,000-15,000 to 4,000-5,000 (91M fp32, world 2)
     with the peak still in backward (benchmarks/RESULTS.md, twentieth session).
     """
