@@ -17,7 +17,8 @@ order, so no rank waits for a ring its neighbour has not reached); ``wait()`` on
 only waits for the thread to finish that ring.  One thread per group, not per process: rings of
 different groups are launched from different threads (an asynchronous save gathers its file list on a
 group of its own while training launches gathers), so their order differs from rank to rank, and one
-queue for all of them deadlocked two ranks each waiting on the ring the other had queued behind.  The thread holds the GIL only between torch calls (a wait for a
+queue for all of them deadlocked two ranks each waiting on the ring the other had queued behind.
+The thread holds the GIL only between torch calls (a wait for a
 message and an addition both release it), so it runs while autograd computes.  A ring computes the
 same additions in the same order as before: results are bitwise the same.  An error in a ring (a
 timeout, a lost peer) is raised by that ring's ``wait()``, on the training thread.

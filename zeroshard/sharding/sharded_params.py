@@ -146,8 +146,7 @@ class ShardedParameters:
         chunk in the store (up to one page of slack before it): the chunk's whole pages can then move
         into the slot and back (see [Note: a gathered unit borrows this rank's chunk])."""
         own = self.store.view(bucket)
-        if (not self._drops_pages or bucket.index in self.persistent
-                or self.store.where[bucket.index] is not Place.DEVICE or own is None):
+        if own is None or not self._may_lend(bucket.index):
             return torch.zeros(bucket.padded_numel, dtype=self.dtype, device=self.device)
         size = self.dtype.itemsize
         raw = torch.zeros(bucket.padded_numel + PAGE // size, dtype=self.dtype, device=self.device)
@@ -384,8 +383,8 @@ class ShardedParameters:
         bucket = self.layout.buckets[index]
         start, end = bucket.shard_range(self.rank)
         own = self.store.view(bucket)
-        pages = self._slot_pages(index) if reserve is not None else None
-        if (index in self._lent and reserve is not None and own is not None and pages
+        pages = self._slot_pages(index) if index in self._lent and reserve is not None else None
+        if (reserve is not None and own is not None and pages
                 and reserve.hand_over(full[start:end], own)):  # the chunk's pages go home
             self._lent.discard(index)
             reserve.give(full[:pages[0]])  # the rest, the partial pages at the slot's ends included
