@@ -277,16 +277,21 @@ def test_missing_truncated_and_corrupted_files_are_named(saved, tmp_path: Path) 
         CheckpointReader(directory)
 
 
-def test_a_flipped_byte_in_the_header_or_the_data_is_caught_and_format_1_checksums_still_verify(
+def test_a_flipped_byte_in_the_header_or_the_data_is_caught_and_older_formats_checksums_still_verify(
         saved, tmp_path: Path) -> None:
-    """[Note: checksums while writing]: the header and the data are checksummed apart (format 2); a
-    checkpoint of format 1 records the whole file's SHA-256 and still loads."""
+    """[Note: checksums while writing]: the header and the data are checksummed apart (CRC-32, format
+    3); a checkpoint of format 2 (the parts' SHA-256) or 1 (the whole file's SHA-256) still loads, and
+    its checksums are verified too."""
     import hashlib
+    import zlib
     directory = broken_copy(saved[0], tmp_path)
     victim = directory / "rank00001.safetensors"
     data = victim.read_bytes()
     manifest = json.loads((directory / "manifest.json").read_text())
-    split = manifest["files"][victim.name]["sha256_parts"]["split"]
+    assert manifest["format_version"] == 3
+    parts = manifest["files"][victim.name]["crc32_parts"]
+    split = parts["split"]
+    assert (parts["head"], parts["body"]) == (f"{zlib.crc32(data[:split]):08x}", f"{zlib.crc32(data[split:]):08x}")
     for where in (split // 2, split + 5, len(data) - 1):  # header, first data byte block, last byte
         flipped = bytearray(data)
         flipped[where] ^= 0x01
@@ -294,15 +299,24 @@ def test_a_flipped_byte_in_the_header_or_the_data_is_caught_and_format_1_checksu
         with pytest.raises(CheckpointError, match=r"rank00001\.safetensors: checksum mismatch"):
             CheckpointReader(directory)
     victim.write_bytes(data)
-    manifest["format_version"] = 1
-    for name, meta in manifest["files"].items():
-        manifest["files"][name] = {"bytes": meta["bytes"],
-                                   "sha256": hashlib.sha256((directory / name).read_bytes()).hexdigest()}
-    (directory / "manifest.json").write_text(json.dumps(manifest))
-    CheckpointReader(directory)  # verifies
-    victim.write_bytes(data[:-1] + bytes([data[-1] ^ 0x01]))
-    with pytest.raises(CheckpointError, match=r"rank00001\.safetensors: checksum mismatch"):
-        CheckpointReader(directory)
+
+    def sha256_parts(raw: bytes, split: int) -> dict:
+        return {"split": split, "head": hashlib.sha256(raw[:split]).hexdigest(),
+                "body": hashlib.sha256(raw[split:]).hexdigest()}
+
+    older = {2: lambda name, meta: {"bytes": meta["bytes"], "sha256_parts": sha256_parts(
+                 (directory / name).read_bytes(), meta["crc32_parts"]["split"])},
+             1: lambda name, meta: {"bytes": meta["bytes"],
+                                    "sha256": hashlib.sha256((directory / name).read_bytes()).hexdigest()}}
+    for version, entry in older.items():
+        old = {**manifest, "format_version": version,
+               "files": {name: entry(name, meta) for name, meta in manifest["files"].items()}}
+        (directory / "manifest.json").write_text(json.dumps(old))
+        CheckpointReader(directory)  # verifies
+        victim.write_bytes(data[:-1] + bytes([data[-1] ^ 0x01]))
+        with pytest.raises(CheckpointError, match=r"rank00001\.safetensors: checksum mismatch"):
+            CheckpointReader(directory)
+        victim.write_bytes(data)
 
 
 def verifying_worker(rank: int, world: int, directory: str, stage: int) -> dict:

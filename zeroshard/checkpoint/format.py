@@ -5,7 +5,7 @@ A checkpoint is a directory ``<save_dir>/<tag>/`` holding
 - ``manifest.json``: format version, zeroshard version, world size, stage, dtype, the bucket layout
   (every parameter's name, shape and place), the optimizer's class and hyperparameters, the engine's
   counters, the LR schedule, the data-loader position, the client state, and every file's byte size
-  and SHA-256;
+  and checksum;
 - ``rank00000.safetensors`` ...: what each rank owned when it saved: its chunk of every bucket
   (``param.b<k>``), the optimizer state of those chunks (``optim.<key>.b<k>``), and its RNG state;
 - ``model_extra.safetensors``: frozen parameters and module buffers (written by rank 0).
@@ -29,6 +29,7 @@ import os
 import queue
 import struct
 import threading
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterable, Optional
@@ -38,8 +39,11 @@ import torch
 from .direct_io import DirectFile, aligned
 
 FORMAT_NAME = "zeroshard-checkpoint"
-#: 2: a file's checksum is its header's and its data's (``sha256_parts``), taken while it is written
-FORMAT_VERSION = 2
+#: 2: a file's checksum is its header's and its data's (``sha256_parts``), taken while it is written;
+#: 3: the same parts' CRC-32 (``crc32_parts``), see [Note: checksums while writing]
+FORMAT_VERSION = 3
+#: what a save records for each file (a load verifies whichever its manifest names)
+CHECKSUM = "crc32"
 MANIFEST = "manifest.json"
 LATEST = "latest"
 EXTRA_FILE = "model_extra.safetensors"
@@ -67,9 +71,26 @@ def rank_file(rank: int) -> str:
     return f"rank{rank:05d}.safetensors"
 
 
-def _sha256_around(path: Path, split: int, chunk: int = 1 << 22) -> tuple[str, str]:
-    """The SHA-256 of the file's first ``split`` bytes and of the rest (0: the rest is the whole file)."""
-    head, body = hashlib.sha256(), hashlib.sha256()
+class _Digest:
+    """One of the checksums a manifest may record: SHA-256 (formats 1 and 2) or CRC-32 (format 3)."""
+
+    def __init__(self, algorithm: str) -> None:
+        self._sha = hashlib.sha256() if algorithm == "sha256" else None
+        self._crc = 0
+
+    def update(self, block: Any) -> None:
+        if self._sha is not None:
+            self._sha.update(block)
+        else:
+            self._crc = zlib.crc32(block, self._crc)  # lets go of the GIL on blocks over a few KiB
+
+    def hexdigest(self) -> str:
+        return self._sha.hexdigest() if self._sha is not None else f"{self._crc:08x}"
+
+
+def _digests_around(path: Path, split: int, algorithm: str, chunk: int = 1 << 22) -> tuple[str, str]:
+    """The checksums of the file's first ``split`` bytes and of the rest (0: the rest is the whole file)."""
+    head, body = _Digest(algorithm), _Digest(algorithm)
     with open(path, "rb") as f:
         head.update(f.read(split))
         while block := f.read(chunk):
@@ -78,23 +99,25 @@ def _sha256_around(path: Path, split: int, chunk: int = 1 << 22) -> tuple[str, s
 
 
 def file_matches(path: Path, meta: dict[str, Any]) -> bool:
-    """Whether ``path`` has the checksum its manifest entry records: the whole file's (format 1), or
-    its header's and its data's ([Note: checksums while writing])."""
+    """Whether ``path`` has the checksum its manifest entry records: the whole file's SHA-256 (format
+    1), or its header's and its data's, SHA-256 (format 2) or CRC-32 (format 3; [Note: checksums while
+    writing])."""
     if "sha256" in meta:
-        return _sha256_around(path, 0)[1] == meta["sha256"]
-    parts = meta["sha256_parts"]
-    return _sha256_around(path, int(parts["split"])) == (parts["head"], parts["body"])
+        return _digests_around(path, 0, "sha256")[1] == meta["sha256"]
+    algorithm = "crc32" if "crc32_parts" in meta else "sha256"
+    parts = meta[f"{algorithm}_parts"]
+    return _digests_around(path, int(parts["split"]), algorithm) == (parts["head"], parts["body"])
 
 
-class BackgroundDigest:
-    """SHA-256 of the bytes handed to :meth:`update`, computed on a thread of its own (hashlib lets go
-    of the GIL on large blocks) while the caller writes them: a checkpoint file is checksummed as it is
-    written, not read back afterwards.  Each block must stay unchanged until :meth:`hexdigest`."""
+class BackgroundChecksum:
+    """The CRC-32 of the bytes handed to :meth:`update`, computed on a thread of its own while the
+    caller writes them: a checkpoint file is checksummed as it is written, not read back afterwards.
+    Each block must stay unchanged until :meth:`hexdigest`."""
 
     def __init__(self) -> None:
-        self._digest = hashlib.sha256()
+        self._digest = _Digest(CHECKSUM)
         # at most two blocks waiting: a block may be a tensor read for the save (offloaded state), held
-        # until hashed, so the writer waits rather than let them pile up
+        # until checksummed, so the writer waits rather than let them pile up
         self._blocks: "queue.Queue[Optional[memoryview]]" = queue.Queue(maxsize=2)
         self._thread = threading.Thread(target=self._run, name="zeroshard-checksum", daemon=True)
         self._thread.start()
@@ -107,7 +130,7 @@ class BackgroundDigest:
         self._blocks.put(block)
 
     def hexdigest(self) -> str:
-        """Wait for every block, then the digest; the thread ends."""
+        """Wait for every block, then the checksum; the thread ends."""
         self.close()
         return self._digest.hexdigest()
 
@@ -232,9 +255,16 @@ class SafetensorsWriter:
     [Note: checksums while writing]
     A checkpoint records each file's checksum, which a load verifies.  Hashing the whole file means
     reading it back after writing (the header, which comes first, is known only at the end); instead
-    the data's SHA-256 is taken as each tensor is written (:class:`BackgroundDigest`, beside the
+    the data's checksum is taken as each tensor is written (:class:`BackgroundChecksum`, beside the
     write) and the header's at the end, and the manifest records both with the offset where the data
-    starts (``sha256_parts``, format version 2).  A load reads the file once and checks both.
+    starts (``crc32_parts``).  A load reads the file once and checks both.
+
+    The checksum is CRC-32 (format 3), SHA-256 before (formats 1 and 2, still verified).  It guards
+    against files that were truncated, corrupted or mixed up, not against anyone forging one, and its
+    CPU time falls on training: an asynchronous save checksums while the next steps run, and on a
+    machine whose cores all run training that time is taken from them.  Measured on this project's
+    2-core machine, 550 MB (one rank's share of the 91M model's checkpoint): SHA-256 0.37 s, CRC-32
+    (zlib) 0.16 s of one core.
     """
 
     def __init__(self, path: Path, header_room: int = 1 << 16, writing: FileWriting = FileWriting(),
@@ -259,7 +289,7 @@ class SafetensorsWriter:
             self._file.seek(8 + self._room)
         self._header: dict[str, Any] = {}
         self._offset = 0
-        self._body = BackgroundDigest() if checksum else None
+        self._body = BackgroundChecksum() if checksum else None
         #: after finish(): the file's checksum as a manifest records it (see the Note)
         self.checksum: dict[str, Any] = {}
 
@@ -329,8 +359,9 @@ class SafetensorsWriter:
     def _record(self, head: bytes, body: Optional[str]) -> None:
         if body is None:
             return
-        self.checksum = {"sha256_parts": {"split": len(head), "head": hashlib.sha256(head).hexdigest(),
-                                          "body": body}}
+        head_digest = _Digest(CHECKSUM)
+        head_digest.update(head)
+        self.checksum = {f"{CHECKSUM}_parts": {"split": len(head), "head": head_digest.hexdigest(), "body": body}}
 
     def abort(self) -> None:
         """Close and remove the unfinished file."""
