@@ -1,6 +1,7 @@
 """Asynchronous checkpoint saves against synchronous ones, and against what ``dd`` writes on the same disk.
 
     .venv/bin/python benchmarks/bench_async_save.py [--stage 2] [--steps 6] [--saves 5] [--spread 1 4]
+        [--checksum crc32 sha256]
         [--out benchmarks/out/async_save.json]
 
 The 91M GPT of bench_memory.py (vocabulary 8192, 768 x 12, sequence 128; fp32, AdamW) at world 2 (2
@@ -16,7 +17,8 @@ ranks x 1 thread, gloo), in one run:
   and the slowest training step that ran while it was being written, against the mean of the steps just
   before and after that save: ``--saves`` rounds, so that the machine's drift from minute to minute
   (5-15% on the 2-core VM this was written on) falls on both sides of the ratio; the median is reported;
-  for each ``checkpoint.writer.spread_over_steps`` of ``--spread``, taken in turn within every round.
+  for each ``checkpoint.writer.spread_over_steps`` of ``--spread`` and each file checksum of ``--checksum``
+  (the format's CRC-32, or the SHA-256 of formats 1-2), taken in turn within every round.
   Also the mean of the overlapped steps against the same baseline (a save spread over N steps has N
   chances at one slow step: its worst step is the more pessimistic measure), and the seconds all the
   overlapped steps took beyond it (what the save cost training in all);
@@ -30,6 +32,7 @@ time of an asynchronous save <= 10% of a synchronous save; synchronous save thro
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shutil
 import statistics
@@ -46,6 +49,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zeroshard  # noqa: E402
+import zeroshard.checkpoint.format as checkpoint_format  # noqa: E402
 from zeroshard.demo.model import GPT, GPTConfig  # noqa: E402
 from zeroshard.testing import run_world  # noqa: E402
 
@@ -53,7 +57,7 @@ CFG = dict(vocab_size=8192, seq_len=128, d_model=768, n_layer=12, n_head=12)
 
 
 def worker(rank: int, world: int, stage: int, directory: str, steps: int, micro: int, saves: int,
-           spreads: list[int]) -> dict:
+           spreads: list[int], checksums: list[str]) -> dict:
     torch.set_num_threads(1)
     cfg = GPTConfig(**CFG)
     torch.manual_seed(0)
@@ -87,18 +91,19 @@ def worker(rank: int, world: int, stage: int, directory: str, steps: int, micro:
     step()
     rounds = []
     for i in range(saves):  # paired: the steps just before and after each save are its baseline
-        for spread in spreads:  # interleaved: every setting sees the same drift
+        for spread, checksum in itertools.product(spreads, checksums):  # interleaved: every setting sees the same drift
             set_writer(engine, spread_over_steps=spread)
+            checkpoint_format.CHECKSUM = checksum
             before = step()
             dist.barrier()
             start = time.perf_counter()
-            engine.save_checkpoint(root, tag=f"async{i}_{spread}", async_save=True)
+            engine.save_checkpoint(root, tag=f"async{i}_{spread}_{checksum}", async_save=True)
             visible_s = time.perf_counter() - start
             overlapped = []
             while any_in_flight(engine):
                 overlapped.append(step())
             engine.wait_for_checkpoint()
-            rounds.append({"spread": spread, "before": before, "visible_s": visible_s, "overlapped": overlapped,
+            rounds.append({"setting": setting_name(spread, checksum), "before": before, "visible_s": visible_s, "overlapped": overlapped,
                            "after": step(), "publish_s": engine.saves.last_save_s})
     # last (its dirty page cache would weigh on what follows): the same save through the page cache
     # (writer type "python", the default without a writer block)
@@ -111,6 +116,10 @@ def worker(rank: int, world: int, stage: int, directory: str, steps: int, micro:
     engine.close()
     return {"normal": normal, "sync_s": sync_s, "sync_python_s": sync_python_s,
             "first_async_visible_s": first_visible_s, "rounds": rounds, "file_bytes": file_bytes}
+
+
+def setting_name(spread: int, checksum: str) -> str:
+    return f"spread_over_steps {spread}, {checksum}"
 
 
 def set_writer(engine, **settings) -> None:
@@ -148,13 +157,16 @@ def main() -> None:
                         "steps just before and after it")
     parser.add_argument("--spread", type=int, nargs="+", default=[1, 4], help="checkpoint.writer.spread_over_steps "
                         "values, each measured in every round (interleaved)")
+    parser.add_argument("--checksum", nargs="+", default=[checkpoint_format.CHECKSUM], choices=["crc32", "sha256"],
+                        help="the files' checksum (the format's, or SHA-256 as formats 1-2 recorded), each measured "
+                        "in every round (interleaved)")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     parser.add_argument("--out", default="benchmarks/out/async_save.json")
     args = parser.parse_args()
     directory = Path(tempfile.mkdtemp(prefix="zs-bench-async-", dir=args.dir))
     try:
         ranks = run_world(worker, 2, args=(args.stage, str(directory / "ckpt"), args.steps, args.micro_batch, args.saves,
-                                             args.spread),
+                                             args.spread, args.checksum),
                           timeout=3600)
         sizes = [r["file_bytes"] for r in ranks]
         dd_s = statistics.median(dd_seconds(directory, sizes) for _ in range(3))
@@ -167,22 +179,22 @@ def main() -> None:
         baseline = (max(r["before"] for r in per_rank) + max(r["after"] for r in per_rank)) / 2
         worst = max(max(r["overlapped"] or [0.0]) for r in per_rank)
         overlapped = [max(steps) for steps in zip(*(r["overlapped"] for r in per_rank))]  # slowest rank
-        rounds.append({"spread": per_rank[0]["spread"], "baseline_s": baseline, "worst_overlapped_s": worst, "ratio": worst / baseline,
+        rounds.append({"setting": per_rank[0]["setting"], "baseline_s": baseline, "worst_overlapped_s": worst, "ratio": worst / baseline,
                        "mean_ratio": statistics.mean(overlapped or [0.0]) / baseline,
                        "extra_s": sum(overlapped) - len(overlapped) * baseline,
                        "overlapped_steps": max(len(r["overlapped"]) for r in per_rank),
                        "visible_s": max(r["visible_s"] for r in per_rank),
                        "publish_s": max(r["publish_s"] for r in per_rank)})
-    by_spread = {}
-    for spread in args.spread:
-        ratios = [r["ratio"] for r in rounds if r["spread"] == spread]
-        chosen = [r for r in rounds if r["spread"] == spread]
-        by_spread[spread] = {"ratio_median": statistics.median(ratios), "ratio_max": max(ratios),
-                             "mean_ratio_median": statistics.median(r["mean_ratio"] for r in chosen),
-                             "extra_s_median": statistics.median(r["extra_s"] for r in chosen),
-                             "publish_s_median": statistics.median(r["publish_s"] for r in rounds
-                                                                   if r["spread"] == spread),
-                             "overlapped_steps_max": max(r["overlapped_steps"] for r in rounds if r["spread"] == spread)}
+    by_setting = {}
+    for spread, checksum in itertools.product(args.spread, args.checksum):
+        setting = setting_name(spread, checksum)
+        chosen = [r for r in rounds if r["setting"] == setting]
+        ratios = [r["ratio"] for r in chosen]
+        by_setting[setting] = {"ratio_median": statistics.median(ratios), "ratio_max": max(ratios),
+                               "mean_ratio_median": statistics.median(r["mean_ratio"] for r in chosen),
+                               "extra_s_median": statistics.median(r["extra_s"] for r in chosen),
+                               "publish_s_median": statistics.median(r["publish_s"] for r in chosen),
+                               "overlapped_steps_max": max(r["overlapped_steps"] for r in chosen)}
     total = sum(sizes)
     sync_s = max(r["sync_s"] for r in ranks)
     sync_python_s = max(r["sync_python_s"] for r in ranks)
@@ -191,7 +203,7 @@ def main() -> None:
     result = {
         "config": {**CFG, "stage": args.stage, "micro_batch": args.micro_batch, "world": 2},
         "normal_step_s": normal, "rounds": rounds,
-        "by_spread_over_steps": by_spread,
+        "by_setting": by_setting,
         "sync_save_s": sync_s, "async_visible_s": visible,
         "async_visible_ratio": visible / sync_s, "first_async_visible_s": first_visible,
         "bytes_written": total, "sync_save_mb_s": total / sync_s / 1e6, "dd_s": dd_s, "dd_mb_s": total / dd_s / 1e6,
@@ -203,17 +215,17 @@ def main() -> None:
     print("| measure | value | target |")
     print("| --- | --- | --- |")
     print(f"| normal step (s) | {normal:.3f} | |")
-    for spread, measured in by_spread.items():
-        pairs = ", ".join(f"{r['worst_overlapped_s']:.2f}/{r['baseline_s']:.2f}" for r in rounds if r["spread"] == spread)
-        print(f"| spread_over_steps {spread}, per save: worst overlapped step / steps before and after (s) | "
+    for spread, measured in by_setting.items():
+        pairs = ", ".join(f"{r['worst_overlapped_s']:.2f}/{r['baseline_s']:.2f}" for r in rounds if r["setting"] == spread)
+        print(f"| {spread}, per save: worst overlapped step / steps before and after (s) | "
               f"{pairs} | |")
-        print(f"| spread_over_steps {spread}: worst overlapped step / steps before and after, median of "
+        print(f"| {spread}: worst overlapped step / steps before and after, median of "
               f"{args.saves} saves (max) | {measured['ratio_median']:.3f} ({measured['ratio_max']:.3f}) | <= 1.10 |")
-        print(f"| spread_over_steps {spread}: mean overlapped step / steps before and after, median of "
+        print(f"| {spread}: mean overlapped step / steps before and after, median of "
               f"{args.saves} saves | {measured['mean_ratio_median']:.3f} | <= 1.10 |")
-        print(f"| spread_over_steps {spread}: seconds the overlapped steps took beyond the baseline, median | "
+        print(f"| {spread}: seconds the overlapped steps took beyond the baseline, median | "
               f"{measured['extra_s_median']:.2f} | |")
-        print(f"| spread_over_steps {spread}: until published, median (s); steps overlapped (most) | "
+        print(f"| {spread}: until published, median (s); steps overlapped (most) | "
               f"{measured['publish_s_median']:.2f}; {measured['overlapped_steps_max']} | |")
     print(f"| synchronous save, training blocked (s) | {sync_s:.3f} | |")
     print(f"| first asynchronous save, training blocked (s) | {first_visible:.3f} | |")

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_checkpoint.py [--stage 2] [--out benchmarks/out/checkpoint.json]
 
 The ~20M GPT of bench_stages.py at world size 2 on CPU, after one AdamW step.  zeroshard: every rank
-writes its shard (with SHA-256 checksums) and rank 0 the manifest; load verifies every checksum and
+writes its shard (with CRC-32 checksums) and rank 0 the manifest; load verifies every checksum and
 reads back each rank's share.  Baseline: rank 0 ``torch.save``s the full model and optimizer state
 dicts (what a DDP job writes) and ``torch.load``s them.  Times are the slowest rank's, median of 3.
 """
