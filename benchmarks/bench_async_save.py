@@ -93,7 +93,7 @@ def worker(rank: int, world: int, stage: int, directory: str, steps: int, micro:
     for i in range(saves):  # paired: the steps just before and after each save are its baseline
         for spread, checksum in itertools.product(spreads, checksums):  # interleaved: every setting sees the same drift
             set_writer(engine, spread_over_steps=spread)
-            checkpoint_format.CHECKSUM = checksum
+            checkpoint_format.CHECKSUM = checkpoint_format.Checksum(checksum)
             before = step()
             dist.barrier()
             start = time.perf_counter()
@@ -157,7 +157,8 @@ def main() -> None:
                         "steps just before and after it")
     parser.add_argument("--spread", type=int, nargs="+", default=[1, 4], help="checkpoint.writer.spread_over_steps "
                         "values, each measured in every round (interleaved)")
-    parser.add_argument("--checksum", nargs="+", default=[checkpoint_format.CHECKSUM], choices=["crc32", "sha256"],
+    parser.add_argument("--checksum", nargs="+", default=[checkpoint_format.CHECKSUM.value],
+                        choices=[c.value for c in checkpoint_format.Checksum],
                         help="the files' checksum (the format's, or SHA-256 as formats 1-2 recorded), each measured "
                         "in every round (interleaved)")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")

@@ -31,6 +31,7 @@ import struct
 import threading
 import zlib
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterable, Optional
 
@@ -42,8 +43,6 @@ FORMAT_NAME = "zeroshard-checkpoint"
 #: 2: a file's checksum is its header's and its data's (``sha256_parts``), taken while it is written;
 #: 3: the same parts' CRC-32 (``crc32_parts``), see [Note: checksums while writing]
 FORMAT_VERSION = 3
-#: what a save records for each file (a load verifies whichever its manifest names)
-CHECKSUM = "crc32"
 MANIFEST = "manifest.json"
 LATEST = "latest"
 EXTRA_FILE = "model_extra.safetensors"
@@ -71,11 +70,22 @@ def rank_file(rank: int) -> str:
     return f"rank{rank:05d}.safetensors"
 
 
-class _Digest:
-    """One of the checksums a manifest may record: SHA-256 (formats 1 and 2) or CRC-32 (format 3)."""
+class Checksum(str, Enum):
+    """The checksums a manifest may record for a file (the value names its manifest entry)."""
 
-    def __init__(self, algorithm: str) -> None:
-        self._sha = hashlib.sha256() if algorithm == "sha256" else None
+    SHA256 = "sha256"  # formats 1 and 2
+    CRC32 = "crc32"  # format 3
+
+
+#: what a save records for each file (a load verifies whichever its manifest names)
+CHECKSUM = Checksum.CRC32
+
+
+class _Digest:
+    """A running :class:`Checksum` of the bytes given to :meth:`update`."""
+
+    def __init__(self, algorithm: Checksum) -> None:
+        self._sha = hashlib.sha256() if algorithm is Checksum.SHA256 else None
         self._crc = 0
 
     def update(self, block: Any) -> None:
@@ -88,7 +98,7 @@ class _Digest:
         return self._sha.hexdigest() if self._sha is not None else f"{self._crc:08x}"
 
 
-def _digests_around(path: Path, split: int, algorithm: str, chunk: int = 1 << 22) -> tuple[str, str]:
+def _digests_around(path: Path, split: int, algorithm: Checksum, chunk: int = 1 << 22) -> tuple[str, str]:
     """The checksums of the file's first ``split`` bytes and of the rest (0: the rest is the whole file)."""
     head, body = _Digest(algorithm), _Digest(algorithm)
     with open(path, "rb") as f:
@@ -103,9 +113,9 @@ def file_matches(path: Path, meta: dict[str, Any]) -> bool:
     1), or its header's and its data's, SHA-256 (format 2) or CRC-32 (format 3; [Note: checksums while
     writing])."""
     if "sha256" in meta:
-        return _digests_around(path, 0, "sha256")[1] == meta["sha256"]
-    algorithm = "crc32" if "crc32_parts" in meta else "sha256"
-    parts = meta[f"{algorithm}_parts"]
+        return _digests_around(path, 0, Checksum.SHA256)[1] == meta["sha256"]
+    algorithm = Checksum.CRC32 if "crc32_parts" in meta else Checksum.SHA256
+    parts = meta[f"{algorithm.value}_parts"]
     return _digests_around(path, int(parts["split"]), algorithm) == (parts["head"], parts["body"])
 
 
@@ -361,7 +371,7 @@ class SafetensorsWriter:
             return
         head_digest = _Digest(CHECKSUM)
         head_digest.update(head)
-        self.checksum = {f"{CHECKSUM}_parts": {"split": len(head), "head": head_digest.hexdigest(), "body": body}}
+        self.checksum = {f"{CHECKSUM.value}_parts": {"split": len(head), "head": head_digest.hexdigest(), "body": body}}
 
     def abort(self) -> None:
         """Close and remove the unfinished file."""
