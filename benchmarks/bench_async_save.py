@@ -91,7 +91,8 @@ def worker(rank: int, world: int, stage: int, directory: str, steps: int, micro:
     step()
     rounds = []
     for i in range(saves):  # paired: the steps just before and after each save are its baseline
-        for spread, checksum in itertools.product(spreads, checksums):  # interleaved: every setting sees the same drift
+        # interleaved: every setting sees the same drift
+        for spread, checksum in itertools.product(spreads, checksums):
             set_writer(engine, spread_over_steps=spread)
             checkpoint_format.CHECKSUM = checkpoint_format.Checksum(checksum)
             before = step()
@@ -103,8 +104,8 @@ def worker(rank: int, world: int, stage: int, directory: str, steps: int, micro:
             while any_in_flight(engine):
                 overlapped.append(step())
             engine.wait_for_checkpoint()
-            rounds.append({"setting": setting_name(spread, checksum), "before": before, "visible_s": visible_s, "overlapped": overlapped,
-                           "after": step(), "publish_s": engine.saves.last_save_s})
+            rounds.append({"setting": setting_name(spread, checksum), "before": before, "visible_s": visible_s,
+                           "overlapped": overlapped, "after": step(), "publish_s": engine.saves.last_save_s})
     # last (its dirty page cache would weigh on what follows): the same save through the page cache
     # (writer type "python", the default without a writer block)
     set_writer(engine, type="python")
@@ -216,17 +217,17 @@ def main() -> None:
     print("| measure | value | target |")
     print("| --- | --- | --- |")
     print(f"| normal step (s) | {normal:.3f} | |")
-    for spread, measured in by_setting.items():
-        pairs = ", ".join(f"{r['worst_overlapped_s']:.2f}/{r['baseline_s']:.2f}" for r in rounds if r["setting"] == spread)
-        print(f"| {spread}, per save: worst overlapped step / steps before and after (s) | "
+    for setting, measured in by_setting.items():
+        pairs = ", ".join(f"{r['worst_overlapped_s']:.2f}/{r['baseline_s']:.2f}" for r in rounds if r["setting"] == setting)
+        print(f"| {setting}, per save: worst overlapped step / steps before and after (s) | "
               f"{pairs} | |")
-        print(f"| {spread}: worst overlapped step / steps before and after, median of "
+        print(f"| {setting}: worst overlapped step / steps before and after, median of "
               f"{args.saves} saves (max) | {measured['ratio_median']:.3f} ({measured['ratio_max']:.3f}) | <= 1.10 |")
-        print(f"| {spread}: mean overlapped step / steps before and after, median of "
+        print(f"| {setting}: mean overlapped step / steps before and after, median of "
               f"{args.saves} saves | {measured['mean_ratio_median']:.3f} | <= 1.10 |")
-        print(f"| {spread}: seconds the overlapped steps took beyond the baseline, median | "
+        print(f"| {setting}: seconds the overlapped steps took beyond the baseline, median | "
               f"{measured['extra_s_median']:.2f} | |")
-        print(f"| {spread}: until published, median (s); steps overlapped (most) | "
+        print(f"| {setting}: until published, median (s); steps overlapped (most) | "
               f"{measured['publish_s_median']:.2f}; {measured['overlapped_steps_max']} | |")
     print(f"| synchronous save, training blocked (s) | {sync_s:.3f} | |")
     print(f"| first asynchronous save, training blocked (s) | {first_visible:.3f} | |")
