@@ -120,9 +120,9 @@ def file_matches(path: Path, meta: dict[str, Any]) -> bool:
 
 
 class BackgroundChecksum:
-    """The CRC-32 of the bytes handed to :meth:`update`, computed on a thread of its own while the
-    caller writes them: a checkpoint file is checksummed as it is written, not read back afterwards.
-    Each block must stay unchanged until :meth:`hexdigest`."""
+    """The :data:`CHECKSUM` of the bytes handed to :meth:`update`, computed on a thread of its own
+    while the caller writes them: a checkpoint file is checksummed as it is written, not read back
+    afterwards.  Each block must stay unchanged until :meth:`hexdigest`."""
 
     def __init__(self) -> None:
         self._digest = _Digest(CHECKSUM)
@@ -371,7 +371,8 @@ class SafetensorsWriter:
             return
         head_digest = _Digest(CHECKSUM)
         head_digest.update(head)
-        self.checksum = {f"{CHECKSUM.value}_parts": {"split": len(head), "head": head_digest.hexdigest(), "body": body}}
+        self.checksum = {f"{CHECKSUM.value}_parts": {"split": len(head), "head": head_digest.hexdigest(),
+                                                     "body": body}}
 
     def abort(self) -> None:
         """Close and remove the unfinished file."""
