@@ -67,7 +67,25 @@ class PrecisionPolicy:
         ``prescale_gradients`` each rank divides by ``gradient_predivide_factor`` f before the sum and
         the result is multiplied by f / N after it, DeepSpeed's knob for keeping fp16 sums in range
         for large N; the result is the same average up to rounding."""
-        grad.div_(self.predivide_factor if self.prescale else world_size)
+        grad.div_(self.divisor(world_size))
+
+    def divisor(self, world_size: int) -> float:
+        """What each rank divides its gradients by before the sum (see [Note: averaging gradients over ranks])."""
+        return self.predivide_factor if self.prescale else world_size
+
+    def store_divided(self, into: torch.Tensor, grad: torch.Tensor, world_size: int, accumulate: bool) -> None:
+        """``into = grad / divisor`` (or ``+=`` with ``accumulate``): :meth:`before_reduction` done while
+        the gradient is copied into its bucket, one pass over the values instead of two (stages 2-3:
+        see [Note: filling a stage-2 bucket] in sharding/stage2.py).  Dividing the copy gives the bits
+        dividing the bucket afterwards gives."""
+        divisor = self.divisor(world_size)
+        if accumulate:  # a second gradient for the same slot in one backward: rare, see the caller
+            into.add_(torch.div(grad, divisor).to(into.dtype))
+        elif into.dtype == grad.dtype:
+            torch.div(grad, divisor, out=into)
+        else:
+            into.copy_(grad)
+            into.div_(divisor)
 
     def after_reduction(self, reduced: torch.Tensor, world_size: int) -> None:
         """The second half of [Note: averaging gradients over ranks] (nothing by default)."""

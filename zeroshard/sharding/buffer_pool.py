@@ -22,7 +22,8 @@ from ..memory.page_reserve import PageReserve
 
 
 class BufferPool:
-    """Hands out zeroed 1D views of fixed-capacity buffers; grows only when all are in use."""
+    """Hands out 1D views of fixed-capacity buffers, their values undefined (each user writes every
+    element it reads: see [Note: filling a stage-2 bucket] in stage2.py); grows only when all are in use."""
 
     def __init__(self, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
         self.capacity = capacity
@@ -34,7 +35,7 @@ class BufferPool:
         self._huge_pages = can_release_pages(torch.empty(0, device=device))  # host memory on Linux
 
     def acquire(self, numel: int) -> torch.Tensor:
-        """A zeroed view of ``numel`` elements (1D); give it back with :meth:`release`."""
+        """A view of ``numel`` elements (1D), values undefined; give it back with :meth:`release`."""
         if numel > self.capacity:
             raise ValueError(f"buffer of {numel} elements asked from a pool of capacity {self.capacity}")
         if self._free:
@@ -45,7 +46,6 @@ class BufferPool:
                 prefer_huge_pages(buffer)
             self._all.append(buffer)
         view = buffer[:numel]
-        view.zero_()
         self._lent[view.data_ptr()] = buffer
         return view
 

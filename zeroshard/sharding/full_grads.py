@@ -11,7 +11,7 @@ from ..config import ZeroConfig
 from ..distributed.topology import ShardGroups
 from ..precision import PrecisionPolicy
 from .buffer_pool import BufferPool
-from .layout import BucketLayout
+from .layout import BucketLayout, ParamSlot
 from .storage import ParameterStorage
 from .strategy import ShardingStrategy
 
@@ -21,50 +21,97 @@ class FullGradientStrategy(ShardingStrategy):
 
     Communication happens only at the accumulation boundary (``sync_gradients``), so accumulating
     over K micro steps costs one reduction, exactly like ``DistributedDataParallel.no_sync``.  The
-    buffer is kept from step to step (zeroed, not freed: see [Note: gradients live from backward to
-    the step] in strategy.py for why stages 0-1 differ from 2-3 here).
+    buffer is kept from step to step (see [Note: gradients live from backward to the step] in
+    strategy.py for why stages 0-1 differ from 2-3 here).
+
+    [Note: a full gradient buffer zeroed where it was not written]
+    ``zero_grad()`` does not write the buffer: it forgets which parameters were stored since the
+    last one.  The first gradient of a parameter after it is copied into its slot, later ones (the
+    next micro steps) are added, and before a bucket is reduced the slots nothing was stored in and
+    the padding are zeroed.  A gradient stored first in the backward that reduces it (every one,
+    without accumulation) is divided by the number of ranks on its way in, and the others are
+    divided slot by slot before the reduction, so each element is divided once, as
+    ``PrecisionPolicy.before_reduction`` on the whole bucket would (bit for bit; when the bucket is
+    reduced in another dtype, the cast copy is divided instead, as before).  Zeroing the whole
+    buffer after every step, adding each gradient into the zeros and dividing the whole bucket cost
+    two passes over every gradient (366 MB at 91M fp32) and a second read of it, on the training
+    thread (as [Note: filling a stage-2 bucket] in stage2.py).
     """
+
+    @property
+    def averaged_over(self) -> int:
+        """The number of ranks a gradient is averaged over."""
+        return self.data_parallel_size
 
     def __init__(self, flat: ParameterStorage, params: Sequence[nn.Parameter], groups: ShardGroups,
                  zero: ZeroConfig, precision: PrecisionPolicy = PrecisionPolicy()) -> None:
         super().__init__(flat, params, groups, zero, precision)
         # 1D, padded, same layout as the parameters, in the accumulation dtype
         self.grads = torch.zeros(self.layout.padded_numel, dtype=self.precision.grad_accum, device=self.flat.device)
+        #: parameters (by index) whose slot holds a gradient stored since the last ``zero_grad()``, and
+        #: those of them already divided for the reduction (see the Note)
+        self._stored: set[int] = set()
+        self._divided: set[int] = set()
+        #: whether gradients are reduced in the dtype they are held in (else a divided cast copy is)
+        self._divides_in_place = self.precision.grad_accum == self.precision.comm
         largest = max(b.padded_numel for b in self.layout.buckets)
         #: buckets converted to the communication dtype while in flight (only when it differs)
         self.cast_pool = BufferPool(largest, self.precision.comm, self.flat.device)
         self._cast: dict[int, torch.Tensor] = {}
 
-    def to_comm_dtype(self, bucket: BucketLayout) -> torch.Tensor:
-        """The bucket's gradients in the communication dtype: the bucket itself, or a pooled copy
-        (bf16 training with accumulation holds fp32 gradients and communicates in bf16 by default)."""
+    def ready_to_reduce(self, bucket: BucketLayout) -> torch.Tensor:
+        """The bucket's gradients as its reduction sums them: zeros where nothing was stored, divided
+        for the average (see the Note), in the communication dtype: the bucket itself, or a pooled
+        copy (bf16 training with accumulation holds fp32 gradients and communicates in bf16 by default)."""
         grads = self.grad_bucket(bucket)
-        if grads.dtype == self.precision.comm:
+        for slot in bucket.slots:
+            piece = grads[slot.offset: slot.offset + slot.numel]
+            if slot.index not in self._stored:
+                piece.zero_()
+            elif self._divides_in_place and slot.index not in self._divided:
+                self.precision.before_reduction(piece, self.averaged_over)
+        grads[bucket.numel:].zero_()  # padding (a reduce-scatter leaves partial sums there)
+        if self._divides_in_place:
             return grads
         cast = self.cast_pool.acquire(bucket.padded_numel)
         cast.copy_(grads)
+        self.precision.before_reduction(cast, self.averaged_over)
         self._cast[bucket.index] = cast
         return cast
 
     def take_cast(self, bucket: BucketLayout) -> Optional[torch.Tensor]:
-        """The pooled copy made by :meth:`to_comm_dtype` (give it back with ``cast_pool.release``)."""
+        """The pooled copy made by :meth:`ready_to_reduce` (give it back with ``cast_pool.release``)."""
         return self._cast.pop(bucket.index, None)
 
     def comm_buffer_bytes(self) -> int:
         return self.cast_pool.nbytes + super().comm_buffer_bytes()
 
-    def store_grad(self, bucket: BucketLayout, offset: int, grad: torch.Tensor) -> None:
-        start = bucket.offset + offset
-        self.grads[start: start + grad.numel()].add_(grad)
+    def store_grad(self, bucket: BucketLayout, slot: ParamSlot, grad: torch.Tensor, first: bool) -> None:
+        """See [Note: a full gradient buffer zeroed where it was not written]."""
+        start = bucket.offset + slot.offset
+        into = self.grads[start: start + slot.numel]
+        index = slot.index
+        if index in self._divided:  # a second gradient in one backward (reentrant checkpointing)
+            self.precision.store_divided(into, grad, self.averaged_over, accumulate=True)
+        elif index in self._stored:
+            into.add_(grad)
+        elif self.sync_gradients and self._divides_in_place:  # stored and reduced in this backward
+            self.precision.store_divided(into, grad, self.averaged_over, accumulate=False)
+            self._stored.add(index)
+            self._divided.add(index)
+        else:
+            into.copy_(grad)
+            self._stored.add(index)
 
     def grad_bucket(self, bucket: BucketLayout) -> torch.Tensor:
         return self.grads[bucket.offset: bucket.offset + bucket.padded_numel]
 
     def release_grad(self, bucket: BucketLayout) -> None:
-        """Kept: zeroed by :meth:`zero_grad` after the step."""
+        """Kept: forgotten by :meth:`zero_grad` after the step."""
 
     def zero_grad(self) -> None:
-        self.grads.zero_()
+        self._stored.clear()  # see [Note: a full gradient buffer zeroed where it was not written]
+        self._divided.clear()
 
     def held_grad_bytes(self) -> int:
         return self.grads.untyped_storage().nbytes()

@@ -16,10 +16,13 @@ class Stage0(FullGradientStrategy):
     grads_are_sharded = False
     owns_whole_buckets = True
 
+    @property
+    def averaged_over(self) -> int:
+        """Every rank of the world (stage 0 has no shard groups)."""
+        return self.world.world_size
+
     def launch(self, bucket: BucketLayout, async_op: bool) -> PendingCollective:
-        view = self.to_comm_dtype(bucket)
-        self.precision.before_reduction(view, self.world.world_size)
-        return self.comm.all_reduce(view, f"grad_bucket{bucket.index}", async_op=async_op)
+        return self.comm.all_reduce(self.ready_to_reduce(bucket), f"grad_bucket{bucket.index}", async_op=async_op)
 
     def complete(self, bucket: BucketLayout) -> None:
         cast = self.take_cast(bucket)

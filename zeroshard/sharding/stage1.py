@@ -21,7 +21,7 @@ class Stage1(FullGradientStrategy):
     defers_refresh = True
 
     def launch(self, bucket: BucketLayout, async_op: bool) -> PendingCollective:
-        return self.reduce_to_owner(bucket, self.to_comm_dtype(bucket), async_op)
+        return self.reduce_to_owner(bucket, self.ready_to_reduce(bucket), async_op)
 
     def complete(self, bucket: BucketLayout) -> None:
         # The averaged chunk is in this rank's chunk of what was reduced: the gradient bucket itself, or

@@ -30,7 +30,7 @@ from ..distributed.world import World
 from ..offload.policy import OffloadPolicies, OffloadPolicy
 from ..precision import PrecisionPolicy
 from .flat_params import FlatParameters
-from .layout import capped_bucket_numel, BucketLayout, FlatLayout, plan_buckets
+from .layout import capped_bucket_numel, BucketLayout, FlatLayout, ParamSlot, plan_buckets
 from .master_weights import MasterWeights, owned_spans
 from .storage import InitialValues, ParameterStorage
 
@@ -116,7 +116,7 @@ class ShardingStrategy(ABC):
             )
         assert grad is not None
         with torch.no_grad():
-            self.store_grad(bucket, slot.offset, grad.reshape(-1))
+            self.store_grad(bucket, slot, grad.reshape(-1), first=index not in progress.arrived)
         progress.arrived.add(index)
         self.grad_arrived(bucket, progress)
         if self._communicates_now():
@@ -242,8 +242,9 @@ class ShardingStrategy(ABC):
 
     # ------------------------------------------------------------------ stage-specific
     @abstractmethod
-    def store_grad(self, bucket: BucketLayout, offset: int, grad: torch.Tensor) -> None:
-        """Accumulate one parameter's flattened gradient at ``offset`` inside ``bucket``."""
+    def store_grad(self, bucket: BucketLayout, slot: ParamSlot, grad: torch.Tensor, first: bool) -> None:
+        """Keep one parameter's flattened gradient in its ``slot`` of ``bucket``; ``first``: the first
+        gradient of that parameter in this backward (a later one is added to it)."""
 
     @abstractmethod
     def launch(self, bucket: BucketLayout, async_op: bool) -> PendingCollective:
@@ -253,15 +254,15 @@ class ShardingStrategy(ABC):
         """Called once the bucket's collective has finished."""
 
     def reduce_to_owner(self, bucket: BucketLayout, full: torch.Tensor, async_op: bool) -> PendingCollective:
-        """Average ``full`` (the whole bucket) so that this rank's chunk of it holds its averaged chunk
-        (stages 1-3); the rest of ``full`` is then garbage.
+        """Sum ``full`` (the whole bucket, already divided: ``PrecisionPolicy.before_reduction``) over
+        the ranks so that this rank's chunk of it holds its averaged chunk (stages 1-3); the rest of
+        ``full`` is then garbage.
 
         The reduce-scatter is in place: its output is this rank's own chunk of ``full``, which nothing
         else needs once the collective has read it (NCCL documents this form; gloo reads its inputs
         first), so no shard-size buffer is held beside the full-size one.  Without ``reduce_scatter``
         the bucket is all-reduced in place and the same chunk is read from it.
         """
-        self.precision.before_reduction(full, self.data_parallel_size)
         label = f"grad_bucket{bucket.index}"
         if not self.zero.reduce_scatter:
             return self.comm.all_reduce(full, label, async_op=async_op)
@@ -285,7 +286,8 @@ class ShardingStrategy(ABC):
         one 4Ψ/N shard held for the whole run (as FSDP2's ``zero_grad()`` frees its gradients).
         Measured at 91M, world 2: stage 2's peak RSS fell by 50-100 MiB and its step got faster
         (the chunks come from memory the allocator reuses, and no memset of the whole shard).
-        Stages 0-1 keep one full-size buffer, zeroed after the step: done the same way there, each
+        Stages 0-1 keep one full-size buffer, forgotten after the step ([Note: a full gradient buffer
+        zeroed where it was not written] in full_grads.py): done the same way there, each
         step allocated 4Ψ of fresh, page-faulted memory (their buckets are above glibc's largest
         mmap threshold, so every free goes back to the kernel) for 5-9% more step time and about
         50 MiB less peak (tried, measured, reverted).  ``grad_bytes()`` reports the ZeRO formula's
