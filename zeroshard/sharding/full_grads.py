@@ -64,14 +64,12 @@ class FullGradientStrategy(ShardingStrategy):
         for the average (see the Note), in the communication dtype: the bucket itself, or a pooled
         copy (bf16 training with accumulation holds fp32 gradients and communicates in bf16 by default)."""
         grads = self.grad_bucket(bucket)
-        for slot in bucket.slots:
-            piece = grads[slot.offset: slot.offset + slot.numel]
-            if slot.index not in self._stored:
-                piece.zero_()
-            elif self._divides_in_place and slot.index not in self._divided:
-                self.precision.before_reduction(piece, self.averaged_over)
-        grads[bucket.numel:].zero_()  # padding (a reduce-scatter leaves partial sums there)
+        bucket.zero_unwritten(grads, self._stored)  # the padding too: a reduce-scatter leaves partial sums
         if self._divides_in_place:
+            for slot in bucket.slots:
+                if slot.index in self._stored and slot.index not in self._divided:
+                    self.precision.before_reduction(grads[slot.offset: slot.offset + slot.numel],
+                                                    self.averaged_over)
             return grads
         cast = self.cast_pool.acquire(bucket.padded_numel)
         cast.copy_(grads)

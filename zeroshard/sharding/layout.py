@@ -17,7 +17,7 @@ Buckets never span two optimizer parameter groups, so each chunk belongs to exac
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Collection, Iterable, Optional, Sequence
 
 import torch
 
@@ -64,6 +64,14 @@ class BucketLayout:
     def chunk_start(self, chunk_numel: int, rank: int) -> int:
         """Where rank's owned chunk of ``chunk_numel`` elements starts (stage 0 owns the whole bucket)."""
         return 0 if chunk_numel == self.padded_numel else rank * chunk_numel
+
+    def zero_unwritten(self, values: torch.Tensor, written: Collection[int]) -> None:
+        """Zero the slots of ``values`` (laid out as this bucket) whose parameter index is not in
+        ``written``, and the padding: what a bucket must hold there before it is reduced."""
+        for slot in self.slots:
+            if slot.index not in written:
+                values[slot.offset: slot.offset + slot.numel].zero_()
+        values[self.numel:].zero_()
 
     def fill_chunk(self, start: int, into: torch.Tensor, read: Callable[[ParamSlot, int, int], Optional[torch.Tensor]]) -> None:
         """Copy into ``into`` (elements ``[start, start + into.numel())`` of this bucket) every parameter

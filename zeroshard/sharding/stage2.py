@@ -111,12 +111,8 @@ class Stage2(ShardingStrategy):
         against 14,000-31,000).
         """
         full = self._bucket_buffer(bucket)
-        arrived = self._progress[bucket.index].arrived
-        with torch.no_grad():
-            for slot in bucket.slots:
-                if slot.index not in arrived:  # unused in this forward: zeros, as on every other rank
-                    full[slot.offset: slot.offset + slot.numel].zero_()
-            full[bucket.numel:].zero_()  # padding
+        with torch.no_grad():  # a parameter unused in this forward: zeros, as on every other rank
+            bucket.zero_unwritten(full, self._progress[bucket.index].arrived)
         return self.reduce_to_owner(bucket, full, async_op)
 
     def complete(self, bucket: BucketLayout) -> None:
