@@ -43,8 +43,8 @@ class Stage2(ShardingStrategy):
 
     Keeping stage 2's chunks resident for the run (never freed, pages kept) was measured too: the
     heap chunks take the holes the freed activations leave, so backward's own temporaries extend
-    the heap and fault (14,000-37,000 minor faults per backward at 91M fp32, world 2, almost none in
-    the chunks' births themselves; 2,600-7,200 with resident chunks, DDP 4,300-11,700), and backward
+    the heap and fault (up to 37,000 minor faults per backward at 91M fp32, world 2, almost none in
+    the chunks' births themselves; 2,600-7,200 with resident chunks, DDP up to 11,700), and backward
     took 0.1-0.15 s longer (system time 0.32 against 0.16 s; the step 1.024 against 0.980x DDP's,
     median of 6 in one world).  But resident chunks live beside the whole forward's activations:
     peak RSS 1780/1781 MiB against 1599/1627, over the 1730 the memory target allows.  Kept off.
