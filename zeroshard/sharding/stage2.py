@@ -47,7 +47,7 @@ class Stage2(ShardingStrategy):
     the chunks' births themselves; 2,600-7,200 with resident chunks, DDP up to 11,700), and backward
     took 0.1-0.15 s longer (system time 0.32 against 0.16 s; the step 1.024 against 0.980x DDP's,
     median of 6 in one world).  But resident chunks live beside the whole forward's activations:
-    peak RSS 1780/1781 MiB against 1599/1627, over the 1730 the memory target allows.  Kept off.
+    peak RSS 1780/1781 MiB against 1599/1627-1646, over the 1730 the memory target allows.  Kept off.
 
     [Note: when the bucket pool lets go]
     The full-size bucket buffers are needed from the first gradient of a backward to its last
