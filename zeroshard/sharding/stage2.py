@@ -48,6 +48,11 @@ class Stage2(ShardingStrategy):
     took 0.1-0.15 s longer (system time 0.32 against 0.16 s; the step 1.024 against 0.980x DDP's,
     median of 6 in one world).  But resident chunks live beside the whole forward's activations:
     peak RSS 1780/1781 MiB against 1599/1627-1646, over the 1730 the memory target allows.  Kept off.
+    Resident chunks that the reduce-scatter writes into directly (no birth copy), with buckets of
+    1/16 of the model so that the pool holds half as much, were measured as well: backward 0.92-0.93x
+    DDP's (3.00-3.03 s against 3.25-3.26, 7,500-9,200 faults), the step 1.016x DDP's (median of 6
+    in one world), but peak RSS 1706-1739 MiB in two runs (1685/1710 with ~23 buckets) against
+    1616-1681 for this layout the same hour: at the 1730 target, not under it.  Kept off too.
 
     [Note: when the bucket pool lets go]
     The full-size bucket buffers are needed from the first gradient of a backward to its last
