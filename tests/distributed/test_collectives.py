@@ -79,6 +79,33 @@ def test_ring_collectives_in_flight_together_give_exact_results(world: int) -> N
         assert checks == [True] * 9
 
 
+def own_input_worker(rank: int, world: int) -> dict:
+    comm = Collectives(init_distributed())
+    collectives.PIECE_BYTES = 128 * 4  # several pieces a chunk
+    chunk = 1000
+    full = torch.randn(world * chunk, generator=torch.Generator().manual_seed(rank))
+    own = slice(rank * chunk, (rank + 1) * chunk)
+    expected = torch.empty(chunk)
+    comm.reduce_scatter(expected, full.clone(), "whole")
+    earlier = torch.randn(chunk, generator=torch.Generator().manual_seed(100 + rank))
+    summed = earlier + full[own]  # an earlier sum with this rank's own chunk added, as stage 2 keeps it
+    scratch = full.clone()
+    scratch[own] = float("nan")  # never read, never written
+    comm.reduce_scatter(summed, scratch, "in_place", async_op=True, own_input=summed).wait()
+    return {"close": torch.allclose(summed, earlier + expected, atol=1e-5),
+            "own_untouched": bool(scratch[own].isnan().all())}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_reduce_scatter_with_the_own_chunk_outside_the_buffer_sums_in_place(world: int) -> None:
+    """``own_input``: this rank's chunk of the input lives in the output (stage 2's kept chunk, see
+    [Note: stage 2's own chunk is reduced in place]): the sum accumulates there, and the buffer's own
+    chunk is neither read nor written."""
+    for r in run_world(own_input_worker, world):
+        assert r["close"]
+        assert r["own_untouched"] or world == 1
+
+
 def faults_worker(rank: int, world: int, piece_bytes: int) -> list:
     collectives.PIECE_BYTES = piece_bytes
     comm = Collectives(init_distributed())

@@ -178,7 +178,7 @@ class ZeroConfig:
     stage: int = key(0, "0: data parallel; 1: shard optimizer state; 2: also gradients; 3: also parameters.",
                      lambda v: None if v in (0, 1, 2, 3) else "0, 1, 2 or 3")
     reduce_bucket_size: int = key(500_000_000, "Elements per gradient bucket (one collective each); at stages 0-2 "
-                                  "at most 1/8 of the trainable elements (never capped below 4M).",
+                                  "at most 1/8 of the trainable elements, 1/16 at stage 2 (never capped below 4M).",
                                   positive)
     allgather_bucket_size: int = key(500_000_000, "Elements of parameter all-gathers in flight after the step (stages 1-2).",
                                      positive)

@@ -205,16 +205,29 @@ class Collectives:
         return self._run(CommKind.ALL_REDUCE, label, counter,
                          lambda: dist.all_reduce(tensor, op=op, group=self.world.group, async_op=True), async_op)
 
-    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, label: str,
-                       async_op: bool = False) -> PendingCollective:
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, label: str, async_op: bool = False,
+                       own_input: Optional[torch.Tensor] = None) -> PendingCollective:
         """Sum ``full`` (1D, N equal chunks) across ranks; this rank's chunk lands in ``output``.  ``full``
-        is scratch: on gloo the ring writes partial sums into it (see ring.py)."""
+        is scratch: on gloo the ring writes partial sums into it (see ring.py).
+
+        ``own_input``: this rank's own chunk of the input, when it lives outside ``full`` (``output``
+        itself, for a sum that accumulates in place): ``full``'s own chunk is then neither read nor
+        written on gloo, so its pages are never touched (see [Note: stage 2's own chunk is reduced in
+        place] in sharding/stage2.py).  Other backends reduce the whole of ``full``: the own chunk is
+        copied into it first."""
         counter = self._account(CommKind.REDUCE_SCATTER, _nbytes(full), 1, label)
+        own = own_input
         if not self.world.is_distributed:
-            output.copy_(full)
+            source = full if own is None else own
+            if source.data_ptr() != output.data_ptr():
+                output.copy_(source)
         if self._rings:
             return self._run(CommKind.REDUCE_SCATTER, label, counter,
-                             lambda: self._driven(RingReduceScatter(self.world, full, output, PIECE_BYTES)), async_op)
+                             lambda: self._driven(RingReduceScatter(self.world, full, output, PIECE_BYTES, own)),
+                             async_op)
+        if own is not None and self.world.is_distributed:
+            chunk = full.numel() // self.world.world_size
+            full[self.world.rank * chunk: (self.world.rank + 1) * chunk].copy_(own)
         return self._run(CommKind.REDUCE_SCATTER, label, counter,
                          lambda: _reduce_scatter_1d(output, full, group=self.world.group, async_op=True),
                          async_op)

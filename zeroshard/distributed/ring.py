@@ -139,11 +139,17 @@ class RingAllGather(_Ring):
 
 
 class RingReduceScatter(_Ring):
-    """The sum over ranks of ``full``'s chunk r into ``output`` (``full`` is scratch; see the Note)."""
+    """The sum over ranks of ``full``'s chunk r into ``output`` (``full`` is scratch; see the Note).
 
-    def __init__(self, world: World, full: torch.Tensor, output: torch.Tensor, piece_bytes: int) -> None:
+    Only the last step reads this rank's own chunk, so it may live outside ``full`` (``own_input``,
+    possibly ``output`` itself: the sum then accumulates in place) and ``full``'s own chunk is never
+    touched."""
+
+    def __init__(self, world: World, full: torch.Tensor, output: torch.Tensor, piece_bytes: int,
+                 own_input: Optional[torch.Tensor] = None) -> None:
         super().__init__(world, full, output.numel(), piece_bytes)
         self.output = output
+        self.own_input = own_input
         self._free = [torch.empty(self.piece, dtype=full.dtype, device=full.device)
                       for _ in range(min(RECEIVES_IN_FLIGHT, len(self.ranges)))]
         #: (step, piece) still to be received, in the order they are sent
@@ -174,7 +180,8 @@ class RingReduceScatter(_Ring):
             received = temporary[:hi - lo]
             index = self.rank - step - 2  # the chunk received at step s (r itself at the last)
             if step == last:
-                torch.add(self.part(index, lo, hi), received, out=self.output[lo:hi])
+                own = self.part(index, lo, hi) if self.own_input is None else self.own_input[lo:hi]
+                torch.add(own, received, out=self.output[lo:hi])
             else:  # the sum so far is step s+1's to send
                 self.part(index, lo, hi).add_(received)
                 self._send_partial(step + 1, piece)

@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..sharding.layout import capped_bucket_numel
+from ..sharding.layout import BUCKETS_PER_MODEL, capped_bucket_numel
 from .accounting import model_state_bytes, secondary_param_bytes
 
 GB = 1e9  # the seeds' tables use decimal gigabytes
@@ -92,8 +92,11 @@ def buffer_bytes(req: EstimateRequest, stage: int) -> float:
     if stage == 0:
         return 0.0  # stages 0-1 reduce inside the full gradient buffer
     trainable = int(req.num_params * req.trainable)
-    bucket = min(capped_bucket_numel(int(req.reduce_bucket_size), trainable), trainable)
-    buckets = 2 * bucket * grad_bytes if stage >= 2 else 0.0
+    per_model = 2 * BUCKETS_PER_MODEL if stage == 2 else BUCKETS_PER_MODEL  # as the stages cut buckets
+    bucket = min(capped_bucket_numel(int(req.reduce_bucket_size), trainable, per_model), trainable)
+    # stage 2 never writes a bucket's own chunk (see [Note: stage 2's own chunk is reduced in place])
+    written = (req.world_size - 1) / req.world_size if stage == 2 else 1.0
+    buckets = 2 * bucket * grad_bytes * written if stage >= 2 else 0.0
     prefetch = min(req.prefetch_bucket_size, req.num_params) * grad_bytes if stage == 3 else 0.0
     return buckets + prefetch
 

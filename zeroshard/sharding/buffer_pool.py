@@ -17,13 +17,15 @@ from typing import Optional
 
 import torch
 
-from ..memory.page_release import can_release_pages, held_bytes, prefer_huge_pages
+from ..memory.page_release import can_release_pages, held_bytes, prefer_huge_pages, release_pages
 from ..memory.page_reserve import PageReserve
 
 
 class BufferPool:
     """Hands out 1D views of fixed-capacity buffers, their values undefined (each user writes every
-    element it reads: see [Note: filling a stage-2 bucket] in stage2.py); grows only when all are in use."""
+    element it reads: see [Note: filling a stage-2 bucket] in stage2.py); grows only when all are in use.
+    In host memory a buffer's pages are dropped when it is made, so what its users never write (stage
+    2's own chunks) never becomes resident."""
 
     def __init__(self, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
         self.capacity = capacity
@@ -42,7 +44,8 @@ class BufferPool:
             buffer = self._free.pop()
         else:
             buffer = torch.empty(self.capacity, dtype=self.dtype, device=self.device)
-            if self._huge_pages:
+            if self._huge_pages:  # host memory: no page is resident until written (the heap may reuse some)
+                release_pages(buffer)
                 prefer_huge_pages(buffer)
             self._all.append(buffer)
         view = buffer[:numel]
@@ -51,6 +54,11 @@ class BufferPool:
 
     def release(self, view: torch.Tensor) -> None:
         self._free.append(self._lent.pop(view.data_ptr()))
+
+    @property
+    def count(self) -> int:
+        """Buffers the pool holds (lent or free)."""
+        return len(self._all)
 
     @property
     def nbytes(self) -> int:

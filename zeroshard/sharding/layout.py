@@ -65,13 +65,17 @@ class BucketLayout:
         """Where rank's owned chunk of ``chunk_numel`` elements starts (stage 0 owns the whole bucket)."""
         return 0 if chunk_numel == self.padded_numel else rank * chunk_numel
 
-    def zero_unwritten(self, values: torch.Tensor, written: Collection[int]) -> None:
-        """Zero the slots of ``values`` (laid out as this bucket) whose parameter index is not in
-        ``written``, and the padding: what a bucket must hold there before it is reduced."""
+    def zero_unwritten(self, values: torch.Tensor, written: Collection[int], start: int = 0) -> None:
+        """Zero the slots of ``values`` (elements ``[start, start + values.numel())`` of this bucket) whose
+        parameter index is not in ``written``, and the padding: what a bucket must hold there before
+        it is reduced."""
+        end = start + values.numel()
         for slot in self.slots:
-            if slot.index not in written:
-                values[slot.offset: slot.offset + slot.numel].zero_()
-        values[self.numel:].zero_()
+            lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
+            if slot.index not in written and lo < hi:
+                values[lo - start: hi - start].zero_()
+        if self.numel < end:
+            values[max(self.numel, start) - start:].zero_()
 
     def fill_chunk(self, start: int, into: torch.Tensor, read: Callable[[ParamSlot, int, int], Optional[torch.Tensor]]) -> None:
         """Copy into ``into`` (elements ``[start, start + into.numel())`` of this bucket) every parameter
@@ -168,17 +172,19 @@ BUCKETS_PER_MODEL = 8
 MIN_CAPPED_BUCKET = 4 * 2**20
 
 
-def capped_bucket_numel(configured: int, trainable_numel: int) -> int:
+def capped_bucket_numel(configured: int, trainable_numel: int, per_model: int = BUCKETS_PER_MODEL) -> int:
     """[Note: buckets smaller than the model]
     DeepSpeed's default ``reduce_bucket_size`` (5e8 elements) is larger than most models trained on a
     handful of devices, so a bucket is the whole model: the full-size buffer that stage 2 fills and
     reduce-scatters is then as large as the gradients stage 2 exists to shard, nothing overlaps
     backward, and the first layer of the next forward needs the whole post-step gather.  At stages
-    0-2 a bucket therefore holds at most 1/``BUCKETS_PER_MODEL`` of the trainable elements (never less
-    than ``MIN_CAPPED_BUCKET``): with the two in flight and one filling, stage 2 holds at most ~3/8 of a
-    full gradient.  A configured size below the cap is used as it is.
+    0-2 a bucket therefore holds at most 1/``per_model`` of the trainable elements (never less than
+    ``MIN_CAPPED_BUCKET``): ``BUCKETS_PER_MODEL`` at stages 0-1, twice as many at stage 2, whose
+    three pooled buffers (two in flight, one filling) then hold at most ~3/16 of a full gradient
+    (see [Note: stage 2's own chunk is reduced in place] in stage2.py).  A configured size below the
+    cap is used as it is.
     """
-    cap = max(-(-trainable_numel // BUCKETS_PER_MODEL), MIN_CAPPED_BUCKET)
+    cap = max(-(-trainable_numel // per_model), MIN_CAPPED_BUCKET)
     return min(int(configured), cap)
 
 

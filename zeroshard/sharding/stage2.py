@@ -12,7 +12,7 @@ from ..distributed.collectives import PendingCollective
 from ..distributed.topology import ShardGroups
 from ..precision import PrecisionPolicy
 from .buffer_pool import BufferPool, KeptBuffers
-from .layout import BucketLayout, ParamSlot
+from .layout import BUCKETS_PER_MODEL, BucketLayout, ParamSlot
 from .storage import ParameterStorage
 from .strategy import ShardingStrategy
 
@@ -26,33 +26,45 @@ class Stage2(ShardingStrategy):
     accumulation this communicates K times per optimizer step where stage 1 communicates once: the
     price of holding 4Ψ/N instead of 4Ψ of gradients, as in DeepSpeed.
 
-    Each bucket's averaged chunk is born from its first reduction of a step (see [Note: gradients
-    live from backward to the step] in strategy.py): 174 MiB per rank for a 91M model at world 2 that
-    the forward no longer holds.
+    Each bucket's averaged chunk is kept for the run (see the next Note): 174 MiB per rank for a 91M
+    model at world 2, the 4Ψ/N of ZeRO's formula.
+
+    [Note: stage 2's own chunk is reduced in place]
+    Each bucket's chunk of this rank is a tensor kept for the run.  Backward copies each gradient into
+    the bucket being filled, except the elements of this rank's own chunk, which go straight into the
+    kept chunk (added to it when it already holds earlier micro steps' sum); the reduce-scatter adds
+    the other ranks' partial sums into the kept chunk (``own_input``: the ring reads the own chunk
+    only at its last step).  So no chunk is copied out of a reduced bucket, and a pooled bucket
+    buffer's own part is never written: its pages never become resident (the pool drops them when
+    it makes a buffer), and the pool costs (N-1)/N of its buffers.  Buckets are 1/16 of the model
+    here (``buckets_per_model``), so the three pooled buffers hold 3/16 of a full gradient.
+    Where the sum cannot accumulate in the chunk (prescaled gradients, a communication dtype other
+    than the chunk's, all-reduce instead of reduce-scatter) the chunk is born from the reduced
+    bucket instead, as it used to be ([Note: where gradient chunks live]).
+
+    Why kept: a chunk born at each backward and freed at each step takes the heap holes that the
+    freed activations leave, and the step's freeing of them lets glibc trim the heap's top, which
+    the next backward faults in again.  Measured at 91M fp32, world 2, DeepSpeed's defaults,
+    glibc's, beside DDP in one world (6-8 rounds): born chunks, 16,900-33,200 minor faults per
+    backward (DDP 1,600-12,500) and backward 1.07-1.13x DDP's; kept chunks summed in place,
+    6,800-10,200 faults and backward 0.99-1.04x DDP's; the step 1.068x DDP's against 1.152x with born
+    chunks in the same world.  Peak RSS (benchmarks/bench_memory.py, 4 steps): 1678-1694 MiB against
+    1657-1707 for born chunks the same hour: the chunks cost no more at the peak than the bucket
+    buffers' own parts and the reduced buckets' copies they replace.
 
     [Note: where gradient chunks live]
-    At stage 2 a chunk is allocated from the heap when it is born: backward frees activations as it
-    goes, and the chunks reuse that memory.  At stage 3 each bucket's chunk has a buffer of its own,
-    kept for the run, whose pages go when the chunk is released (``KeptBuffers``, as stage 3's units:
-    [Note: released pages move to the next gather] in memory/page_reserve.py): its peak is at
-    the end of the forward, where the chunks freed by the last step were holes in the heap that the
-    activations did not fill.  Measured at 91M fp32, world 2, DeepSpeed's defaults, glibc's
-    (benchmarks/bench_memory.py, 4 steps, three runs each): stage 3 peaked at 1832-1937 MiB with
-    kept chunks, 1951-2067 with heap chunks; stage 2 at 1777-1873 with kept chunks, 1734-1775 with
-    heap chunks.
-
-    Keeping stage 2's chunks resident for the run (never freed, pages kept) was measured too: the
-    heap chunks take the holes the freed activations leave, so backward's own temporaries extend
-    the heap and fault (up to 37,000 minor faults per backward at 91M fp32, world 2, almost none in
-    the chunks' births themselves; 2,600-7,200 with resident chunks, DDP up to 11,700), and backward
-    took 0.1-0.15 s longer (system time 0.32 against 0.16 s; the step 1.024 against 0.980x DDP's,
-    median of 6 in one world).  But resident chunks live beside the whole forward's activations:
-    peak RSS 1780/1781 MiB against 1599/1627-1646, over the 1730 the memory target allows.  Kept off.
-    Resident chunks that the reduce-scatter writes into directly (no birth copy), with buckets of
-    1/16 of the model so that the pool holds half as much, were measured as well: backward 0.92-0.93x
-    DDP's (3.00-3.03 s against 3.25-3.26, 7,500-9,200 faults), the step 1.016x DDP's (median of 6
-    in one world), but peak RSS 1706-1739 MiB in two runs (1685/1710 with ~23 buckets) against
-    1616-1681 for this layout the same hour: at the 1730 target, not under it.  Kept off too.
+    Born chunks (above) were allocated from the heap: backward frees activations as it goes, and the
+    chunks reused that memory.  At stage 3 each bucket's chunk has a buffer of its own, kept for the
+    run, whose pages go when the chunk is released (``KeptBuffers``, as stage 3's units: [Note:
+    released pages move to the next gather] in memory/page_reserve.py): its peak is at the end of the
+    forward, where the chunks freed by the last step were holes in the heap that the activations did
+    not fill.  Measured at 91M fp32, world 2, DeepSpeed's defaults, glibc's (benchmarks/bench_memory.py,
+    4 steps, three runs each): stage 3 peaked at 1832-1937 MiB with kept chunks, 1951-2067 with heap
+    chunks.  Stage 2 kept its chunks whole for the run, with full-size pooled buffers of 1/8 of the
+    model and the chunk copied out of each reduced bucket, at 1780/1781 MiB (over the 1730 its
+    memory target allows), and at 1706-1739 with 1/16 buckets and the reduction summing straight into
+    the chunk but the buffers' own parts still resident: only with those never touched (the Note
+    above) does it stay under the target.
 
     [Note: when the bucket pool lets go]
     The full-size bucket buffers are needed from the first gradient of a backward to its last
@@ -73,6 +85,7 @@ class Stage2(ShardingStrategy):
     """
 
     stage = 2
+    buckets_per_model = 2 * BUCKETS_PER_MODEL  # see [Note: stage 2's own chunk is reduced in place]
     defers_refresh = True
     reduces_every_micro_step = True
     keeps_chunk_buffers = False  # see [Note: where gradient chunks live]
@@ -84,6 +97,11 @@ class Stage2(ShardingStrategy):
         #: stage 3: where each bucket's chunk lives while held (see [Note: where gradient chunks live])
         reserve = self.flat.page_reserve  # stage 3: see [Note: released pages move to the next gather]
         self._chunk_buffers = KeptBuffers(self.flat.device, reserve) if self.keeps_chunk_buffers else None
+        #: whether each bucket's own chunk is summed in place in a chunk kept for the run (see [Note:
+        #: stage 2's own chunk is reduced in place]); else it is born from the reduced bucket
+        self._in_place = (not self.keeps_chunk_buffers and zero.reduce_scatter and not precision.prescale
+                          and precision.comm == precision.grad_accum)
+        self._kept_chunks: dict[int, torch.Tensor] = {}  # bucket index -> its chunk, when summed in place
         self._buffers: dict[int, torch.Tensor] = {}  # bucket index -> full bucket being filled or in flight
         largest = max(b.padded_numel for b in self.layout.buckets)
         self._bucket_pool = BufferPool(largest, self.precision.comm, self.flat.device)  # filled, then reduced
@@ -96,12 +114,44 @@ class Stage2(ShardingStrategy):
         return buffer
 
     def comm_buffer_bytes(self) -> int:
-        return self._bucket_pool.nbytes + super().comm_buffer_bytes()
+        """The pool's buffers, counted by the elements that are ever written in them: in place, no
+        bucket's own chunk is (its pages are never touched)."""
+        pool = self._bucket_pool
+        written = self._written_pool_numel() if self._in_place else pool.capacity
+        return pool.count * written * pool.dtype.itemsize + super().comm_buffer_bytes()
+
+    def _written_pool_numel(self) -> int:
+        """Elements of a pool buffer that some bucket writes: the union of every bucket's elements
+        outside this rank's own chunk."""
+        spans = sorted(span for b in self.layout.buckets
+                       for span in ((0, b.shard_range(self.world.rank)[0]), (b.shard_range(self.world.rank)[1], b.padded_numel))
+                       if span[0] < span[1])
+        total, reach = 0, 0
+        for lo, hi in spans:
+            total += max(0, hi - max(lo, reach))
+            reach = max(reach, hi)
+        return total
 
     def store_grad(self, bucket: BucketLayout, slot: ParamSlot, grad: torch.Tensor, first: bool) -> None:
-        """See [Note: filling a stage-2 bucket]."""
-        into = self._bucket_buffer(bucket)[slot.offset: slot.offset + slot.numel]
-        self.precision.store_divided(into, grad, self.data_parallel_size, accumulate=not first)
+        """See [Note: filling a stage-2 bucket] and [Note: stage 2's own chunk is reduced in place]."""
+        full = self._bucket_buffer(bucket)
+        divisor = self.data_parallel_size
+        if not self._in_place:
+            into = full[slot.offset: slot.offset + slot.numel]
+            self.precision.store_divided(into, grad, divisor, accumulate=not first)
+            return
+        start, end = bucket.shard_range(self.world.rank)
+        held = bucket.index in self._grad_chunks  # summed over earlier micro steps: added to
+        for lo, hi in ((slot.offset, min(slot.offset + slot.numel, start)),
+                       (max(slot.offset, end), slot.offset + slot.numel)):
+            if lo < hi:
+                self.precision.store_divided(full[lo:hi], grad[lo - slot.offset: hi - slot.offset], divisor,
+                                             accumulate=not first)
+        lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, end)
+        if lo < hi:
+            own = self._kept_chunk(bucket)[lo - start: hi - start]
+            self.precision.store_divided(own, grad[lo - slot.offset: hi - slot.offset], divisor,
+                                         accumulate=held or not first)
 
     def launch(self, bucket: BucketLayout, async_op: bool) -> PendingCollective:
         """[Note: filling a stage-2 bucket]
@@ -124,12 +174,27 @@ class Stage2(ShardingStrategy):
         against 14,000-31,000).
         """
         full = self._bucket_buffer(bucket)
-        with torch.no_grad():  # a parameter unused in this forward: zeros, as on every other rank
-            bucket.zero_unwritten(full, self._progress[bucket.index].arrived)
-        return self.reduce_to_owner(bucket, full, async_op)
+        arrived = self._progress[bucket.index].arrived
+        if not self._in_place:
+            with torch.no_grad():  # a parameter unused in this forward: zeros, as on every other rank
+                bucket.zero_unwritten(full, arrived)
+            return self.reduce_to_owner(bucket, full, async_op)
+        start, end = bucket.shard_range(self.world.rank)
+        chunk = self._kept_chunk(bucket)
+        with torch.no_grad():
+            bucket.zero_unwritten(full[:start], arrived)
+            bucket.zero_unwritten(full[end:], arrived, start=end)
+            if bucket.index not in self._grad_chunks:  # else it holds the earlier micro steps' sum
+                bucket.zero_unwritten(chunk, arrived, start=start)
+        return self.comm.reduce_scatter(chunk, full, f"grad_bucket{bucket.index}", async_op=async_op,
+                                        own_input=chunk)
 
     def complete(self, bucket: BucketLayout) -> None:
         full = self._buffers.pop(bucket.index)
+        if self._in_place:  # the sum is in the kept chunk already
+            self._grad_chunks[bucket.index] = self._kept_chunk(bucket)
+            self._bucket_pool.release(full)
+            return
         start, end = bucket.shard_range(self.world.rank)
         received = full[start:end]  # the reduction was in place (see reduce_to_owner)
         self.precision.after_reduction(received, self.data_parallel_size)
@@ -146,8 +211,20 @@ class Stage2(ShardingStrategy):
             held = self._grad_chunks[bucket.index] = self._chunk(bucket).zero_()
         return held
 
+    def _kept_chunk(self, bucket: BucketLayout) -> torch.Tensor:
+        """The bucket's chunk kept for the run, made at its first use (see [Note: stage 2's own chunk is
+        reduced in place])."""
+        chunk = self._kept_chunks.get(bucket.index)
+        if chunk is None:
+            chunk = torch.empty(bucket.shard_numel, dtype=self.precision.grad_accum, device=self.flat.device)
+            self._kept_chunks[bucket.index] = chunk
+        return chunk
+
     def _chunk(self, bucket: BucketLayout) -> torch.Tensor:
-        """A new home for the bucket's chunk: from the heap, or (stage 3) its kept buffer."""
+        """A new home for the bucket's chunk: kept for the run (in place), from the heap, or (stage 3)
+        its kept buffer."""
+        if self._in_place:
+            return self._kept_chunk(bucket)
         if self._chunk_buffers is None:
             return torch.empty(bucket.shard_numel, dtype=self.precision.grad_accum, device=self.flat.device)
         return self._chunk_buffers.take(bucket.index, bucket.shard_numel, self.precision.grad_accum)
@@ -161,6 +238,8 @@ class Stage2(ShardingStrategy):
             self.release_grad(bucket)
 
     def held_grad_bytes(self) -> int:
+        if self._in_place:  # kept for the run, whether they hold a gradient now or not
+            return sum(chunk.untyped_storage().nbytes() for chunk in self._kept_chunks.values())
         return sum(chunk.untyped_storage().nbytes() for chunk in self._grad_chunks.values())
 
     def grad_bytes(self) -> tuple[int, int]:

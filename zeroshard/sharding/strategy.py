@@ -30,7 +30,7 @@ from ..distributed.world import World
 from ..offload.policy import OffloadPolicies, OffloadPolicy
 from ..precision import PrecisionPolicy
 from .flat_params import FlatParameters
-from .layout import capped_bucket_numel, BucketLayout, FlatLayout, ParamSlot, plan_buckets
+from .layout import BUCKETS_PER_MODEL, capped_bucket_numel, BucketLayout, FlatLayout, ParamSlot, plan_buckets
 from .master_weights import MasterWeights, owned_spans
 from .storage import InitialValues, ParameterStorage
 
@@ -64,6 +64,8 @@ class ShardingStrategy(ABC):
     owns_whole_buckets: ClassVar[bool] = False
     #: whether the post-step parameter gather may run on into the next forward (stages 1-2)
     defers_refresh: ClassVar[bool] = False
+    #: the fewest buckets a model is cut into (see [Note: buckets smaller than the model] in layout.py)
+    buckets_per_model: ClassVar[int] = BUCKETS_PER_MODEL
 
     def __init__(self, flat: ParameterStorage, params: Sequence[torch.nn.Parameter], groups: ShardGroups,
                  zero: ZeroConfig, precision: PrecisionPolicy = PrecisionPolicy()) -> None:
@@ -190,7 +192,8 @@ class ShardingStrategy(ABC):
         """Lay out the trainable parameters and take them over (stages 0-2: one flat buffer), sharded
         over ``groups.shard``; ``frozen`` (name, parameter) pairs stay whole at stages 0-2, as in DDP."""
         comm = groups.shard
-        bucket_numel = capped_bucket_numel(zero.reduce_bucket_size, sum(p.numel() for p in params))
+        bucket_numel = capped_bucket_numel(zero.reduce_bucket_size, sum(p.numel() for p in params),
+                                           cls.buckets_per_model)
         layout = plan_buckets(params, names, group_of, bucket_numel, comm.world.world_size)
         masters = cls.make_masters(layout, comm.world, precision, offload, params[0].device, comm)
         flat = FlatParameters(layout, params, comm, precision.compute, masters, groups.job)
@@ -278,15 +281,14 @@ class ShardingStrategy(ABC):
         """Forget accumulated gradients (after the optimizer step), giving their memory back.
 
         [Note: gradients live from backward to the step]
-        At stages 2-3 each bucket's averaged chunk is a tensor of its own, created when the bucket's
-        first reduction of a step completes and dropped as soon as the optimizer has stepped that
-        bucket (:meth:`release_grad`), or by ``zero_grad()``.  The forward, where activations peak,
-        therefore holds no gradient memory; backward grows it one bucket at a time while it frees the
-        activations behind it; and the step shrinks it while the parameter gathers run, instead of
-        one 4Ψ/N shard held for the whole run (as FSDP2's ``zero_grad()`` frees its gradients).
-        Measured at 91M, world 2: stage 2's peak RSS fell by 50-100 MiB and its step got faster
-        (the chunks come from memory the allocator reuses, and no memset of the whole shard).
-        Stages 0-1 keep one full-size buffer, forgotten after the step ([Note: a full gradient buffer
+        At stage 3 each bucket's averaged chunk is a buffer of its own whose pages are taken when the
+        bucket's first reduction of a step completes and given back as soon as the optimizer has
+        stepped that bucket (:meth:`release_grad`), or by ``zero_grad()``: the forward, where stage
+        3's activations and gathered units peak, holds no gradient memory.  Stage 2 did the same with
+        chunks born from the heap, which cost page faults in every backward; it now keeps its chunks
+        for the run and sums into them in place, at no higher peak ([Note: stage 2's own chunk is
+        reduced in place] in stage2.py); :meth:`release_grad` then only marks the chunk as free to
+        be overwritten by the next backward.  Stages 0-1 keep one full-size buffer, forgotten after the step ([Note: a full gradient buffer
         zeroed where it was not written] in full_grads.py): done the same way there, each
         step allocated 4Ψ of fresh, page-faulted memory (their buckets are above glibc's largest
         mmap threshold, so every free goes back to the kernel) for 5-9% more step time and about
