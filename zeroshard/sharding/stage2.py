@@ -48,9 +48,11 @@ class Stage2(ShardingStrategy):
     glibc's, beside DDP in one world (6-8 rounds): born chunks, 16,900-33,200 minor faults per
     backward (DDP 1,600-12,500) and backward 1.07-1.13x DDP's; kept chunks summed in place,
     6,800-10,200 faults and backward 0.99-1.04x DDP's; the step 1.068x DDP's against 1.152x with born
-    chunks in the same world.  Peak RSS (benchmarks/bench_memory.py, 4 steps): 1678-1694 MiB against
-    1657-1707 for born chunks the same hour: the chunks cost no more at the peak than the bucket
-    buffers' own parts and the reduced buckets' copies they replace.
+    chunks in the same world, and 1.023x DDP's in benchmarks/bench_step_ratio.py (8 pairs; born
+    chunks: 1.035-1.040 in four of five earlier runs).  Peak RSS (benchmarks/bench_memory.py, 4
+    steps): 1689-1704 MiB in two runs against 1599-1707 for born chunks (1616-1707 the same day),
+    under the 1730 target: the kept chunks cost about what the bucket buffers' own parts and the
+    chunks' copies cost before, and the peak varies less.
 
     [Note: where gradient chunks live]
     Born chunks (above) were allocated from the heap: backward frees activations as it goes, and the
