@@ -125,9 +125,11 @@ class Stage2(ShardingStrategy):
     def _written_pool_numel(self) -> int:
         """Elements of a pool buffer that some bucket writes: the union of every bucket's elements
         outside this rank's own chunk."""
-        spans = sorted(span for b in self.layout.buckets
-                       for span in ((0, b.shard_range(self.world.rank)[0]), (b.shard_range(self.world.rank)[1], b.padded_numel))
-                       if span[0] < span[1])
+        spans = []
+        for bucket in self.layout.buckets:
+            start, end = bucket.shard_range(self.world.rank)
+            spans += [span for span in ((0, start), (end, bucket.padded_numel)) if span[0] < span[1]]
+        spans.sort()
         total, reach = 0, 0
         for lo, hi in spans:
             total += max(0, hi - max(lo, reach))
