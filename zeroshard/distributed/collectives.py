@@ -216,18 +216,17 @@ class Collectives:
         place] in sharding/stage2.py).  Other backends reduce the whole of ``full``: the own chunk is
         copied into it first."""
         counter = self._account(CommKind.REDUCE_SCATTER, _nbytes(full), 1, label)
-        own = own_input
         if not self.world.is_distributed:
-            source = full if own is None else own
+            source = full if own_input is None else own_input
             if source.data_ptr() != output.data_ptr():
                 output.copy_(source)
         if self._rings:
             return self._run(CommKind.REDUCE_SCATTER, label, counter,
-                             lambda: self._driven(RingReduceScatter(self.world, full, output, PIECE_BYTES, own)),
+                             lambda: self._driven(RingReduceScatter(self.world, full, output, PIECE_BYTES, own_input)),
                              async_op)
-        if own is not None and self.world.is_distributed:
+        if own_input is not None and self.world.is_distributed:
             chunk = full.numel() // self.world.world_size
-            full[self.world.rank * chunk: (self.world.rank + 1) * chunk].copy_(own)
+            full[self.world.rank * chunk: (self.world.rank + 1) * chunk].copy_(own_input)
         return self._run(CommKind.REDUCE_SCATTER, label, counter,
                          lambda: _reduce_scatter_1d(output, full, group=self.world.group, async_op=True),
                          async_op)

@@ -190,8 +190,7 @@ class Stage2(ShardingStrategy):
             bucket.zero_unwritten(full[end:], arrived, start=end)
             if bucket.index not in self._grad_chunks:  # else it holds the earlier micro steps' sum
                 bucket.zero_unwritten(chunk, arrived, start=start)
-        return self.comm.reduce_scatter(chunk, full, f"grad_bucket{bucket.index}", async_op=async_op,
-                                        own_input=chunk)
+        return self.reduce_to_owner(bucket, full, async_op, own=chunk)
 
     def complete(self, bucket: BucketLayout) -> None:
         full = self._buffers.pop(bucket.index)

@@ -256,7 +256,8 @@ class ShardingStrategy(ABC):
     def complete(self, bucket: BucketLayout) -> None:
         """Called once the bucket's collective has finished."""
 
-    def reduce_to_owner(self, bucket: BucketLayout, full: torch.Tensor, async_op: bool) -> PendingCollective:
+    def reduce_to_owner(self, bucket: BucketLayout, full: torch.Tensor, async_op: bool,
+                        own: Optional[torch.Tensor] = None) -> PendingCollective:
         """Sum ``full`` (the whole bucket, already divided: ``PrecisionPolicy.before_reduction``) over
         the ranks so that this rank's chunk of it holds its averaged chunk (stages 1-3); the rest of
         ``full`` is then garbage.
@@ -265,12 +266,17 @@ class ShardingStrategy(ABC):
         else needs once the collective has read it (NCCL documents this form; gloo reads its inputs
         first), so no shard-size buffer is held beside the full-size one.  Without ``reduce_scatter``
         the bucket is all-reduced in place and the same chunk is read from it.
+
+        ``own``: this rank's chunk kept outside ``full``, holding its own share of the input; the sum
+        accumulates there instead (stage 2: [Note: stage 2's own chunk is reduced in place]).
         """
         label = f"grad_bucket{bucket.index}"
         if not self.zero.reduce_scatter:
+            assert own is None, "a chunk kept outside the bucket needs a reduce-scatter"
             return self.comm.all_reduce(full, label, async_op=async_op)
         start, end = bucket.shard_range(self.world.rank)
-        return self.comm.reduce_scatter(full[start:end], full, label, async_op=async_op)
+        output = full[start:end] if own is None else own
+        return self.comm.reduce_scatter(output, full, label, async_op=async_op, own_input=own)
 
     @abstractmethod
     def owned_grad(self, bucket: BucketLayout) -> torch.Tensor:
