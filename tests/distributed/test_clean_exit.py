@@ -9,14 +9,27 @@ import pytest
 from zeroshard.testing import free_port
 
 JOB = """
-import torch, zeroshard
+import atexit, os, torch, zeroshard
+
+def gloo_threads_left():  # registered first, so it runs after zeroshard's exit handler
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    left = sum(name.startswith(("pt_gloo", "gloo")) for name in names)
+    os.write(1, f"gloo threads at exit: {left}\\n".encode())  # one write: the ranks share the pipe
+
+atexit.register(gloo_threads_left)
 model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
 engine, *_ = zeroshard.initialize(model=model, config={
     "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
     "zero_optimization": {"stage": 2, "reduce_bucket_size": 40}})
+losses = []
 for _ in range(3):
-    engine.backward(engine(torch.randn(2, 8)).sum())
+    loss = engine(torch.randn(2, 8)).sum()
+    engine.backward(loss)
     engine.step()
+    losses.append(loss.item())
+# as Accelerate's gather() ends a run: a plain collective on tensors Python lets go of at once
+gathered = [torch.zeros(3) for _ in range(torch.distributed.get_world_size())]
+torch.distributed.all_gather(gathered, torch.tensor(losses))
 print("finished", flush=True)
 """
 
@@ -32,3 +45,4 @@ def test_ten_finished_runs_in_a_row_all_exit_zero(tmp_path) -> None:
                               capture_output=True, text=True, timeout=120, env=env)
         assert proc.returncode == 0, f"run {attempt}: {proc.stdout[-1000:]}{proc.stderr[-3000:]}"
         assert proc.stdout.count("finished") == 2
+        assert proc.stdout.count("gloo threads at exit: 0") == 2, proc.stdout  # every group freed in time

@@ -34,6 +34,11 @@ from typing import Optional, Protocol
 
 import torch
 
+from .world import release_at_exit
+
+#: how long, at exit, a progress thread is given to finish the rings handed to it
+_EXIT_JOIN_S = 30.0
+
 
 class Ring(Protocol):
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool: ...
@@ -78,7 +83,7 @@ class _GroupThread:
 
     def __init__(self, group: object) -> None:
         self.group = group
-        self.queue: "queue.SimpleQueue[DrivenRing]" = queue.SimpleQueue()
+        self.queue: "queue.SimpleQueue[Optional[DrivenRing]]" = queue.SimpleQueue()  # None: stop
         self.thread = threading.Thread(target=RingProgress._serve, args=(self.queue,),
                                        name="zeroshard-rings", daemon=True)
         self.thread.start()
@@ -92,6 +97,7 @@ class RingProgress:
         self._lock = threading.Lock()
         self._threads: dict[int, _GroupThread] = {}
         self._pid = 0
+        self._released_at_exit = False
 
     def drive(self, ring: Ring, timeout: Optional[datetime.timedelta], group: object) -> DrivenRing:
         """Hand a launched ring to ``group``'s thread; it is completed after every ring of that group
@@ -103,13 +109,28 @@ class RingProgress:
             served = self._threads.get(id(group))
             if served is None or not served.thread.is_alive():
                 served = self._threads[id(group)] = _GroupThread(group)
+                if not self._released_at_exit:
+                    release_at_exit(self.release)
+                    self._released_at_exit = True
             served.queue.put(driven)
         return driven
 
+    def release(self) -> None:
+        """Stop every progress thread once the rings handed to it are done, and let go of their groups
+        (see [Note: a clean exit] in world.py: a group still held at interpreter shutdown keeps
+        gloo's threads running into it).  A thread still busy after ``_EXIT_JOIN_S`` (a ring waiting
+        on a rank that is gone) is left to the process's end."""
+        with self._lock:
+            served, self._threads = list(self._threads.values()), {}
+        for each in served:
+            each.queue.put(None)
+        for each in served:
+            each.thread.join(_EXIT_JOIN_S)
+
     @staticmethod
-    def _serve(rings: "queue.SimpleQueue[DrivenRing]") -> None:
-        while True:
-            rings.get().run()
+    def _serve(rings: "queue.SimpleQueue[Optional[DrivenRing]]") -> None:
+        while (ring := rings.get()) is not None:
+            ring.run()
 
 
 #: the one per process: each group's rings are completed in the order this process launched them
