@@ -110,7 +110,7 @@ class RingProgress:
             if served is None or not served.thread.is_alive():
                 served = self._threads[id(group)] = _GroupThread(group)
                 if not self._released_at_exit:
-                    release_at_exit(self.release)
+                    release_at_exit(self.release, last=True)  # after the engines' and saves' rings
                     self._released_at_exit = True
             served.queue.put(driven)
         return driven
