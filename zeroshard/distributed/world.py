@@ -60,8 +60,6 @@ def _pick_backend() -> tuple[str, torch.device]:
 
 
 _exit_callbacks: list[Callable[[], Optional[Callable[[], None]]]] = []  # weak references to bound methods
-
-
 _last_exit_callbacks: list[Callable[[], Optional[Callable[[], None]]]] = []  # the same, called after those
 
 
@@ -111,8 +109,10 @@ def _unbind_groups_from_default_arguments() -> None:
     optimizer is built), they hold the default group for the process's life, and
     ``destroy_process_group`` cannot free it.  None names the same group to them."""
     module = sys.modules.get("torch.distributed.nn.functional")
-    for function in vars(module).values() if module is not None else ():
-        defaults = getattr(function, "__defaults__", None) if isinstance(function, types.FunctionType) else None
+    if module is None:  # never imported: nothing bound
+        return
+    for function in vars(module).values():
+        defaults = function.__defaults__ if isinstance(function, types.FunctionType) else None
         if defaults and any(isinstance(value, dist.ProcessGroup) for value in defaults):
             function.__defaults__ = tuple(None if isinstance(value, dist.ProcessGroup) else value
                                           for value in defaults)
