@@ -23,13 +23,14 @@ from .init_context import Init
 from .memory import model_state_bytes
 from .optim.nonfinite import NonFiniteGradientError
 from .pretrained import PretrainedError, load_pretrained
+from .sharding.placeholder import ShardedParameterError
 from .version import __version__
 
 __all__ = ["initialize", "Engine", "GatheredParameters", "Init", "init_distributed", "World", "load_config",
            "ZeroshardConfig", "ConfigError", "CollectiveError", "model_state_bytes", "__version__",
            "add_config_arguments", "DeepSpeedEngine", "zero", "comm", "accelerator", "ops", "utils",
            "checkpointing", "runtime", "moe", "pipe", "NonFiniteGradientError", "install_as_deepspeed",
-           "load_pretrained", "PretrainedError"]
+           "load_pretrained", "PretrainedError", "ShardedParameterError"]
 
 
 

@@ -26,7 +26,7 @@ from torch import nn
 from .distributed.collectives import Collectives
 from .distributed.world import init_distributed
 from .checkpoint.background import wait_for_copies
-from .init_context import InitShardedParameter
+from .sharding.init_param import InitShardedParameter
 from .sharding.storage import HOMES, ParameterStorage
 
 
@@ -54,7 +54,8 @@ class GatheredParameters:
                 storage, index = home
                 homes[(id(storage), index)] = (storage, index)
         self._buckets = [homes[k] for k in sorted(homes, key=lambda k: k[1])]
-        self._init_params = list({id(p): p for p in self.params if isinstance(p, InitShardedParameter)}.values())
+        self._init_params = list({id(p.root()): p.root() for p in self.params
+                                  if isinstance(p, InitShardedParameter)}.values())
         self._plain = [p for p in self.params if _home(p) is None and not isinstance(p, InitShardedParameter)]
 
     def __enter__(self) -> "GatheredParameters":

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from .checkpoint.background import wait_for_copies
-from .init_context import InitShardedParameter
+from .sharding.init_param import InitShardedParameter
 from .sharding.storage import HOMES
 
 if TYPE_CHECKING:

@@ -7,6 +7,10 @@ a unit is released, its module attributes hold a :class:`ShardedParameterPlaceho
 device with the parameter's full shape, dtype and ``requires_grad``; asking for values (any torch
 operation) raises an error that names the parameter and says to use ``zeroshard.GatheredParameters``.
 Inside that block (and during forward and backward) the real parameter is back in its module.
+A read never gathers on its own: a gather is a collective, and a read that one rank alone makes
+(``if rank == 0: print(w.sum())``) would wait for the others forever.  Parameters built under
+``zeroshard.Init`` follow the same rule before ``initialize()`` (see [Note: what an Init-built
+parameter does with each operation] in sharding/init_param.py).
 """
 
 from __future__ import annotations
@@ -20,8 +24,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 #: placeholder -> the name and compute device of the parameter it stands for
 _SHOWN_AS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
-_METADATA_PROPERTIES = ("shape", "dtype", "requires_grad", "ndim", "is_leaf", "grad", "layout", "is_meta",
-                        "itemsize")
+_METADATA_PROPERTIES = ("shape", "dtype", "requires_grad", "ndim", "is_leaf", "grad", "grad_fn", "layout", "itemsize",
+                        "is_sparse", "is_quantized", "is_nested")
+
+#: ``tensor.is_meta``: False, as ``tensor.device`` reports the compute device.  torch's
+#: ``load_state_dict`` skips a meta parameter with only a warning: a parameter whose values are
+#: elsewhere must take the copy (and land it, or raise), never be skipped.
+IS_META_GETTER = getattr(torch.Tensor.is_meta, "__get__")
 
 #: torch functions that only read a tensor's metadata: allowed on parameters whose values are elsewhere
 METADATA_FUNCTIONS = frozenset(
@@ -35,6 +44,11 @@ METADATA_FUNCTIONS = frozenset(
 #: Face's ``model.device``, and code that builds new tensors "next to" a parameter, rely on it), as a
 #: DeepSpeed stage-3 parameter reports its accelerator although its own data is empty.
 DEVICE_GETTER = getattr(torch.Tensor.device, "__get__")  # typeshed does not describe the descriptor
+
+
+class ShardedParameterError(RuntimeError):
+    """The values of a sharded parameter were asked for where they are not on this rank: outside
+    ``GatheredParameters`` (see [Note: reading a sharded parameter outside forward])."""
 
 
 class ShardedParameterPlaceholder(nn.Parameter):
@@ -59,8 +73,10 @@ class ShardedParameterPlaceholder(nn.Parameter):
             return super().__torch_function__(func, types, args, kwargs or {})
         if func == DEVICE_GETTER:
             return _SHOWN_AS[args[0]][1]
+        if func == IS_META_GETTER:
+            return False
         name = next((_SHOWN_AS[a][0] for a in args if isinstance(a, cls) and a in _SHOWN_AS), "a parameter")
-        raise RuntimeError(
+        raise ShardedParameterError(
             f"{name!r} is sharded by zeroshard stage 3 and is not gathered now; read or change it inside "
             f"`with zeroshard.GatheredParameters(...)`, or use engine.full_state_dict()"
         )
