@@ -23,3 +23,14 @@ class TrainingCounters:
         self.micro_steps = int(state["micro_steps"])
         self.global_samples = int(state["global_samples"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+
+    def resume_at_boundary(self, gradient_accumulation_steps: int) -> None:
+        """Count the micro steps of the ``global_steps`` taken so far as ``gradient_accumulation_steps``
+        each: a loaded run resumes at a step boundary.
+
+        A checkpoint's ``micro_steps`` count micro steps of the accumulation it was saved with.  An
+        engine that resumes with another (an elastic job keeps the global batch as its world changes)
+        finds its boundaries from ``micro_steps``: the saved count would end its first step early and
+        shift every later one.
+        """
+        self.micro_steps = self.global_steps * gradient_accumulation_steps

@@ -63,6 +63,11 @@ class EngineCheckpoints:
     _agree: "ConsistencyCheck"
     global_steps: int
     micro_steps: int
+    _backwards_since_step: int
+    _boundary_backward_done: bool
+    _nonfinite_loss_seen: bool
+    gradient_accumulation_steps: Callable[[], int]
+    zero_grad: Callable[[], None]
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, save_dir: Union[str, Path], tag: Any = None, client_state: Any = None,
@@ -131,13 +136,30 @@ class EngineCheckpoints:
         bitwise, data order included.  A script with its own loader keeps its own seeding, as under
         DeepSpeed, whose ``load_checkpoint`` never touches the global generators: a DeepSpeed script
         therefore resumes with the data order it had there.  ``True``/``False`` decide explicitly.
+
+        The engine resumes at a step boundary, with its own accumulation (see :meth:`_resume_at_boundary`).
         """
         restore_rng = self.data_loader is not None if load_rng_state is None else load_rng_state
         self.saves.wait()  # a load reads what is published: an asynchronous save in flight finishes first
         self._agree.agree(Call.LOAD, self.micro_steps, self.global_steps, None if tag is None else str(tag))
-        return load_checkpoint(self.checkpoint_parts(), load_dir, None if tag is None else str(tag),
-                               load_module_strict, load_optimizer_states, load_lr_scheduler_states,
-                               load_module_only, restore_rng)
+        loaded = load_checkpoint(self.checkpoint_parts(), load_dir, None if tag is None else str(tag),
+                                 load_module_strict, load_optimizer_states, load_lr_scheduler_states,
+                                 load_module_only, restore_rng)
+        self._resume_at_boundary()
+        return loaded
+
+    def _resume_at_boundary(self) -> None:
+        """After a load the next optimizer step takes this engine's ``gradient_accumulation_steps``
+        micro batches, whatever the checkpoint was saved with (see ``TrainingCounters.resume_at_boundary``).
+
+        What a micro step before the load left behind belongs to the parameters the load replaced:
+        its gradients are dropped, and the checks on ``backward()``/``step()`` start a fresh step.
+        """
+        self.counters.resume_at_boundary(self.gradient_accumulation_steps())
+        self.zero_grad()
+        self._backwards_since_step = 0
+        self._boundary_backward_done = False
+        self._nonfinite_loss_seen = False
 
     def checkpoint_parts(self) -> CheckpointParts:
         """The engine's stateful parts, as a checkpoint saves and restores them (checkpoint/interface.py)."""

@@ -4,6 +4,9 @@ The resumed run must repeat the uninterrupted one bit for bit: the same batches 
 (the loader's recorded position), the same dropout masks (torch's RNG restored, and the loader never
 drawing from it), the same parameters.  Scripts loop as users write them: ``for batch in loader``
 with a ``break`` and an outer loop that iterates again.
+
+A run resumed with another gradient accumulation (and micro batch, and world size) for the same global
+batch trains on as if it had never stopped: a load resumes at a step boundary.
 """
 
 from pathlib import Path
@@ -11,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from zs_common import CLIP, LR, WD, make_model, max_rel_diff, rank_micro_batches, zero_config
 
 import zeroshard
 from zeroshard.testing import run_world
@@ -101,3 +105,79 @@ def test_iterating_again_after_a_break_continues_the_epoch_and_draws_no_random_n
     assert torch.equal(torch.get_rng_state(), rng), "the loader drew from torch's global generator"
     second_epoch = [x for x, _ in loader]
     assert len(second_epoch) == 10 and not all(torch.equal(a, b) for a, b in zip(second_epoch, expected))
+
+
+# A run saved with (world, micro batch, accumulation) and resumed with others, the global batch kept:
+# each phase is (world, micro, accum, steps).  2 steps at accumulation 2 end at micro step 4, which is
+# not a multiple of 3: the saved count would end the first step at accumulation 3 early.
+CHANGED_ACCUMULATION = {
+    "accum 1 -> 2, world 2 -> 2": ((2, 4, 1, 3), (2, 2, 2, 3)),
+    "accum 2 -> 3, world 2 -> 1": ((2, 3, 2, 2), (1, 4, 3, 3)),
+}
+STAGE = 3
+
+
+def train_steps(engine, rank: int, world: int, micro: int, accum: int, steps: range) -> None:
+    for step in steps:
+        for x, y in rank_micro_batches(step, rank, world, micro, accum):
+            engine.backward(engine(x, y))
+            engine.step()
+
+
+def changed_accumulation_worker(rank: int, world: int, directory: str) -> dict:
+    """Every phase of CHANGED_ACCUMULATION run at this world size: saves, then the loads of the same world
+    (the run at another world size loads what this one saved)."""
+    out = {}
+    for case, ((save_world, save_micro, save_accum, saved), (load_world, micro, accum, resumed)) in \
+            CHANGED_ACCUMULATION.items():
+        path = str(Path(directory) / case.replace(" ", "_").replace(">", ""))
+        if save_world == world:
+            config = zero_config(STAGE, save_micro, save_accum)
+            engine, _, _, _ = zeroshard.initialize(model=make_model(), config=config)
+            train_steps(engine, rank, world, save_micro, save_accum, range(saved))
+            engine.save_checkpoint(path)
+            engine.close()
+        if load_world == world:
+            engine, _, _, _ = zeroshard.initialize(model=make_model(), config=zero_config(STAGE, micro, accum))
+            engine.load_checkpoint(path)
+            after_load = (engine.global_steps, engine.micro_steps)
+            train_steps(engine, rank, world, micro, accum, range(saved, saved + resumed))
+            out[case] = {"state": engine.full_state_dict(), "after_load": after_load,
+                         "at_end": (engine.global_steps, engine.micro_steps)}
+            engine.close()
+    return out
+
+
+def uninterrupted(schedule: list[tuple[int, int, int]]) -> nn.Module:
+    """One process, never saved: step ``s`` takes the global batch split as ``schedule[s]`` =
+    (world, micro, accum) splits it, each micro step's rows of every rank at once, AdamW, clipping."""
+    model = make_model()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
+    for step, (world, micro, accum) in enumerate(schedule):
+        per_rank = [rank_micro_batches(step, rank, world, micro, accum) for rank in range(world)]
+        for m in range(accum):
+            x = torch.cat([batches[m][0] for batches in per_rank])
+            y = torch.cat([batches[m][1] for batches in per_rank])
+            (model(x, y) / accum).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model
+
+
+def test_a_load_resumes_at_a_step_boundary_when_the_accumulation_changes(tmp_path: Path) -> None:
+    """Stage 3, fp32: a checkpoint loaded with another accumulation (and micro batch, and world size) for the
+    same global batch trains on as a run never saved; its first step takes the new accumulation's micro
+    batches, not the ones the saved micro step count would leave it."""
+    results = run_world(changed_accumulation_worker, 2, args=(str(tmp_path),))[0]
+    results.update(run_world(changed_accumulation_worker, 1, args=(str(tmp_path),))[0])
+    assert set(results) == set(CHANGED_ACCUMULATION)
+    for case, ((save_world, save_micro, save_accum, saved), (world, micro, accum, resumed)) in \
+            CHANGED_ACCUMULATION.items():
+        reference = uninterrupted([(save_world, save_micro, save_accum)] * saved + [(world, micro, accum)] * resumed)
+        ours = make_model()
+        ours.load_state_dict(results[case]["state"])
+        diff = max_rel_diff(ours, reference)
+        assert diff <= 1e-5, f"{case}: parameters differ from the uninterrupted run by {diff:.2e}"
+        assert results[case]["after_load"] == (saved, saved * accum), case
+        assert results[case]["at_end"] == (saved + resumed, (saved + resumed) * accum), case
