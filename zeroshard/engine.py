@@ -123,7 +123,8 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
         zero = config.zero_optimization
         #: the groups the training state is sharded over (hybrid sharding: see distributed/topology.py)
         self.shard_groups = build_shard_groups(self.comm, self.topology, zero.mics_shard_size,
-                                               zero.zero_hpz_partition_size)
+                                               zero.zero_hpz_partition_size,
+                                               STRATEGIES[config.stage].gathers_in_passes)
         # API misuse checks: step() needs a backward() before it; one backward() per boundary
         self._backwards_since_step = 0
         self._boundary_backward_done = False
@@ -307,6 +308,7 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
         else:
             scaled = loss / divisor
         self.strategy.sync_gradients = self.is_gradient_accumulation_boundary()
+        self.strategy.expect_gradients(scaled)
         scaled.backward(retain_graph=retain_graph)
         self.strategy.finish_backward()
         self._last_loss = float(loss.detach())

@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime
 import json
 import time
+import zlib
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Optional
@@ -88,6 +89,9 @@ class CommLedger:
         self.sent_by_scope: dict[CommScope, int] = {scope: 0 for scope in CommScope}
         #: every collective since :meth:`start_log` (None: not recording)
         self.log: Optional[list[CallRecord]] = None
+        #: per process group, a digest of the sequence of collectives issued on it: kind and size, in
+        #: order (see [Note: the consistency check] in consistency.py)
+        self._sequence: dict[int, int] = {}
 
     def start_log(self) -> list[CallRecord]:
         """Record every collective from now on (tests and benchmarks check them one by one)."""
@@ -96,11 +100,19 @@ class CommLedger:
 
     def record(self, kind: CommKind, label: str, world: World, scope: CommScope, full_bytes: int, sent: int) -> None:
         self.sent_by_scope[scope] += sent
+        group = id(world.group)
+        self._sequence[group] = zlib.crc32(f"{kind.value}:{full_bytes};".encode(), self._sequence.get(group, 0))
         if self.log is not None:
             self.log.append(CallRecord(kind, label, world.world_size, scope, full_bytes, sent))
 
+    def sequence_digest(self) -> int:
+        """One number for the order of the collectives on each group (the groups' orders relative to
+        each other do not count: they overlap differently from rank to rank)."""
+        return sum(self._sequence.values()) % (1 << 62)
+
     def reset(self) -> None:
         """Zero every count in place (every :class:`Collectives` sharing the ledger sees it)."""
+        self._sequence.clear()
         for kind in CommKind:
             self.counters[kind] = CommCounter()
         for scope in CommScope:

@@ -3,15 +3,18 @@
 [Note: the consistency check]
 Every engine call that issues collectives (forward where the stage gathers, backward, the optimizer
 step, checkpoint save and load) first all-gathers one small row per rank: which call this is, the
-micro step, the optimizer step, how many collectives the engine has issued, and a digest of the
-checkpoint tag being saved or loaded.  All ranks issue this same-shaped collective whatever call
+micro step, the optimizer step, how many collectives the engine has issued, a digest of the
+checkpoint tag being saved or loaded, and a digest of the order of the collectives issued on each
+group (kind and size).  The last catches ranks that issued the same collectives in different orders
+(a reduce-scatter on one rank paired with an all-gather of the same size on another computes
+garbage without any error): the next call raises instead of stepping on it.  All ranks issue this same-shaped collective whatever call
 they are in, so a rank that skipped a backward, a step or a save meets the others *here*, where the
 rows differ and every rank raises the same :class:`DivergenceError` naming the ranks, the step and
 what differs, instead of pairing a reduce-scatter with an all-gather (gloo's "Received data size
 doesn't match", or a hang until the timeout).  The check runs in a process group of its own (gloo,
 on host memory), so that when ranks diverge *inside* a call (a module skipped on one rank at stage
 3), a check never pairs with a ZeRO collective of another size (which aborts gloo): the ZeRO
-collective then times out with its own named error.  The cost is one all-gather of five integers per call,
+collective then times out with its own named error.  The cost is one all-gather of six integers per call,
 counted in its own collectives counters (``ConsistencyCheck.own``), apart from ZeRO's traffic.
 """
 
@@ -45,7 +48,7 @@ class Call(IntEnum):
     LOAD = 5
 
 
-_FIELDS = ("call", "micro step", "optimizer step", "collectives issued", "checkpoint")
+_FIELDS = ("call", "micro step", "optimizer step", "collectives issued", "checkpoint", "order of collectives")
 
 
 def tag_digest(tag: Optional[str]) -> int:
@@ -82,7 +85,8 @@ class ConsistencyCheck:
         if not world.is_distributed:
             return
         issued = sum(c.calls for c in self.comm.counters.values())
-        mine = torch.tensor([int(call), micro_steps, global_steps, issued, tag_digest(tag)], dtype=torch.int64)
+        mine = torch.tensor([int(call), micro_steps, global_steps, issued, tag_digest(tag),
+                             self.comm.ledger.sequence_digest()], dtype=torch.int64)
         rows = torch.empty(world.world_size * mine.numel(), dtype=torch.int64)
         self.own.all_gather(rows, mine, "consistency_check")
         table = rows.view(world.world_size, -1).tolist()

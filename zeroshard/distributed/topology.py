@@ -27,6 +27,7 @@ import socket
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
+import torch
 import torch.distributed as dist
 
 from .collectives import Collectives
@@ -77,13 +78,19 @@ class ShardGroups:
     job: Collectives
     replicas: Optional[Collectives] = None
     secondary: Optional[Collectives] = None
+    #: stage 3: the shard group's ranks again, for the gradient reduce-scatters alone, and a gloo group
+    #: of every rank for the gather rounds (see [Note: ranks agree on every gather] in
+    #: sharding/gather_agreement.py)
+    grads: Optional[Collectives] = None
+    rounds: Optional[Collectives] = None
 
     @property
     def data_parallel_size(self) -> int:
         return self.job.world.world_size
 
     def _side(self) -> list[Collectives]:
-        return [c for c in (self.shard, self.replicas, self.secondary) if c is not None and c.world.group is not None]
+        return [c for c in (self.shard, self.replicas, self.secondary, self.grads, self.rounds)
+                if c is not None and c.world.group is not None]
 
     def release(self) -> None:
         """Drop the references to the side groups (at exit, before the process groups are destroyed)."""
@@ -129,9 +136,23 @@ def _blocks(comm: Collectives, topology: Topology, size: int, across: bool) -> t
 
 
 def build_shard_groups(comm: Collectives, topology: Topology, mics_shard_size: int,
-                       hpz_partition_size: int) -> ShardGroups:
+                       hpz_partition_size: int, gathers_in_passes: bool = False) -> ShardGroups:
     """The engine's :class:`ShardGroups` for the config's ``mics_shard_size`` (-1: off) and
-    ``zero_hpz_partition_size`` (1: off); a size that does not divide the world is refused."""
+    ``zero_hpz_partition_size`` (1: off); a size that does not divide the world is refused.
+    ``gathers_in_passes`` (stage 3): with the groups its gather rounds need."""
+    groups = _sharding_groups(comm, topology, mics_shard_size, hpz_partition_size)
+    if gathers_in_passes and comm.world.is_distributed:
+        size = groups.shard.world.world_size
+        groups.grads, _ = _blocks(comm, topology, size, across=False)
+        rounds = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=comm.world.timeout_s))
+        # counted apart: the rounds are bookkeeping, not ZeRO's traffic
+        groups.rounds = Collectives(dataclasses.replace(comm.world, group=rounds, device=torch.device("cpu"),
+                                                        backend="gloo"))
+    return groups
+
+
+def _sharding_groups(comm: Collectives, topology: Topology, mics_shard_size: int,
+                     hpz_partition_size: int) -> ShardGroups:
     n = comm.world.world_size
     for key, size in (("mics_shard_size", mics_shard_size), ("zero_hpz_partition_size", hpz_partition_size)):
         if size > 1 and n % size:

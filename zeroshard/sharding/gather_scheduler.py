@@ -13,18 +13,20 @@ next.  Prefetch only follows the recorded order while the current pass matches i
 moment they differ it stops, and at the end of the pass the new order replaces the old one (it is
 re-recorded).  A wrong guess only costs a gather that was not needed (released at the end of
 backward); it can never deadlock, because every rank makes the same guesses from the same program.
-Ranks whose control flow differs (a module run on one rank only) issue different gathers; that fails
-with a CollectiveError naming the unit and its parameters within ``collective_timeout``.
+Ranks whose control flow differs (a module run on one rank only, experts chosen by the data) agree on
+each gather instead of issuing it (see [Note: ranks agree on every gather] in gather_agreement.py):
+prefetch then happens inside those rounds.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 from ..config import ZeroConfig
+from .gather_agreement import ROW_WIDTH, GatherAgreement
 from .sharded_params import GatherState, ShardedParameters
 from .units import Unit, unit_label
 
@@ -33,7 +35,7 @@ class GatherScheduler:
     """Owns the stage-3 module hooks and the gather/prefetch/release decisions."""
 
     def __init__(self, storage: ShardedParameters, units: tuple[Unit, ...], zero: ZeroConfig,
-                 model: torch.nn.Module) -> None:
+                 model: torch.nn.Module, agreement: Optional[GatherAgreement] = None) -> None:
         self.storage = storage
         self.model = model
         self.units = {u.bucket_index: u for u in units}
@@ -44,9 +46,15 @@ class GatherScheduler:
         self.current: list[int] = []
         self._key: tuple[bool, bool] = (True, True)
         self._handles: list[Any] = []
+        #: None in a world of one rank: each gather is issued at once
+        self.agreement = agreement
+        #: the units this rank's last forward used: the ones its backward will ask for
+        self._used_in_forward: set[int] = set()
         for unit in units:
             self._handles.append(unit.module.register_forward_pre_hook(self._pre_forward_hook(unit)))
             self._handles.append(unit.module.register_forward_hook(self._post_forward_hook(unit)))
+        if agreement is not None:  # after the units' own hooks: the model's forward is over
+            self._handles.append(model.register_forward_hook(self._end_of_forward))
 
     # ------------------------------------------------------------------ hooks
     def _pre_forward_hook(self, unit: Unit) -> Any:
@@ -105,26 +113,65 @@ class GatherScheduler:
     def use(self, index: int) -> None:
         """The unit is about to compute: make sure it is gathered, then prefetch what comes next."""
         self.current.append(index)
-        self.storage.gather(index, self._labels[index])
-        self.storage.lend_chunk(index)  # see [Note: a gathered unit borrows this rank's chunk]
-        self._prefetch()
+        if not self.in_backward():
+            self._used_in_forward.add(index)
+        if self.agreement is None:
+            self.storage.gather(index, self._labels[index])
+            self.storage.lend_chunk(index)  # see [Note: a gathered unit borrows this rank's chunk]
+            for ahead in self._prefetch_candidates():
+                self.storage.gather(ahead, self._labels[ahead], async_op=True)
+            return
+        if self.storage.state[index] is GatherState.SHARDED:
+            wanted = [index, *self._prefetch_candidates()[:ROW_WIDTH - 1]]
+            self._gather_agreed(self.agreement.request(wanted), keep=set(wanted))
+        self.storage.wait(index)
+        self.storage.lend_chunk(index)
 
-    def _prefetch(self) -> None:
+    def _prefetch_candidates(self) -> list[int]:
+        """The units the recorded order says come next, within the prefetch budgets."""
         budget = self.zero.stage3_prefetch_bucket_size
         trace = self.recorded.get(self._key)
         position = len(self.current)
         if not budget or trace is None or trace[:position] != self.current:
-            return
+            return []
         live = self.live_numel()
+        chosen: list[int] = []
         for index in trace[position:]:
-            if self.storage.state[index] is not GatherState.SHARDED:
+            if self.storage.state[index] is not GatherState.SHARDED or index in chosen:
                 continue
             numel = self._numel[index]
             if numel > budget or live + numel > self.zero.stage3_max_live_parameters:
-                return
-            self.storage.gather(index, self._labels[index], async_op=True)
+                break
+            chosen.append(index)
             budget -= numel
             live += numel
+        return chosen
+
+    # ------------------------------------------------------------------ agreed gathers
+    def _gather_agreed(self, units: list[int], keep: set[int]) -> None:
+        """Gather every unit a round agreed on, in its order; release at once the ones gathered only
+        for other ranks (a backward keeps those its forward used: it will ask for them)."""
+        if self.in_backward():
+            keep = keep | self._used_in_forward
+        fresh = []
+        for index in units:
+            if self.storage.state[index] is GatherState.SHARDED:
+                self.storage.gather(index, self._labels[index], async_op=True)
+                fresh.append(index)
+            else:
+                self.storage.join_gather(index, self._labels[index])
+        for index in fresh:
+            if index not in keep:
+                self.storage.release(index)
+
+    def _end_of_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not self.in_backward():
+            self.finish_pass()
+
+    def finish_pass(self) -> None:
+        """This rank's forward or backward is over: answer the other ranks' rounds until theirs is."""
+        if self.agreement is not None:
+            self.agreement.finish(lambda units: self._gather_agreed(units, keep=set()))
 
     def done_with(self, index: int) -> None:
         """The unit finished a use: release it unless the recorded order reuses it soon."""
@@ -151,6 +198,7 @@ class GatherScheduler:
         """End of backward (or of an eval pass): nothing stays gathered."""
         for index in self.units:
             self.storage.release(index)
+        self._used_in_forward = set()
 
     def remove_hooks(self) -> None:
         for handle in self._handles:

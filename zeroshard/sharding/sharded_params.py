@@ -230,6 +230,20 @@ class ShardedParameters:
         if not async_op:
             self.wait(index)
 
+    def join_gather(self, index: int, label: str) -> None:
+        """Take part in an all-gather of bucket ``index`` that other ranks need while this rank has it
+        gathered already (see [Note: ranks agree on every gather] in gather_agreement.py): this rank's
+        chunk is sent from its slot and what arrives goes to a scratch buffer, dropped at once."""
+        self.wait(index)
+        scratch = torch.empty_like(self.full[index])
+        kept = self._secondary.get(index) if index in self._secondary_valid else None
+        with torch.no_grad():
+            if self.secondary is not None and kept is not None:  # the others gather inside the hpZ group
+                self.secondary.all_gather(scratch, kept, f"{label}.hpz.joined")
+                return
+            start, end = self.layout.buckets[index].shard_range(self.rank)
+            self.comm.all_gather(scratch, self.full[index][start:end], f"{label}.joined")
+
     def _fill(self, index: int, lend: bool) -> Optional[torch.Tensor]:
         """Pages for bucket ``index``'s full buffer, about to be gathered: from the page reserve, except
         that where the chunk can be lent (``lend`` and :meth:`_may_lend`) the store's own pages move

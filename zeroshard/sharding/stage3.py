@@ -9,7 +9,8 @@ prefetch and release them (:mod:`.gather_scheduler`).  Where a parameter is gath
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import dataclasses
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -18,6 +19,7 @@ from ..config import ZeroConfig
 from ..distributed.topology import ShardGroups
 from ..offload.policy import OffloadPolicies, Place
 from ..precision import PrecisionPolicy
+from .gather_agreement import GatherAgreement, parameters_reached
 from .gather_scheduler import GatherScheduler
 from .layout import BucketLayout
 from .sharded_params import ShardedParameters
@@ -35,13 +37,22 @@ class Stage3(Stage2):
     max_buckets_in_flight = 1  # a bucket is a whole unit here: keep fewer full-size ones alive
     keeps_chunk_buffers = True  # see [Note: where gradient chunks live] in stage2.py
 
+    #: gathers happen inside forward and backward: ``build_shard_groups`` adds the groups their
+    #: rounds need (see [Note: ranks agree on every gather] in gather_agreement.py)
+    gathers_in_passes = True
+
     def __init__(self, storage: ShardedParameters, params: Sequence[nn.Parameter], groups: ShardGroups,
                  zero: ZeroConfig, plan: Stage3Plan, model: nn.Module,
                  precision: PrecisionPolicy = PrecisionPolicy()) -> None:
-        super().__init__(storage, params, groups, zero, precision)
+        # the gradient reduce-scatters on a group of their own, apart from the gathers
+        super().__init__(storage, params, dataclasses.replace(groups, shard=groups.grads or groups.shard),
+                         zero, precision)
         self.storage = storage
         self.plan = plan
-        self.scheduler = GatherScheduler(storage, plan.units, zero, model)
+        agreement = GatherAgreement(groups.rounds) if groups.rounds is not None else None
+        self.scheduler = GatherScheduler(storage, plan.units, zero, model, agreement)
+        #: whether every rank's backward is over, so that waiting for a reduction cannot deadlock
+        self._rounds_over = True
 
     @classmethod
     def build(cls, model: nn.Module, params: Sequence[nn.Parameter], names: Sequence[str],
@@ -66,12 +77,35 @@ class Stage3(Stage2):
         self.scheduler.begin_pass()
 
     def grad_arrived(self, bucket: BucketLayout, progress: BucketProgress) -> None:
-        if len(progress.arrived) == len(bucket.slots) and bucket.index in self.scheduler.units:
+        if progress.complete(bucket) and bucket.index in self.scheduler.units:
             self.scheduler.done_with(bucket.index)
 
+    def may_block(self) -> bool:
+        """Not while another rank may be in a gather round of this backward."""
+        return self.scheduler.agreement is None or self._rounds_over
+
+    def expect_gradients(self, loss: torch.Tensor) -> None:
+        """Parameters this backward's graph does not reach get no gradient: their slots count as
+        arrived (zeros) from the start, so a rank that skipped a module reduces its bucket when the
+        others do, not at the end of backward (DDP's ``find_unused_parameters`` does the same)."""
+        self._rounds_over = False
+        if self.scheduler.agreement is None or not self._communicates_now():
+            return
+        reached: Optional[set[int]] = parameters_reached(loss)
+        if reached is None:
+            return
+        for index, param in enumerate(self.params):
+            if id(param) not in reached:
+                bucket, _ = self._slot_of[index]
+                self._progress[bucket.index].absent.add(index)
+        self._launch_in_order(only_complete=True)
+
     def finish_backward(self) -> None:
-        """Release every unit, and give back the gradient buckets: stage 3 is the memory-first stage,
+        """Answer the other ranks' gather rounds until every backward is over, then reduce what is left;
+        release every unit, and give back the gradient buckets: stage 3 is the memory-first stage,
         and the next forward (whose peak adds the gathered units to the activations) does not need them."""
+        self.scheduler.finish_pass()
+        self._rounds_over = True
         super().finish_backward()
         self.scheduler.release_all()
 

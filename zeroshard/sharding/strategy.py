@@ -46,8 +46,14 @@ class BucketProgress:
     """Per-backward bookkeeping of one bucket."""
 
     arrived: set[int] = field(default_factory=set)
+    #: parameters known to get no gradient in this backward (not reached by its graph)
+    absent: set[int] = field(default_factory=set)
     state: BucketState = BucketState.FILLING
     pending: Optional[PendingCollective] = None
+
+    def complete(self, bucket: BucketLayout) -> bool:
+        """Every parameter of ``bucket`` has its gradient, or is known to get none."""
+        return len(self.arrived) + len(self.absent - self.arrived) >= len(bucket.slots)
 
 
 class ShardingStrategy(ABC):
@@ -64,6 +70,8 @@ class ShardingStrategy(ABC):
     owns_whole_buckets: ClassVar[bool] = False
     #: whether the post-step parameter gather may run on into the next forward (stages 1-2)
     defers_refresh: ClassVar[bool] = False
+    #: whether forward and backward gather parameters (stage 3: their rounds need groups of their own)
+    gathers_in_passes: ClassVar[bool] = False
     #: the fewest buckets a model is cut into (see [Note: buckets smaller than the model] in layout.py)
     buckets_per_model: ClassVar[int] = BUCKETS_PER_MODEL
 
@@ -92,6 +100,8 @@ class ShardingStrategy(ABC):
         self._next_launch = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
+        #: buckets reduced whose replicas and listeners have not been told yet (see ``_retire``)
+        self._reduced_later: list[BucketLayout] = []
         #: parameter all-gathers in flight after a step, by bucket index, in launch order
         self._gathers: list[tuple[int, PendingCollective]] = []
         self._gather_numel = 0
@@ -129,7 +139,7 @@ class ShardingStrategy(ABC):
         while self._next_launch < len(buckets):
             bucket = buckets[self._next_launch]
             progress = self._progress[bucket.index]
-            if only_complete and len(progress.arrived) < len(bucket.slots):
+            if only_complete and not progress.complete(bucket):
                 return
             with torch.no_grad():
                 progress.pending = self.launch(bucket, async_op=self.zero.overlap_comm)
@@ -142,27 +152,48 @@ class ShardingStrategy(ABC):
 
         This bounds the memory of full-size buckets alive at once (stage 2) to a few buckets,
         whatever the model size, while still overlapping each collective with the next bucket's
-        backward.
+        backward.  Where waiting now could deadlock (:meth:`may_block`), only the buckets already
+        reduced are retired, and replicas are summed once the backward is over.
         """
         launched = self.layout.buckets[:self._next_launch]
         in_flight = [b for b in launched if self._progress[b.index].state is BucketState.IN_FLIGHT]
+        block = self.may_block()
         with torch.no_grad():
             for bucket in in_flight[:max(0, len(in_flight) - keep_in_flight)]:
                 progress = self._progress[bucket.index]
                 assert progress.pending is not None
+                if not block and not progress.pending.is_completed():
+                    return
                 progress.pending.wait()
                 self.complete(bucket)
                 progress.state = BucketState.REDUCED
                 if self.sync_gradients:
-                    self.reduce_across_replicas(bucket)
-                    for listener in self._reduced_listeners:
-                        listener(bucket)
+                    self._reduced_later.append(bucket)
+                    if block:
+                        self._after_reduction()
+
+    def _after_reduction(self) -> None:
+        """Sum the reduced buckets' chunks with their replicas (MiCS) and tell the listeners, in order."""
+        reduced, self._reduced_later = self._reduced_later, []
+        for bucket in reduced:
+            self.reduce_across_replicas(bucket)
+            for listener in self._reduced_listeners:
+                listener(bucket)
+
+    def may_block(self) -> bool:
+        """Whether backward may wait here for a bucket's reduction (stage 3 with gather rounds may not:
+        the rank it waits for may be waiting for it in a round)."""
+        return True
+
+    def expect_gradients(self, loss: torch.Tensor) -> None:
+        """Before ``loss.backward()``: learn which parameters this backward will reach (stage 3)."""
 
     def finish_backward(self) -> None:
         """End of a backward: launch what is left (in order), wait for everything, store results."""
         if self._communicates_now():
             self._launch_in_order(only_complete=False)
             self._retire(keep_in_flight=0)
+            self._after_reduction()
         self._progress = [BucketProgress() for _ in self.layout.buckets]
         self._next_launch = 0
 

@@ -1,0 +1,142 @@
+"""Ranks whose inputs use different parts of the model train exactly like one process: every stage.
+
+Three models whose forward depends on the data: experts chosen per token (rank 1's tokens all go to one
+expert), a layer skipped for some batches (LayerDrop), and a head used by one rank only.  Every
+parameter is used by some rank in every step: one that no rank used gets a zero gradient here, which
+AdamW still steps by its moments, where torch's optimizer skips a parameter whose gradient is None.  At stage 3
+the ranks then need different units gathered, and agree on each gather
+([Note: ranks agree on every gather] in sharding/gather_agreement.py); at every stage a parameter a
+rank did not use contributes a zero gradient.  One world per world size loops every stage, with and
+without accumulation and activation checkpointing, against one process that computes every rank's
+micro batches itself (fp32, 1e-5 relative).
+"""
+
+from __future__ import annotations
+
+import itertools
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import zeroshard
+from zeroshard.testing import run_world
+
+VOCAB, WIDTH, ROWS, STEPS, LR = 16, 8, 6, 5, 1e-2
+
+
+class DataDependent(nn.Module):
+    """``kind``: "experts", "layerdrop" or "heads" (see the module docstring)."""
+
+    def __init__(self, kind: str, checkpointed: bool) -> None:
+        super().__init__()
+        self.kind, self.checkpointed = kind, checkpointed
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(4))
+        self.heads = nn.ModuleList(nn.Linear(WIDTH, VOCAB) for _ in range(2))
+
+    def _run(self, block: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        return checkpoint(block, h, use_reentrant=False) if self.checkpointed else block(h)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        if self.kind == "experts":  # each token to the block its id chooses, skipped when none chose it
+            route = x % len(self.blocks)
+            out = torch.zeros_like(h)
+            for e, block in enumerate(self.blocks):
+                mask = route == e
+                if bool(mask.any()):
+                    out = out + torch.where(mask[:, None], self._run(block, h), torch.zeros_like(h))
+            h = torch.tanh(h + out)
+        else:
+            dropped = int(x[1:].sum()) % 3 if self.kind == "layerdrop" and int(x[0]) else -1
+            for i, block in enumerate(self.blocks):
+                if i != dropped:
+                    h = torch.tanh(self._run(block, h))
+        head = self.heads[int(x[0]) % 2] if self.kind == "heads" else self.heads[0]
+        return nn.functional.cross_entropy(head(h), y)
+
+
+def micro_batch(step: int, micro: int, rank: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    x = torch.randint(0, VOCAB, (ROWS,), generator=g)
+    y = torch.randint(0, VOCAB, (ROWS,), generator=g)
+    if kind == "experts" and rank == 0:
+        x[:4] = torch.arange(4)  # rank 0 uses every expert
+    if kind == "experts" and rank == 1:
+        x = x // 4 * 4 + 1  # every token of rank 1 to expert 1
+    if kind in ("heads", "layerdrop"):
+        x[0] = rank  # heads: rank 0 uses head 0 only, rank 1 head 1 only; layerdrop: rank 0 drops none
+    return x, y
+
+
+def reference(kind: str, checkpointed: bool, world: int, accum: int) -> dict[str, torch.Tensor]:
+    """One process: every rank's micro batches, the loss averaged over ranks and micro steps."""
+    torch.manual_seed(0)
+    model = DataDependent(kind, checkpointed)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    for step in range(STEPS):
+        for micro in range(accum):
+            loss = sum(model(*micro_batch(step, micro, r, kind)) for r in range(world))
+            (loss / (world * accum)).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def trained(rank: int, kind: str, checkpointed: bool, stage: int, accum: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = DataDependent(kind, checkpointed)
+    engine, _, _, _ = zeroshard.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": ROWS, "gradient_accumulation_steps": accum,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 100},
+        "collective_timeout": 60})
+    for step in range(STEPS):
+        for micro in range(accum):
+            engine.backward(engine(*micro_batch(step, micro, rank, kind)))
+            engine.step()
+    state = engine.full_state_dict(rank0_only=False)
+    engine.close()
+    return state
+
+
+CASES = list(itertools.product(("experts", "layerdrop", "heads"), (0, 1, 2, 3), (1, 2), (False, True)))
+
+
+def world_worker(rank: int, world: int) -> list[str]:
+    """Every case in this one world; '' where it equals the reference, else what differs."""
+    outcomes = []
+    for kind, stage, accum, checkpointed in CASES:
+        ours = trained(rank, kind, checkpointed, stage, accum)
+        expected = reference(kind, checkpointed, world, accum)
+        worst = max(float((ours[k] - v).abs().max()) / (float(v.abs().max()) or 1.0) for k, v in expected.items())
+        outcomes.append("" if worst <= 1e-5 else f"{kind}, stage {stage}, accumulation {accum}, "
+                        f"checkpointed {checkpointed}, world {world}: off by {worst:.2e}")
+    return outcomes
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_ranks_using_different_modules_train_like_one_process(world: int) -> None:
+    for rank, outcomes in enumerate(run_world(world_worker, world, timeout=900)):
+        assert [o for o in outcomes if o] == [], f"rank {rank}"
+
+
+def skipped_backward_worker(rank: int, world: int) -> str:
+    torch.manual_seed(0)
+    engine, _, _, _ = zeroshard.initialize(model=DataDependent("experts", False), config={
+        "train_micro_batch_size_per_gpu": ROWS, "optimizer": {"type": "AdamW"},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "collective_timeout": 60})
+    loss = engine(*micro_batch(0, 0, rank, "experts"))
+    try:
+        if rank == 0:
+            engine.backward(loss)
+        engine.step()
+    except zeroshard.CollectiveError as error:
+        return type(error).__name__
+    return "no error"
+
+
+def test_a_rank_that_skips_a_backward_gets_a_divergence_error() -> None:
+    assert run_world(skipped_backward_worker, 2, timeout=120) == ["DivergenceError", "DivergenceError"]
+
