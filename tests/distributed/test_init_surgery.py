@@ -1,7 +1,7 @@
 """Parameters built under ``zeroshard.Init``: every operation equals the unsharded one or raises a named error.
 
 The guard of [Note: what an Init-built parameter does with each operation] (sharding/init_param.py):
-one world of two ranks walks a list of operations users make on a model between construction and
+one world of two ranks walks a list of operations, tied and untied embeddings, fp32 and bf16, users make on a model between construction and
 ``initialize()`` — writes through ``.data``, item assignment, ``.data = t`` of another shape, a read
 on one rank only, and Hugging Face's model surgery (``resize_token_embeddings``, ``tie_weights``,
 ``init_weights``, ``to(dtype)``, ``get_peft_model``, ``state_dict``/``load_state_dict``,
@@ -12,6 +12,7 @@ Then a model resized under Init trains at stage 3 equal to DDP on the plain resi
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable
 
 import pytest
@@ -119,10 +120,10 @@ def surgery_cases() -> dict[str, Callable[[nn.Module, bool], Any]]:
 def guard_worker(rank: int, world: int, directory: str) -> dict[str, str]:
     """For each case and tied/untied: '' (equal to unsharded), 'raised: ...' or what differs."""
     results: dict[str, str] = {}
-    for tied in (False, True):
+    for tied, dtype in itertools.product((False, True), (torch.float32, torch.bfloat16)):
         for name, case in surgery_cases().items():
-            key = f"{name} ({'tied' if tied else 'untied'})"
-            ours, plain = sharded_llama(tied), llama(tied)
+            key = f"{name} ({'tied' if tied else 'untied'}, {dtype})"
+            ours, plain = sharded_llama(tied).to(dtype), llama(tied).to(dtype)
             try:
                 ours = case(ours, True) or ours
             except zeroshard.ShardedParameterError as error:
@@ -131,14 +132,14 @@ def guard_worker(rank: int, world: int, directory: str) -> dict[str, str]:
             plain = case(plain, False) or plain
             results[key] = same(ours, plain)
         model = sharded_llama(tied)
-        results[f"num_parameters ({tied})"] = "" if model.num_parameters() == llama(tied).num_parameters() else "differs"
+        results[f"num_parameters ({tied}, {dtype})"] = "" if model.num_parameters() == llama(tied).num_parameters() else "differs"
         for name, read in (("state_dict read", lambda m: float(m.state_dict()["lm_head.weight"].sum())),
                            ("save_pretrained", lambda m: m.save_pretrained(f"{directory}/rank{rank}"))):
             try:
                 read(model)
-                results[f"{name} ({tied})"] = "no error"
+                results[f"{name} ({tied}, {dtype})"] = "no error"
             except zeroshard.ShardedParameterError as error:
-                results[f"{name} ({tied})"] = f"raised: {error}"
+                results[f"{name} ({tied}, {dtype})"] = f"raised: {error}"
     # a read made by one rank only returns at once with a named error there; the other rank goes on
     model = sharded_llama(tied=False)
     if rank == 0:

@@ -228,10 +228,9 @@ def divergent_worker(rank: int, world: int) -> str:
     return "no error"
 
 
-def test_a_module_skipped_on_one_rank_fails_with_a_named_error() -> None:
-    messages = run_world(divergent_worker, 2, pg_timeout_s=3, timeout=120)
-    named = [m for m in messages if "blocks." in m]
-    assert named, messages
+def test_a_module_skipped_on_one_rank_neither_hangs_nor_fails() -> None:
+    """The ranks agree on each gather (values against one process: test_unused_parameters.py)."""
+    assert run_world(divergent_worker, 2, pg_timeout_s=3, timeout=120) == ["no error", "no error"]
 
 
 class StepDependent(nn.Module):

@@ -14,6 +14,7 @@ micro batches itself (fp32, 1e-5 relative).
 from __future__ import annotations
 
 import itertools
+from typing import Any
 import pytest
 import torch
 from torch import nn
@@ -84,13 +85,15 @@ def reference(kind: str, checkpointed: bool, world: int, accum: int) -> dict[str
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def trained(rank: int, kind: str, checkpointed: bool, stage: int, accum: int) -> dict[str, torch.Tensor]:
+def trained(rank: int, kind: str, checkpointed: bool, stage: int, accum: int,
+            **zero: Any) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = DataDependent(kind, checkpointed)
     engine, _, _, _ = zeroshard.initialize(model=model, config={
         "train_micro_batch_size_per_gpu": ROWS, "gradient_accumulation_steps": accum,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 100},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 100,
+                              **zero},
         "collective_timeout": 60})
     for step in range(STEPS):
         for micro in range(accum):
@@ -104,21 +107,39 @@ def trained(rank: int, kind: str, checkpointed: bool, stage: int, accum: int) ->
 CASES = list(itertools.product(("experts", "layerdrop", "heads"), (0, 1, 2, 3), (1, 2), (False, True)))
 
 
+def compared(rank: int, world: int, kind: str, stage: int, accum: int, checkpointed: bool, **zero: Any) -> str:
+    """'' where training equals the reference, else what differs (naming the case)."""
+    ours = trained(rank, kind, checkpointed, stage, accum, **zero)
+    expected = reference(kind, checkpointed, world, accum)
+    worst = max(float((ours[k] - v).abs().max()) / (float(v.abs().max()) or 1.0) for k, v in expected.items())
+    return "" if worst <= 1e-5 else (f"{kind}, stage {stage}, accumulation {accum}, checkpointed {checkpointed}, "
+                                     f"{zero}, world {world}: off by {worst:.2e}")
+
+
 def world_worker(rank: int, world: int) -> list[str]:
-    """Every case in this one world; '' where it equals the reference, else what differs."""
-    outcomes = []
-    for kind, stage, accum, checkpointed in CASES:
-        ours = trained(rank, kind, checkpointed, stage, accum)
-        expected = reference(kind, checkpointed, world, accum)
-        worst = max(float((ours[k] - v).abs().max()) / (float(v.abs().max()) or 1.0) for k, v in expected.items())
-        outcomes.append("" if worst <= 1e-5 else f"{kind}, stage {stage}, accumulation {accum}, "
-                        f"checkpointed {checkpointed}, world {world}: off by {worst:.2e}")
-    return outcomes
+    """Every case in this one world."""
+    return [compared(rank, world, kind, stage, accum, checkpointed) for kind, stage, accum, checkpointed in CASES]
+
+
+#: stage 3 with the hybrid groups and offload, where the gather rounds span groups of their own
+HYBRID = ({"mics_shard_size": 2}, {"zero_hpz_partition_size": 2}, {"offload_param": {"device": "cpu"}},
+          {"offload_optimizer": {"device": "cpu"}})
+
+
+def hybrid_worker(rank: int, world: int) -> list[str]:
+    return [compared(rank, world, kind, 3, 2, checkpointed, **zero)
+            for zero in HYBRID for kind, checkpointed in (("experts", False), ("layerdrop", True))]
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_ranks_using_different_modules_train_like_one_process(world: int) -> None:
     for rank, outcomes in enumerate(run_world(world_worker, world, timeout=900)):
+        assert [o for o in outcomes if o] == [], f"rank {rank}"
+
+
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
+def test_ranks_using_different_modules_with_hybrid_groups_and_offload_train_like_one_process() -> None:
+    for rank, outcomes in enumerate(run_world(hybrid_worker, 4, timeout=900)):
         assert [o for o in outcomes if o] == [], f"rank {rank}"
 
 

@@ -51,7 +51,7 @@ VIEW_FUNCTIONS = frozenset({
     DATA_GETTER, torch.Tensor.detach, torch.Tensor.__getitem__, torch.Tensor.view, torch.Tensor.view_as,
     torch.Tensor.narrow, torch.Tensor.select, torch.Tensor.t, torch.Tensor.transpose, torch.Tensor.permute,
     torch.Tensor.unsqueeze, torch.Tensor.squeeze, torch.Tensor.expand, torch.Tensor.unflatten,
-    torch.Tensor.T.__get__, torch.Tensor.mT.__get__,
+    getattr(torch.Tensor.T, "__get__"), getattr(torch.Tensor.mT, "__get__"),
 })
 
 #: questions about how a tensor is stored, not its values (``module.to()`` asks them)
@@ -302,16 +302,16 @@ class InitShardedParameter(nn.Parameter):
             if func == IS_META_GETTER:
                 return False
             return super().__torch_function__(func, types, args, kwargs)
-        target: InitShardedParameter = args[0] if args and isinstance(args[0], InitShardedParameter) else None
-        if kind is Kind.ASSIGN:
+        target = args[0] if args and isinstance(args[0], InitShardedParameter) else None
+        if target is not None and kind is Kind.ASSIGN:
             return target.assign(args[1])
         if _any_gathered(args, kwargs):  # inside GatheredParameters: plain operations on the full values
             return _on_gathered(func, args, kwargs)
-        if kind is Kind.VIEW:
+        if target is not None and kind is Kind.VIEW:
             return target._view_of(func, args, kwargs)
-        if kind is Kind.LOCAL_WRITE:
+        if target is not None and kind is Kind.LOCAL_WRITE:
             return _write_locally(func, target, args, kwargs)
-        if kind is Kind.CONVERSION and not target._zeroshard_views:
+        if target is not None and kind is Kind.CONVERSION and not target._zeroshard_views:
             return target.converted(func, args, kwargs)
         if not constructing():
             raise _read_error(target if target is not None else _first_sharded(args, kwargs), func)
@@ -328,7 +328,9 @@ def _read_error(param: "InitShardedParameter", func: Any) -> ShardedParameterErr
         f"{name}() would read the values of a parameter of shape {tuple(param.root().shape)} built under "
         f"zeroshard.Init, which exist only across ranks (each holds 1/N); gathering them is a collective "
         f"that every rank must make. Read it inside `with zeroshard.GatheredParameters(param):` on every "
-        f"rank, or after initialize() through engine.full_state_dict()")
+        f"rank, or after initialize() through engine.full_state_dict(); code that every rank runs and that "
+        f"reads weights (model surgery such as resize_token_embeddings) may run inside `with "
+        f"zeroshard.Init():`, where a read gathers")
 
 
 def _any_gathered(args: Any, kwargs: dict) -> bool:
