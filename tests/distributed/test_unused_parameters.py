@@ -122,8 +122,8 @@ def world_worker(rank: int, world: int) -> list[str]:
 
 
 #: stage 3 with the hybrid groups and offload, where the gather rounds span groups of their own
-HYBRID = ({"mics_shard_size": 2}, {"zero_hpz_partition_size": 2}, {"offload_param": {"device": "cpu"}},
-          {"offload_optimizer": {"device": "cpu"}})
+HYBRID = ({"mics_shard_size": 2}, {"zero_hpz_partition_size": 2},
+          {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}})
 
 
 def hybrid_worker(rank: int, world: int) -> list[str]:
