@@ -62,6 +62,11 @@ class ModelAlreadyWrappedError(RuntimeError):
     """``initialize()`` on a model that a live engine still wraps."""
 
 
+class ModelChangedError(RuntimeError):
+    """The wrapped model gained or lost parameters after ``initialize()`` (``get_peft_model``, a new
+    head): the engine would neither gather, reduce nor update them."""
+
+
 class _Counter:
     """An engine attribute that is one of its :class:`TrainingCounters` (DeepSpeed's ``global_steps``, ...)."""
 
@@ -181,6 +186,8 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
             f"{tb.output_path}/{tb.job_name}" if tb.enabled and world.is_main else None,
             str(Path(csv.output_path or ".") / csv.job_name) if csv.enabled and world.is_main else None)
         self.comm.reset_counters()  # the initial broadcast is set-up, not training traffic
+        #: the parameters' names as the engine took them over (see ``_check_unchanged``)
+        self._parameter_names = [name for name, _ in model.named_parameters()]
         self._closed = False
         _ENGINE_OF[model] = weakref.ref(self)
         release_at_exit(self._release_at_exit)
@@ -252,6 +259,7 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
+        self._check_unchanged()
         if self.strategy.forward_communicates:
             self._agree.agree(Call.FORWARD, self.micro_steps, self.global_steps)
         self.strategy.before_forward()
@@ -268,6 +276,18 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
                 output = self.module(*args, **kwargs)
         self._timers.add("forward", started)
         return output
+
+    def _check_unchanged(self) -> None:
+        """Refuse a model whose parameters changed since ``initialize()``: a silent half-trained model
+        otherwise (the new parameters get gradients nobody reduces or applies)."""
+        names = [name for name, _ in self.module.named_parameters()]
+        if names != self._parameter_names:
+            added = sorted(set(names) - set(self._parameter_names))[:5]
+            removed = sorted(set(self._parameter_names) - set(names))[:5]
+            raise ModelChangedError(
+                f"the model's parameters changed after initialize() (added {added}, removed {removed}): "
+                f"change the model (get_peft_model, resize_token_embeddings, a new head) before initialize(), "
+                f"or engine.close() and initialize() again")
 
     def _to_compute(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.is_floating_point():

@@ -7,7 +7,8 @@ on one rank only, and Hugging Face's model surgery (``resize_token_embeddings``,
 ``init_weights``, ``to(dtype)``, ``get_peft_model``, ``state_dict``/``load_state_dict``,
 ``save_pretrained``) — and checks each against the same operation on the plain model: equal values,
 or a ``ShardedParameterError``; never a hang (the world has a timeout) and never a silent difference.
-Then a model resized under Init trains at stage 3 equal to DDP on the plain resized model.
+Then a model resized under Init trains at stage 3 equal to DDP on the plain resized model, and the same
+operations on a live stage-3 engine's model either raise by name or leave it training like DDP.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zeroshard
+from zeroshard.engine import ModelChangedError
 from zeroshard.testing import run_world
 
 transformers = pytest.importorskip("transformers")
@@ -209,3 +211,79 @@ def resized_training_worker(rank: int, world: int, tied: bool, bf16: bool) -> fl
 def test_a_model_resized_under_init_trains_at_stage_3_like_ddp(tied: bool) -> None:
     for worst in run_world(resized_training_worker, 2, args=(tied, False), timeout=240):
         assert worst <= 1e-5
+
+
+def engine_cases() -> dict[str, Callable[[nn.Module], Any]]:
+    """Operations on the model of a live stage-3 engine, whose parameters are released placeholders."""
+    def peft(model: nn.Module) -> None:
+        peft_lib = pytest.importorskip("peft")
+        peft_lib.get_peft_model(model, peft_lib.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+
+    return {
+        "resize": lambda m: m.resize_token_embeddings(NEW_VOCAB),
+        "state_dict read": lambda m: float(m.state_dict()["lm_head.weight"].sum()),
+        "load_state_dict": lambda m: m.load_state_dict(llama(tied=False).state_dict(), strict=False),
+        "to bf16": lambda m: m.to(torch.bfloat16),
+        "init_weights": lambda m: m.apply(m._init_weights),
+        "get_peft_model": peft,
+        "a new head": lambda m: setattr(m, "value_head", nn.Linear(16, 1)),
+        "gradient_checkpointing_enable": lambda m: m.gradient_checkpointing_enable(),
+        "tie_weights": lambda m: m.tie_weights(),
+    }
+
+
+#: what each operation on a live engine's model must do: raise a named error at once, or leave an engine
+#: that still trains like DDP
+ENGINE_EXPECTED = {"resize": "raised", "state_dict read": "raised", "load_state_dict": "raised",
+                   "to bf16": "raised", "init_weights": "raised", "get_peft_model": "raised",
+                   "a new head": "refused at forward",
+                   "gradient_checkpointing_enable": "trains", "tie_weights": "trains"}
+
+
+def engine_guard_worker(rank: int, world: int) -> dict[str, str]:
+    results = {}
+    for (name, case), tied, bf16 in itertools.product(engine_cases().items(), (False, True), (False, True)):
+        config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+                                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}},
+                                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 64}}
+        if bf16:
+            config["bf16"] = {"enabled": True}
+        plain, ours = llama(tied), llama(tied)
+        engine, _, _, _ = zeroshard.initialize(model=ours, config=config)
+        key = f"{name} ({'tied' if tied else 'untied'}, {'bf16' if bf16 else 'fp32'})"
+        try:
+            case(engine.module)
+        except RuntimeError as error:  # torch's load_state_dict wraps the error it met in its own
+            named = isinstance(error, zeroshard.ShardedParameterError) or "GatheredParameters" in str(error)
+            results[key] = "raised" if named else f"raised {error!r}"
+            engine.close()
+            continue
+        ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank))
+        try:
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+        except ModelChangedError:
+            results[key] = "refused at forward"
+            engine.close()
+            continue
+        engine.step()
+        if not bf16:  # one step of DDP on the plain model, the same operation applied
+            case(plain)
+            ddp = DDP(plain)
+            opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.0)
+            ddp(input_ids=ids, labels=ids).loss.backward()
+            torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+            opt.step()
+            state = engine.full_state_dict(rank0_only=False)
+            worst = max(float((state[k] - v).abs().max()) / (float(v.abs().max()) or 1.0)
+                        for k, v in plain.state_dict().items())
+            results[key] = "trains" if worst <= 1e-5 else f"off by {worst:.2e}"
+        else:
+            results[key] = "trains"
+        engine.close()
+    return results
+
+
+def test_operations_on_a_stage_3_engines_model_raise_by_name_or_train_like_ddp() -> None:
+    for rank, results in enumerate(run_world(engine_guard_worker, 2, timeout=400)):
+        for key, outcome in results.items():
+            assert outcome == ENGINE_EXPECTED[key.split(" (")[0]], f"rank {rank}, {key}: {outcome}"
