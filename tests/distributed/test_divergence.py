@@ -57,3 +57,27 @@ def test_api_misuse_is_refused() -> None:
     engine.step()
     with pytest.raises(EngineUsageError, match="without a backward"):
         engine.step()
+
+
+def crossed_orders(rank: int, world: int) -> str:
+    """Both ranks record a reduce-scatter and an all-gather of the same size on the engine's group, in
+    opposite orders (what pairing one with the other would look like): the next call must refuse."""
+    from zeroshard.distributed.collectives import CommKind, CommScope
+
+    engine, *_ = zeroshard.initialize(model=make_model(), config=zero_config(2, 2, 1))
+    (x, y), = rank_micro_batches(0, rank, world, 2, 1)
+    engine.backward(engine(x, y))
+    engine.step()
+    kinds = [CommKind.REDUCE_SCATTER, CommKind.ALL_GATHER]
+    for kind in kinds if rank == 0 else reversed(kinds):
+        engine.comm.ledger.record(kind, "crossed", engine.world, CommScope.INSIDE_NODE, 4096, 2048)
+    try:
+        engine.backward(engine(x, y))
+    except DivergenceError as err:
+        return str(err)
+    return "no error"
+
+
+def test_collectives_issued_in_different_orders_are_a_named_error_on_every_rank() -> None:
+    messages = run_world(crossed_orders, 2, pg_timeout_s=30, timeout=120)
+    assert all(m.startswith("ranks diverged") and "order of collectives" in m for m in messages), messages
