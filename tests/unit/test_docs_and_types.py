@@ -1,5 +1,7 @@
-"""The README documents every supported key; the package type-checks."""
+"""The docs follow the code: the configuration reference names every supported key, the architecture
+page's layout every module, the README indexes docs/; the package type-checks."""
 
+import re
 import shutil
 import subprocess
 import sys
@@ -12,10 +14,11 @@ from zeroshard.config import describe_keys
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_readme_lists_every_supported_key() -> None:
+def test_configuration_reference_lists_every_supported_key() -> None:
+    reference = (ROOT / "docs" / "CONFIGURATION.md").read_text()
+    missing = [k for k, _, _ in describe_keys() if f"`{k}`" not in reference]
+    assert not missing, f"docs/CONFIGURATION.md does not document {missing}"
     readme = (ROOT / "README.md").read_text()
-    missing = [k for k, _, _ in describe_keys() if f"`{k}`" not in readme]
-    assert not missing, f"README.md does not document {missing}"
     assert "bash run.sh" in readme and "bash test.sh" in readme
     assert (ROOT / ".ci" / "run").read_text().strip().endswith("bash test.sh")
 
@@ -28,15 +31,51 @@ def test_package_type_checks() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_readme_layout_names_every_module() -> None:
-    """The Layout section names every module and package of zeroshard/, so a newcomer finds each one."""
-    readme = (ROOT / "README.md").read_text()
-    layout = readme.split("## Layout", 1)[1].split("```", 2)[1]
+def test_architecture_layout_names_every_module() -> None:
+    """docs/ARCHITECTURE.md's Layout section names every module and package of zeroshard/, so a newcomer
+    finds each one."""
+    architecture = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    layout = architecture.split("## Layout", 1)[1].split("```", 2)[1]
     package = ROOT / "zeroshard"
     names = [p.name for p in package.iterdir() if p.suffix == ".py" and p.name != "__init__.py"]
     names += [f"{p.name}/" for p in package.iterdir() if p.is_dir() and p.name != "__pycache__"]
     for sub in ("checkpoint", "offload", "optim", "sharding"):
         names += [p.name for p in (package / sub).glob("*.py") if p.name != "__init__.py"]
     missing = [n for n in names if n not in layout]
-    assert not missing, f"README.md's Layout does not name {missing}"
-    assert (ROOT / "docs" / "ARCHITECTURE.md").exists()
+    assert not missing, f"docs/ARCHITECTURE.md's Layout does not name {missing}"
+
+
+def test_readme_is_short_and_indexes_every_doc() -> None:
+    """README.md stays a front page (at most 220 lines) whose index links every docs/*.md, each of which exists."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 220, f"README.md has {len(readme.splitlines())} lines (at most 220)"
+    linked = set(re.findall(r"\]\((docs/[^)#\s]+\.md)(?:#[^)\s]*)?\)", readme))
+    absent = sorted(p for p in linked if not (ROOT / p).is_file())
+    assert not absent, f"README.md links docs that do not exist: {absent}"
+    docs = {f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")}
+    unlinked = sorted(docs - linked)
+    assert not unlinked, f"README.md does not link {unlinked}"
+
+
+def _anchors(markdown: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces as hyphens (code blocks skipped)."""
+    prose = re.sub(r"```.*?```", "", markdown, flags=re.S)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+\s+(.*)$", prose, flags=re.M)}
+
+
+def test_relative_links_in_the_docs_resolve() -> None:
+    """Every relative link of README.md and docs/*.md names a file that exists, and a heading it has."""
+    broken = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        prose = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", prose):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.exists():
+                broken.append(f"{page.name}: {target}")
+            elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked.read_text()):
+                broken.append(f"{page.name}: {target} (no such heading)")
+    assert not broken, f"broken links: {broken}"
