@@ -92,7 +92,7 @@ MiCS (Zhang et al., VLDB 2022) reports near-linear scaling (99.4% weak-scaling e
 100B model on 512 GPUs): here a MiCS rank's per-micro-step traffic does not depend on the number of
 nodes, and the replica all-reduce (2(R-1)/R of a shard, at most 2x from R = 2 to any R) hides
 behind the last backward, so the predicted weak scaling is 100% while that all-reduce fits there
-(the README's table: MiCS step times equal from 16 to 512 GPUs).
+(the table in docs/MULTI_NODE.md: MiCS step times equal from 16 to 512 GPUs).
 """
 
 from __future__ import annotations
