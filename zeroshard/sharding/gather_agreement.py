@@ -9,7 +9,7 @@ each other forever, or pair one unit's gather with another's and go on with wron
 So a rank never issues a pass's gather on its own.  When it needs a unit that is not gathered, it
 enters a *round*: every rank all-gathers a small row on a gloo group of its own (host memory, never
 paired with a ZeRO collective), saying which units it needs now and which it would prefetch, and
-every rank then gathers the union of the rows, in ascending unit order.  A rank that needs nothing
+every rank then gathers the union of the rows, in the rows' order.  A rank that needs nothing
 yet is not in a round; the others wait for it there, as they would wait in the all-gather.  A rank
 that ends its forward or backward answers rounds, asking for nothing, until every rank has ended it
 (:meth:`GatherAgreement.finish`): only then may it go on to the next call, whose consistency check
@@ -58,7 +58,7 @@ class GatherAgreement:
 
     def request(self, wanted: Sequence[int]) -> list[int]:
         """One round: this rank asks for ``wanted`` (needed unit first); every rank must gather the
-        returned units, the union of every rank's request, in this order."""
+        returned units, the union of every rank's request, in the returned order."""
         return _union(self._round(wanted))
 
     def finish(self, gather_for_others: Callable[[list[int]], None]) -> None:
@@ -71,7 +71,10 @@ class GatherAgreement:
 
 
 def _union(table: list[list[int]]) -> list[int]:
-    return sorted({unit for row in table for unit in row if unit >= 0})
+    """Every unit asked for, each once, in the order of the rows and within each row: the same on every
+    rank, and where the ranks ask alike, the needed unit first and the prefetches in the order they
+    will be used (a group runs its gathers in the order they are issued)."""
+    return list(dict.fromkeys(unit for row in table for unit in row if unit >= 0))
 
 
 
