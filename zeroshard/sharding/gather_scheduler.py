@@ -169,8 +169,10 @@ class GatherScheduler:
             self.finish_pass()
 
     def finish_pass(self) -> None:
-        """This rank's forward or backward is over: answer the other ranks' rounds until theirs is."""
-        if self.agreement is not None:
+        """This rank's forward or backward is over: answer the other ranks' rounds until theirs is.
+        Not while ``GatheredParameters`` holds every unit: no rank gathers then, and one rank alone may
+        compute (generation on rank 0 inside the block)."""
+        if self.agreement is not None and not all(self.storage.pinned(index) for index in self.units):
             self.agreement.finish(lambda units: self._gather_agreed(units, keep=set()))
 
     def done_with(self, index: int) -> None:

@@ -329,6 +329,10 @@ class ShardedParameters:
         self.gather(index, label)
         self._pins[index] = self._pins.get(index, 0) + 1
 
+    def pinned(self, index: int) -> bool:
+        """Whether a ``GatheredParameters`` block holds bucket ``index`` gathered now."""
+        return index in self._pins
+
     def unpin(self, index: int) -> None:
         self._pins[index] -= 1
         if not self._pins[index]:
