@@ -18,9 +18,13 @@ has a unit gathered already still takes part in the all-gather (:meth:`ShardedPa
 
 Ranks whose modules run alike ask for the same units in the same rounds, so the rounds cost one small
 host-side all-gather per unit that prefetch did not bring in time (prefetch happens inside rounds
-only).  Gradient reduce-scatters run on a group of their own (stage 3's ``grad_comm``), so that a rank
+only).  Gradient reduce-scatters run on a group of their own (``ShardGroups.grads``), so that a rank
 reducing a bucket while another gathers never pairs the two; their order is the bucket order on
-every rank ([Note: launching buckets in order] in strategy.py).
+every rank ([Note: launching buckets in order] in strategy.py).  Two more rules keep a rank from
+waiting on another that waits for it in a round: parameters that the backward graph does not reach
+count as arrived from its start (:func:`parameters_reached`, as DDP's ``find_unused_parameters``),
+so a rank that skipped a module reduces its bucket when the others do; and until every rank's
+backward is over, backward never blocks on a reduction (``ShardingStrategy.may_block``).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import torch
 
 from ..distributed.collectives import Collectives
 
-#: units one row can ask for: the one needed now and up to this many more to prefetch
+#: units one row can ask for: the one needed now, then the ones to prefetch
 ROW_WIDTH = 16
 _NOTHING = -1
 _DONE = -2
