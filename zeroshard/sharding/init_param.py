@@ -306,20 +306,14 @@ class InitShardedParameter(nn.Parameter):
         if target is not None and kind is Kind.ASSIGN:
             return target.assign(args[1])
         if _any_gathered(args, kwargs):  # inside GatheredParameters: plain operations on the full values
-            return _on_gathered(func, args, kwargs)
+            return _apply_on_full(func, args, kwargs)
         if target is not None and kind is Kind.VIEW:
             return target._view_of(func, args, kwargs)
         if target is not None and kind is Kind.LOCAL_WRITE:
             return _write_locally(func, target, args, kwargs)
         if target is not None and kind is Kind.CONVERSION and not target._zeroshard_views:
             return target.converted(func, args, kwargs)
-        if not constructing():
-            raise _read_error(target if target is not None else _first_sharded(args, kwargs), func)
-        return _gather_and_apply(func, args, kwargs)
-
-
-def _first_sharded(args: Any, kwargs: dict) -> "InitShardedParameter":
-    return next(a for a in tree_flatten((list(args), kwargs))[0] if isinstance(a, InitShardedParameter))
+        return _apply_on_full(func, args, kwargs)
 
 
 def _read_error(param: "InitShardedParameter", func: Any) -> ShardedParameterError:
@@ -338,28 +332,6 @@ def _any_gathered(args: Any, kwargs: dict) -> bool:
                for a in tree_flatten((list(args), kwargs))[0])
 
 
-def _on_gathered(func: Any, args: Any, kwargs: dict) -> Any:
-    """Inside GatheredParameters: the operation on the gathered values, no collective.  A sharded
-    parameter not gathered there is still a read (refused, or gathered while constructing)."""
-    def full(a: Any) -> Any:
-        if isinstance(a, InitShardedParameter):
-            root = a.root()
-            if root._zeroshard_full is None:
-                if not constructing():
-                    raise _read_error(a, func)
-                return a._through_views(a.gather_full())
-            return a._through_views(root._zeroshard_full)
-        return a
-
-    plain_args, plain_kwargs = tree_map(full, args), tree_map(full, kwargs)
-    with torch.no_grad():
-        result = func(*plain_args, **plain_kwargs)
-    target = args[0] if args else None
-    if isinstance(target, InitShardedParameter) and result is plain_args[0]:
-        return target  # an in-place operation returns its (sharded) target
-    return result
-
-
 def _write_locally(func: Any, target: InitShardedParameter, args: Any, kwargs: dict) -> InitShardedParameter:
     """An elementwise write: on a scratch tensor holding this rank's chunk in place; the chunk is kept."""
     root = target.root()
@@ -371,18 +343,23 @@ def _write_locally(func: Any, target: InitShardedParameter, args: Any, kwargs: d
     return target
 
 
-def _gather_and_apply(func: Any, args: Any, kwargs: dict) -> Any:
-    """Inside the Init block: gather each sharded argument's values (a collective every rank makes),
-    apply the operation, and keep whatever it left in each parameter (in place or not)."""
+def _apply_on_full(func: Any, args: Any, kwargs: dict) -> Any:
+    """The operation on full values: a parameter inside ``GatheredParameters`` lends its gathered
+    values (no collective); any other is gathered (inside the Init block: a collective every rank
+    makes; outside it, a read refused) and keeps whatever the operation left in it."""
     gathered: dict[int, tuple[InitShardedParameter, torch.Tensor]] = {}
 
     def full(a: Any) -> Any:
-        if isinstance(a, InitShardedParameter):
-            root = a.root()
-            if id(root) not in gathered:
-                gathered[id(root)] = (root, root.gather_full())
-            return a._through_views(gathered[id(root)][1])
-        return a
+        if not isinstance(a, InitShardedParameter):
+            return a
+        root = a.root()
+        if root._zeroshard_full is not None:
+            return a._through_views(root._zeroshard_full)
+        if not constructing():
+            raise _read_error(a, func)
+        if id(root) not in gathered:
+            gathered[id(root)] = (root, root.gather_full())
+        return a._through_views(gathered[id(root)][1])
 
     plain_args, plain_kwargs = tree_map(full, args), tree_map(full, kwargs)
     with torch.no_grad():
@@ -391,7 +368,7 @@ def _gather_and_apply(func: Any, args: Any, kwargs: dict) -> Any:
             root.keep_own(values)
     target = args[0] if args else None
     if isinstance(target, InitShardedParameter) and result is plain_args[0]:
-        return target
+        return target  # an in-place operation returns its (sharded) target
     return result
 
 
