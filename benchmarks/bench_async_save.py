@@ -50,8 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zeroshard  # noqa: E402
 import zeroshard.checkpoint.format as checkpoint_format  # noqa: E402
-from zeroshard.demo.model import GPT, GPTConfig  # noqa: E402
-from zeroshard.testing import run_world  # noqa: E402
+from zeroshard.tools.demo.model import GPT, GPTConfig  # noqa: E402
+from zeroshard.tools.testing import run_world  # noqa: E402
 
 CFG = dict(vocab_size=8192, seq_len=128, d_model=768, n_layer=12, n_head=12)
 

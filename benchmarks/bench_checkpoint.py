@@ -25,8 +25,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zeroshard  # noqa: E402
-from zeroshard.demo.model import GPT, GPTConfig  # noqa: E402
-from zeroshard.testing import run_world  # noqa: E402
+from zeroshard.tools.demo.model import GPT, GPTConfig  # noqa: E402
+from zeroshard.tools.testing import run_world  # noqa: E402
 
 CFG = GPTConfig(vocab_size=256, seq_len=128, d_model=384, n_layer=11, n_head=6)
 

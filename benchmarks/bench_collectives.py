@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import zeroshard.distributed.collectives as collectives  # noqa: E402
 from zeroshard.distributed.collectives import Collectives  # noqa: E402
 from zeroshard.distributed.world import World  # noqa: E402
-from zeroshard.testing import run_world  # noqa: E402
+from zeroshard.tools.testing import run_world  # noqa: E402
 
 #: buckets of the 91M benchmark model per step under DeepSpeed's defaults (stages 0-2 cap a bucket at 1/8)
 BUCKETS_91M = 8

@@ -14,7 +14,7 @@ Configurations, all fp32 with AdamW and 2 micro steps per optimizer step, the sa
 stage 3, stage 3 + ``mics_shard_size: 2``, stage 3 + ``zero_hpz_partition_size: 2``, stage 2, stage 2 +
 MiCS.  Per configuration: the median step time of the measured steps (slowest rank), the bytes each
 rank sent inside its node and across nodes per step (zeroshard's counters), the scale model's
-prediction of the bytes across nodes (``zeroshard.memory.scale_model.traffic_per_step``, given the
+prediction of the bytes across nodes (``zeroshard.planning.scale_model.traffic_per_step``, given the
 engine's padded bucket sizes), model-state bytes and hpZ's secondary partition per rank
 (``memory_breakdown()``), and peak RSS.
 """
@@ -55,7 +55,7 @@ def worker(name: str, steps: int, out: str) -> None:
 
     sys.path.insert(0, str(ROOT))
     import zeroshard
-    from zeroshard.demo.model import GPT, GPTConfig
+    from zeroshard.tools.demo.model import GPT, GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=256, seq_len=64, d_model=256, n_layer=6, n_head=4))
@@ -135,7 +135,7 @@ def run_config(name: str, steps: int, nodes: Optional[list[tuple[str, str, str]]
             prefix = ["ip", "netns", "exec", nodes[node][0]]
             env["GLOO_SOCKET_IFNAME"] = nodes[node][1]
             extra = ["--local-addr", nodes[node][2], "--rdzv-conf", f"is_host={node == 0}"]
-        command = [*prefix, sys.executable, "-m", "zeroshard.cli", "run", "--nnodes", "2", "--node-rank", str(node),
+        command = [*prefix, sys.executable, "-m", "zeroshard.tools.cli", "run", "--nnodes", "2", "--node-rank", str(node),
                    "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{port}",
                    "--rdzv-id", f"bench{abs(hash(name))}", *extra, str(Path(__file__).resolve()), "--worker", name,
                    "--steps", str(steps), "--out", str(out)]
@@ -151,7 +151,7 @@ def run_config(name: str, steps: int, nodes: Optional[list[tuple[str, str, str]]
 def predicted_across(rows: list[dict], config: dict[str, Any]) -> float:
     """The scale model's bytes across nodes per step for this run's exact (padded) buckets."""
     sys.path.insert(0, str(ROOT))
-    from zeroshard.memory.scale_model import traffic_per_step
+    from zeroshard.planning.scale_model import traffic_per_step
 
     row = rows[0]
     persistent = set(row["persistent"])

@@ -5,7 +5,7 @@
     .venv/bin/python benchmarks/bench_memory.py --size tiny --steps 1 --warmup 2   # a smoke test (< 1 min)
 
 Every implementation runs in a fresh world of 2 spawned processes (gloo, OMP_NUM_THREADS=1) and trains
-zeroshard.demo.model.GPT (tied embedding, vocabulary 8192, seq_len 128, micro batch 4) on the same
+zeroshard.tools.demo.model.GPT (tied embedding, vocabulary 8192, seq_len 128, micro batch 4) on the same
 batches with ``torch.optim.AdamW(fused=True)``, lr 1e-4, weight decay 0.01 (zeroshard's builder adds
 ``fused=True`` to AdamW, zeroshard/optim/builder.py; asserted).  Sizes: ``tiny`` d_model 128 x 4 layers
 (1.86M params), ``23m`` 384 x 11 (22.7M), ``91m`` 768 x 12 (91.4M; 16 bytes/param = 1395 MiB).
@@ -46,8 +46,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zeroshard  # noqa: E402
-from zeroshard.demo.model import GPT, GPTConfig  # noqa: E402
-from zeroshard.testing import run_world  # noqa: E402
+from zeroshard.tools.demo.model import GPT, GPTConfig  # noqa: E402
+from zeroshard.tools.testing import run_world  # noqa: E402
 
 SIZES: dict[str, dict[str, int]] = {
     "tiny": dict(vocab_size=8192, seq_len=128, d_model=128, n_layer=4, n_head=2),
@@ -56,7 +56,7 @@ SIZES: dict[str, dict[str, int]] = {
 }
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 #: ``zeroshard_<s>_release``: with zeroshard's explicit ``host_memory_release`` setting (glibc's thresholds
-#: fixed at 1 MiB from initialize() on; see zeroshard/memory/host_allocator.py); ``zeroshard_<s>_trim``: with
+#: fixed at 1 MiB from initialize() on; see zeroshard/host/host_allocator.py); ``zeroshard_<s>_trim``: with
 #: ``host_memory_trim`` (malloc_trim(0) after every step, glibc's settings untouched); ``zeroshard_<s>_overlap``
 #: (stages 1-2, by --only): ``overlap_param_gather`` on; ``zeroshard_<s>_allreduce`` (stages 1-3, by --only):
 #: ``reduce_scatter: false`` (each bucket all-reduced in place, as DDP does; see bench_collectives.py)

@@ -32,9 +32,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zeroshard  # noqa: E402
-from zeroshard.demo.model import GPT, GPTConfig  # noqa: E402
-from zeroshard.metrics import host_peak_bytes  # noqa: E402
-from zeroshard.testing import run_world  # noqa: E402
+from zeroshard.tools.demo.model import GPT, GPTConfig  # noqa: E402
+from zeroshard.engine.metrics import host_peak_bytes  # noqa: E402
+from zeroshard.tools.testing import run_world  # noqa: E402
 
 
 def offload(optimizer: str, param: str, nvme: str, sub_group: int) -> dict:

@@ -4,7 +4,7 @@
         [--out benchmarks/out/page_refill.json]
 
 Stage 3 drops the pages of every released unit, lent chunk and gradient chunk ([Note: releasing a
-gathered unit's pages] in zeroshard/memory/page_release.py) and faults them in again when the buffer
+gathered unit's pages] in zeroshard/host/page_release.py) and faults them in again when the buffer
 is next written.  What that costs depends on the host, not on zeroshard: on a virtual machine whose
 guest reports free memory to the hypervisor (virtio-balloon free page reporting), pages that stay free
 long enough are taken back by the host, and touching them again costs a fault in the host as well.
@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from zeroshard.memory.page_release import can_release_pages, prefer_huge_pages, release_pages  # noqa: E402
+from zeroshard.host.page_release import can_release_pages, prefer_huge_pages, release_pages  # noqa: E402
 
 MIB = 1 << 20
 DELAYS = (0.0, 0.5, 1.0, 2.0, 4.0)

@@ -145,7 +145,7 @@ def main() -> None:
     import torch
     import transformers
 
-    from zeroshard.testing import run_world
+    from zeroshard.tools.testing import run_world
 
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)

@@ -30,10 +30,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zeroshard  # noqa: E402
-from zeroshard.demo.model import GPT, GPTConfig  # noqa: E402
+from zeroshard.tools.demo.model import GPT, GPTConfig  # noqa: E402
 from zeroshard.distributed.collectives import CommKind  # noqa: E402
 from zeroshard.distributed.consistency import Call  # noqa: E402
-from zeroshard.testing import run_world  # noqa: E402
+from zeroshard.tools.testing import run_world  # noqa: E402
 
 BIG = GPTConfig(vocab_size=256, seq_len=128, d_model=384, n_layer=11, n_head=6)
 TINY = GPTConfig(vocab_size=61, seq_len=8, d_model=16, n_layer=2, n_head=2, attn_bias=False)

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_stages import worker  # noqa: E402
 
-from zeroshard.testing import run_world  # noqa: E402
+from zeroshard.tools.testing import run_world  # noqa: E402
 
 
 def main() -> None:

@@ -27,8 +27,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zeroshard  # noqa: E402
-from zeroshard.demo.model import GPT, GPTConfig  # noqa: E402
-from zeroshard.testing import run_world  # noqa: E402
+from zeroshard.tools.demo.model import GPT, GPTConfig  # noqa: E402
+from zeroshard.tools.testing import run_world  # noqa: E402
 
 IMPLEMENTATIONS = ["ddp", "torch_zero", "fsdp2", "zeroshard_0", "zeroshard_1", "zeroshard_2", "zeroshard_3"]
 # Stage 3 as FSDP2 runs by default: every block released after its forward (no reuse window), the

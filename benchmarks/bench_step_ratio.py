@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_memory import SIZES, batches, build  # noqa: E402
-from zeroshard.demo.model import GPT, GPTConfig  # noqa: E402
-from zeroshard.testing import run_world  # noqa: E402
+from zeroshard.tools.demo.model import GPT, GPTConfig  # noqa: E402
+from zeroshard.tools.testing import run_world  # noqa: E402
 
 
 def worker(rank: int, world: int, stage: str, cfg_dict: dict, micro: int, pairs: int, warmup: int) -> dict:

@@ -5,26 +5,31 @@
 
 DeepSpeed scripts run with ``import zeroshard as deepspeed``: the names and module paths they use
 (``zero``, ``comm``, ``accelerator``, ``ops.adam``, ``utils``, ``checkpointing``, ``runtime``, ...) are
-here, over zeroshard's own machinery (see zeroshard/compat/).
+here, over zeroshard's own machinery (see zeroshard/deepspeed/).
 """
 
-from . import accelerator, checkpointing, comm, moe, ops, pipe, runtime, utils, zero
+import sys
+
 from .api import initialize
-from .compat.arguments import add_config_arguments
-from .compat.comm import init_distributed
-from .compat.install import install_as_deepspeed
+from .deepspeed.arguments import add_config_arguments
+from .deepspeed.comm import init_distributed
+from .deepspeed.install import install_as_deepspeed
 from .config import ConfigError, ZeroshardConfig, load_config
 from .distributed.collectives import CollectiveError
 from .distributed.world import World
-from .engine import Engine
-from .engine import Engine as DeepSpeedEngine
-from .gathered import GatheredParameters
-from .init_context import Init
-from .memory import model_state_bytes
+from .engine.engine import Engine
+from .engine.engine import Engine as DeepSpeedEngine
+from .sharding.stage3.gathered import GatheredParameters
+from .sharding.stage3.init_context import Init
+from .planning import model_state_bytes
 from .optim.nonfinite import NonFiniteGradientError
-from .pretrained import PretrainedError, load_pretrained
-from .sharding.placeholder import ShardedParameterError
+from .checkpoint.pretrained import PretrainedError, load_pretrained
+from .sharding.stage3.placeholder import ShardedParameterError
 from .version import __version__
+
+from .deepspeed import accelerator, checkpointing, comm, moe, ops, pipe, publish_at_root, runtime, utils, zero
+
+publish_at_root(sys.modules[__name__])
 
 __all__ = ["initialize", "Engine", "GatheredParameters", "Init", "init_distributed", "World", "load_config",
            "ZeroshardConfig", "ConfigError", "CollectiveError", "model_state_bytes", "__version__",

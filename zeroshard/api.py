@@ -10,10 +10,10 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from .config import ZeroshardConfig, load_config, resolve_batch_sizes
-from .data import DistributedLoader, build_loader
+from .engine.data import DistributedLoader, build_loader
 from .distributed.world import init_distributed
 from .checkpoint.format import LATEST
-from .engine import Engine, SchedulerSpec
+from .engine.engine import Engine, SchedulerSpec
 from .logging import log_rank
 
 

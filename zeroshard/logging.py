@@ -4,7 +4,7 @@ The logger writes to stderr as ``[zeroshard LEVEL] message`` at the level named 
 ``ZEROSHARD_LOG_LEVEL`` (default INFO), and does not propagate to the root logger.
 :func:`log_rank` logs on one rank (rank 0 by default) or on every rank with a rank prefix.
 The engine logs its messages (skipped steps, the per-step metrics line) through :func:`log_rank`;
-``deepspeed.utils.logger`` and ``log_dist`` (:mod:`zeroshard.compat.utils`) use the same logger.
+``deepspeed.utils.logger`` and ``log_dist`` (:mod:`zeroshard.deepspeed.utils`) use the same logger.
 """
 
 from __future__ import annotations

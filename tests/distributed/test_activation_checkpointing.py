@@ -19,8 +19,8 @@ from torch import nn
 from zs_common import make_model, rank_micro_batches, zero_config
 
 from zeroshard.checkpointing import checkpoint, checkpoint_modules
-from zeroshard.demo.model import Block
-from zeroshard.testing import run_world
+from zeroshard.tools.demo.model import Block
+from zeroshard.tools.testing import run_world
 
 
 class SharedBlock(nn.Module):

@@ -16,7 +16,7 @@ from zs_common import TINY, make_model, zero_config
 import zeroshard
 import zeroshard.checkpoint.save as saving
 from zeroshard.checkpoint import CheckpointError
-from zeroshard.testing import run_world
+from zeroshard.tools.testing import run_world
 
 STAGE3 = {"stage3_param_persistence_threshold": 20}
 

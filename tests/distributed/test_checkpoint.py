@@ -15,8 +15,8 @@ from zs_common import TINY, make_model, rank_micro_batches, zero_config
 
 import zeroshard
 from zeroshard.checkpoint import CheckpointError, CheckpointReader, consolidate
-from zeroshard.demo.model import GPT
-from zeroshard.testing import WorldFailed, run_world
+from zeroshard.tools.demo.model import GPT
+from zeroshard.tools.testing import WorldFailed, run_world
 
 K = 3
 SCHEDULE = {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 2, "warmup_max_lr": 1e-3, "total_num_steps": 20}}
@@ -396,14 +396,14 @@ def test_consolidate_gives_an_ordinary_state_dict(saved, tmp_path: Path) -> None
 
 def test_cli_ckpt_info_and_consolidate(saved, tmp_path: Path) -> None:
     directory = saved[0]
-    info = subprocess.run([sys.executable, "-m", "zeroshard.cli", "ckpt-info", str(directory)],
+    info = subprocess.run([sys.executable, "-m", "zeroshard.tools.cli", "ckpt-info", str(directory)],
                           capture_output=True, text=True, check=True).stdout
     assert "saved by     world size 3, ZeRO stage 3" in info and "checksums verified" in info
     out = tmp_path / "o.safetensors"
-    done = subprocess.run([sys.executable, "-m", "zeroshard.cli", "consolidate", str(directory), str(out),
+    done = subprocess.run([sys.executable, "-m", "zeroshard.tools.cli", "consolidate", str(directory), str(out),
                            "--tag", "t"], capture_output=True, text=True, check=True).stdout
     assert "wrote" in done and out.is_file()
-    bad = subprocess.run([sys.executable, "-m", "zeroshard.cli", "ckpt-info", str(tmp_path / "nothing")],
+    bad = subprocess.run([sys.executable, "-m", "zeroshard.tools.cli", "ckpt-info", str(tmp_path / "nothing")],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "no manifest" in bad.stderr
 
@@ -433,7 +433,7 @@ def tower_worker(rank: int, world: int, directory: str) -> None:
 CONSOLIDATE_AND_MEASURE = """
 import sys
 from zeroshard.checkpoint import consolidate
-from zeroshard.metrics import host_peak_bytes
+from zeroshard.engine.metrics import host_peak_bytes
 before = int(open('/proc/self/statm').read().split()[1]) * 4096
 consolidate(sys.argv[1], sys.argv[2])
 print(host_peak_bytes() - before)

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from zeroshard.testing import free_port
+from zeroshard.tools.testing import free_port
 
 JOB = """
 import atexit, os, torch, zeroshard

@@ -12,7 +12,7 @@ import torch
 import zeroshard.distributed.collectives as collectives
 from zeroshard.distributed.collectives import Collectives
 from zeroshard.distributed.world import init_distributed
-from zeroshard.testing import run_world
+from zeroshard.tools.testing import run_world
 
 
 def pieces_worker(rank: int, world: int) -> dict:

@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import zeroshard
-from zeroshard.testing import run_world
+from zeroshard.tools.testing import run_world
 
 from zs_common import global_batch, make_model, rank_micro_batches, zero_config
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zeroshard.testing import free_port
+from zeroshard.tools.testing import free_port
 from zeroshard.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 SCRIPT = Path(__file__).parent / "ds_scripts" / "train_ds_style.py"
@@ -56,7 +56,7 @@ def test_an_unmodified_import_deepspeed_script_under_zeroshard_run_as_deepspeed(
     cfg.write_text(json.dumps(ds_config(3)))
     out = tmp_path / "out.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "zeroshard.cli", "run", "--as-deepspeed", "--num_gpus", "2",
+    proc = subprocess.run([sys.executable, "-m", "zeroshard.tools.cli", "run", "--as-deepspeed", "--num_gpus", "2",
                            "--master_port", str(free_port()), str(SCRIPT), "--import-deepspeed", "--deepspeed",
                            "--deepspeed_config", str(cfg), "--out", str(out), "--steps", "3"],
                           capture_output=True, text=True, timeout=300, env=env)
@@ -66,7 +66,7 @@ def test_an_unmodified_import_deepspeed_script_under_zeroshard_run_as_deepspeed(
 
 
 def test_run_refuses_several_nodes_by_deepspeed_flags() -> None:
-    proc = subprocess.run([sys.executable, "-m", "zeroshard.cli", "run", "--num_nodes", "2", "x.py"],
+    proc = subprocess.run([sys.executable, "-m", "zeroshard.tools.cli", "run", "--num_nodes", "2", "x.py"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "--rdzv-endpoint" in proc.stderr
 

@@ -19,7 +19,7 @@ STEPS = 8
 
 def launch(out: Path, victim: int, kill_at: int, restarts: int) -> subprocess.CompletedProcess:
     out.mkdir(parents=True)
-    command = [sys.executable, "-m", "zeroshard.cli", "run", "--nproc-per-node", "2", "--max-restarts",
+    command = [sys.executable, "-m", "zeroshard.tools.cli", "run", "--nproc-per-node", "2", "--max-restarts",
                str(restarts), "--monitor-interval", "0.2", str(SCRIPT), str(out), str(STEPS), str(victim),
                str(kill_at)]
     return subprocess.run(command, capture_output=True, text=True, timeout=240)

@@ -12,8 +12,8 @@ from zs_common import clone, make_model, max_rel_diff, rank_micro_batches, train
 import zeroshard
 from zeroshard.distributed.collectives import Collectives, CollectiveError
 from zeroshard.distributed.world import init_distributed
-from zeroshard.memory.estimator import EstimateRequest, estimate_stage
-from zeroshard.testing import WorldFailed, run_world
+from zeroshard.planning.estimator import EstimateRequest, estimate_stage
+from zeroshard.tools.testing import WorldFailed, run_world
 
 
 def accumulation_worker(rank: int, world: int, stage: int) -> float:

@@ -16,9 +16,9 @@ from zs_common import CLIP, LR, WD, global_batch, rank_micro_batches, zero_confi
 
 import zeroshard
 from zeroshard.checkpoint.consolidate import full_state_dict
-from zeroshard.demo.model import GPT
+from zeroshard.tools.demo.model import GPT
 from zeroshard.sharding.storage import HOMES
-from zeroshard.testing import run_world
+from zeroshard.tools.testing import run_world
 from zs_common import TINY
 
 STEPS, MICRO, ACCUM = 3, 2, 2
@@ -124,7 +124,7 @@ def test_stage3_shards_the_frozen_base_and_trains_lora_as_one_process(world: int
         assert {n for n in result["frozen_names"]} >= {k for k in expected if ".base." in k and k.endswith("weight")}
         assert all(nbytes == 0 for nbytes in result["held"].values()), result["held"]
         # what the buckets' buffers still have resident is parked for the next gather, not held
-        # (see [Note: released pages move to the next gather] in memory/page_reserve.py)
+        # (see [Note: released pages move to the next gather] in host/page_reserve.py)
         assert sum(result["buckets_held"].values()) <= result["parked"], (result["buckets_held"], result["parked"])
         assert result["held_gathered"] > 0
         memory = result["memory"]

@@ -7,7 +7,7 @@ from zs_common import clone
 
 import zeroshard
 import zeroshard.checkpoint
-from zeroshard.testing import run_world
+from zeroshard.tools.testing import run_world
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zeroshard.testing import free_port
+from zeroshard.tools.testing import free_port
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -51,7 +51,7 @@ def ddp_runs(tmp_path_factory) -> dict[int, dict]:
 @pytest.mark.parametrize("stage", [2, 3])
 def test_trainer_with_a_deepspeed_config_equals_ddp(tmp_path, ddp_runs, stage, world) -> None:
     result = launch("trainer_script.py", tmp_path, "--stage", str(stage), nproc=world)
-    assert result["wrapped"] == "zeroshard.engine.Engine" and result["world_size"] == world
+    assert result["wrapped"] == "zeroshard.engine.engine.Engine" and result["world_size"] == world
     reference = ddp_runs[world]
     assert result["global_step"] == 4 and len(result["losses"]) == 4
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=0)
@@ -65,7 +65,7 @@ def test_trainer_with_a_deepspeed_config_equals_ddp(tmp_path, ddp_runs, stage, w
 @pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_trainer_bf16(tmp_path, ddp_runs, stage) -> None:
     result = launch("trainer_script.py", tmp_path, "--stage", str(stage), "--bf16")
-    assert result["wrapped"] == "zeroshard.engine.Engine"
+    assert result["wrapped"] == "zeroshard.engine.engine.Engine"
     losses = torch.tensor(result["losses"])
     torch.testing.assert_close(losses, torch.tensor(ddp_runs[2]["losses"]), rtol=2e-2, atol=0)
     # save_model() writes the training dtype, as under DeepSpeed

@@ -17,9 +17,9 @@ from zs_common import make_model, rank_micro_batches, single_process_reference, 
 import zeroshard
 from zeroshard.checkpoint.consolidate import full_state_dict
 from zeroshard.distributed.collectives import CallRecord, CommKind, CommScope
-from zeroshard.memory import model_state_bytes
-from zeroshard.memory.scale_model import traffic_per_step
-from zeroshard.testing import run_world
+from zeroshard.planning import model_state_bytes
+from zeroshard.planning.scale_model import traffic_per_step
+from zeroshard.tools.testing import run_world
 
 WORLD, PER_NODE, STEPS, MICRO, ACCUM = 4, 2, 3, 2, 2
 FP32 = 4

@@ -6,9 +6,9 @@ from torch import nn
 from zs_common import TINY, make_model
 
 import zeroshard
-from zeroshard.metrics import host_peak_bytes
-from zeroshard.demo.model import GPT
-from zeroshard.testing import run_world
+from zeroshard.engine.metrics import host_peak_bytes
+from zeroshard.tools.demo.model import GPT
+from zeroshard.tools.testing import run_world
 
 LAYERS, WIDTH = 16, 1024  # 16 x 4 MiB of fp32 weights: 64 MiB in all, 4 MiB in the largest layer
 

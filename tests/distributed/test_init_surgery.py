@@ -1,6 +1,6 @@
 """Parameters built under ``zeroshard.Init``: every operation equals the unsharded one or raises a named error.
 
-The guard of [Note: what an Init-built parameter does with each operation] (sharding/init_param.py):
+The guard of [Note: what an Init-built parameter does with each operation] (sharding/stage3/init_param.py):
 one world of two ranks walks a list of operations, tied and untied embeddings, fp32 and bf16, users make on a model between construction and
 ``initialize()`` — writes through ``.data``, item assignment, ``.data = t`` of another shape, a read
 on one rank only, and Hugging Face's model surgery (``resize_token_embeddings``, ``tie_weights``,
@@ -22,8 +22,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zeroshard
-from zeroshard.engine import ModelChangedError
-from zeroshard.testing import run_world
+from zeroshard.engine.engine import ModelChangedError
+from zeroshard.tools.testing import run_world
 
 transformers = pytest.importorskip("transformers")
 

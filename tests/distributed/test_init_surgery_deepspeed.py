@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from zeroshard.testing import run_world
+from zeroshard.tools.testing import run_world
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
 

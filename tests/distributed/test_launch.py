@@ -13,13 +13,13 @@ from zs_common import make_model, rank_micro_batches, zero_config
 import zeroshard
 from safetensors import safe_open
 
-from zeroshard.cli import build_parser
-from zeroshard.testing import run_world
+from zeroshard.tools.cli import build_parser
+from zeroshard.tools.testing import run_world
 
 
 def run_demo(*args: str, out: str = "") -> str:
     extra = ["--out", out] if out else []
-    proc = subprocess.run([sys.executable, "-m", "zeroshard.cli", "demo", *args, *extra], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "zeroshard.tools.cli", "demo", *args, *extra], capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout + proc.stderr
@@ -73,7 +73,7 @@ def two_tags_worker(rank: int, world: int, directory: str) -> list[dict]:
 
 
 def cli(*args: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "zeroshard.cli", *args], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "zeroshard.tools.cli", *args], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout

@@ -21,7 +21,7 @@ import zeroshard
 from zeroshard.checkpoint import FORMAT_VERSION
 from zeroshard.checkpoint import CheckpointError
 from zeroshard.distributed.consistency import DivergenceError
-from zeroshard.testing import run_world
+from zeroshard.tools.testing import run_world
 
 
 def _manifest_edit(edit: Callable[[Any], Any]) -> Callable[[Path], None]:

@@ -23,9 +23,9 @@ import torch
 import zeroshard
 from zs_common import make_model, rank_micro_batches, train_ddp, zero_config
 
-from zeroshard.memory.estimator import EstimateRequest, estimate_stage
+from zeroshard.planning.estimator import EstimateRequest, estimate_stage
 from zeroshard.precision import LossScaleError
-from zeroshard.testing import run_world
+from zeroshard.tools.testing import run_world
 
 STEPS = 50
 DEVIATION_TOL = {"bf16": 0.06, "fp16": 0.01}

@@ -23,7 +23,7 @@ import zeroshard
 
 from zeroshard.checkpoint import CheckpointError
 from zeroshard.checkpoint.consolidate import full_state_dict
-from zeroshard.testing import run_world
+from zeroshard.tools.testing import run_world
 
 SCRIPT = Path(__file__).parent / "multinode_scripts" / "train_global_batch.py"
 STEPS = 3
@@ -51,7 +51,7 @@ def run_two_agents(out: Path, stage: int, nodes: Optional[list["Namespace"]] = N
             # what the agent tells the others, and which one hosts the rendezvous (torch cannot tell by
             # its hostname inside a namespace)
             local_addr = ["--local-addr", nodes[node].address, "--rdzv-conf", f"is_host={node == 0}"]
-        command = [*prefix, sys.executable, "-m", "zeroshard.cli", "run", "--nnodes", "2", "--node-rank",
+        command = [*prefix, sys.executable, "-m", "zeroshard.tools.cli", "run", "--nnodes", "2", "--node-rank",
                    str(node), "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{port}",
                    "--rdzv-id", f"zs{stage}{mode}{hybrid}", *local_addr, str(SCRIPT), str(out), str(stage),
                    str(STEPS), mode, hybrid]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import zeroshard
-from zeroshard.testing import run_world
+from zeroshard.tools.testing import run_world
 
 from zs_common import make_model, rank_micro_batches, zero_config
 

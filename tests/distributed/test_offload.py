@@ -16,9 +16,9 @@ import torch
 import zeroshard
 from zs_common import clone, make_model, max_rel_diff, rank_micro_batches, train_ddp, zero_config
 
-from zeroshard.memory.estimator import EstimateRequest, estimate_stage
+from zeroshard.planning.estimator import EstimateRequest, estimate_stage
 from zeroshard.offload import OffloadIOError, OffloadPreflightError
-from zeroshard.testing import run_world
+from zeroshard.tools.testing import run_world
 
 SUB_GROUP = 700  # smaller than most buckets and no divisor of them: pieces of odd sizes
 

@@ -7,7 +7,7 @@ import torch
 from zs_common import TINY, make_model, zero_config
 
 import zeroshard
-from zeroshard.testing import run_world
+from zeroshard.tools.testing import run_world
 
 
 def make_engine(stage: int, **zero):

@@ -9,7 +9,7 @@ import pytest
 import zeroshard
 from zs_common import clone, make_model, max_rel_diff, train_ddp, train_zero
 
-from zeroshard.testing import run_world
+from zeroshard.tools.testing import run_world
 
 STEPS = 5
 

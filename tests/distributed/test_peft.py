@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import zeroshard
-from zeroshard.testing import run_world
+from zeroshard.tools.testing import run_world
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -114,7 +114,7 @@ def held_storage(engine: Any) -> dict[str, int]:
                             if flat.store.view(b) is not None) * flat.store.device_shard.element_size(),
         "frozen_chunks": sum(c.numel() * c.element_size() for c in chunks if c is not None),
         # the gathered buffers and the parameters themselves hold nothing of it between steps: what
-        # the buffers still have resident is parked for the next gather (memory/page_reserve.py)
+        # the buffers still have resident is parked for the next gather (host/page_reserve.py)
         "frozen_gathered": sum(flat.held_bytes(b.index) for b in frozen),  # resident pages, measured
         "parked": flat.page_reserve.nbytes if flat.page_reserve is not None else 0,
         "frozen_params": params,
@@ -166,7 +166,7 @@ def test_peft_lora_trains_as_one_process_and_its_adapter_loads(kind: str, stage:
             assert 0 <= padding <= held["frozen_buckets"] * (world - 1) * 4 and held["frozen_model_bytes"] > 0
     # both adapters load into a fresh base with peft, and give the trained model's weights
     offline = tmp_path / "consolidated_adapter"
-    made = subprocess.run([sys.executable, "-m", "zeroshard.cli", "consolidate", str(tmp_path / "ckpt"), str(offline),
+    made = subprocess.run([sys.executable, "-m", "zeroshard.tools.cli", "consolidate", str(tmp_path / "ckpt"), str(offline),
                            "--tag", "lora", "--trainable-only"], capture_output=True, text=True)
     assert made.returncode == 0, made.stderr
     assert json.loads((offline / "adapter_config.json").read_text())["r"] == 4

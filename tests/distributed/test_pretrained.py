@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import zeroshard
-import zeroshard.pretrained
-from zeroshard.testing import run_world
+import zeroshard.checkpoint.pretrained
+from zeroshard.tools.testing import run_world
 
 transformers = pytest.importorskip("transformers")
 
@@ -45,15 +45,15 @@ def config(stage: int, precision: str = "fp32") -> dict:
 
 
 def counting_reads() -> list[int]:
-    """Count the bytes this process reads through zeroshard.pretrained's positioned reads."""
+    """Count the bytes this process reads through zeroshard.checkpoint.pretrained's positioned reads."""
     read: list[int] = [0]
-    original = zeroshard.pretrained.os.preadv
+    original = zeroshard.checkpoint.pretrained.os.preadv
 
     def preadv(fd: int, buffers: list, offset: int) -> int:
         n = original(fd, buffers, offset)
         read[0] += n
         return n
-    zeroshard.pretrained.os.preadv = preadv  # type: ignore[assignment]
+    zeroshard.checkpoint.pretrained.os.preadv = preadv  # type: ignore[assignment]
     return read
 
 
@@ -180,7 +180,7 @@ def interior_page_bytes(file: Path) -> int:
     import mmap
     import struct
 
-    from zeroshard.memory.file_pages import MIN_BYTES
+    from zeroshard.host.file_pages import MIN_BYTES
     raw = file.read_bytes()
     (header_len,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8:8 + header_len])

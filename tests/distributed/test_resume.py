@@ -17,7 +17,7 @@ from torch import nn
 from zs_common import CLIP, LR, WD, make_model, max_rel_diff, rank_micro_batches, zero_config
 
 import zeroshard
-from zeroshard.testing import run_world
+from zeroshard.tools.testing import run_world
 
 VOCAB, SEQ, SAMPLES = 23, 6, 40  # 40 samples, micro batch 2, world 2: an epoch is 10 steps per rank
 

@@ -8,10 +8,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from zs_common import clone, make_model, max_rel_diff, rank_micro_batches, train_zero, zero_config
 
 import zeroshard
-from zeroshard.demo.model import GPT
+from zeroshard.tools.demo.model import GPT
 from zeroshard.distributed.collectives import CollectiveError, CommKind
-from zeroshard.memory.estimator import EstimateRequest, estimate_stage
-from zeroshard.testing import run_world
+from zeroshard.planning.estimator import EstimateRequest, estimate_stage
+from zeroshard.tools.testing import run_world
 
 SHARD_ALL = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
 
@@ -385,7 +385,7 @@ def test_stage3_prefetch_gathers_ahead_of_use(prefetch: int) -> None:
 def page_release_worker(rank: int, world: int) -> dict:
     """Units of ~800 KB (hundreds of whole pages): what each full buffer holds, measured with mincore,
     between steps and while its block runs; and whether the buffers keep their storage."""
-    from zeroshard.demo.model import GPTConfig
+    from zeroshard.tools.demo.model import GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, seq_len=8, d_model=128, n_layer=2, n_head=2))
@@ -422,8 +422,8 @@ def page_release_worker(rank: int, world: int) -> dict:
 def lent_chunk_worker(rank: int, world: int) -> dict:
     """DeepSpeed's default reuse distance (every unit stays gathered from its forward to its backward):
     what the store holds of the units' chunks after forward and between steps, measured with mincore."""
-    from zeroshard.demo.model import GPTConfig
-    from zeroshard.memory.page_release import resident_bytes
+    from zeroshard.tools.demo.model import GPTConfig
+    from zeroshard.host.page_release import resident_bytes
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, seq_len=8, d_model=128, n_layer=2, n_head=2))

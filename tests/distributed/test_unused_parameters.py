@@ -5,7 +5,7 @@ expert), a layer skipped for some batches (LayerDrop), and a head used by one ra
 parameter is used by some rank in every step: one that no rank used gets a zero gradient here, which
 AdamW still steps by its moments, where torch's optimizer skips a parameter whose gradient is None.  At stage 3
 the ranks then need different units gathered, and agree on each gather
-([Note: ranks agree on every gather] in sharding/gather_agreement.py); at every stage a parameter a
+([Note: ranks agree on every gather] in sharding/stage3/gather_agreement.py); at every stage a parameter a
 rank did not use contributes a zero gradient.  One world per world size loops every stage, with and
 without accumulation and activation checkpointing, against one process that computes every rank's
 micro batches itself (fp32, 1e-5 relative).
@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import zeroshard
-from zeroshard.testing import run_world
+from zeroshard.tools.testing import run_world
 
 VOCAB, WIDTH, ROWS, STEPS, LR = 16, 8, 6, 5, 1e-2
 

@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zeroshard
-from zeroshard.demo.model import GPT, GPTConfig
+from zeroshard.tools.demo.model import GPT, GPTConfig
 
 # A vocabulary no world size divides, a tied embedding, and a frozen layer (see make_model).
 TINY = GPTConfig(vocab_size=61, seq_len=8, d_model=16, n_layer=2, n_head=2, attn_bias=False)

@@ -190,7 +190,7 @@ def test_gathered_parameters_on_init_and_plain_parameters() -> None:
 
 
 def test_deepspeed_checkpointing_signatures() -> None:
-    from zeroshard import activation_checkpointing
+    from zeroshard.activations import checkpointing as activation_checkpointing
 
     try:
         assert not deepspeed.checkpointing.is_configured()

@@ -37,10 +37,8 @@ def test_architecture_layout_names_every_module() -> None:
     architecture = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
     layout = architecture.split("## Layout", 1)[1].split("```", 2)[1]
     package = ROOT / "zeroshard"
-    names = [p.name for p in package.iterdir() if p.suffix == ".py" and p.name != "__init__.py"]
-    names += [f"{p.name}/" for p in package.iterdir() if p.is_dir() and p.name != "__pycache__"]
-    for sub in ("checkpoint", "offload", "optim", "sharding"):
-        names += [p.name for p in (package / sub).glob("*.py") if p.name != "__init__.py"]
+    names = sorted({p.name for p in package.rglob("*.py") if p.name != "__init__.py"})
+    names += sorted({f"{p.name}/" for p in package.rglob("*") if p.is_dir() and p.name != "__pycache__"})
     missing = [n for n in names if n not in layout]
     assert not missing, f"docs/ARCHITECTURE.md's Layout does not name {missing}"
 

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from zeroshard.cli import main
-from zeroshard.memory import EstimateRequest, ModelShape, estimate_all, recommend
+from zeroshard.tools.cli import main
+from zeroshard.planning import EstimateRequest, ModelShape, estimate_all, recommend
 
 GB = 1e9
 
@@ -93,8 +93,8 @@ def test_cli_estimate_counts_fp32_gradients_where_bf16_accumulates(tmp_path, cap
 
 
 def test_cli_estimate_from_a_model_factory_and_a_hf_config(tmp_path, capsys) -> None:
-    assert main(["estimate", "--model", "zeroshard.demo.model:demo_gpt", "--gpus-per-node", "2"]) == 0
-    from zeroshard.demo.model import GPTConfig
+    assert main(["estimate", "--model", "zeroshard.tools.demo.model:demo_gpt", "--gpus-per-node", "2"]) == 0
+    from zeroshard.tools.demo.model import GPTConfig
 
     assert f"{float(GPTConfig().num_params()):.3g} parameters, 2 ranks" in capsys.readouterr().out
     transformers = pytest.importorskip("transformers")
@@ -110,12 +110,12 @@ def test_cli_estimate_from_a_model_factory_and_a_hf_config(tmp_path, capsys) -> 
 
 
 def test_cli_env_and_run(tmp_path) -> None:
-    env = subprocess.run([sys.executable, "-m", "zeroshard.cli", "env"], capture_output=True, text=True, check=True)
+    env = subprocess.run([sys.executable, "-m", "zeroshard.tools.cli", "env"], capture_output=True, text=True, check=True)
     assert "torch" in env.stdout and "backends" in env.stdout and "gloo" in env.stdout
     script = tmp_path / "hello.py"
     # one os.write per rank: the two ranks share the pipe, and print() may write in pieces
     script.write_text("import os\nos.write(1, f\"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}\\n\".encode())\n")
-    run = subprocess.run([sys.executable, "-m", "zeroshard.cli", "run", "--standalone", "--nproc_per_node", "2",
+    run = subprocess.run([sys.executable, "-m", "zeroshard.tools.cli", "run", "--standalone", "--nproc_per_node", "2",
                           str(script)], capture_output=True, text=True, check=True, timeout=120)
     assert "rank 0 of 2" in run.stdout and "rank 1 of 2" in run.stdout
 
@@ -134,7 +134,7 @@ def test_plots(tmp_path, capsys) -> None:
 
 
 def test_a_lora_job_has_gradients_and_optimizer_state_only_for_what_trains() -> None:
-    from zeroshard.memory.estimator import EstimateRequest, estimate_stage
+    from zeroshard.planning.estimator import EstimateRequest, estimate_stage
 
     full = EstimateRequest(7e9, 8)
     lora = EstimateRequest(7e9, 8, trainable=0.01)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zeroshard.memory import file_pages
+from zeroshard.host import file_pages
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and madvise: Linux only")
 

@@ -22,7 +22,7 @@ def test_import_deepspeed_is_zeroshard_and_hugging_face_sees_it() -> None:
         from deepspeed.ops.adam import FusedAdam
         from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
         assert deepspeed is zeroshard and deepspeed.zero is zeroshard.zero
-        assert zeroshard.__spec__.name == "zeroshard" and zeroshard.runtime.zero.__spec__.name == "zeroshard.runtime.zero"
+        assert zeroshard.__spec__.name == "zeroshard" and zeroshard.runtime.zero.__spec__.name == "zeroshard.deepspeed.runtime.zero"
         assert ZeroParamStatus is zeroshard.zero.ZeroParamStatus
         assert importlib.util.find_spec("deepspeed") is not None
         assert importlib.metadata.version("deepspeed") == "0.16.4"
@@ -78,7 +78,7 @@ def test_a_real_deepspeed_already_imported_is_refused() -> None:
 
 @pytest.mark.parametrize("args, expected", [
     (["--as-deepspeed", "--num_gpus", "2", "t.py", "--num_gpus", "9"],
-     ["--nproc_per_node", "2", "-m", "zeroshard.compat.bootstrap", "t.py", "--num_gpus", "9"]),
+     ["--nproc_per_node", "2", "-m", "zeroshard.deepspeed.bootstrap", "t.py", "--num_gpus", "9"]),
     (["--master_port=29999", "--master_addr", "10.0.0.1", "--num_nodes", "1", "t.py"],
      ["--master_port", "29999", "--master_addr", "10.0.0.1", "t.py"]),
     (["--nnodes", "2", "--rdzv-endpoint", "h:1", "t.py", "-x"], ["--nnodes", "2", "--rdzv-endpoint", "h:1", "t.py", "-x"]),
@@ -90,13 +90,13 @@ def test_a_real_deepspeed_already_imported_is_refused() -> None:
     (["--max-restarts", "2", "--rdzv-backend", "c10d", "t.py"], ["--max-restarts", "2", "--rdzv-backend", "c10d", "t.py"]),
 ])
 def test_launcher_flags_become_torchrun_flags(args, expected) -> None:
-    from zeroshard.compat.launcher import torchrun_arguments
+    from zeroshard.deepspeed.launcher import torchrun_arguments
 
     assert torchrun_arguments(args) == expected
 
 
 def test_bootstrap_passes_local_rank_only_to_scripts_that_declare_it(tmp_path, monkeypatch) -> None:
-    from zeroshard.compat.bootstrap import script_argv
+    from zeroshard.deepspeed.bootstrap import script_argv
 
     monkeypatch.setenv("LOCAL_RANK", "3")
     declares, plain = tmp_path / "a.py", tmp_path / "b.py"
@@ -108,7 +108,7 @@ def test_bootstrap_passes_local_rank_only_to_scripts_that_declare_it(tmp_path, m
 
 
 def test_torchrun_gets_a_fresh_store_per_restart_unless_the_user_chose() -> None:
-    from zeroshard.compat.launcher import torchrun_environment
+    from zeroshard.deepspeed.launcher import torchrun_environment
 
     assert torchrun_environment({"PATH": "/bin"}) == {"PATH": "/bin", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     assert torchrun_environment({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"})["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "0"

@@ -6,10 +6,10 @@ import torch
 from torch import nn
 
 import zeroshard
-from zeroshard.demo.model import GPT, GPTConfig
-from zeroshard.engine import ModelAlreadyWrappedError
-from zeroshard.sharding.placeholder import ShardedParameterPlaceholder
-from zeroshard.testing import run_world
+from zeroshard.tools.demo.model import GPT, GPTConfig
+from zeroshard.engine.engine import ModelAlreadyWrappedError
+from zeroshard.sharding.stage3.placeholder import ShardedParameterPlaceholder
+from zeroshard.tools.testing import run_world
 
 CFG = GPTConfig(vocab_size=50, seq_len=8, d_model=16, n_layer=2, n_head=2, attn_bias=False)
 LR = 1e-3

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from zeroshard.memory.page_release import can_release_pages, prefer_huge_pages, release_pages, resident_bytes
+from zeroshard.host.page_release import can_release_pages, prefer_huge_pages, release_pages, resident_bytes
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise/mincore: Linux only")
 

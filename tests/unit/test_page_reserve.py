@@ -1,14 +1,14 @@
 """Released pages parked and moved under the next buffer filled (see [Note: released pages move to the
-next gather] in memory/page_reserve.py), measured with mincore."""
+next gather] in host/page_reserve.py), measured with mincore."""
 
 import sys
 
 import pytest
 import torch
 
-from zeroshard.memory import libc
-from zeroshard.memory.page_reserve import PageReserve
-from zeroshard.memory.page_release import resident_bytes
+from zeroshard.host import libc
+from zeroshard.host.page_reserve import PageReserve
+from zeroshard.host.page_release import resident_bytes
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or libc.mremap is None,
                                 reason="mremap/madvise/mincore: Linux only")
@@ -73,7 +73,7 @@ def test_a_reclaimed_range_leaves_the_reserve_and_the_rest_of_a_buffer_stays_par
 def test_a_kernel_that_cannot_move_pages_gets_them_dropped_as_before(monkeypatch: pytest.MonkeyPatch) -> None:
     """mremap refused (a kernel without MREMAP_DONTUNMAP): what was parked is dropped, moves stop, and
     every later release drops its pages at once."""
-    import zeroshard.memory.page_reserve as page_reserve
+    import zeroshard.host.page_reserve as page_reserve
 
     monkeypatch.setattr(page_reserve, "_MOVE", lambda *args: 2**64 - 1)  # MAP_FAILED
     first, second, third = torch.ones(1 << 20), torch.empty(1 << 20), torch.ones(1 << 20)

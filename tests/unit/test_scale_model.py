@@ -3,11 +3,11 @@ and hpZ, the recommendation, and the CLI's options and errors."""
 
 import pytest
 
-from zeroshard.cli import main
-from zeroshard.memory import (Cluster, CollectiveTraffic, EstimateRequest, Phase, ScaleEstimate, Sharding, StepTime,
+from zeroshard.tools.cli import main
+from zeroshard.planning import (Cluster, CollectiveTraffic, EstimateRequest, Phase, ScaleEstimate, Sharding, StepTime,
                               Traffic, default_shardings, estimate_hybrid, hybrid_model_state_bytes, parse_bandwidth,
                               recommend_scale, scale_estimates, secondary_param_bytes, step_time, traffic_per_step)
-from zeroshard.memory.estimator import estimate_stage
+from zeroshard.planning.estimator import estimate_stage
 
 GB = 1e9
 

@@ -8,11 +8,11 @@ import torch
 from torch import nn
 
 import zeroshard
-from zeroshard.demo.model import GPT, GPTConfig
+from zeroshard.tools.demo.model import GPT, GPTConfig
 from zeroshard.distributed.collectives import CommKind
 from zeroshard.optim.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR
 from zeroshard.sharding import plan_buckets
-from zeroshard.sharding.placeholder import ShardedParameterPlaceholder
+from zeroshard.sharding.stage3.placeholder import ShardedParameterPlaceholder
 
 CFG = GPTConfig(vocab_size=50, seq_len=8, d_model=16, n_layer=1, n_head=2, attn_bias=False)
 

@@ -103,7 +103,7 @@ class DataTypesConfig:
 
 @dataclass(frozen=True)
 class ActivationCheckpointingConfig:
-    """``activation_checkpointing``: how ``zeroshard.checkpointing.checkpoint`` stores and recomputes.
+    """``activation_checkpointing``: how ``zeroshard.deepspeed.checkpointing.checkpoint`` stores and recomputes.
 
     The keys that only make sense with tensor parallelism (partitioning the saved activations across
     model-parallel ranks, and the contiguous buffer that partitioning fills) are refused: zeroshard
@@ -349,7 +349,7 @@ class ZeroshardConfig:
         None, "dtype gradients are reduced in: fp32 or the training dtype; default the training dtype.")
     data_types: DataTypesConfig = key(DataTypesConfig(), "Gradient accumulation dtype.")
     activation_checkpointing: ActivationCheckpointingConfig = key(
-        ActivationCheckpointingConfig(), "Settings of zeroshard.checkpointing.checkpoint (zeroshard/activation_checkpointing.py).")
+        ActivationCheckpointingConfig(), "Settings of zeroshard.deepspeed.checkpointing.checkpoint (zeroshard/activations/checkpointing.py).")
 
     @property
     def stage(self) -> int:

@@ -80,7 +80,7 @@ class ShardGroups:
     secondary: Optional[Collectives] = None
     #: stage 3: the shard group's ranks again, for the gradient reduce-scatters alone, and a gloo group
     #: of every rank for the gather rounds (see [Note: ranks agree on every gather] in
-    #: sharding/gather_agreement.py)
+    #: sharding/stage3/gather_agreement.py)
     grads: Optional[Collectives] = None
     rounds: Optional[Collectives] = None
 

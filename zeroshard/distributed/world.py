@@ -120,7 +120,7 @@ def _unbind_groups_from_default_arguments() -> None:
 
 def _warn_if_restarts_share_a_store() -> None:
     """torchrun restarts whose workers meet in the agent's long-lived store can fail to connect
-    (see [Note: restarts need a fresh store] in compat/launcher.py): say how to avoid it."""
+    (see [Note: restarts need a fresh store] in deepspeed/launcher.py): say how to avoid it."""
     restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
     if restarts.isdigit() and int(restarts) > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" \
             and os.environ.get("RANK") == "0":

@@ -6,7 +6,7 @@ of comparing strings.  Two kinds of state are placed by a policy:
 
 - the optimizer's fp32 masters and state (:func:`optimizer_offload`; the updater that matches the
   policy, in ``optim/updaters.py``, owns how a piece is read, stepped and written);
-- stage 3's parameter shards (:func:`param_offload`; ``sharding/shard_store.py`` asks the policy
+- stage 3's parameter shards (:func:`param_offload`; ``sharding/stage3/shard_store.py`` asks the policy
   where each bucket's shard goes and for its swap space).
 
 The policy is the only thing ``sharding/`` knows about offload: the swap machinery it opens stays in

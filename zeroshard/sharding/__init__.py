@@ -6,7 +6,7 @@ from .strategy import ShardingStrategy
 from .stage0 import Stage0
 from .stage1 import Stage1
 from .stage2 import Stage2
-from .stage3 import Stage3
+from .stage3.strategy import Stage3
 
 STRATEGIES: dict[int, type[ShardingStrategy]] = {0: Stage0, 1: Stage1, 2: Stage2, 3: Stage3}
 

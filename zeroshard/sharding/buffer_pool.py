@@ -17,8 +17,8 @@ from typing import Optional
 
 import torch
 
-from ..memory.page_release import can_release_pages, held_bytes, prefer_huge_pages, release_pages
-from ..memory.page_reserve import PageReserve
+from ..host.page_release import can_release_pages, held_bytes, prefer_huge_pages, release_pages
+from ..host.page_reserve import PageReserve
 
 
 class BufferPool:

@@ -13,7 +13,7 @@ from typing import Callable, Collection, Optional, Sequence
 import torch
 
 from ..distributed.collectives import Collectives
-from ..memory.page_reserve import PageReserve
+from ..host.page_reserve import PageReserve
 from ..offload.policy import SwapFailure
 from .layout import BucketLayout, FlatLayout
 from .master_weights import MasterWeights

@@ -58,7 +58,7 @@ class Stage2(ShardingStrategy):
     Born chunks (above) were allocated from the heap: backward frees activations as it goes, and the
     chunks reused that memory.  At stage 3 each bucket's chunk has a buffer of its own, kept for the
     run, whose pages go when the chunk is released (``KeptBuffers``, as stage 3's units: [Note:
-    released pages move to the next gather] in memory/page_reserve.py): its peak is at the end of the
+    released pages move to the next gather] in host/page_reserve.py): its peak is at the end of the
     forward, where the chunks freed by the last step were holes in the heap that the activations did
     not fill.  Measured at 91M fp32, world 2, DeepSpeed's defaults, glibc's (benchmarks/bench_memory.py,
     4 steps, three runs each): stage 3 peaked at 1832-1937 MiB with kept chunks, 1951-2067 with heap
@@ -73,7 +73,7 @@ class Stage2(ShardingStrategy):
     reduction.  Stage 2 keeps their memory from one backward to the next: its peak is in backward,
     where the buffers are live anyway, so holding them through the forward does not raise it, while
     giving their pages back made every backward fault them in again, cold (on a VM that reports free
-    pages to its hypervisor, see [Note: releasing a gathered unit's pages] in memory/page_release.py).
+    pages to its hypervisor, see [Note: releasing a gathered unit's pages] in host/page_release.py).
     Measured at 91M fp32, world 2, DeepSpeed's defaults (three 45 MiB buffers), stage 2 beside DDP in
     one world: backward 4.17-4.30 s with 0.55-0.76 s of system time when the pages were given back,
     3.52-3.75 s with 0.25-0.42 s when kept (DDP: 3.15-3.61 s, 0.17-0.25 s); the whole step 1.177 and

@@ -21,7 +21,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..distributed.collectives import Collectives
-from ..memory.page_reserve import PageReserve
+from ..host.page_reserve import PageReserve
 from ..offload.policy import SwapFailure
 from .layout import BucketLayout, FlatLayout
 from .master_weights import MasterWeights

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 import zeroshard
-from zeroshard.demo.model import GPT, GPTConfig
+from zeroshard.tools.demo.model import GPT, GPTConfig
 
 out, steps, victim, kill_at = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 torch.manual_seed(0)

@@ -1,0 +1,31 @@
+"""zeroshard under DeepSpeed's names: every module path DeepSpeed scripts import, and the thin layer
+that lets DeepSpeed scripts, Hugging Face and Accelerate drive zeroshard ([Note: one thin layer for
+DeepSpeed's names] in engine_api.py).
+
+[Note: DeepSpeed's module paths at zeroshard's root]
+DeepSpeed's paths (``zero``, ``comm``, ``accelerator``, ``ops.adam``, ``runtime.zero.partition_parameters``,
+...) live here, in one package, and are also answered at zeroshard's root, so ``import zeroshard as
+deepspeed`` scripts, ``from zeroshard.zero import Init`` and ``install_as_deepspeed()`` (which maps
+``deepspeed.x`` to ``zeroshard.x``) all reach them.  Each is registered in ``sys.modules`` under both
+names, one module object under two names: a submodule imported by its root name is never executed a
+second time, and a patch of a module attribute reaches the code that reads it.  A test checks that
+every module of this package that is a DeepSpeed path is in :data:`DEEPSPEED_PATHS`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from types import ModuleType
+
+#: DeepSpeed's module paths, relative to ``deepspeed`` (and to ``zeroshard``)
+DEEPSPEED_PATHS = ("accelerator", "checkpointing", "comm", "moe", "moe.layer", "moe.utils", "ops", "ops.adam", "pipe",
+                   "runtime", "runtime.engine", "runtime.lr_schedules", "runtime.utils", "runtime.zero",
+                   "runtime.zero.partition_parameters", "utils", "utils.zero_to_fp32", "zero")
+
+
+def publish_at_root(root: ModuleType) -> None:
+    """Register every DeepSpeed path under ``zeroshard.<path>`` too (the root imports the top-level ones
+    as attributes itself)."""
+    for path in DEEPSPEED_PATHS:
+        sys.modules[f"{root.__name__}.{path}"] = importlib.import_module(f"{__name__}.{path}")

@@ -1,0 +1,143 @@
+"""``deepspeed.accelerator.get_accelerator()``: the device questions scripts ask, for CPU and CUDA.
+
+One object per device kind, chosen once: CUDA when torch sees a GPU, otherwise the CPU.  Every
+answer comes from torch itself (``torch.cuda.*``) or, on the CPU, from what zeroshard measures
+(host memory of this process for ``memory_allocated``/``max_memory_allocated``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Optional, Union
+
+import torch
+
+from ..engine.metrics import host_peak_bytes, proc_bytes
+
+__all__ = ["get_accelerator", "CPUAccelerator", "CUDAAccelerator"]
+
+
+class CUDAAccelerator:
+    """NVIDIA GPUs through ``torch.cuda``; NCCL for communication."""
+
+    def device_name(self, device_index: Optional[int] = None) -> str:
+        return "cuda" if device_index is None else f"cuda:{device_index}"
+
+    def current_device_name(self) -> str:
+        return f"cuda:{torch.cuda.current_device()}"
+
+    def current_device(self) -> int:
+        return torch.cuda.current_device()
+
+    def device(self, device_index: Optional[int] = None) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device() if device_index is None else device_index)
+
+    def set_device(self, device_index: Union[int, torch.device]) -> None:
+        torch.cuda.set_device(device_index)
+
+    def is_available(self) -> bool:
+        return torch.cuda.is_available()
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count()
+
+    def manual_seed(self, seed: int) -> None:
+        torch.cuda.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        torch.cuda.manual_seed_all(seed)
+
+    def memory_allocated(self, device_index: Optional[int] = None) -> int:
+        return torch.cuda.memory_allocated(device_index)
+
+    def max_memory_allocated(self, device_index: Optional[int] = None) -> int:
+        return torch.cuda.max_memory_allocated(device_index)
+
+    def reset_peak_memory_stats(self, device_index: Optional[int] = None) -> None:
+        torch.cuda.reset_peak_memory_stats(device_index)
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def synchronize(self, device_index: Optional[int] = None) -> None:
+        torch.cuda.synchronize(device_index)
+
+    def communication_backend_name(self) -> str:
+        return "nccl"
+
+    def is_bf16_supported(self) -> bool:
+        return torch.cuda.is_bf16_supported()
+
+    def is_fp16_supported(self) -> bool:
+        return True
+
+    def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.pin_memory()
+
+
+class CPUAccelerator:
+    """The host CPU: gloo for communication; memory figures are this process's host memory."""
+
+    def device_name(self, device_index: Optional[int] = None) -> str:
+        return "cpu"
+
+    def current_device_name(self) -> str:
+        return "cpu"
+
+    def current_device(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    def device(self, device_index: Optional[int] = None) -> torch.device:
+        return torch.device("cpu")
+
+    def set_device(self, device_index: Any) -> None:
+        """One CPU device: nothing to select (every local rank shares it)."""
+
+    def is_available(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        """Ranks a node can run: torchrun's ``LOCAL_WORLD_SIZE`` (1 outside torchrun)."""
+        return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def memory_allocated(self, device_index: Optional[int] = None) -> int:
+        """Resident host memory of this process now (bytes)."""
+        return proc_bytes("/proc/self/status", "VmRSS") or 0
+
+    def max_memory_allocated(self, device_index: Optional[int] = None) -> int:
+        """Peak resident host memory of this process (bytes)."""
+        return host_peak_bytes()
+
+    def reset_peak_memory_stats(self, device_index: Optional[int] = None) -> None:
+        """The kernel's peak cannot be reset from inside the process; the figure stays the lifetime peak."""
+
+    def empty_cache(self) -> None:
+        """No device cache on the CPU."""
+
+    def synchronize(self, device_index: Optional[int] = None) -> None:
+        """CPU work is synchronous."""
+
+    def communication_backend_name(self) -> str:
+        return "gloo"
+
+    def is_bf16_supported(self) -> bool:
+        return True
+
+    def is_fp16_supported(self) -> bool:
+        return True
+
+    def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+
+@functools.lru_cache(maxsize=1)
+def get_accelerator() -> Union[CUDAAccelerator, CPUAccelerator]:
+    """The accelerator of this process: CUDA when torch sees a GPU, else the CPU."""
+    return CUDAAccelerator() if torch.cuda.is_available() else CPUAccelerator()

@@ -1,0 +1,5 @@
+"""``zeroshard.deepspeed.ops`` (DeepSpeed's ``deepspeed.ops``): optimizers under DeepSpeed's names."""
+
+from . import adam
+
+__all__ = ["adam"]

@@ -1,0 +1,5 @@
+"""``zeroshard.deepspeed.runtime.utils``: ``set_random_seed``."""
+
+from ..utils import set_random_seed
+
+__all__ = ["set_random_seed"]

@@ -1,0 +1,6 @@
+"""The training engine and what it owns: forward/backward/step (engine.py), its checkpoint methods
+(checkpoints.py), the step counters, the per-step metrics and the data loader that knows its position."""
+
+from .engine import Engine, ModelChangedError
+
+__all__ = ["Engine", "ModelChangedError"]

@@ -1,0 +1,611 @@
+"""The training engine: forward, backward, step, gradient accumulation, clipping and accounting.
+
+The engine only wires parts together and keeps the step counters; what ZeRO does to gradients and
+parameters lives in the stage's :class:`~zeroshard.sharding.ShardingStrategy`.
+
+[Note: loss scaling for accumulation]
+``engine.backward(loss)`` divides the loss by ``gradient_accumulation_steps`` exactly once, as
+DeepSpeed does, so a script passes the plain per-micro-batch mean loss.  Gradients are averaged over
+ranks by the reduction, so micro batch 4 x accumulation 1 and micro batch 1 x accumulation 4 give
+the same update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import logging
+import math
+import time
+import weakref
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+from ..activations import checkpointing as activation_checkpointing
+from ..config import ZeroshardConfig
+from ..config.schema import ActivationCheckpointingConfig
+from ..distributed.collectives import Collectives
+from ..distributed.consistency import Call, ConsistencyCheck, EngineUsageError
+from ..distributed.topology import Topology, build_shard_groups
+from ..distributed.world import World, release_at_exit
+from ..sharding.stage3.init_context import adopt_init_params, has_init_params
+from ..logging import log_rank
+from .metrics import MetricsWriter, PhaseTimers, device_peak_bytes, host_peak_bytes
+from ..planning import model_state_bytes
+from ..host.host_allocator import HostMemoryPolicy
+from ..optim import build_scheduler, clip_coefficient, from_config, from_user, global_grad_norm
+from ..optim.param_groups import collect_trainable
+from ..offload import OffloadIOError
+from ..optim.nonfinite import NonFiniteGradientError, first_nonfinite_parameter, ranks_with_nonfinite_loss
+from ..optim.updaters import build_updater
+from ..offload.policy import OffloadPolicies
+from ..sharding.storage import HOMES, InitialValues
+from ..precision import LossScaler, PrecisionPolicy
+from .counters import TrainingCounters
+from ..checkpoint.background import BackgroundSaves, wait_for_copies
+from ..sharding import STRATEGIES
+from ..deepspeed.engine_api import DeepSpeedEngineAPI
+from .checkpoints import EngineCheckpoints
+
+SchedulerSpec = Union[None, LRScheduler, Callable[[Optimizer], LRScheduler]]
+
+#: model -> the live engine that wraps it (see [Note: an engine's lifetime])
+_ENGINE_OF: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[Engine]]" = weakref.WeakKeyDictionary()
+
+
+class ModelAlreadyWrappedError(RuntimeError):
+    """``initialize()`` on a model that a live engine still wraps."""
+
+
+class ModelChangedError(RuntimeError):
+    """The wrapped model gained or lost parameters after ``initialize()`` (``get_peft_model``, a new
+    head): the engine would neither gather, reduce nor update them."""
+
+
+class _Counter:
+    """An engine attribute that is one of its :class:`TrainingCounters` (DeepSpeed's ``global_steps``, ...)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, engine: Any, owner: Optional[type] = None) -> int:
+        return int(getattr(engine.counters, self.name))
+
+    def __set__(self, engine: Any, value: int) -> None:
+        setattr(engine.counters, self.name, value)
+
+
+class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
+    """Wraps a model for ZeRO data-parallel training; use it like DeepSpeed's engine.
+
+    The DeepSpeed-shaped accessors (``fp16_enabled()``, ``zero_optimization_stage()``, attribute
+    forwarding to the module, ...) live in :class:`~zeroshard.deepspeed.engine_api.DeepSpeedEngineAPI`;
+    this class holds what training does.
+    """
+
+    global_steps = _Counter()
+    micro_steps = _Counter()
+    global_samples = _Counter()
+    skipped_steps = _Counter()
+
+    def __init__(self, model: nn.Module, config: ZeroshardConfig, world: World,
+                 model_parameters: Any = None, optimizer: Any = None,
+                 lr_scheduler: SchedulerSpec = None) -> None:
+        """[Note: an engine's lifetime]
+        An engine takes the model over: its parameters become views into zeroshard's storage, and
+        hooks on its parameters and (stage 3) modules drive the reductions and gathers.  A model can
+        be wrapped by one live engine at a time: ``initialize()`` on a model that is still wrapped
+        raises :class:`ModelAlreadyWrappedError`.  ``engine.close()`` hands it back: every hook
+        removed, every parameter a plain tensor of its own holding its current full values (at stage
+        3 a gather, so every rank calls it), and a new ``initialize()`` on it works.
+        """
+        previous = _ENGINE_OF.get(model)
+        if previous is not None and previous() is not None:
+            raise ModelAlreadyWrappedError(
+                f"this {type(model).__name__} is already wrapped by a zeroshard engine: call engine.close() on "
+                f"that engine first (it hands the model back with its current weights), then initialize() again")
+        replaced: dict[int, nn.Parameter] = {}
+        from_init: dict[int, Callable[[], torch.Tensor]] = {}  # id(param) -> gathers its Init shards
+        if has_init_params(model):
+            if config.stage != 3:
+                raise ValueError(f"the model was built under zeroshard.Init, which needs ZeRO stage 3; the "
+                                 f"config says zero_optimization.stage = {config.stage}")
+            replaced, from_init = adopt_init_params(model, world.device)
+        self.module = model.to(world.device)
+        self.counters = TrainingCounters()
+        self.config = config
+        self.host_memory = HostMemoryPolicy(config.host_memory_release, config.host_memory_trim).apply()
+        self.topology = Topology.discover(world)
+        self.world = world = dataclasses.replace(world, spans_nodes=self.topology.spans_nodes(range(world.world_size)))
+        self.comm = Collectives(world)
+        self._agree = ConsistencyCheck(self.comm)
+        self.saves = BackgroundSaves(self.world)  # asynchronous checkpoint saves
+        zero = config.zero_optimization
+        #: the groups the training state is sharded over (hybrid sharding: see distributed/topology.py)
+        self.shard_groups = build_shard_groups(self.comm, self.topology, zero.mics_shard_size,
+                                               zero.zero_hpz_partition_size,
+                                               STRATEGIES[config.stage].gathers_in_passes)
+        # API misuse checks: step() needs a backward() before it; one backward() per boundary
+        self._backwards_since_step = 0
+        self._boundary_backward_done = False
+        trainable = collect_trainable(model, model_parameters,
+                                      optimizer if isinstance(optimizer, Optimizer) else None, replaced)
+        self.param_names = trainable.names
+        self._sync_initial_state(from_init)
+        # this engine's own settings while its forward runs (see [Note: whose settings a region uses])
+        self.checkpointing: Optional[activation_checkpointing.CheckpointingContext] = (
+            activation_checkpointing.CheckpointingContext(config.activation_checkpointing)
+            if config.activation_checkpointing != ActivationCheckpointingConfig() else None)
+        self.precision = PrecisionPolicy.from_config(config)
+        self.loss_scaler = LossScaler.from_config(config)
+        self._consecutive_skips = 0  # non-finite steps in a row (see optim/nonfinite.py)
+        self._nonfinite_loss_seen = False  # a micro step since the last step had a NaN/inf loss
+        self.offload = OffloadPolicies.from_config(config.zero_optimization)
+        name_of = {id(p): n for n, p in model.named_parameters()}
+        self.strategy = STRATEGIES[config.stage].build(
+            model, trainable.params, trainable.names, trainable.group_of, self.shard_groups,
+            config.zero_optimization, self.precision, self.offload, InitialValues(from_init),
+            [(name_of[id(p)], p) for p in trainable.frozen])
+        self.flat = self.strategy.flat
+        self.flat.read_chunks_elsewhere_while(self.saves.copying)  # an asynchronous save's copy
+        #: frozen parameters kept whole in their modules (all of them below stage 3); stage 3's storage
+        #: holds the others (see [Note: frozen parameters at stage 3] in sharding/stage3/units.py)
+        self.frozen_params = [p for p in trainable.frozen if HOMES.home_of(p) is None]
+        with torch.no_grad():
+            for p in self.frozen_params:
+                if id(p) in from_init:  # built under Init and kept whole: gathered now, in model order
+                    p.data = from_init[id(p)]().clone()
+        self._convert_rest_of_model()
+        # What the optimizer updates, and where it lives (see [Note: pieces] in optim/updater.py).
+        self.updater = build_updater(self.strategy, self.offload)
+        self.strategy.add_reduced_listener(self.updater.grad_reduced)
+        self.optimizer = self._build_optimizer(optimizer, trainable.group_options)
+        self.updater.attach(self.optimizer)
+        setattr(self.optimizer, "overflow", False)
+        self.lr_scheduler = self._build_scheduler(lr_scheduler)
+        self.data_loader: Any = None  # set by initialize(training_data=...); checkpoints record its position
+        # set_gradient_accumulation_boundary(): a caller (Accelerate) that decides the boundary itself
+        self._boundary_override: Optional[bool] = None
+        self._grad_norm: Optional[float] = None
+        self._last_loss: Optional[float] = None
+        self._window_start = time.perf_counter()
+        self._window_steps = 0
+        self._window_comm = (0, 0.0)
+        self._tokens = 0
+        self._timers = PhaseTimers()
+        self.last_metrics: Optional[dict[str, Any]] = None
+        tb = config.tensorboard
+        csv = config.csv_monitor
+        self._writer = MetricsWriter(
+            config.metrics_path if world.is_main else None,
+            f"{tb.output_path}/{tb.job_name}" if tb.enabled and world.is_main else None,
+            str(Path(csv.output_path or ".") / csv.job_name) if csv.enabled and world.is_main else None)
+        self.comm.reset_counters()  # the initial broadcast is set-up, not training traffic
+        #: the parameters' names as the engine took them over (see ``_check_unchanged``)
+        self._parameter_names = [name for name, _ in model.named_parameters()]
+        self._closed = False
+        _ENGINE_OF[model] = weakref.ref(self)
+        release_at_exit(self._release_at_exit)
+
+    # ------------------------------------------------------------------ construction helpers
+    def _sync_initial_state(self, from_init: dict[int, Any]) -> None:
+        """Start every rank from rank 0's parameters and buffers, as DistributedDataParallel does."""
+        with torch.no_grad():
+            for p in self.module.parameters():
+                if id(p) not in from_init:  # built under Init: identical on every rank
+                    self.comm.broadcast(p.data, 0, "init_params")
+            for b in self.module.buffers():
+                self.comm.broadcast(b.data, 0, "init_buffers")
+
+    def _convert_rest_of_model(self) -> None:
+        """Mixed precision: frozen parameters and floating-point buffers compute in 16 bits too, as
+        DeepSpeed's ``module.half()`` / ``bfloat16()`` makes them (the trainable ones already do)."""
+        if not self.precision.mixed:
+            return
+        dtype = self.precision.compute
+        with torch.no_grad():
+            for p in self.frozen_params:
+                if p.is_floating_point():
+                    p.data = p.data.to(dtype)
+            for module in self.module.modules():
+                for name, b in module._buffers.items():
+                    if b is not None and b.is_floating_point():
+                        module._buffers[name] = b.to(dtype)
+
+    def _optimizer_groups(self, options: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        groups = [{**opts, "params": []} for opts in options]
+        for bucket in self.strategy.layout.buckets:
+            groups[bucket.group_index]["params"].extend(self.updater.params_of(bucket))
+        return groups
+
+    def _build_optimizer(self, optimizer: Any, options: list[dict[str, Any]]) -> Optimizer:
+        groups = self._optimizer_groups(options)
+        if isinstance(optimizer, Optimizer):
+            # Keep the user's object (a scheduler may already hold it): swap its tensors for our chunks.
+            if any(len(s) for s in optimizer.state.values()):
+                raise ValueError("initialize(optimizer=...) got an optimizer that has already stepped; "
+                                 "pass a fresh one so that zeroshard can rebuild it over the shards")
+            for target, group in zip(optimizer.param_groups, groups):
+                target["params"] = group["params"]
+            optimizer.state.clear()
+            return optimizer
+        if optimizer is not None:
+            return from_user(optimizer, groups)
+        if self.config.optimizer is None:
+            raise ValueError("no optimizer: add an 'optimizer' block to the config or pass optimizer= to "
+                             "initialize()")
+        return from_config(self.config.optimizer.type, self.config.optimizer.params, groups)
+
+    def _build_scheduler(self, spec: SchedulerSpec) -> Optional[LRScheduler]:
+        if isinstance(spec, LRScheduler):
+            if spec.optimizer is not self.optimizer:
+                raise ValueError("initialize(lr_scheduler=...) got a scheduler built on another optimizer; "
+                                 "build it on the optimizer you pass to initialize(), or pass a callable")
+            return spec
+        if spec is not None:
+            return spec(self.optimizer)
+        if self.config.scheduler is not None:
+            return build_scheduler(self.config.scheduler.type, self.config.scheduler.params, self.optimizer)
+        return None
+
+    # ------------------------------------------------------------------ the training step
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        self._check_unchanged()
+        if self.strategy.forward_communicates:
+            self._agree.agree(Call.FORWARD, self.micro_steps, self.global_steps)
+        self.strategy.before_forward()
+        tokens = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if tokens is not None and not tokens.is_floating_point() and torch.is_grad_enabled():
+            self._tokens += tokens.numel()  # token ids: counted for tokens/s and TFLOP/s
+        if self.precision.mixed:  # floating-point inputs meet the 16-bit weights in their dtype
+            args = tuple(self._to_compute(a) for a in args)
+            kwargs = {k: self._to_compute(v) for k, v in kwargs.items()}
+        if self.checkpointing is None:
+            output = self.module(*args, **kwargs)
+        else:
+            with activation_checkpointing.using(self.checkpointing):
+                output = self.module(*args, **kwargs)
+        self._timers.add("forward", started)
+        return output
+
+    def _check_unchanged(self) -> None:
+        """Refuse a model whose parameters changed since ``initialize()``: a silent half-trained model
+        otherwise (the new parameters get gradients nobody reduces or applies)."""
+        names = [name for name, _ in self.module.named_parameters()]
+        if names != self._parameter_names:
+            added = sorted(set(names) - set(self._parameter_names))[:5]
+            removed = sorted(set(self._parameter_names) - set(names))[:5]
+            raise ModelChangedError(
+                f"the model's parameters changed after initialize() (added {added}, removed {removed}): "
+                f"change the model (get_peft_model, resize_token_embeddings, a new head) before initialize(), "
+                f"or engine.close() and initialize() again")
+
+    def _to_compute(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.to(self.precision.compute)
+        return value
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the current micro step is the last one before an optimizer step (or what
+        :meth:`set_gradient_accumulation_boundary` said, while it is set)."""
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: Optional[bool]) -> None:
+        """Let the caller decide whether the coming micro step ends an accumulation cycle.
+
+        Accelerate counts micro steps itself and calls ``step()`` only at its own boundaries, so its
+        word overrides zeroshard's count (``None`` gives the decision back to the count), as in
+        DeepSpeed.
+        """
+        self._boundary_override = is_boundary
+
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True, retain_graph: bool = False) -> torch.Tensor:
+        """Backpropagate ``loss / gradient_accumulation_steps`` (times the fp16 loss scale) and reduce
+        gradients as the stage says.  ``scale_wrt_gas=False``: the caller already divided the loss."""
+        started = time.perf_counter()
+        self._agree.agree(Call.BACKWARD, self.micro_steps, self.global_steps)  # first: ranks may disagree
+        at_boundary = self.is_gradient_accumulation_boundary()
+        if at_boundary and self._boundary_backward_done:
+            raise EngineUsageError("backward() called twice at a gradient accumulation boundary without step() "
+                                   "in between: call engine.step() after each backward()")
+        self._boundary_backward_done = at_boundary
+        self._backwards_since_step += 1
+        self.strategy.wait_for_buckets(None)  # a parameter no forward module waited for is current too
+        divisor = self.gradient_accumulation_steps() if scale_wrt_gas else 1
+        if self.loss_scaler.scale != 1.0:  # fp16: in fp32, so that the scaled loss cannot overflow
+            scaled = loss.float() * (self.loss_scaler.scale / divisor)
+        else:
+            scaled = loss / divisor
+        self.strategy.sync_gradients = self.is_gradient_accumulation_boundary()
+        self.strategy.expect_gradients(scaled)
+        scaled.backward(retain_graph=retain_graph)
+        self.strategy.finish_backward()
+        self._last_loss = float(loss.detach())
+        self._nonfinite_loss_seen |= not math.isfinite(self._last_loss)
+        self._timers.add("backward", started)
+        return scaled
+
+    def step(self) -> None:
+        """Update the parameters at an accumulation boundary; otherwise only count the micro step."""
+        started = time.perf_counter()
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary or not self._backwards_since_step:  # first: another rank may be in its backward
+            self._agree.agree(Call.STEP, self.micro_steps, self.global_steps)
+        if not self._backwards_since_step:
+            raise EngineUsageError("step() called without a backward() since the last step(): each micro "
+                                   "step is engine(batch) -> engine.backward(loss) -> engine.step()")
+        self._backwards_since_step = 0
+        self._boundary_backward_done = False
+        if boundary:
+            self._optimizer_step()
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+            self.saves.stepped()  # an asynchronous save spread over steps writes its next share
+            self.host_memory.after_step()  # the step's activations and gradients are freed by now
+        self.micro_steps += 1
+        self._timers.add("step", started)
+        if boundary:
+            self._save_periodically()
+        if self.micro_steps % self.gradient_accumulation_steps() == 0 and \
+                self.global_steps % self.config.steps_per_print == 0:
+            self._log_progress()
+
+    def _optimizer_step(self) -> None:
+        wait_for_copies()  # an asynchronous save copies what this step changes (see [Note: asynchronous saves])
+        self.flat.take_back_chunks()  # the optimizer steps the chunks in place
+        self._raise_swap_failures()  # a parameter shard that could not be read: stop before updating
+        grads = [self.strategy.owned_grad(b) for b in self.strategy.layout.buckets]  # on the device
+        shard_comm = self.strategy.comm  # the shard group: replicas (MiCS) hold the same averaged shard
+        sharded = self.strategy.grads_are_sharded and shard_comm.world.is_distributed
+        scaled_norm = global_grad_norm(grads, shard_comm if sharded else None)
+        scale = self.loss_scaler.scale
+        self._grad_norm = scaled_norm / scale
+        overflow = not math.isfinite(scaled_norm)  # the norm is summed over ranks: every rank sees it
+        setattr(self.optimizer, "overflow", overflow)  # DeepSpeed's flag: Accelerate reads it to see a skip
+        if overflow:
+            self._skip_step(grads)  # see [Note: non-finite gradients] in optim/nonfinite.py
+            return
+        self._consecutive_skips = 0
+        self._nonfinite_loss_seen = False
+        self.loss_scaler.update(overflow=False, step=self.global_steps + 1)
+        clip = clip_coefficient(self._grad_norm, self.config.gradient_clipping)
+        # fp32: the gradient buffers, clipped in place; masters: fp32 copies (on the host under
+        # offload), unscaled and clipped by the factor
+        prepared, factor = self.updater.prepare_step(grads, clip, scale)
+        step_grads: list[Optional[torch.Tensor]] = list(prepared)
+        del grads, prepared  # each bucket's gradients go once it is stepped (see [Note: gradients live
+        self._step_and_refresh(step_grads, factor)  # from backward to the step] in sharding/strategy.py)
+        self.strategy.zero_grad()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+
+    def _skip_step(self, grads: list[torch.Tensor]) -> None:
+        """A non-finite gradient norm: parameters, optimizer state and LR schedule stay as they are."""
+        step = self.global_steps + 1
+        if self.loss_scaler.checks_overflow:  # fp16: an overflow, handled by the loss scale
+            scale = self.loss_scaler.scale
+            self.strategy.zero_grad()
+            self.loss_scaler.update(overflow=True, step=step)  # raises at the minimum scale
+            self.skipped_steps += 1
+            log_rank(f"step {step}: gradient overflow at loss scale {scale:g}, step skipped "
+                     f"(loss scale now {self.loss_scaler.scale:g}, {self.skipped_steps} skipped so far)")
+            return
+        self.skipped_steps += 1
+        self._consecutive_skips += 1
+        ranks = ranks_with_nonfinite_loss(self.comm, self._nonfinite_loss_seen)
+        self._nonfinite_loss_seen = False
+        source = f"non-finite loss on rank(s) {ranks}" if ranks else "every rank's loss was finite: it arose in backward"
+        if self._consecutive_skips >= self.config.max_consecutive_skips:
+            name = first_nonfinite_parameter(self.strategy.comm, self.strategy.layout.buckets, grads, self.param_names)
+            raise NonFiniteGradientError(
+                f"{self._consecutive_skips} optimizer steps in a row (up to step {step}) had non-finite "
+                f"gradients ({source}; first parameter with a non-finite gradient: {name!r}); training "
+                f"stops instead of going on without updates (config key max_consecutive_skips)")
+        self.strategy.zero_grad()
+        log_rank(f"step {step}: non-finite gradient norm ({source}), step skipped: parameters, optimizer "
+                 f"state and LR schedule unchanged ({self._consecutive_skips} in a row, {self.skipped_steps} "
+                 f"skipped so far)", level=logging.WARNING)
+
+    def _step_and_refresh(self, grads: list[Optional[torch.Tensor]], factor: float) -> None:
+        """Update the owned chunks bucket by bucket, gathering each one while the next is updated.
+
+        [Note: stepping bucket by bucket]
+        A torch optimizer skips parameters whose ``.grad`` is None, so calling ``step()`` once per
+        bucket, with only that bucket's chunk holding a gradient, updates each chunk exactly once,
+        with the user's own optimizer and its per-tensor state untouched.  What it buys: the
+        all-gather of bucket k (stages 1-2) runs while bucket k+1 is being updated, instead of the
+        whole gather waiting behind the whole update.  Buckets go in the order the next forward will
+        want them (the reverse of the bucket order).
+
+        With fp32 masters (mixed precision, offload) the update reads the bucket's gradient in fp32,
+        multiplied by ``factor`` (1 / loss scale, times the clipping coefficient), one piece at a time;
+        after each piece the masters are rounded into the parameters (``publish_piece``).
+        """
+        order = list(reversed(self.strategy.layout.buckets))
+        self.updater.begin_step(order)
+        for bucket in order:
+            grad = grads[bucket.index]
+            assert grad is not None
+            grads[bucket.index] = None
+            self.updater.step_bucket(bucket, grad, factor)
+            del grad
+            self.strategy.release_grad(bucket)  # its memory goes now, while the gathers run
+            self.strategy.refresh_bucket(bucket)
+        self.updater.end_step()
+        self.strategy.end_refresh()  # stages 1-2: may run on into the next forward
+        self._raise_swap_failures()
+
+    def _raise_swap_failures(self) -> None:
+        """NVMe offload: a swap read or write that failed on any rank stops every rank, together.
+
+        A failing rank keeps issuing the step's collectives (its update stops, see [Note: NVMe
+        sub-groups] in optim/updater.py); here one scalar all-reduce tells every rank, and each raises
+        an OffloadIOError: the failing ones with the file and the reason, the others naming them.
+        """
+        if not self.offload.uses_nvme:
+            return
+        failures = [f for f in (self.updater.take_failure(), self.flat.take_failure()) if f is not None]
+        failed = self.comm.all_reduce_scalar(float(bool(failures)), "offload_io_check") \
+            if self.world.is_distributed else float(bool(failures))
+        if failures:
+            raise failures[0]
+        if failed:
+            raise OffloadIOError(f"swap I/O failed on {int(failed)} other rank(s) (their error names the file); "
+                                 f"this rank stops with them")
+
+    def _release_at_exit(self) -> None:
+        """See [Note: a clean exit] in distributed/world.py: no collective here (a rank may be gone)."""
+        self.saves.release()
+        self._release(hand_back=False)
+        self._agree.release()
+        self.shard_groups.release()
+
+    def close(self) -> None:
+        """Hand the model back and release what the engine holds (see [Note: an engine's lifetime]).
+
+        Every rank calls it (stage 3 gathers the weights one last time).  Swap files are removed
+        now (NVMe offload; otherwise they go when the process exits), and the engine's own process
+        group for its consistency check is destroyed.  Idempotent.
+        """
+        if not self._closed:
+            self.saves.close()
+            self._release(hand_back=True)
+            self._agree.close()
+            self.shard_groups.close()
+
+    def _release(self, hand_back: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.strategy.finish_refresh()
+        self.strategy.remove_hooks()
+        if hand_back:
+            self.flat.detach_parameters()
+        self.updater.close()
+        self.flat.close()
+        _ENGINE_OF.pop(self.module, None)
+
+    def zero_grad(self) -> None:
+        """Drop gradients accumulated so far. ``step()`` already does this after each update."""
+        self.strategy.zero_grad()
+        for p in self.strategy.params:
+            p.grad = None
+
+    def _log_progress(self) -> None:
+        """Every ``steps_per_print`` steps: a log line on rank 0, and the JSONL / TensorBoard record."""
+        record = self.metrics_record()
+        self.last_metrics = record
+        if self.world.is_main:
+            self._writer.write(record)
+        line = (f"step {record['step']}: loss {record['loss']:.4f} lr {record['lr']:.3e} "
+                f"grad_norm {record['grad_norm']:.4f} samples/s {record['samples_per_s']:.1f} "
+                f"tokens/s {record['tokens_per_s']:.0f} TFLOP/s {record['tflops']:.3f} "
+                f"comm {record['comm_mib']:.1f} MiB/{record['comm_s']:.2f}s "
+                f"host peak {record['host_peak_mib']:.0f} MiB")
+        if self.config.wall_clock_breakdown:
+            line += " | " + " ".join(f"{k} {record[k + '_s']:.3f}s" for k in ("forward", "backward", "step"))
+        log_rank(line)
+
+    def metrics_record(self) -> dict[str, Any]:
+        """The metrics since the previous record (resets the window)."""
+        now = time.perf_counter()
+        elapsed = max(now - self._window_start, 1e-9)
+        steps = self.global_steps - self._window_steps
+        tokens_per_s = self._tokens * self.world.world_size / elapsed
+        comm_bytes = self.comm.total_bytes_sent()
+        comm_seconds = sum(c.seconds for c in self.comm.counters.values())
+        record: dict[str, Any] = {
+            "step": self.global_steps, "loss": self._last_loss, "lr": self.get_lr()[0],
+            "grad_norm": self._grad_norm, "samples_per_s": steps * self.train_batch_size() / elapsed,
+            "tokens_per_s": tokens_per_s, "tflops": 6 * self.strategy.layout.numel * tokens_per_s / 1e12,
+            "comm_mib": (comm_bytes - self._window_comm[0]) / 2**20, "comm_s": comm_seconds - self._window_comm[1],
+            "host_peak_mib": host_peak_bytes() / 2**20, "device_peak_mib": device_peak_bytes(self.world.device) / 2**20,
+            "loss_scale": self.loss_scaler.scale, "skipped_steps": self.skipped_steps,
+        }
+        if self.config.wall_clock_breakdown:
+            record.update({f"{k}_s": v for k, v in self._timers.take().items()})
+        if self.config.activation_checkpointing.profile:
+            profile = (self.checkpointing or activation_checkpointing.current()).take_profile()
+            record.update({"checkpoint_regions": profile.regions, "checkpoint_forward_s": profile.forward_s,
+                           "checkpoint_recomputations": profile.recomputations,
+                           "checkpoint_recompute_s": profile.recompute_s})
+        self._window_start, self._window_steps, self._tokens = now, self.global_steps, 0
+        self._window_comm = (comm_bytes, comm_seconds)
+        return record
+
+    # ------------------------------------------------------------------ DeepSpeed-style accessors
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        self.module.eval()
+        return self
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        """The gradient norm of the last optimizer step, before clipping (same on every rank)."""
+        return self._grad_norm
+
+    def train_batch_size(self) -> int:
+        assert self.config.train_batch_size is not None
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        assert self.config.train_micro_batch_size_per_gpu is not None
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        assert self.config.gradient_accumulation_steps is not None
+        return self.config.gradient_accumulation_steps
+
+    @property
+    def stage(self) -> int:
+        return self.strategy.stage
+
+    # ------------------------------------------------------------------ accounting
+    def memory_breakdown(self) -> dict[str, float]:
+        """Bytes this rank holds, by category (see [Note: what the breakdown counts])."""
+        params, param_padding = self.strategy.param_bytes()
+        frozen_sharded, frozen_padding = self.strategy.frozen_bytes()
+        grads, grad_padding = self.strategy.grad_bytes()
+        placed = self.updater.memory()  # optimizer state, fp32 masters included (12 bytes = 4 + 8)
+        opt_real, opt_padding, opt_other = placed["real"], placed["padding"], placed["other"]
+        out: dict[str, float] = {
+            "params": params,
+            "grads": grads,
+            "optimizer": opt_real,
+            "padding": param_padding + grad_padding + opt_padding + frozen_padding,
+            "optimizer_other": opt_other,
+            "frozen_params": frozen_sharded + sum(p.numel() * p.element_size() for p in self.frozen_params),
+            "buffers": sum(b.numel() * b.element_size() for b in self.module.buffers()),
+            "comm_buffers": self.strategy.comm_buffer_bytes(),
+            **self.strategy.extra_memory(),
+        }
+        out["model_states"] = out["params"] + out["grads"] + out["optimizer"]
+        # Where the model states are (real elements): offloaded optimizer state and parameters are
+        # counted in host memory or on NVMe, the rest on the training device.
+        param_host, param_nvme = self.strategy.param_placement()
+        out["on_host"] = placed["host"] + param_host
+        out["on_nvme"] = placed["nvme"] + param_nvme
+        out["on_device"] = out["model_states"] - out["on_host"] - out["on_nvme"]
+        out["offload_buffers"] = placed["host_buffers"]
+        mixed = self.precision.mixed
+        grad_size = torch.empty((), dtype=self.precision.grad_accum).element_size()
+        out["formula"] = model_state_bytes(self.stage, self.strategy.layout.numel, self.strategy.world.world_size,
+                                           "mixed" if mixed else "fp32", grad_size,
+                                           12 if self.strategy.masters is not None else None).total
+        return out

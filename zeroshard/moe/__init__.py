@@ -1,1 +1,0 @@
-"""``zeroshard.moe`` (DeepSpeed's ``deepspeed.moe``): only what dense models touch (zeroshard has no MoE layers)."""

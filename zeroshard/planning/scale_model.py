@@ -1,0 +1,518 @@
+"""The scale model of ``zeroshard estimate``: time, traffic and memory of one optimizer step at scale.
+
+    zeroshard estimate --params 70e9 --nodes 128 --gpus-per-node 8 --intra-node-bw 900GB/s \\
+        --inter-node-bw 50GB/s --tflops 400 --seq-len 4096 --micro-batch 1 --gpu-memory 80
+
+For ZeRO stages 0-3 and the hybrid settings MiCS (``mics_shard_size``) and hpZ
+(``zero_hpz_partition_size``) it predicts, per rank and per optimizer step, the bytes sent inside a
+node and across nodes (:func:`traffic_per_step`, the same byte model as the engine's counters), the
+compute time, the communication time, how much of it hides behind compute (:func:`step_time`), the
+memory (``estimator.estimate_hybrid``), and recommends the fastest configuration that fits.
+
+[Note: what the scale model counts]
+Traffic is :func:`traffic_per_step`: per optimizer step of K micro steps, Ψ elements, parameter
+all-gathers in the compute dtype (p bytes) and gradient collectives in the communication dtype (g):
+
+- stage 0: one all-reduce of the gradients at the boundary, 2(N-1)/N Ψg;
+- stage 1: a reduce-scatter at the boundary, (N-1)/N Ψg, and the all-gather of the updated
+  parameters after the step, (N-1)/N Ψp; stage 2 reduce-scatters every micro step: K(N-1)/N Ψg;
+- stage 3: per micro step a forward all-gather, a backward all-gather and a reduce-scatter;
+- MiCS S: the stage's collectives over the S ranks of a shard group, plus one all-reduce of each
+  rank's gradient shard (Ψ/S elements) across the R = N/S groups at the boundary;
+- hpZ S (stage 3): the first forward gathers over all N ranks, the other 2K-1 gathers of the step
+  over the S ranks of the secondary partition, the K reduce-scatters over all N.
+
+Ring algorithm: a rank sends (G-1)/G B for an all-gather or reduce-scatter of B full bytes over a
+group of G ranks, 2(G-1)/G B for an all-reduce, rounded down per call as ``Collectives._account``
+does.  A group inside one node counts as intra-node, a group spanning nodes wholly as inter-node.
+Groups are blocks of consecutive ranks (torchrun puts a node's ranks next to each other); when the
+blocks do not follow node boundaries, the rank whose group spans nodes is the one reported (the
+others wait for it).
+
+[Note: link speeds]
+``intra_node_bw`` is what one GPU sends per second to its node's other GPUs (one direction, what
+nccl-tests reports as bus bandwidth: NVLink's "900 GB/s" is both directions, about 450 GB/s one way);
+``inter_node_bw`` is the network bandwidth *per GPU* (a node's NIC bandwidth over its GPUs: 50 GB/s
+for one 400 Gb/s NIC per GPU).  A collective inside a node runs at ``intra_node_bw``.  A ring that
+spans nodes crosses each node boundary once per ring, and NCCL drives one ring per NIC, so a group
+with m ranks on each node moves its per-rank volume at ``min(m * inter_node_bw, intra_node_bw)``:
+a whole-world ring (m = GPUs per node) uses all of a node's NICs for one rank's volume, while
+MiCS's replica groups (one rank per node, m = 1) each get one NIC, and a node's n ranks send n of
+them side by side.  Equivalently, what limits a step is the bytes a *node* pushes into the network:
+ZeRO-3 3Ψp per micro step, MiCS 2Ψg per optimizer step (one replica all-reduced).  Latency (the
+alpha term, ~G link hops per ring) is left out: the model is a bandwidth model, a lower bound for
+small buckets on thousands of ranks, where NCCL switches to trees.
+
+[Note: overlap]
+Compute is 6Ψ FLOPs per token (forward 2, backward 4) plus 2Ψ with activation checkpointing (the
+recomputed forward runs in backward), at the achieved ``tflops`` per GPU.  Communication can only
+hide behind compute that runs *at the same time and does not need its result*, so the step is split
+into windows and each window takes ``max(its compute, its communication)``:
+
+- the forward of each micro step hides the forward all-gathers (stage 3, MiCS, hpZ: prefetched
+  unit by unit; hpZ's first forward gathers over all ranks, the later ones inside the group);
+- the backward of each micro step hides the backward all-gathers and the bucketed reduce-scatters
+  of stages 2-3 (issued as buckets fill); the backward of the *last* micro step also hides the
+  boundary reductions: stage 0's bucketed all-reduce, stage 1's bucketed reduce-scatter, and MiCS's
+  replica all-reduce (launched bucket by bucket as each shard is reduced);
+- the all-gather of updated parameters after the step (stages 1-2, MiCS 1-2) is exposed: it
+  overlaps only the optimizer's own update, which the FLOP count leaves out (a short, memory-bound
+  kernel), and the next forward needs every parameter.
+
+Step time = sum over windows of max(compute, comm) = compute + exposed communication; *hidden* is
+the rest of the communication.  Collectives in one window run one after another (zeroshard issues
+them in order; intra- and inter-node collectives could overlap each other, which makes this
+conservative where both are large).  Two things make the model optimistic: the first gather of a
+forward and the last reduce-scatter of a backward have no compute to hide behind (one bucket each,
+small for large models), and real overlap is imperfect (compute kernels slow down while NCCL runs).
+Everything else (attention FLOPs beyond 6Ψ, optimizer time, offload traffic over PCIe) is out of
+the model: pass the *achieved* model TFLOPS (MFU x peak) so that compute time stays honest.
+
+[Note: validation against published figures]
+Volumes, exactly: the ZeRO paper's stage 3 moves 1.5x the communication of data parallelism: here
+3(N-1)/N Ψ against 2(N-1)/N Ψ at K = 1 (``test_scale_model.py`` checks it); stages 1-2 move 1x. ZeRO++
+(blog and paper, arXiv 2306.10209) gives ZeRO-3's cross-node volume as 3M per step (forward gather,
+backward gather, reduce-scatter: M each) and hpZ's as 2M (the backward gather stays in the node):
+``traffic_per_step`` gives 3(N-1)/N M and 2(N-1)/N M at K = 1 (with K micro steps: (K+1)/(3K)).
+
+Times, approximately: ZeRO++ reports, on 384 V100s (24 nodes of 16), 1K tokens per GPU, that its three
+techniques together (0.75M across nodes: qwZ halves the forward gather, hpZ keeps the backward gather
+in the node, qgZ sends 0.25M of gradients) are 28-36% faster than ZeRO-3 at 400 Gb/s per node, up to
+2.2x (about 2x on average) at 100 Gb/s, and as fast at 200 Gb/s as ZeRO-3 at 800 Gb/s.  We fed this
+model those volumes (hpZ's from :func:`traffic_per_step`, qwZ/qgZ's as hand-built
+:class:`CollectiveTraffic`), an 18B model, activation checkpointing, 150 GB/s NVSwitch and an assumed
+50 achieved TFLOPS per V100 (the papers give plots, so the assumption is ours).  Predicted ZeRO++
+speedup: 2.36x overlapped / 2.15x with no overlap at 100 Gb/s (published: up to 2.2x, within 7%);
+1.00x overlapped / 1.35x with no overlap at 400 Gb/s (published 1.28-1.36x: it matches the
+no-overlap bound: ZeRO-3's 2.2 s of network per step overlaps the 2.9 s of compute far less than
+perfectly); ZeRO++ at 200 Gb/s and ZeRO-3 at 800 Gb/s both 2.95 s (published: equal).  hpZ alone:
+1.44x at 100 Gb/s.  So: communication-bound predictions are within ~10%; where communication and
+compute are about equal, read the step time as lying between ``step s`` and ``compute s + comm s``.
+MiCS (Zhang et al., VLDB 2022) reports near-linear scaling (99.4% weak-scaling efficiency for a
+100B model on 512 GPUs): here a MiCS rank's per-micro-step traffic does not depend on the number of
+nodes, and the replica all-reduce (2(R-1)/R of a shard, at most 2x from R = 2 to any R) hides
+behind the last backward, so the predicted weak scaling is 100% while that all-reduce fits there
+(the table in docs/MULTI_NODE.md: MiCS step times equal from 16 to 512 GPUs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+from enum import Enum
+from typing import Optional, Sequence, Union
+
+from .estimator import GB, EstimateRequest, StageEstimate, estimate_hybrid
+
+__all__ = ["Phase", "CollectiveTraffic", "Traffic", "traffic_per_step", "Sharding", "Cluster", "StepTime",
+           "ScaleEstimate", "compute_seconds", "step_time", "default_shardings", "scale_estimates",
+           "recommend_scale", "format_scale_table", "parse_bandwidth"]
+
+
+class Phase(str, Enum):
+    """When in an optimizer step a collective runs, which decides what it can hide behind ([Note: overlap])."""
+
+    FORWARD = "forward"                # in the forward of every micro step
+    FIRST_FORWARD = "first_forward"    # in the forward of the first micro step only
+    LATER_FORWARDS = "later_forwards"  # in the forwards of micro steps 2..K
+    BACKWARD = "backward"              # in the backward of every micro step
+    BOUNDARY = "boundary"              # in the backward of the last micro step (the accumulation boundary)
+    AFTER_STEP = "after_step"          # after the optimizer step, before the next forward: exposed
+
+
+@dataclass(frozen=True)
+class CollectiveTraffic:
+    """One collective of a step: what it is, over which group, and what this rank sends, all calls summed."""
+
+    name: str              # e.g. "param_gather_forward", "grad_reduce_scatter", "grad_replicas"
+    kind: str              # the engine's CommKind value: "all_gather", "reduce_scatter" or "all_reduce"
+    phase: Phase
+    calls: int             # per optimizer step (per bucket when numel is given by bucket)
+    group_size: int
+    crosses_nodes: bool
+    ranks_per_node: int    # m: the group's ranks on each node it spans (its size inside one node)
+    bytes_sent: int        # per rank, per optimizer step
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes one rank sends in one optimizer step (see [Note: what the scale model counts])."""
+
+    micro_steps: int
+    by_collective: tuple[CollectiveTraffic, ...]
+
+    @property
+    def intra_bytes(self) -> int:
+        """Bytes sent by collectives whose group lies inside one node."""
+        return sum(c.bytes_sent for c in self.by_collective if not c.crosses_nodes)
+
+    @property
+    def inter_bytes(self) -> int:
+        """Bytes sent by collectives whose group spans nodes."""
+        return sum(c.bytes_sent for c in self.by_collective if c.crosses_nodes)
+
+    def by_kind(self) -> dict[str, int]:
+        """Bytes sent per kind, keyed like the engine's ``CommLedger.counters`` (``CommKind`` values)."""
+        out = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0}
+        for c in self.by_collective:
+            out[c.kind] += c.bytes_sent
+        return out
+
+    def by_scope(self) -> dict[str, int]:
+        """Bytes sent per scope, keyed like ``Collectives.bytes_sent_by_scope()``."""
+        return {"inside_node": self.intra_bytes, "across_nodes": self.inter_bytes}
+
+
+@dataclass(frozen=True)
+class _Group:
+    size: int
+    crosses_nodes: bool
+    ranks_per_node: int
+
+
+def _group(members: Sequence[range], ranks_per_node: int) -> _Group:
+    """The reported group among ``members`` (see [Note: what the scale model counts]): one that spans
+    nodes if any does, with the fewest ranks on a node among those (the slowest ring)."""
+    size = len(members[0])
+    crossing = []
+    for ranks in members:
+        per_node: dict[int, int] = {}
+        for r in ranks:
+            per_node[r // ranks_per_node] = per_node.get(r // ranks_per_node, 0) + 1
+        if len(per_node) > 1:
+            crossing.append(min(per_node.values()))
+    if not crossing:
+        return _Group(size, False, size)
+    return _Group(size, True, min(crossing))
+
+
+def _blocks(size: int, world_size: int, ranks_per_node: int) -> _Group:
+    """Groups of ``size`` consecutive ranks (a MiCS shard group, an hpZ partition, the world)."""
+    return _group([range(s, s + size) for s in range(0, world_size, size)], ranks_per_node)
+
+
+def _strided(stride: int, world_size: int, ranks_per_node: int) -> _Group:
+    """Groups of the ranks at the same position in every block of ``stride`` (MiCS replica groups)."""
+    return _group([range(p, world_size, stride) for p in range(stride)], ranks_per_node)
+
+
+def _sent(kind: str, group: int, full_bytes: int) -> int:
+    """What one rank sends in one call (the engine's ``Collectives._account``)."""
+    factor = 2 if kind == "all_reduce" else 1
+    return factor * (group - 1) * full_bytes // group
+
+
+def _check(stage: int, world_size: int, ranks_per_node: int, micro_steps: int, mics: Optional[int],
+           hpz: Optional[int]) -> None:
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage {stage}: 0, 1, 2 or 3")
+    if world_size < 1 or ranks_per_node < 1 or micro_steps < 1:
+        raise ValueError("world_size, ranks_per_node and micro_steps must be at least 1")
+    if world_size % ranks_per_node and world_size > ranks_per_node:
+        raise ValueError(f"world_size {world_size} is not a whole number of nodes of {ranks_per_node} ranks")
+    if mics is not None and hpz is not None:
+        raise ValueError("mics_shard_size and hpz_partition_size together: the engine uses MiCS alone; give one")
+    if mics is not None:
+        if stage == 0 or mics < 1 or world_size % mics:
+            raise ValueError(f"mics_shard_size {mics}: MiCS needs stage 1-3 and a size >= 1 that divides the "
+                             f"world size {world_size}")
+    if hpz is not None and (stage != 3 or hpz < 2 or world_size % hpz):
+        raise ValueError(f"hpz_partition_size {hpz}: hpZ needs stage 3 and a size >= 2 that divides the world "
+                         f"size {world_size}")
+
+
+def _bucket_traffic(stage: int, numel: int, n: int, per_node: int, k: int, p: int, g: int,
+                    mics: Optional[int], hpz: Optional[int]) -> list[CollectiveTraffic]:
+    """The collectives of one bucket of ``numel`` elements (see [Note: what the scale model counts])."""
+    world = _blocks(n, n, per_node)
+    shard = _blocks(mics, n, per_node) if mics is not None else world
+    out: list[CollectiveTraffic] = []
+
+    def add(name: str, kind: str, phase: Phase, calls: int, group: _Group, full_bytes: int) -> None:
+        if calls:
+            out.append(CollectiveTraffic(name, kind, phase, calls, group.size, group.crosses_nodes,
+                                         group.ranks_per_node, calls * _sent(kind, group.size, full_bytes)))
+
+    params, grads = numel * p, numel * g
+    if stage == 0:
+        add("grad_all_reduce", "all_reduce", Phase.BOUNDARY, 1, world, grads)
+    elif stage in (1, 2):
+        add("grad_reduce_scatter", "reduce_scatter", Phase.BOUNDARY if stage == 1 else Phase.BACKWARD,
+            1 if stage == 1 else k, shard, grads)
+        add("param_gather_after_step", "all_gather", Phase.AFTER_STEP, 1, shard, params)
+    elif hpz is not None:
+        secondary = _blocks(hpz, n, per_node)
+        add("param_gather_first_forward", "all_gather", Phase.FIRST_FORWARD, 1, world, params)
+        add("param_gather_forward_hpz", "all_gather", Phase.LATER_FORWARDS, k - 1, secondary, params)
+        add("param_gather_backward_hpz", "all_gather", Phase.BACKWARD, k, secondary, params)
+        add("grad_reduce_scatter", "reduce_scatter", Phase.BACKWARD, k, world, grads)
+    else:
+        add("param_gather_forward", "all_gather", Phase.FORWARD, k, shard, params)
+        add("param_gather_backward", "all_gather", Phase.BACKWARD, k, shard, params)
+        add("grad_reduce_scatter", "reduce_scatter", Phase.BACKWARD, k, shard, grads)
+    if mics is not None and mics < n:
+        if numel % mics:
+            raise ValueError(f"numel {numel} is not a multiple of mics_shard_size {mics}: pass the padded count "
+                             f"(the engine pads each bucket to a multiple of the shard size)")
+        add("grad_replicas", "all_reduce", Phase.BOUNDARY, 1, _strided(mics, n, per_node), numel // mics * g)
+    return out
+
+
+def traffic_per_step(stage: int, numel: Union[int, Sequence[int]], world_size: int, ranks_per_node: int,
+                     micro_steps: int, param_bytes: int, grad_bytes: int, mics_shard_size: Optional[int] = None,
+                     hpz_partition_size: Optional[int] = None) -> Traffic:
+    """Bytes one rank sends in one optimizer step (see [Note: what the scale model counts]).
+
+    ``numel`` is the exact element count the collectives move (the engine's padded count: a multiple of
+    ``mics_shard_size`` with MiCS, of ``world_size`` otherwise; nothing is padded here), or one count
+    per bucket: each collective is then rounded per call, as the engine's counters are.  ``param_bytes``
+    is the compute dtype's element size (parameter gathers), ``grad_bytes`` the communication dtype's
+    (gradient reductions).  ``mics_shard_size`` None or -1 and ``hpz_partition_size`` None or 1 are off,
+    as in the config.  Raises ValueError for a size that does not divide ``world_size``.
+    """
+    mics = mics_shard_size if mics_shard_size is not None and mics_shard_size > 0 else None
+    hpz = hpz_partition_size if hpz_partition_size is not None and hpz_partition_size > 1 else None
+    _check(stage, world_size, ranks_per_node, micro_steps, mics, hpz)
+    per_node = min(ranks_per_node, world_size)
+    buckets = [numel] if isinstance(numel, int) else list(numel)
+    merged: dict[str, CollectiveTraffic] = {}
+    for bucket in buckets:
+        for c in _bucket_traffic(stage, int(bucket), world_size, per_node, micro_steps, param_bytes, grad_bytes,
+                                 mics, hpz):
+            seen = merged.get(c.name)
+            merged[c.name] = c if seen is None else dataclasses.replace(
+                seen, calls=seen.calls + c.calls, bytes_sent=seen.bytes_sent + c.bytes_sent)
+    return Traffic(micro_steps, tuple(merged.values()))
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """One configuration the scale model compares: a ZeRO stage, optionally with MiCS or hpZ."""
+
+    stage: int
+    mics_shard_size: Optional[int] = None
+    hpz_partition_size: Optional[int] = None
+
+    @property
+    def name(self) -> str:
+        if self.mics_shard_size is not None:
+            return f"MiCS S={self.mics_shard_size}, stage {self.stage}"
+        if self.hpz_partition_size is not None:
+            return f"hpZ S={self.hpz_partition_size} (stage 3)"
+        return f"stage {self.stage}"
+
+    @property
+    def padding_multiple(self) -> Optional[int]:
+        """The group size the engine pads buckets to (None: the world size)."""
+        return self.mics_shard_size
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The machines: their layout, link speeds (bytes/s, see [Note: link speeds]) and achieved compute."""
+
+    nodes: int
+    gpus_per_node: int
+    intra_node_bw: float  # bytes/s one GPU sends inside its node (one direction)
+    inter_node_bw: float  # bytes/s of network per GPU (the node's NICs over its GPUs)
+    tflops: float         # achieved model TFLOPS per GPU (6Ψ per token)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def seconds(self, c: CollectiveTraffic) -> float:
+        """How long ``c`` takes: at the node's link speed, or a spanning ring's (see [Note: link speeds])."""
+        if not c.crosses_nodes:
+            return c.bytes_sent / self.intra_node_bw
+        return c.bytes_sent / min(c.ranks_per_node * self.inter_node_bw, self.intra_node_bw)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds of one optimizer step (see [Note: overlap])."""
+
+    compute_s: float
+    comm_intra_s: float
+    comm_inter_s: float
+    exposed_s: float  # communication nothing overlaps: step_s - compute_s
+
+    @property
+    def comm_s(self) -> float:
+        return self.comm_intra_s + self.comm_inter_s
+
+    @property
+    def hidden_s(self) -> float:
+        return self.comm_s - self.exposed_s
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.exposed_s
+
+
+def compute_seconds(num_params: float, tokens_per_micro_step: float, tflops: float,
+                    checkpointing: bool = False) -> tuple[float, float]:
+    """Forward and backward seconds of one micro step: 2Ψ and 4Ψ FLOPs per token (+2Ψ recomputation
+    in backward with activation checkpointing) at ``tflops`` achieved per GPU."""
+    per_flop = 1.0 / (tflops * 1e12)
+    forward = 2 * num_params * tokens_per_micro_step * per_flop
+    backward = (4 + (2 if checkpointing else 0)) * num_params * tokens_per_micro_step * per_flop
+    return forward, backward
+
+
+def step_time(traffic: Traffic, cluster: Cluster, forward_s: float, backward_s: float) -> StepTime:
+    """Compute plus what communication cannot hide, window by window (see [Note: overlap])."""
+    k = traffic.micro_steps
+    t = {phase: 0.0 for phase in Phase}
+    for c in traffic.by_collective:
+        t[c.phase] += cluster.seconds(c)
+    later = t[Phase.LATER_FORWARDS] / (k - 1) if k > 1 else 0.0
+    windows = [  # (compute, communication, how many such windows in a step)
+        (forward_s, t[Phase.FORWARD] / k + t[Phase.FIRST_FORWARD], 1),
+        (forward_s, t[Phase.FORWARD] / k + later, k - 1),
+        (backward_s, t[Phase.BACKWARD] / k, k - 1),
+        (backward_s, t[Phase.BACKWARD] / k + t[Phase.BOUNDARY], 1),
+        (0.0, t[Phase.AFTER_STEP], 1),
+    ]
+    compute = sum(n * c for c, _, n in windows)
+    exposed = sum(n * max(0.0, comm - c) for c, comm, n in windows)
+    intra = sum(cluster.seconds(c) for c in traffic.by_collective if not c.crosses_nodes)
+    inter = sum(cluster.seconds(c) for c in traffic.by_collective if c.crosses_nodes)
+    return StepTime(compute, intra, inter, exposed)
+
+
+@dataclass(frozen=True)
+class ScaleEstimate:
+    """One configuration's traffic, time and memory per rank."""
+
+    sharding: Sharding
+    traffic: Traffic
+    time: StepTime
+    memory: StageEstimate
+
+    def fits(self, gpu_memory_gb: float, headroom: float = 0.1) -> bool:
+        return self.memory.total <= gpu_memory_gb * GB * (1 - headroom)
+
+
+def default_shardings(world_size: int, gpus_per_node: int, mics_sizes: Sequence[int] = (),
+                      hpz_sizes: Sequence[int] = ()) -> list[Sharding]:
+    """Stages 0-3, then MiCS at stages 1-3 and hpZ for a group of one node and for each size asked.
+
+    A size equal to the world size is plain ZeRO and is left out (so is everything hybrid on one node).
+    """
+    out = [Sharding(stage) for stage in range(4)]
+    for size in dict.fromkeys([gpus_per_node, *mics_sizes]):
+        if size < world_size:
+            out += [Sharding(stage, mics_shard_size=size) for stage in (1, 2, 3)]
+    for size in dict.fromkeys([gpus_per_node, *hpz_sizes]):
+        if 1 < size < world_size:
+            out.append(Sharding(3, hpz_partition_size=size))
+    return out
+
+
+def scale_estimates(req: EstimateRequest, cluster: Cluster, shardings: Sequence[Sharding],
+                    micro_steps: int = 1) -> list[ScaleEstimate]:
+    """Traffic, time and memory of each configuration for ``req``'s model on ``cluster``.
+
+    ``req`` needs ``micro_batch`` and ``seq_len`` (tokens per micro step).  Gathers and reductions are
+    in the training dtype (2 bytes under bf16/fp16, 4 in fp32; zeroshard's default
+    ``communication_data_type``), and the element count is padded as the engine pads it.
+    """
+    if not (req.micro_batch and req.seq_len):
+        raise ValueError("the scale model needs micro_batch and seq_len (tokens per micro step)")
+    if req.world_size != cluster.world_size:
+        raise ValueError(f"req.world_size {req.world_size} != cluster's {cluster.world_size} ranks")
+    elem = 4 if req.precision == "fp32" else 2
+    forward, backward = compute_seconds(req.num_params, req.micro_batch * req.seq_len, cluster.tflops,
+                                        req.checkpointing)
+    out = []
+    for s in shardings:
+        multiple = s.padding_multiple or cluster.world_size
+        numel = math.ceil(req.num_params / multiple) * multiple
+        traffic = traffic_per_step(s.stage, numel, cluster.world_size, cluster.gpus_per_node, micro_steps,
+                                   elem, elem, s.mics_shard_size, s.hpz_partition_size)
+        memory = estimate_hybrid(req, s.stage, s.mics_shard_size, s.hpz_partition_size)
+        out.append(ScaleEstimate(s, traffic, step_time(traffic, cluster, forward, backward), memory))
+    return out
+
+
+def recommend_scale(estimates: Sequence[ScaleEstimate], gpu_memory_gb: Optional[float], headroom: float = 0.1,
+                    tie: float = 0.01) -> Optional[ScaleEstimate]:
+    """The fastest configuration that fits ``gpu_memory_gb`` with ``headroom`` (any, without a limit).
+
+    Step times within ``tie`` (1%) of the fastest count as equal, far finer than the model resolves;
+    among those the one that sends fewest bytes across nodes wins, then fewest inside a node, then the
+    smallest: traffic that is not sent cannot meet a slow link or a busy network.  None: nothing fits.
+    """
+    fitting = [e for e in estimates if gpu_memory_gb is None or e.fits(gpu_memory_gb, headroom)]
+    if not fitting:
+        return None
+    fastest = min(e.time.step_s for e in fitting)
+    near = [e for e in fitting if e.time.step_s <= fastest * (1 + tie)]
+    return min(near, key=lambda e: (e.traffic.inter_bytes, e.traffic.intra_bytes, e.memory.total))
+
+
+def _gbps(bw: float) -> str:
+    return f"{bw / GB:g} GB/s"
+
+
+def format_scale_table(req: EstimateRequest, cluster: Cluster, estimates: Sequence[ScaleEstimate],
+                       gpu_memory_gb: Optional[float], micro_steps: int = 1) -> str:
+    """The scale model's table and recommendation, in markdown."""
+    precision = "fp32" if req.precision == "fp32" else "16-bit"
+    lines = [f"scale model: {req.num_params:.3g} parameters, {cluster.world_size} ranks ({cluster.nodes} node{'s' if cluster.nodes != 1 else ''} x "
+             f"{cluster.gpus_per_node} GPUs), {precision} gathers and reductions; per optimizer step of "
+             f"{micro_steps} micro step(s) x {req.micro_batch} x {req.seq_len} tokens per rank"
+             + (", activation checkpointing" if req.checkpointing else ""),
+             f"links: {_gbps(cluster.intra_node_bw)} per GPU inside a node, {_gbps(cluster.inter_node_bw)} per GPU "
+             f"across nodes; {cluster.tflops:g} achieved TFLOPS per GPU",
+             "",
+             "| configuration | compute s | comm s (intra + inter) | hidden s | exposed s | step s | "
+             "intra-node GB | inter-node GB | memory GB | fits |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for e in estimates:
+        t = e.time
+        fits = "-" if gpu_memory_gb is None else ("yes" if e.fits(gpu_memory_gb) else "no")
+        lines.append(f"| {e.sharding.name} | {t.compute_s:.3g} | {t.comm_s:.3g} ({t.comm_intra_s:.3g} + "
+                     f"{t.comm_inter_s:.3g}) | {t.hidden_s:.3g} | {t.exposed_s:.3g} | {t.step_s:.3g} | "
+                     f"{e.traffic.intra_bytes / GB:.4g} | {e.traffic.inter_bytes / GB:.4g} | "
+                     f"{e.memory.total / GB:.4g} | {fits} |")
+    activations = any(e.memory.activations for e in estimates)
+    lines += ["", "GB: bytes one rank sends per optimizer step; memory: per rank, model states + buffers"
+              + (" + activations" if activations else " (no activations: give --hf-config or --hidden/--layers/"
+                 "--heads)") + ".",
+              "step s assumes perfect overlap; with none it is compute s + comm s: a real step lies between "
+              "(see [Note: overlap] in zeroshard/planning/scale_model.py)"]
+    best = recommend_scale(estimates, gpu_memory_gb)
+    if best is None:
+        lines.append(f"recommendation: nothing fits {gpu_memory_gb:g} GB with 10% headroom; add nodes, offload "
+                     f"(--offload)" + ("" if req.checkpointing else " or checkpoint activations (--checkpointing)"))
+        return "\n".join(lines)
+    which = (f"the fastest that fits {gpu_memory_gb:g} GB with 10% headroom" if gpu_memory_gb is not None
+             else "the fastest (memory not checked: give --gpu-memory)")
+    lines.append(f"recommendation: {best.sharding.name}, {which} (step {best.time.step_s:.3g} s, "
+                 f"{best.traffic.inter_bytes / GB:.4g} GB across nodes, {best.memory.total / GB:.4g} GB per GPU)")
+    return "\n".join(lines)
+
+
+_PREFIX = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "m": 1e6, "G": 1e9, "g": 1e9, "T": 1e12, "t": 1e12}
+
+
+def parse_bandwidth(text: str) -> float:
+    """Bytes per second from "900GB/s", "50 GB/s", "400Gbps", "400Gb/s" or "1.6Tbps".
+
+    A capital ``B`` is bytes (``GB/s``, ``GBps``), a small ``b`` bits (``Gb/s``, ``Gbps``); prefixes are
+    decimal, ``Gi``/``Mi``/``Ti`` binary.  A plain number is refused: 50 could be GB/s or Gb/s, 8x apart.
+    """
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([kKmMgGtT]?)(i?)(B/s|Bps|b/s|bps)\s*", text)
+    if not match:
+        raise ValueError(f"{text!r} is not a bandwidth: write a positive number and a unit, e.g. 900GB/s (bytes) "
+                         f"or 400Gbps (bits)")
+    value, prefix, binary, unit = match.groups()
+    scale = 2.0 ** (10 * "kmgt".index(prefix.lower()) + 10) if binary and prefix else _PREFIX[prefix]
+    bandwidth = float(value) * scale / (8 if unit in ("b/s", "bps") else 1)
+    if bandwidth <= 0:
+        raise ValueError(f"{text!r}: a bandwidth must be positive")
+    return bandwidth

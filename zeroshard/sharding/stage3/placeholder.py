@@ -1,0 +1,85 @@
+"""What a model shows in place of a released stage-3 parameter: full shape, no values, a clear error.
+
+[Note: reading a sharded parameter outside forward]
+DeepSpeed users meet zero-size tensors when they touch a ZeRO-3 parameter outside forward (embedding
+resize, custom init, generation) and get silent nonsense.  zeroshard chose the other way round: while
+a unit is released, its module attributes hold a :class:`ShardedParameterPlaceholder` on the meta
+device with the parameter's full shape, dtype and ``requires_grad``; asking for values (any torch
+operation) raises an error that names the parameter and says to use ``zeroshard.GatheredParameters``.
+Inside that block (and during forward and backward) the real parameter is back in its module.
+A read never gathers on its own: a gather is a collective, and a read that one rank alone makes
+(``if rank == 0: print(w.sum())``) would wait for the others forever.  Parameters built under
+``zeroshard.Init`` follow the same rule before ``initialize()`` (see [Note: what an Init-built
+parameter does with each operation] in sharding/stage3/init_param.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+#: placeholder -> the name and compute device of the parameter it stands for
+_SHOWN_AS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+_METADATA_PROPERTIES = ("shape", "dtype", "requires_grad", "ndim", "is_leaf", "grad", "grad_fn", "layout", "itemsize",
+                        "is_sparse", "is_quantized", "is_nested")
+
+#: ``tensor.is_meta``: False, as ``tensor.device`` reports the compute device.  torch's
+#: ``load_state_dict`` skips a meta parameter with only a warning: a parameter whose values are
+#: elsewhere must take the copy (and land it, or raise), never be skipped.
+IS_META_GETTER = getattr(torch.Tensor.is_meta, "__get__")
+
+#: torch functions that only read a tensor's metadata: allowed on parameters whose values are elsewhere
+METADATA_FUNCTIONS = frozenset(
+    {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.__repr__,
+     torch.Tensor.__format__, torch.Tensor.__hash__, torch.Tensor.is_floating_point, torch.Tensor.is_complex,
+     torch.Tensor.element_size}
+    | {getattr(torch.Tensor, name).__get__ for name in _METADATA_PROPERTIES}
+)
+
+#: ``tensor.device``: a parameter whose values are elsewhere reports the device it computes on (Hugging
+#: Face's ``model.device``, and code that builds new tensors "next to" a parameter, rely on it), as a
+#: DeepSpeed stage-3 parameter reports its accelerator although its own data is empty.
+DEVICE_GETTER = getattr(torch.Tensor.device, "__get__")  # typeshed does not describe the descriptor
+
+
+class ShardedParameterError(RuntimeError):
+    """The values of a sharded parameter were asked for where they are not on this rank: outside
+    ``GatheredParameters`` (see [Note: reading a sharded parameter outside forward])."""
+
+
+class ShardedParameterPlaceholder(nn.Parameter):
+    """A released stage-3 parameter, as its module shows it outside forward."""
+
+    @staticmethod
+    def create(real: nn.Parameter, name: str = "a parameter") -> "ShardedParameterPlaceholder":
+        meta = torch.empty(real.shape, dtype=real.dtype, device="meta")
+        holder = ShardedParameterPlaceholder(meta, requires_grad=real.requires_grad)
+        _SHOWN_AS[holder] = (name, real.device)
+        return holder
+
+    def __new__(cls, data: torch.Tensor, requires_grad: bool = True) -> "ShardedParameterPlaceholder":
+        return cast("ShardedParameterPlaceholder", torch.Tensor._make_subclass(cls, data, requires_grad))
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.__repr__:  # "Parameter containing:" + this
+            name = _SHOWN_AS[args[0]][0] if args[0] in _SHOWN_AS else "?"
+            return f"ShardedParameterPlaceholder({name}, shape={tuple(args[0].shape)})"
+        if func in METADATA_FUNCTIONS:
+            return super().__torch_function__(func, types, args, kwargs or {})
+        if func == DEVICE_GETTER:
+            return _SHOWN_AS[args[0]][1]
+        if func == IS_META_GETTER:
+            return False
+        name = next((_SHOWN_AS[a][0] for a in args if isinstance(a, cls) and a in _SHOWN_AS), "a parameter")
+        raise ShardedParameterError(
+            f"{name!r} is sharded by zeroshard stage 3 and is not gathered now; read or change it inside "
+            f"`with zeroshard.GatheredParameters(...)`, or use engine.full_state_dict()"
+        )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise RuntimeError("a sharded zeroshard parameter cannot be pickled; use engine.full_state_dict()")

@@ -1,0 +1,158 @@
+"""ZeRO stage 3: parameters sharded too; each unit is gathered just before it computes, then released.
+
+Gradients travel exactly as at stage 2 (one reduce-scatter per bucket into this rank's shard), and
+the optimizer updates this rank's chunks in place; what stage 3 adds is parameter storage that holds
+only those chunks (:mod:`.sharded_params`), the gather units (:mod:`.units`) and the hooks that gather,
+prefetch and release them (:mod:`.gather_scheduler`).  Where a parameter is gathered:
+:meth:`ShardedParameters.gather`, called from :meth:`GatherScheduler.use`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ...config import ZeroConfig
+from ...distributed.topology import ShardGroups
+from ...offload.policy import OffloadPolicies, Place
+from ...precision import PrecisionPolicy
+from .gather_agreement import GatherAgreement, parameters_reached
+from .gather_scheduler import GatherScheduler
+from ..layout import BucketLayout
+from .sharded_params import ShardedParameters
+from ..storage import InitialValues
+from ..stage2 import Stage2
+from ..strategy import BucketProgress
+from .units import Stage3Plan, plan_units
+
+
+class Stage3(Stage2):
+    """Stage 2's gradient path over stage 3's sharded parameter storage."""
+
+    stage = 3
+    defers_refresh = False  # only persistent buckets are refreshed; the rest are gathered for use
+    max_buckets_in_flight = 1  # a bucket is a whole unit here: keep fewer full-size ones alive
+    keeps_chunk_buffers = True  # see [Note: where gradient chunks live] in stage2.py
+
+    #: gathers happen inside forward and backward: ``build_shard_groups`` adds the groups their
+    #: rounds need (see [Note: ranks agree on every gather] in gather_agreement.py)
+    gathers_in_passes = True
+
+    def __init__(self, storage: ShardedParameters, params: Sequence[nn.Parameter], groups: ShardGroups,
+                 zero: ZeroConfig, plan: Stage3Plan, model: nn.Module,
+                 precision: PrecisionPolicy = PrecisionPolicy()) -> None:
+        # the gradient reduce-scatters on a group of their own, apart from the gathers
+        super().__init__(storage, params, dataclasses.replace(groups, shard=groups.grads or groups.shard),
+                         zero, precision)
+        self.storage = storage
+        self.plan = plan
+        agreement = GatherAgreement(groups.rounds) if groups.rounds is not None else None
+        self.scheduler = GatherScheduler(storage, plan.units, zero, model, agreement)
+        #: whether every rank's backward is over, so that waiting for a reduction cannot deadlock
+        self._rounds_over = True
+
+    @classmethod
+    def build(cls, model: nn.Module, params: Sequence[nn.Parameter], names: Sequence[str],
+              group_of: Sequence[int], groups: ShardGroups, zero: ZeroConfig,
+              precision: PrecisionPolicy = PrecisionPolicy(), offload: OffloadPolicies = OffloadPolicies(),
+              initial: InitialValues = InitialValues(), frozen: Sequence[tuple[str, nn.Parameter]] = ()) -> "Stage3":
+        """As at stages 0-2, plus stage 3's units; frozen parameters above the persistence threshold
+        are sharded too (see [Note: frozen parameters at stage 3] in units.py)."""
+        comm = groups.shard
+        plan = plan_units(model, params, names, group_of, zero.stage3_param_persistence_threshold,
+                          zero.reduce_bucket_size, comm.world.world_size, frozen)
+        masters = cls.make_masters(plan.layout.trainable(), comm.world, precision, offload, params[0].device, comm)
+        storage = ShardedParameters(plan.layout, plan.params, comm, model, plan.persistent_buckets,
+                                    precision.compute, masters, offload.params, initial, groups.secondary,
+                                    groups.job)
+        return cls(storage, params, groups, zero, plan, model, precision)
+
+    forward_communicates = True
+
+    def before_forward(self) -> None:
+        self.scheduler.release_all()
+        self.scheduler.begin_pass()
+
+    def grad_arrived(self, bucket: BucketLayout, progress: BucketProgress) -> None:
+        if progress.complete(bucket) and bucket.index in self.scheduler.units:
+            self.scheduler.done_with(bucket.index)
+
+    def may_block(self) -> bool:
+        """Not while another rank may be in a gather round of this backward."""
+        return self.scheduler.agreement is None or self._rounds_over
+
+    def expect_gradients(self, loss: torch.Tensor) -> None:
+        """Parameters this backward's graph does not reach get no gradient: their slots count as
+        arrived (zeros) from the start, so a rank that skipped a module reduces its bucket when the
+        others do, not at the end of backward (DDP's ``find_unused_parameters`` does the same)."""
+        self._rounds_over = False
+        if self.scheduler.agreement is None or not self._communicates_now():
+            return
+        reached: Optional[set[int]] = parameters_reached(loss)
+        if reached is None:
+            return
+        for index, param in enumerate(self.params):
+            if id(param) not in reached:
+                bucket, _ = self._slot_of[index]
+                self._progress[bucket.index].absent.add(index)
+        self._launch_in_order(only_complete=True)
+
+    def finish_backward(self) -> None:
+        """Answer the other ranks' gather rounds until every backward is over, then reduce what is left;
+        release every unit, and give back the gradient buckets: stage 3 is the memory-first stage,
+        and the next forward (whose peak adds the gathered units to the activations) does not need them."""
+        self.scheduler.finish_pass()
+        self._rounds_over = True
+        super().finish_backward()
+        self.scheduler.release_all()
+
+    def refresh_bucket(self, bucket: BucketLayout) -> None:
+        """Persistent buckets are whole on every rank: gather their update; the rest waits for use."""
+        if bucket.index in self.plan.persistent_buckets:
+            super().refresh_bucket(bucket)
+
+    def param_bytes(self) -> tuple[int, int]:
+        size = self.storage.shard.element_size()
+        real = self.owned_real_numel()
+        return real * size, (self.layout.shard_numel() - real) * size
+
+    def frozen_bytes(self) -> tuple[int, int]:
+        """(bytes of real frozen elements in this rank's chunks, bytes of their padding)."""
+        size = self.storage.shard.element_size()
+        frozen = [b for b in self.storage.layout.buckets if b.frozen]
+        real = sum(b.real_numel_in_shard(self.world.rank) for b in frozen)
+        return real * size, sum(b.shard_numel for b in frozen) * size - real * size
+
+    def param_placement(self) -> tuple[int, int]:
+        size = self.storage.shard.element_size()
+        store, rank = self.storage.store, self.world.rank
+        return store.real_numel_at(Place.HOST, rank) * size, store.real_numel_at(Place.NVME, rank) * size
+
+    def publish_piece(self, bucket: BucketLayout, start: int, values: torch.Tensor) -> None:
+        """The owned chunk may be off the device (parameter offload): the store writes it in place."""
+        self.storage.take_back_chunk(bucket.index)  # a lent chunk would be copied back over the update
+        with torch.no_grad():
+            self.storage.store.write(bucket, start, values)
+
+    def finish_refresh(self) -> None:
+        """After a step (or a load): the owned chunks changed, so hpZ's secondary partition is stale."""
+        super().finish_refresh()
+        self.storage.store.flush()  # updated chunks written to NVMe before the next forward reads them
+        self.storage.drop_secondary()
+
+    def extra_memory(self) -> dict[str, Any]:
+        reserve = self.storage.page_reserve
+        out = {"persistent_params": self.storage.persistent_bytes(),
+               "gathered_params": self.storage.gathered_bytes(),
+               # released pages waiting for the next gather (see host/page_reserve.py)
+               "parked_pages": reserve.nbytes if reserve is not None else 0}
+        if self.storage.secondary is not None:
+            out["secondary_params"] = self.storage.secondary_bytes()
+        return out
+
+    def remove_hooks(self) -> None:
+        super().remove_hooks()
+        self.scheduler.remove_hooks()

@@ -1,0 +1,1 @@
+"""What stands beside the library: the ``zeroshard`` command, its plots, the demo and the test harness."""
