@@ -2,6 +2,10 @@
 
     results = run_world(my_worker, world_size=3, args=(stage,))
 
+One world serves a family of cases: the worker loops over them (``with case(stage=2, precision="bf16"):``
+names the case in anything it raises), and the test checks each case's results under
+``CaseFailures`` so that every failing case is reported, each by its name.
+
 ``my_worker(rank, world_size, *args)`` must be importable (a module-level function): each process is
 started with ``spawn``, joins a gloo process group on a free localhost port, runs it with one
 intra-op thread, and sends back its return value (or its traceback).  A port clash is retried with a
@@ -19,7 +23,8 @@ import queue
 import socket
 import time
 import traceback
-from typing import Any, Callable, Optional, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 PORT_CLASH_MARKERS = ("address already in use", "EADDRINUSE", "errno: 98")
 
@@ -146,3 +151,49 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: Sequence[Any], time
     if errors:
         raise WorldFailed("\n".join(errors))
     return [pickle.loads(collected[r][1]) for r in range(world_size)]
+
+
+def case_name(**labels: Any) -> str:
+    """``stage 2, world 3, precision bf16``: how a case is named in failures."""
+    return ", ".join(f"{key} {value}" for key, value in labels.items())
+
+
+class CaseFailed(AssertionError):
+    """A case of a family run in one world raised; the message starts with the case's name."""
+
+
+@contextmanager
+def case(**labels: Any) -> Iterator[None]:
+    """In a worker: run one case of a family, naming it in anything it raises."""
+    try:
+        yield
+    except BaseException as error:
+        raise CaseFailed(f"[{case_name(**labels)}] {type(error).__name__}: {error}") from error
+
+
+class CaseFailures:
+    """In a test: check every case of a family and report all that fail, each by its name.
+
+        failures = CaseFailures()
+        for stage in (0, 1, 2):
+            with failures.case(stage=stage, world=world):
+                assert diff[stage] <= 1e-5
+        failures.raise_any()
+    """
+
+    def __init__(self) -> None:
+        self.failed: list[str] = []
+        self.checked = 0
+
+    @contextmanager
+    def case(self, **labels: Any) -> Iterator[None]:
+        self.checked += 1
+        try:
+            yield
+        except AssertionError as error:
+            self.failed.append(f"[{case_name(**labels)}] {error}")
+
+    def raise_any(self) -> None:
+        assert self.checked, "no case was checked"
+        if self.failed:
+            raise AssertionError(f"{len(self.failed)} of {self.checked} cases failed:\n" + "\n".join(self.failed))
