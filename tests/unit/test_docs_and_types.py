@@ -1,4 +1,4 @@
-"""The docs follow the code: the configuration reference names every supported key, the architecture
+"""The docs follow the code: the configuration reference's key table is the schema's, the architecture
 page's layout every module, the README indexes docs/; the package type-checks."""
 
 import re
@@ -10,17 +10,34 @@ from pathlib import Path
 import pytest
 
 from zeroshard.config import describe_keys
+from zeroshard.config.reference import END_MARKER, START_MARKER, reference_table, with_table, written_table
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_configuration_reference_lists_every_supported_key() -> None:
-    reference = (ROOT / "docs" / "CONFIGURATION.md").read_text()
-    missing = [k for k, _, _ in describe_keys() if f"`{k}`" not in reference]
-    assert not missing, f"docs/CONFIGURATION.md does not document {missing}"
+def test_configuration_reference_is_the_schema() -> None:
+    """docs/CONFIGURATION.md's key table is the one the schema renders, row for row."""
+    written = written_table((ROOT / "docs" / "CONFIGURATION.md").read_text())
+    expected = reference_table()
+    stale = [f"page:   {row}" for row in written.splitlines() if row not in expected.splitlines()]
+    missing = [f"schema: {row}" for row in expected.splitlines() if row not in written.splitlines()]
+    assert written == expected, (
+        "docs/CONFIGURATION.md's key table differs from zeroshard/config/schema.py (edit the field's doc in the "
+        "schema, not the table); run `python -m zeroshard.config.reference` to regenerate it. Rows that differ:\n"
+        + "\n".join(stale + missing))
+    assert len(expected.splitlines()) == 2 + len(describe_keys())
     readme = (ROOT / "README.md").read_text()
     assert "bash run.sh" in readme and "bash test.sh" in readme
     assert (ROOT / ".ci" / "run").read_text().strip().endswith("bash test.sh")
+
+
+def test_configuration_rewrite_keeps_the_rest_of_the_page() -> None:
+    """The module rewrites only what lies between its markers, and reads back what it wrote."""
+    before, after = f"# Title\n\nProse.\n\n{START_MARKER}\n", f"{END_MARKER}\n\nMore prose.\n"
+    rewritten = with_table(f"{before}| stale | row |\n{after}", reference_table())
+    assert written_table(rewritten) == reference_table()
+    assert rewritten.startswith(before) and rewritten.endswith(after)
+    assert with_table(rewritten, reference_table()) == rewritten
 
 
 @pytest.mark.skipif(shutil.which("mypy") is None and not (Path(sys.executable).parent / "mypy").exists(),

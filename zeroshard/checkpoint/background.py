@@ -7,9 +7,9 @@ RNG state; the leader's frozen parameters and buffers, which stage 3 gathers wit
 0's manifest values) and returns.  A background thread then copies the rank's chunks and optimizer
 state into host staging buffers (:class:`~zeroshard.checkpoint.save.StagingBuffers`), exactly as a
 synchronous save would read them, writes the files and publishes the checkpoint by the same rules as
-a synchronous save ([Note: a save that is interrupted loses nothing]): staging directory, checksums,
-manifest, atomic rename, ``latest`` last.  A crash at any instant therefore leaves the last
-*published* checkpoint loadable; the one in flight is simply not there.
+a synchronous save ([Note: a save that is interrupted loses nothing] in checkpoint/save.py): staging
+directory, checksums, manifest, atomic rename, ``latest`` last.  A crash at any instant therefore
+leaves the last *published* checkpoint loadable; the one in flight is simply not there.
 
 The copy runs while the next forward and backward do (they only read what it copies), and whatever
 writes that state first waits for it (:func:`wait_for_copies`): the engine's optimizer step,
@@ -28,7 +28,7 @@ its error, on every rank, if it failed (a copy that failed is reported by the sa
 interpreter exit a pending save is finished before the process groups go.  The staging buffers cost
 host memory equal to the rank's checkpoint bytes, kept for the next save until ``close()``.  With
 ``checkpoint.writer.spread_over_steps`` the writing is paced by the engine's optimizer steps
-([Note: a save spread over steps] in pacing.py).
+([Note: a save spread over steps] in checkpoint/pacing.py).
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ class BackgroundSaves:
                spread_over_steps: int = 1) -> None:
         """Copy (unless captured already), write and publish ``request`` in the background, then call
         ``then`` (pruning).  ``spread_over_steps`` N: write at most 1/N of the bytes per optimizer step
-        (:meth:`stepped`), see [Note: a save spread over steps]."""
+        (:meth:`stepped`), see [Note: a save spread over steps] in checkpoint/pacing.py."""
         if self._thread is not None:
             raise RuntimeError("an asynchronous save is already in flight; wait() for it first")
         comm = self._collectives()

@@ -1,16 +1,16 @@
 """Checkpoint files written around the page cache (``O_DIRECT``): ``checkpoint.writer.type: "fast"``.
 
 [Note: writing checkpoints with O_DIRECT]
-A buffered write copies every byte into the page cache, whose pages the kernel must first find
-(on a virtual machine, often by faulting fresh memory in from the host) and later write back; a
-checkpoint is written once and not read again soon, so that cache buys nothing.  Measured on this
-project's machine, 1 GiB went to disk in 0.33-0.42 s with ``O_DIRECT`` and in 0.33-2.36 s (plus a
-0.3 s ``fsync``) buffered, the same bytes.  ``O_DIRECT`` wants the buffer, the file offset and the
-length aligned to the device's block, so the bytes go through one page-aligned bounce buffer of
-``io_buffer_size`` bytes (DeepSpeed's FastPersist writer works the same way); the file's last,
-partial block is written padded with zeros and the file truncated to its true size.  Where the file
-system refuses ``O_DIRECT`` (tmpfs, some network file systems), a probe write at open says so and
-the writer falls back to buffered writes: the same file either way.
+A buffered write copies every byte into the page cache, whose pages the kernel must first find (on a
+virtual machine, often by faulting fresh memory in from the host) and later write back; a checkpoint is
+written once and not read again soon, so that cache buys nothing, and a buffered write's time varies
+several-fold where a direct one's stays steady (measured in benchmarks/RESULTS.md, section "Asynchronous
+checkpoint saves", paragraph "The page-cache writer").  ``O_DIRECT`` wants the buffer, the file offset
+and the length aligned to the device's block, so the bytes go through one page-aligned bounce buffer of
+``io_buffer_size`` bytes (DeepSpeed's FastPersist writer works the same way); the file's last, partial
+block is written padded with zeros and the file truncated to its true size.  Where the file system
+refuses ``O_DIRECT`` (tmpfs, some network file systems), a probe write at open says so and the writer
+falls back to buffered writes: the same file either way.
 
 The copy into the bounce buffer is a ``memmove`` called through ctypes, which lets go of the GIL
 while it copies: an asynchronous save writes on a thread of the training process, and a copy of

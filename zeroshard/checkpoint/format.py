@@ -244,7 +244,7 @@ def _header_json(header: dict[str, Any]) -> bytes:
 class FileWriting:
     """How checkpoint files are written (``checkpoint.writer``): bytes per write call, or the bounce
     buffer's size for direct writes; whether around the page cache ([Note: writing checkpoints with
-    O_DIRECT] in direct_io.py)."""
+    O_DIRECT] in checkpoint/direct_io.py)."""
 
     io_chunk: int = 64 << 20
     direct: bool = False
@@ -269,12 +269,12 @@ class SafetensorsWriter:
     write) and the header's at the end, and the manifest records both with the offset where the data
     starts (``crc32_parts``).  A load reads the file once and checks both.
 
-    The checksum is CRC-32 (format 3), SHA-256 before (formats 1 and 2, still verified).  It guards
-    against files that were truncated, corrupted or mixed up, not against anyone forging one, and its
-    CPU time falls on training: an asynchronous save checksums while the next steps run, and on a
-    machine whose cores all run training that time is taken from them.  Measured on this project's
-    2-core machine, 550 MB (one rank's share of the 91M model's checkpoint): SHA-256 0.37 s, CRC-32
-    (zlib) 0.16 s of one core.
+    The checksum is CRC-32 (format 3; files of formats 1 and 2 carry SHA-256, which a load still
+    verifies).  It guards against files that were truncated, corrupted or mixed up, not against anyone
+    forging one, and its CPU time falls on training: an asynchronous save checksums while the next
+    steps run, and on a machine whose cores all run training that time is taken from them.  CRC-32
+    takes less than half of SHA-256's CPU time (measured in benchmarks/RESULTS.md, section
+    "Asynchronous checkpoint saves", paragraph "CRC-32 against SHA-256").
     """
 
     def __init__(self, path: Path, header_room: int = 1 << 16, writing: FileWriting = FileWriting(),

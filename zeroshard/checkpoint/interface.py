@@ -4,7 +4,7 @@
 :class:`CheckpointParts` and hands them over, so the dependency goes one way, engine -> checkpoint.
 Each part has a ``state_dict()`` / ``load_state_dict()`` (the sharded part reads and writes bucket by
 bucket, in its declared chunk layout).  A load validates the whole checkpoint, on every rank, before
-any part's ``load_state_dict`` runs (see [Note: a load is all or nothing] in load.py).
+any part's ``load_state_dict`` runs (see [Note: a load is all or nothing] in checkpoint/load.py).
 """
 
 from __future__ import annotations

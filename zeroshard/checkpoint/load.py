@@ -79,7 +79,7 @@ def check_manifest(directory: Path, data: Any) -> None:
 
 def _check_node_local(parts: CheckpointParts, directory: Path, data: dict[str, Any]) -> None:
     """A node-local checkpoint loads only where each rank finds its own file, and nothing else is needed
-    (see [Note: node-local checkpoints] in save.py)."""
+    (see [Note: node-local checkpoints] in checkpoint/save.py)."""
     storage = data.get("storage") or {}
     if not storage.get("node_local"):
         return

@@ -4,8 +4,8 @@
 An asynchronous save costs CPU time while it writes (the checksum, the copy into the direct-I/O
 buffer, and on a virtual machine the disk I/O itself takes vCPU time from the guest), and it
 overlaps the training steps that follow.  Written as fast as it goes, nearly all of that cost falls
-on the first of those steps (measured with the 91M model on 2 cores: the first step after a save
-took 1.15x its neighbours, the second none).  With ``checkpoint.writer.spread_over_steps: N`` the
+on the first of those steps (measured in benchmarks/RESULTS.md, section "Asynchronous checkpoint
+saves").  With ``checkpoint.writer.spread_over_steps: N`` the
 writer lets itself write at most 1/N of the save's bytes per optimizer step: the first 1/N at once,
 the next after the engine's next optimizer step, and so on, so that the cost is shared by N steps
 and the checkpoint is published within N steps.  Whatever waits for the save (the next save, a load,

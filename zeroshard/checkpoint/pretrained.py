@@ -184,9 +184,9 @@ def _unique(tensors: Any) -> list[torch.Tensor]:
 
 
 def _into_engine(engine: "Engine", index: SafetensorsIndex) -> None:
-    wait_for_copies()  # see [Note: asynchronous saves]
+    wait_for_copies()  # see [Note: asynchronous saves] in checkpoint/background.py
     module = engine.module
-    storage = engine.flat
+    storage = engine.storage
     # each stored parameter (by its slot name) -> the name it has in the file, all checked first
     names_of_slot: dict[str, list[str]] = {}
     for name, tensor in module.state_dict(keep_vars=True).items():

@@ -1,5 +1,5 @@
 """Read any slice of any parameter (or optimizer moment) of a checkpoint, whatever the layout it was
-saved in (see [Note: chunks and resharding] in format.py).  No process group needed."""
+saved in (see [Note: chunks and resharding] in checkpoint/format.py).  No process group needed."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ class CheckpointReader:
                  validate: Optional[Callable[[Path, Any], None]] = None, rank: Optional[int] = None) -> None:
         """``validate(directory, manifest)``: a schema check run before the files are verified.
         ``rank``: the loading rank; a node-local checkpoint is then read from (and verified in) this
-        node's files only (see [Note: node-local checkpoints] in save.py)."""
+        node's files only (see [Note: node-local checkpoints] in checkpoint/save.py)."""
         self.directory = Path(directory)
         self.manifest = Manifest.read(self.directory)
         if validate is not None:

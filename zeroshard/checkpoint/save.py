@@ -26,7 +26,8 @@ from .format import (replaced_dir, EXTRA_FILE, FORMAT_NAME, FORMAT_VERSION, LATE
 from .interface import CheckpointParts
 from .pacing import StepPacing
 
-#: room reserved for a rank file's header (see [Note: the header goes last]): ~400 tensors' entries
+#: room reserved for a rank file's header (see [Note: the header goes last] in checkpoint/format.py):
+#: ~400 tensors' entries
 _HEADER_ROOM = 1 << 16
 
 
@@ -133,8 +134,9 @@ class SaveRequest:
 
     Captured on the training thread (:func:`capture`); written by :func:`write`, on the same thread
     (a synchronous save, reading the rank's buckets one at a time as it writes) or on a background
-    thread (``async_save``, see [Note: asynchronous saves]): then ``stage_into`` holds the buffers the
-    background thread first copies the rank's tensors into, unless :func:`capture` copied them already.
+    thread (``async_save``, see [Note: asynchronous saves] in checkpoint/background.py): then
+    ``stage_into`` holds the buffers the background thread first copies the rank's tensors into, unless
+    :func:`capture` copied them already.
     """
 
     root: Path
@@ -227,11 +229,12 @@ def write(request: SaveRequest, comm: Collectives, copy_failed: Optional[Excepti
     """Write ``request``'s files, then publish the checkpoint (every rank calls it, over ``comm``).
 
     Every rank reports its files, or what went wrong, to every other; the checkpoint is published
-    only if every rank wrote its part, and every rank raises otherwise (the error names the rank and
-    the file).  ``copy_failed``: the copy of this rank's state into its staging buffers failed, so it
-    writes nothing and reports that (the other ranks are in the same collectives and must hear of
-    it).  ``pacing``: the writing of an asynchronous save spread over optimizer steps (its tensors
-    are staged copies, see [Note: a save spread over steps]).  Returns the published directory.
+    only if every rank wrote its part, and every rank raises otherwise (the error names the rank and the
+    file).  ``copy_failed``: the copy of this rank's state into its staging buffers failed, so it writes
+    nothing and reports that (the other ranks are in the same collectives and must hear of it).
+    ``pacing``: the writing of an asynchronous save spread over optimizer steps (its tensors are staged
+    copies, see [Note: a save spread over steps] in checkpoint/pacing.py).  Returns the published
+    directory.
     """
     staging = request.staging
     files: dict[str, Any] = {}

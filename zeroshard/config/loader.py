@@ -290,30 +290,44 @@ def resolve_batch_sizes(config: ZeroshardConfig, world_size: int) -> ZeroshardCo
                                gradient_accumulation_steps=accum)
 
 
+@dataclasses.dataclass(frozen=True)
+class DocumentedKey:
+    """One supported key as the configuration reference shows it."""
+
+    key: str  #: dotted, as written in the JSON (``zero_optimization.stage``)
+    default: Any  #: the value a config that omits the key gets
+    doc: str  #: what the key means (Markdown)
+    default_text: str | None  #: how the reference shows the default where the value alone misleads
+
+
+def documented_keys() -> list[DocumentedKey]:
+    """Every supported key in the schema's field order, nested blocks in place, with the default a config
+    that omits it gets (``checkpoint.writer.type`` is "python" without a writer block)."""
+    return list(_documented_fields(ZeroshardConfig, ZeroshardConfig(), ""))
+
+
+def _documented_fields(cls: type, defaults: Any, path: str) -> typing.Iterator[DocumentedKey]:
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        dotted = _dotted(path, f.name)
+        default = getattr(defaults, f.name)
+        block = _block_class(hints[f.name])
+        if block is not None:
+            yield from _documented_fields(block, default if default is not None else block(), dotted)
+        else:
+            yield DocumentedKey(dotted, default, f.metadata.get("doc", ""), f.metadata.get("default_text"))
+
+
+def _block_class(hint: Any) -> type | None:
+    """The dataclass of a nested block (``ZeroConfig``, ``Optional[OptimizerConfig]``), or None for a key."""
+    nested = [a for a in (hint, *typing.get_args(hint)) if isinstance(a, type) and dataclasses.is_dataclass(a)]
+    return nested[0] if nested else None
+
+
 def describe_keys() -> list[tuple[str, Any, str]]:
-    """(dotted key, default, doc) for every supported key: docs/CONFIGURATION.md documents each (a
-    test checks that none is missing)."""
-    rows: list[tuple[str, Any, str]] = []
-
-    def walk(cls: type, path: str) -> None:
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            dotted = _dotted(path, f.name)
-            target = hints[f.name]
-            nested = [a for a in (target, *typing.get_args(target)) if isinstance(a, type) and dataclasses.is_dataclass(a)]
-            if nested:
-                walk(nested[0], dotted)
-                continue
-            if f.default is not dataclasses.MISSING:
-                default = f.default
-            else:
-                if f.default_factory is dataclasses.MISSING:
-                    raise TypeError(f"config field {dotted!r} has no default")  # every key must have one
-                default = f.default_factory()
-            rows.append((dotted, default, f.metadata.get("doc", "")))
-
-    walk(ZeroshardConfig, "")
-    return rows
+    """(dotted key, default, doc) for every supported key: the rows of docs/CONFIGURATION.md's key table,
+    which ``python -m zeroshard.config.reference`` renders (a test checks the page matches)."""
+    return [(k.key, k.default, k.doc) for k in documented_keys()]
 
 
 __all__ = ["ConfigError", "load_config", "resolve_batch_sizes", "describe_keys",

@@ -1,8 +1,12 @@
-"""The typed configuration: one frozen dataclass per JSON block, one docstring line per key.
+"""The typed configuration: one frozen dataclass per JSON block, one documented field per key.
 
 The DeepSpeed JSON keys are the public surface; these classes are what the rest of zeroshard reads.
 Each field carries a ``doc`` and, where a value has limits, a ``check`` in its metadata; the loader
 (:mod:`zeroshard.config.loader`) walks these classes generically, so adding a key is adding a field.
+The docs are the "meaning" column of docs/CONFIGURATION.md's key table, which
+``python -m zeroshard.config.reference`` renders from these classes (in field order), so they are
+written in Markdown for a reader of that page; ``default_text`` says how the table shows a default
+that the plain value would misrepresent (a derived batch size, a dtype that follows the training one).
 
 [Note: defaults]
 Defaults are DeepSpeed's, as its configuration documentation gives them
@@ -20,13 +24,15 @@ from typing import Any, Callable, Literal, Optional
 Check = Callable[[Any], Optional[str]]
 
 
-def key(default: Any, doc: str, check: Check | None = None, infinite_ok: bool = False) -> Any:
+def key(default: Any, doc: str, check: Check | None = None, infinite_ok: bool = False,
+        default_text: str | None = None) -> Any:
     """Declare a config field with its documentation and an optional value check.
 
     ``check`` returns ``None`` when the value is fine, or a phrase saying what is allowed; numbers must
-    be finite unless ``infinite_ok``.
+    be finite unless ``infinite_ok``.  ``default_text`` (Markdown) is how the configuration reference
+    shows the default when the value alone would mislead a reader; without it the value is shown.
     """
-    meta = {"doc": doc, "check": check, "infinite_ok": infinite_ok}
+    meta = {"doc": doc, "check": check, "infinite_ok": infinite_ok, "default_text": default_text}
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -49,9 +55,12 @@ class OptimizerConfig:
     """``optimizer``: which torch optimizer zeroshard builds over each rank's shard."""
 
     type: Literal["Adam", "AdamW", "SGD"] = key(
-        "AdamW", "Adam, AdamW or SGD. DeepSpeed's Adam is decoupled (AdamW) unless adam_w_mode is false."
-    )
-    params: dict = key({}, "Keyword arguments of the optimizer (validated per type).")
+        "AdamW", "`Adam`, `AdamW` or `SGD` (DeepSpeed's `Adam` is decoupled, as AdamW, unless `adam_w_mode` is "
+        "false).")
+    params: dict = key(
+        {}, "Keyword arguments of the optimizer, checked per type. Adam/AdamW: `lr`, `betas`, `eps`, "
+        "`weight_decay`, `amsgrad` (`adam_w_mode` for Adam); SGD: `lr`, `momentum`, `dampening`, `weight_decay`, "
+        "`nesterov`.", default_text="torch's")
 
 
 @dataclass(frozen=True)
@@ -59,9 +68,17 @@ class SchedulerConfig:
     """``scheduler``: a DeepSpeed learning-rate schedule, stepped once per optimizer step."""
 
     type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"] = key(
-        "WarmupLR", "WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle or LRRangeTest."
-    )
-    params: dict = key({}, "Parameters of the schedule (validated per type).")
+        "WarmupLR", "`WarmupLR`, `WarmupDecayLR`, `WarmupCosineLR`, `OneCycle` or `LRRangeTest`; every optimizer "
+        "step uses the same lr as under DeepSpeed (the schedule starts at iteration -1 and is stepped after each "
+        "optimizer step, never on a skipped one).")
+    params: dict = key(
+        {}, "Parameters of the schedule, checked per type: `warmup_min_lr`, `warmup_max_lr` (default: the "
+        "optimizer's lr for WarmupLR), `warmup_num_steps`, `warmup_type` (`log`/`linear`), `total_num_steps`; "
+        "cosine: `warmup_min_ratio`, `cos_min_ratio`; OneCycle: `cycle_min_lr`, `cycle_max_lr`, `decay_lr_rate`, "
+        "`cycle_first_step_size`, `cycle_second_step_size`, `cycle_first_stair_count`, `cycle_second_stair_count`, "
+        "`decay_step_size`, `cycle_momentum`, `cycle_min_mom`, `cycle_max_mom`, `decay_mom_rate`; LRRangeTest: "
+        "`lr_range_test_min_lr`, `lr_range_test_step_size`, `lr_range_test_step_rate`, `lr_range_test_staircase`.",
+        default_text="DeepSpeed's")
 
 
 @dataclass(frozen=True)
@@ -80,16 +97,17 @@ class FP16Config:
     and at 2**16 when it names any of them.  zeroshard has one default, 2**16, whatever is written.
     """
 
-    enabled: bool = key(False, "Train in float16 with dynamic (or static) loss scaling and fp32 master weights.")
-    loss_scale: float = key(0.0, "0: dynamic loss scaling; a value > 0: this static scale.", non_negative)
-    initial_scale_power: int = key(16, "Dynamic scaling starts at 2**initial_scale_power.",
+    enabled: bool = key(False, "Train in float16 with dynamic (or static) loss scaling and fp32 master weights "
+                               "(not together with `bf16`).")
+    loss_scale: float = key(0.0, "0: dynamic loss scaling; a value > 0: that static scale.", non_negative)
+    initial_scale_power: int = key(16, "Dynamic scaling starts at 2^this (always; no 2^32 special case).",
                                    lambda v: None if 0 <= v <= 64 else "an integer from 0 to 64")
     loss_scale_window: int = key(1000, "Double the scale after this many consecutive steps without overflow.",
                                  positive)
-    hysteresis: int = key(2, "Overflows absorbed before the scale is halved (refilled when it grows).", positive)
+    hysteresis: int = key(2, "Overflows absorbed before the scale halves (refilled when it grows).", positive)
     consecutive_hysteresis: bool = key(False, "Refill the hysteresis after every step without overflow.")
-    min_loss_scale: float = key(1.0, "Lowest dynamic scale; an overflow at this scale stops training with an error.",
-                                positive)
+    min_loss_scale: float = key(1.0, "Lowest dynamic scale; an overflow at this scale stops training with "
+                                     "`LossScaleError`.", positive)
 
 
 @dataclass(frozen=True)
@@ -97,8 +115,9 @@ class DataTypesConfig:
     """``data_types``: the dtype gradients accumulate in."""
 
     grad_accum_dtype: Optional[Literal["fp32", "fp16", "bf16"]] = key(
-        None, "Gradient dtype (held and accumulated in): fp32 or the training dtype; default the training "
-              "dtype, but fp32 under bf16 with gradient_accumulation_steps > 1 or an fp32 communication_data_type.")
+        None, "dtype gradients are held and accumulate in: `fp32` or the training dtype.",
+        default_text="training dtype; `fp32` under bf16 with `gradient_accumulation_steps` > 1 or an fp32 "
+                     "`communication_data_type`")
 
 
 @dataclass(frozen=True)
@@ -111,20 +130,26 @@ class ActivationCheckpointingConfig:
     """
 
     partition_activations: bool = key(
-        False, "Not supported (needs tensor parallelism); only false.",
+        False, "Only `false`: partitioning the saved activations across model-parallel ranks needs tensor "
+        "parallelism, which zeroshard does not have.",
         lambda v: None if v is False else "false (partitioning activations across model-parallel ranks needs "
                                           "tensor parallelism, which zeroshard does not have)")
-    cpu_checkpointing: bool = key(False, "Keep each checkpoint's saved inputs in host memory until recomputation.")
+    cpu_checkpointing: bool = key(
+        False, "Keep each checkpointed region's saved inputs in host memory until recomputation.")
     contiguous_memory_optimization: bool = key(
-        False, "Not supported (only meaningful with partition_activations); only false.",
+        False, "Only `false`: it packs partitioned activations, which need tensor parallelism (see "
+        "`partition_activations`).",
         lambda v: None if v is False else "false (it packs partitioned activations, and partition_activations "
                                           "is not supported)")
     number_checkpoints: Optional[int] = key(
-        None, "Not supported (sizes the contiguous buffer); omit it.",
+        None, "Refused when set: it only sizes `contiguous_memory_optimization`'s buffer, which needs tensor "
+        "parallelism.",
         lambda v: None if v is None else "omitted (it only sizes contiguous_memory_optimization's buffer)")
     synchronize_checkpoint_boundary: bool = key(
-        False, "Synchronize the device before and after each checkpointed region (CUDA; CPU work is synchronous).")
-    profile: bool = key(False, "Time each checkpointed forward and recomputation; totals in engine.last_metrics.")
+        False, "Synchronize the (CUDA) device at both ends of each checkpointed region (CPU work is synchronous).")
+    profile: bool = key(
+        False, "Count and time checkpointed forwards and recomputations; the totals are in the metrics "
+        "(`engine.last_metrics`).")
 
 
 @dataclass(frozen=True)
@@ -132,12 +157,16 @@ class OffloadOptimizerConfig:
     """``zero_optimization.offload_optimizer``: where the fp32 masters and optimizer state live (stages 1-3)."""
 
     device: Literal["none", "cpu", "nvme"] = key(
-        "none", "none: with the parameters; cpu: host memory; nvme: files under nvme_path (ZeRO-Infinity).")
-    nvme_path: Optional[str] = key("/local_nvme", "Directory of the swap files when device is nvme (null: "
-                                                  "unset, as Hugging Face writes it).")
-    pin_memory: bool = key(False, "Page-locked host buffers (faster device copies; CUDA only, ignored on CPU).")
-    buffer_count: int = key(4, "nvme: sub-groups held in host memory at once (>= 2 to read the next while "
-                               "updating one).", lambda v: None if v >= 2 else "an integer >= 2")
+        "none", "Stages 1-3: `cpu` (host memory) or `nvme` (files under `nvme_path`, ZeRO-Infinity) keeps the fp32 "
+        "masters and optimizer state off the device; `none`: with the parameters.")
+    nvme_path: Optional[str] = key(
+        "/local_nvme", "Directory of the optimizer's swap files when `device` is `nvme` (null: unset, as Hugging "
+        "Face writes it).")
+    pin_memory: bool = key(
+        False, "Page-locked host buffers, for faster device copies (CUDA; no effect on a CPU device).")
+    buffer_count: int = key(
+        4, "`nvme`: sub-groups held in host memory at once (>= 2: one updated while the next are read).",
+        lambda v: None if v >= 2 else "an integer >= 2")
 
     @property
     def nvme_directory(self) -> str:
@@ -152,16 +181,21 @@ class OffloadParamConfig:
     """``zero_optimization.offload_param``: where stage 3 keeps this rank's parameter shards."""
 
     device: Literal["none", "cpu", "nvme"] = key(
-        "none", "Stage 3 only. cpu: shards in host memory; nvme: shards in files under nvme_path.")
-    nvme_path: Optional[str] = key("/local_nvme", "Directory of the swap files when device is nvme (null: "
-                                                  "unset, as Hugging Face writes it).")
-    pin_memory: bool = key(False, "Page-locked host buffers (CUDA only, ignored on CPU).")
-    buffer_count: int = key(5, "nvme: staging buffers for shards being read or written (writes in flight).",
-                            positive)
-    buffer_size: int = key(100_000_000, "nvme: elements of one staging buffer; each bucket's shard must fit.",
-                           positive)
-    max_in_cpu: int = key(1_000_000_000, "nvme: elements of shards kept in host memory (first buckets); "
-                                         "the rest live on NVMe.", non_negative)
+        "none", "Stage 3, with `offload_optimizer`: `cpu` (host memory) or `nvme` (files under `nvme_path`) keeps "
+        "this rank's parameter shards off the device.")
+    nvme_path: Optional[str] = key(
+        "/local_nvme", "Directory of the parameter swap files when `device` is `nvme` (null: unset, as Hugging "
+        "Face writes it).")
+    pin_memory: bool = key(False, "Page-locked host shards (CUDA; no effect on a CPU device).")
+    buffer_count: int = key(
+        5, "`nvme`: staging buffers for shard reads and writes (the writes in flight), each of `buffer_size` "
+        "elements.", positive)
+    buffer_size: int = key(
+        100_000_000, "`nvme`: elements of one staging buffer (see `buffer_count`); each bucket's shard must fit "
+        "one.", positive)
+    max_in_cpu: int = key(
+        1_000_000_000, "`nvme`: elements of shards kept in host memory (the first buckets); the rest live on NVMe "
+        "(0: all of them).", non_negative)
 
     @property
     def nvme_directory(self) -> str:
@@ -177,79 +211,87 @@ class ZeroConfig:
 
     stage: int = key(0, "0: data parallel; 1: shard optimizer state; 2: also gradients; 3: also parameters.",
                      lambda v: None if v in (0, 1, 2, 3) else "0, 1, 2 or 3")
-    reduce_bucket_size: int = key(500_000_000, "Elements per gradient bucket (one collective each); at stages 0-2 "
-                                  "at most 1/8 of the trainable elements, 1/16 at stage 2 (never capped below 4M).",
-                                  positive)
+    reduce_bucket_size: int = key(
+        500_000_000, "Elements per gradient bucket (one collective each). At stages 0-1 a bucket holds at most 1/8 "
+        "of the trainable elements, at stage 2 1/16 (never capped below 4M elements), so DeepSpeed's default never "
+        "means one model-size buffer.", positive)
     allgather_bucket_size: int = key(500_000_000, "Elements of parameter all-gathers in flight after the step (stages 1-2).",
                                      positive)
-    overlap_comm: bool = key(True, "Launch each gradient bucket's collective as soon as it is full.")
+    overlap_comm: bool = key(
+        True, "Launch each gradient bucket's collective as soon as it is full (false: blocking).")
     overlap_param_gather: bool = key(
-        False, "zeroshard (stages 1-2): the all-gather of the updated parameters after step() runs on into the next "
-        "forward, each module waiting only for its own bucket. Parameter tensors read directly between step() "
-        "and the next forward (not through state_dict(), a checkpoint or the engine) may then be stale; false "
-        "(the default): step() returns with every parameter current, as DeepSpeed's does.")
+        False, "zeroshard's own key, stages 1-2: the all-gather of the updated parameters after `step()` runs on "
+        "into the next forward, each module waiting only for its own bucket; `state_dict()`, checkpoints, "
+        "`GatheredParameters`, `full_state_dict()` and the next backward wait for all of it. Parameter tensors read "
+        "directly between `step()` and the next forward (an EMA, a comparison after the loop) may then be stale, "
+        "which is why it is off by default: `step()` then returns with every parameter current, as DeepSpeed's "
+        "does.")
     contiguous_gradients: bool = key(
-        True, "Gradients are copied into contiguous buckets; zeroshard always does this.",
+        True, "Always on: gradients are copied into contiguous buckets (only `true` is accepted).",
         lambda v: None if v is True else "true (zeroshard always copies gradients into contiguous buckets)",
     )
     reduce_scatter: bool = key(
-        True, "Stages 1-3: reduce-scatter gradients (true) or all-reduce and keep the own shard (false)."
+        True, "Stages 1-3: reduce-scatter gradients (true), or all-reduce them and keep the own shard (false)."
     )
     stage3_prefetch_bucket_size: int = key(
-        50_000_000, "Stage 3: elements of upcoming units gathered ahead of use; 0 turns prefetch off.",
-        non_negative)
+        50_000_000, "Stage 3: elements of upcoming units gathered ahead of use (order recorded on the first pass); "
+        "0 turns prefetch off.", non_negative)
     stage3_param_persistence_threshold: int = key(
         100_000, "Stage 3: parameters with at most this many elements stay whole on every rank.", non_negative)
     stage3_max_live_parameters: int = key(
-        1_000_000_000, "Stage 3: gathered elements allowed at once before prefetching/keeping stops.", positive)
+        1_000_000_000, "Stage 3: gathered elements allowed at once before prefetching and keeping stop.", positive)
     stage3_max_reuse_distance: int = key(
-        1_000_000_000, "Stage 3: keep a unit gathered if it is used again within this many elements.",
-        non_negative)
+        1_000_000_000, "Stage 3: keep a unit gathered if the recorded order uses it again within this many "
+        "elements.", non_negative)
     offload_optimizer: OffloadOptimizerConfig = key(OffloadOptimizerConfig(), "Optimizer offload (stages 1-3).")
     offload_param: OffloadParamConfig = key(OffloadParamConfig(), "Parameter offload (stage 3).")
-    sub_group_size: int = key(1_000_000_000, "Offload: elements the optimizer updates at a time (one swap unit).",
+    sub_group_size: int = key(1_000_000_000, "Offload: elements the optimizer updates (and swaps) at a time.",
                               positive)
     allgather_partitions: bool = key(
-        True, "Stages 1-2: all-gather the updated partitions after the step (zeroshard always does).",
+        True, "Only `true`: the updated partitions are all-gathered after the step (stages 1-2; the all-reduce "
+        "alternative would move twice the bytes).",
         lambda v: None if v is True else "true (zeroshard always all-gathers the updated partitions; the "
                                          "all-reduce alternative would move twice the bytes)")
     memory_efficient_linear: bool = key(
-        True, "Accepted: zeroshard computes with torch's own linear layers either way.")
+        True, "Accepted with either value: zeroshard computes with torch's own linear layers.")
     stage3_gather_16bit_weights_on_model_save: bool = key(
-        False, "Stage 3: save_16bit_model gathers the full weights (false: it writes nothing and warns).")
+        False, "Stage 3: `save_16bit_model` gathers and writes the full weights (false: it writes nothing and "
+        "warns, as DeepSpeed).")
     mics_shard_size: int = key(
-        -1, "MiCS (stages 1-3): shard over groups of this many consecutive ranks (one node) and replicate "
-        "across the groups; gathers stay inside a group, gradients are all-reduced across groups once per "
-        "step. -1: shard over all ranks.",
+        -1, "MiCS (stages 1-3): shard over groups of this many consecutive ranks (a node) and replicate across "
+        "groups; gathers and reduce-scatters stay inside the group, gradient shards are all-reduced across groups "
+        "once per step. -1: over all ranks. Must divide the world size.",
         lambda v: None if v == -1 or v >= 1 else "-1 (off) or a group size >= 1 that divides the world size")
     mics_hierarchical_params_gather: bool = key(
-        False, "MiCS: gather a shard group that spans nodes in two levels (not supported: keep "
-        "mics_shard_size within a node).",
+        False, "Only `false`: a MiCS group is gathered with one all-gather (keep `mics_shard_size` within a node, "
+        "where the two levels would be one).",
         lambda v: None if v is False else "false (zeroshard gathers a MiCS group with one all-gather; keep "
                                           "mics_shard_size at most the ranks per node, where the two levels "
                                           "would be one)")
     zero_hpz_partition_size: int = key(
-        1, "ZeRO++ hpZ (stage 3): also keep the parameters partitioned over groups of this many consecutive "
-        "ranks (one node), so that gathers after the first of each step stay inside the group. 1: off.",
-        positive)
+        1, "ZeRO++ hpZ (stage 3): a secondary partition of the parameters over groups of this many consecutive "
+        "ranks (a node); after the first gather of each step, gathers stay inside the group. 1: off. Must divide "
+        "the world size.", positive)
 
 
 @dataclass(frozen=True)
 class TensorboardConfig:
     """``tensorboard``: DeepSpeed's block; the per-step metrics also go to TensorBoard."""
 
-    enabled: bool = key(False, "Write the metrics to TensorBoard (needs the tensorboard package).")
-    output_path: str = key("runs/tensorboard", "Directory of the TensorBoard event files.")
-    job_name: str = key("zeroshard", "Subdirectory (run name) under output_path.")
+    enabled: bool = key(False, "Also write the metrics to TensorBoard (needs the `tensorboard` package).")
+    output_path: str = key("runs/tensorboard", "Directory of the TensorBoard event files, which go to "
+                                               "`output_path/job_name`.")
+    job_name: str = key("zeroshard", "Run name: the subdirectory of `output_path` the event files go to.")
 
 
 @dataclass(frozen=True)
 class CSVMonitorConfig:
     """``csv_monitor``: each metric of the per-step records appended to ``output_path/job_name/<metric>.csv``."""
 
-    enabled: bool = key(False, "Write the metrics to CSV files (rank 0).")
-    output_path: str = key("", "Directory of the CSV files (default: the working directory).")
-    job_name: str = key("DeepSpeedJobName", "Subdirectory for this run.")
+    enabled: bool = key(False, "Append every numeric metric of each record to `output_path/job_name/<metric>.csv` "
+                               "(`step,<metric>` rows), rank 0.")
+    output_path: str = key("", "Directory of the CSV files (empty: the working directory).")
+    job_name: str = key("DeepSpeedJobName", "Run name: the subdirectory of `output_path` the CSV files go to.")
 
 
 @dataclass(frozen=True)
@@ -257,20 +299,24 @@ class CheckpointWriterConfig:
     """``checkpoint.writer``: how checkpoint files are written (DeepSpeed's checkpoint-writer block)."""
 
     decoupled: bool = key(
-        False, "Save asynchronously: save_checkpoint copies the rank's state to host memory and returns; a "
-        "background thread writes and publishes it while training goes on (the next save, a load or close() "
-        "waits for it). save_checkpoint(async_save=...) decides per call.")
+        False, "DeepSpeed's key for decoupled checkpointing: every `save_checkpoint` is asynchronous (as "
+        "`async_save=True`; a call's own `async_save=` decides for that call): training goes on while a background "
+        "thread copies each rank's state to host memory (the next optimizer step waits for the copy), writes and "
+        "publishes it; the next save, a load or `close()` waits for it, and raises its error on every rank if it "
+        "failed.")
     type: Literal["python", "fast"] = key(
-        "fast", "How the files are written: \"fast\" around the page cache (O_DIRECT through an aligned buffer of "
-        "io_buffer_size bytes; buffered where the file system refuses it), \"python\" through it. As in DeepSpeed, "
-        "a writer block defaults to \"fast\" and no writer block means \"python\". DeepSpeed's \"mock\" (writes "
-        "nothing) is not offered.")
+        "fast", "`\"fast\"`: checkpoint files are written around the page cache (`O_DIRECT` through an aligned "
+        "buffer of `io_buffer_size` bytes; buffered where the file system refuses it); `\"python\"`: through it. "
+        "As in DeepSpeed, a `writer` block defaults to `\"fast\"` and no `writer` block means `\"python\"`. "
+        "DeepSpeed's `\"mock\"` (writes nothing) is refused.",
+        default_text="`\"python\"` (`\"fast\"` in a `writer` block)")
     io_buffer_size: int = key(
-        64 * 2**20, "Bytes handed to the file system per write call (\"fast\": the aligned buffer's size).", positive)
+        64 * 2**20, "Bytes handed to the file system per write call when a checkpoint file is written (`\"fast\"`: "
+        "the aligned buffer's size).", positive)
     spread_over_steps: int = key(
-        1, "zeroshard: an asynchronous save writes at most 1/N of its bytes per optimizer step, so that its cost "
-        "is shared by the N steps it overlaps; it is published within N steps, at once when something waits for "
-        "it (the next save, a load, wait_for_checkpoint(), close()). 1: as fast as it goes.", positive)
+        1, "zeroshard's own key: an asynchronous save writes at most 1/N of its bytes per optimizer step, sharing "
+        "its cost between the N steps it overlaps; published within N steps, at once when something waits for it "
+        "(the next save, a load, `wait_for_checkpoint()`, `close()`). 1: as fast as it goes.", positive)
 
 
 @dataclass(frozen=True)
@@ -278,20 +324,26 @@ class CheckpointConfig:
     """``checkpoint``: how checkpoints are loaded, and zeroshard's periodic saves and automatic resume."""
 
     load_universal: bool = key(
-        False, "Accepted: every zeroshard checkpoint loads at any world size and stage, as a universal one does.")
+        False, "Accepted with either value: every zeroshard checkpoint loads at any world size and stage, as a "
+        "universal one does.")
     use_node_local_storage: bool = key(
-        False, "Each node saves into its own save_dir (no shared file system); such a checkpoint loads with the "
-        "same world size, ranks per node, stage and buckets (stages 1-3).")
+        False, "No shared file system: every rank writes its file into its own node's `save_dir`, each node's local "
+        "rank 0 writes the manifest (the same bytes on every node, listing every rank's file) and publishes "
+        "`latest` there. Such a checkpoint loads with the same world size, ranks per node, stage and buckets, each "
+        "rank reading only its node's files; to reshard or consolidate it, copy every node's files into one "
+        "directory. Stages 1-3.")
     save_dir: Optional[str] = key(
-        None, "zeroshard: the directory of periodic saves (save_interval) and of auto_resume.")
+        None, "zeroshard's own key: the directory of periodic saves (`save_interval`) and of `auto_resume`.")
     save_interval: int = key(
-        0, "zeroshard: save a checkpoint into save_dir every N optimizer steps (0: never).", non_negative)
+        0, "zeroshard's own key: every rank saves a checkpoint (`global_step<N>`) into `save_dir` every N optimizer "
+        "steps; 0: never.", non_negative)
     keep_last: int = key(
-        0, "zeroshard: after a periodic save, keep only the newest N periodic checkpoints (0: keep all).",
-        non_negative)
+        0, "zeroshard's own key: after each periodic save rank 0 removes all but the newest N periodic checkpoints "
+        "(never the one `latest` names, never tags a script saved itself); 0 keeps all.", non_negative)
     auto_resume: bool = key(
-        False, "zeroshard: initialize() loads save_dir's latest checkpoint when there is one (an elastic "
-        "restart resumes where the job was), RNG included.")
+        False, "zeroshard's own key: `initialize()` loads `save_dir`'s latest checkpoint when there is one, RNG "
+        "included (`initialize(resume_from=...)` does the same for any directory): a job restarted by torchrun "
+        "carries on where it was.")
     writer: CheckpointWriterConfig = key(CheckpointWriterConfig(type="python"), "How checkpoint files are written.")
 
 
@@ -299,44 +351,56 @@ class CheckpointConfig:
 class ZeroshardConfig:
     """The whole training configuration, after validation and batch-size derivation."""
 
-    train_batch_size: Optional[int] = key(None, "Global batch: micro batch x accumulation x world size.",
-                                          optional_positive)
+    train_batch_size: Optional[int] = key(
+        None, "Global batch: micro batch x accumulation x world size (any two of the three derive the third).",
+        optional_positive, default_text="derived")
     train_micro_batch_size_per_gpu: Optional[int] = key(None, "Samples per rank per forward.",
-                                                        optional_positive)
+                                                        optional_positive, default_text="derived")
     gradient_accumulation_steps: Optional[int] = key(None, "Micro steps per optimizer step.",
-                                                     optional_positive)
-    gradient_clipping: float = key(0.0, "Clip the global gradient norm to this value; 0 turns it off.",
+                                                     optional_positive, default_text="derived (1)")
+    gradient_clipping: float = key(0.0, "Clip the global (all-shard) gradient norm to this value; 0 turns it off.",
                                    non_negative)
     steps_per_print: float = key(
-        10, "Log a line of metrics every this many optimizer steps (Infinity: never).",
+        10, "Every this many optimizer steps rank 0 logs loss, lr, gradient norm, samples/s, tokens/s, TFLOP/s, "
+        "communication bytes and time, peak memory (`Infinity`, as Hugging Face writes it: never).",
         lambda v: None if v > 0 and (v == float("inf") or float(v).is_integer()) else "a whole number > 0, or Infinity",
         infinite_ok=True)
-    wall_clock_breakdown: bool = key(False, "Add seconds spent in forward, backward and step to the metrics.")
-    metrics_path: Optional[str] = key(None, "zeroshard: append each metrics record as a JSON line to this file.")
+    wall_clock_breakdown: bool = key(
+        False, "Add the seconds spent in forward, backward and step to the metrics (see `steps_per_print`).")
+    metrics_path: Optional[str] = key(
+        None, "zeroshard's own key: append each metrics record as one JSON line to this file (rank 0).")
     tensorboard: TensorboardConfig = key(TensorboardConfig(), "Metrics to TensorBoard.")
-    seed: Optional[int] = key(None, "Seed torch on every rank in initialize() (same value everywhere).")
+    seed: Optional[int] = key(
+        None, "Seed torch on every rank in `initialize()` (the same value everywhere; also seeds the data loader's "
+        "shuffle).")
     prescale_gradients: bool = key(
-        False, "Divide gradients by gradient_predivide_factor before the reduction and by world/factor after it.")
-    gradient_predivide_factor: float = key(1.0, "The divisor applied before the reduction with prescale_gradients.",
-                                           positive)
+        False, "Average gradients as DeepSpeed's prescaling does: divide by `gradient_predivide_factor` before the "
+        "reduction and by world size / factor after it (false: divide by the world size before).")
+    gradient_predivide_factor: float = key(
+        1.0, "With `prescale_gradients`: the divisor applied before the reduction (world size / factor after it).",
+        positive)
     zero_allow_untested_optimizer: bool = key(
-        False, "Accepted: zeroshard wraps any torch optimizer the same way, so none is untested.")
+        False, "Accepted with either value: zeroshard wraps any torch optimizer the same way, so none is untested "
+        "(Hugging Face sets it).")
     zero_force_ds_cpu_optimizer: bool = key(
-        True, "Accepted: under CPU offload zeroshard always steps the given torch optimizer on the host "
+        True, "Accepted with either value: under CPU offload zeroshard steps the given torch optimizer on the host "
               "(Adam/AdamW with torch's fused CPU kernel).")
     csv_monitor: CSVMonitorConfig = key(CSVMonitorConfig(), "Metrics to CSV files, one per metric.")
     checkpoint: CheckpointConfig = key(CheckpointConfig(), "Checkpoint loading options.")
     host_memory_release: bool = key(
-        False, "zeroshard: at initialize, fix glibc's mmap and trim thresholds at 1 MiB (mallopt), so that freed "
-        "blocks of a MiB or more go back to the system at once and peak RSS follows live memory; process-wide, "
-        "costs page faults (see benchmarks/RESULTS.md).")
+        False, "zeroshard's own key: at `initialize()`, fix glibc's mmap and trim thresholds at 1 MiB (`mallopt`), "
+        "so that freed blocks of a MiB or more go back to the system at once and peak RSS follows live memory "
+        "instead of what glibc keeps; process-wide; costs page faults (measured in `benchmarks/RESULTS.md`, "
+        "section \"Opt-in memory settings\").")
     host_memory_trim: bool = key(
-        False, "zeroshard: after every optimizer step, give the pages of the C heap's free blocks back to the "
-        "system (glibc's malloc_trim); glibc's settings stay as they are; the next step faults them in again "
-        "(see benchmarks/RESULTS.md).")
+        False, "zeroshard's own key: after every optimizer step, give the pages of the C heap's free blocks back to "
+        "the system (glibc's `malloc_trim(0)`); glibc's settings are not changed; the next step faults in again "
+        "what it uses, once a step (measured in `benchmarks/RESULTS.md`, section \"Opt-in memory settings\").")
     max_consecutive_skips: int = key(
-        10, "zeroshard: fp32/bf16 steps skipped in a row for non-finite gradients before training stops with "
-            "an error naming the rank and parameter.", positive)
+        10, "zeroshard's own key: fp32/bf16 optimizer steps skipped in a row for a non-finite gradient (every rank "
+            "skips; parameters, optimizer state and LR schedule untouched; the rank whose loss was not finite is "
+            "logged) before training stops with `NonFiniteGradientError` naming that rank and the first parameter "
+            "with a non-finite gradient. fp16 keeps its loss-scaler rules.", positive)
     collective_timeout: float = key(
         1800.0, "Seconds a collective may wait before the job fails instead of hanging.", positive
     )
@@ -346,7 +410,7 @@ class ZeroshardConfig:
     fp16: FP16Config = key(FP16Config(), "float16 mixed precision with loss scaling.")
     bf16: BF16Config = key(BF16Config(), "bfloat16 mixed precision.")
     communication_data_type: Optional[Literal["fp32", "fp16", "bf16"]] = key(
-        None, "dtype gradients are reduced in: fp32 or the training dtype; default the training dtype.")
+        None, "dtype gradients are reduced in: `fp32` or the training dtype.", default_text="training dtype")
     data_types: DataTypesConfig = key(DataTypesConfig(), "Gradient accumulation dtype.")
     activation_checkpointing: ActivationCheckpointingConfig = key(
         ActivationCheckpointingConfig(), "Settings of zeroshard.deepspeed.checkpointing.checkpoint (zeroshard/activations/checkpointing.py).")

@@ -1,6 +1,6 @@
 """zeroshard under DeepSpeed's names: every module path DeepSpeed scripts import, and the thin layer
 that lets DeepSpeed scripts, Hugging Face and Accelerate drive zeroshard ([Note: one thin layer for
-DeepSpeed's names] in engine_api.py).
+DeepSpeed's names] in deepspeed/engine_api.py).
 
 [Note: DeepSpeed's module paths at zeroshard's root]
 DeepSpeed's paths (``zero``, ``comm``, ``accelerator``, ``ops.adam``, ``runtime.zero.partition_parameters``,

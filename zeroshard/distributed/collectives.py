@@ -90,7 +90,7 @@ class CommLedger:
         #: every collective since :meth:`start_log` (None: not recording)
         self.log: Optional[list[CallRecord]] = None
         #: per process group, a digest of the sequence of collectives issued on it: kind and size, in
-        #: order (see [Note: the consistency check] in consistency.py)
+        #: order (see [Note: the consistency check] in distributed/consistency.py)
         self._sequence: dict[int, int] = {}
 
     def start_log(self) -> list[CallRecord]:
@@ -225,7 +225,7 @@ class Collectives:
         ``own_input``: this rank's own chunk of the input, when it lives outside ``full`` (``output``
         itself, for a sum that accumulates in place): ``full``'s own chunk is then neither read nor
         written on gloo, so its pages are never touched (see [Note: stage 2's own chunk is reduced in
-        place] in sharding/stage2.py).  Other backends reduce the whole of ``full``: the own chunk is
+        place] in sharding/grad_chunks.py).  Other backends reduce the whole of ``full``: the own chunk is
         copied into it first."""
         counter = self._account(CommKind.REDUCE_SCATTER, _nbytes(full), 1, label)
         if not self.world.is_distributed:
@@ -259,13 +259,13 @@ class Collectives:
 
     def _driven(self, ring: Ring) -> DrivenRing:
         """A launched ring, carried forward on the progress thread (see [Note: rings progress on their
-        own thread] in ring_progress.py)."""
+        own thread] in distributed/ring_progress.py)."""
         return RING_PROGRESS.drive(ring, datetime.timedelta(seconds=self.world.timeout_s), self.world.group)
 
     @property
     def _rings(self) -> bool:
         """Whether reduce-scatters and all-gathers run as rings of messages (gloo: see [Note: gloo's
-        collectives as rings] in ring.py); NCCL's own are the ring, in place."""
+        collectives as rings] in distributed/ring.py); NCCL's own are the ring, in place."""
         return self.world.is_distributed and self.world.backend == "gloo"
 
     def broadcast(self, tensor: torch.Tensor, src: int, label: str) -> None:
@@ -316,23 +316,23 @@ class Collectives:
         return json.loads(bytes(buffer.cpu().tolist()))
 
 
-#: bytes of one message of a gloo ring (see [Note: gloo's collectives as rings] in ring.py); a
-#: reduce-scatter receives into two temporaries of this size
+#: bytes of one message of a gloo ring (see [Note: gloo's collectives as rings] in distributed/ring.py);
+#: a reduce-scatter receives into two temporaries of this size
 PIECE_BYTES = 2**20
 
 # [Note: gloo's whole-buffer copies]
 # gloo runs the tensor forms of reduce-scatter and all-gather through flat temporaries the size of the
-# whole buffer (measured: +349 MiB for a 349 MiB gradient bucket), and its list forms through
-# temporaries the size of what they are given.  With DeepSpeed's default bucket size (5e8 elements,
-# larger than most models on one host) a bucket is the whole model, so that copy was the largest
-# transient of stages 1 and 2.  On gloo zeroshard therefore sends the rings' messages itself
-# (ring.py): an all-gather receives in place, and a reduce-scatter receives into two temporaries of
-# ``PIECE_BYTES`` each.  Temporaries must stay below glibc's largest dynamic mmap threshold (32 MiB
-# on 64-bit systems): glibc serves a block at or above its threshold with a fresh ``mmap`` and unmaps
-# it when freed, and raises the threshold to a freed block's size only below that maximum, so a 32 MiB
-# temporary (the pieces' size until the twelfth session) was mapped afresh every time and every page
-# of it faulted in again (65,536 page faults per step at stages 1-2 for the 91M benchmark model).
-# Below the maximum, the first temporaries raise the threshold and the later ones reuse the heap.
+# whole buffer, and its list forms through temporaries the size of what they are given.  A bucket can be
+# most of a model (DeepSpeed's default bucket size, 5e8 elements, is larger than most models on one
+# host), so such a copy would be the largest transient of stages 1 and 2.  On gloo zeroshard therefore
+# sends the rings' messages itself (distributed/ring.py): an all-gather receives in place, and a
+# reduce-scatter receives into two temporaries of ``PIECE_BYTES`` each.  Temporaries must stay below
+# glibc's largest dynamic mmap threshold (32 MiB on 64-bit systems): glibc serves a block at or above
+# its threshold with a fresh ``mmap`` and unmaps it when freed, and raises the threshold to a freed
+# block's size only below that maximum, so a temporary of 32 MiB or more would be mapped afresh every
+# time and every page of it faulted in again, at every piece of every step.  Below the maximum, the
+# first temporaries raise the threshold and the later ones reuse the heap.  Both costs are measured in
+# benchmarks/RESULTS.md, section "One bucket's collectives".
 
 
 def _nbytes(t: torch.Tensor) -> int:

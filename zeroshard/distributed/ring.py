@@ -1,19 +1,17 @@
 """Reduce-scatter and all-gather as rings of point-to-point messages, for gloo.
 
 [Note: gloo's collectives as rings]
-In ring arithmetic an all-reduce is a reduce-scatter followed by an all-gather, which is why ZeRO
-stages 1-2 communicate what DDP does.  gloo's own reduce-scatter and all-gather do not keep that
-promise: measured on one 45.7 MB bucket at world 2 (benchmarks/bench_collectives.py), its all-reduce
-took 47 ms, its reduce-scatter 61 ms (list form, in pieces; 100 ms as the tensor form) and its
-all-gather 46 ms (87 ms as the tensor form), so a stage-1/2 step spent 2.2x DDP's time in collectives
-(both flatten their inputs into temporaries, and gloo's algorithms for them are not the ring).  Sent
-as the ring's messages (``isend``/``irecv`` to the neighbours, N-1 steps of one chunk each), the same
-reduce-scatter took 35-44 ms and the all-gather 29-40 ms here in messages of 8 MiB.  The message
-size matters more than anything else (``piece_bytes``; benchmarks/bench_collectives.py --pieces-kib,
-one run: reduce-scatter 20 ms in messages of 1 MiB, 24-28 at 2 MiB, 32 at 4, 34 at 8, 38 at 16; the
-all-gather 23-27 ms at any size; all-reduces of 33-48 ms in the same run): a piece that fits the
-cache is received, added and sent on while it is still there.  zeroshard sends 1 MiB
-(collectives.PIECE_BYTES).
+In ring arithmetic an all-reduce is a reduce-scatter followed by an all-gather, which is why ZeRO stages
+1-2 communicate what DDP does.  gloo's own reduce-scatter and all-gather do not keep that promise: both
+flatten their inputs into temporaries, and their algorithms are not the ring, so on one bucket together
+they take more than twice its all-reduce's time, and a stage-1/2 step would spend more than twice DDP's
+time in collectives.  Sent as the ring's messages (``isend``/``irecv`` to the neighbours, N-1 steps of
+one chunk each), a reduce-scatter and an all-gather together take about one all-reduce's time.  The
+message size matters more than anything else (``piece_bytes``): a piece that fits the cache is received,
+added and sent on while it is still there, so zeroshard sends 1 MiB (collectives.PIECE_BYTES), at which
+the reduce-scatter is fastest and the all-gather as fast as at any size.  The figures, gloo's own
+collectives and the rings by message size, are in benchmarks/RESULTS.md, section "One bucket's
+collectives" (benchmarks/bench_collectives.py).
 
 - All-gather: at step s a rank sends chunk (r - s) to its right neighbour and receives chunk
   (r - s - 1) from its left one, straight into the output: no temporary at all.  Step 0 sends from
@@ -24,18 +22,18 @@ cache is received, added and sent on while it is still there.  zeroshard sends 1
   holds the whole sum.  The partial sums are written into the input's chunks (the input is scratch:
   zeroshard reduces a bucket in place and reads only its own chunk), and what is received arrives
   into two temporaries of one piece each, so that the transient is two pieces whatever the bucket's
-  size (see [Note: gloo's whole-buffer copies] in collectives.py).
+  size (see [Note: gloo's whole-buffer copies] in distributed/collectives.py).
 
 A chunk travels as pieces, and each piece goes round the ring on its own: a rank passes piece k of
 step s on (step s+1's message) as soon as it has received it (and, in a reduce-scatter, added it),
 without waiting for the rest of the step.  A collective launches step 0's messages and returns; the
 rest runs in ``wait()``, which the progress thread calls at once ([Note: rings progress on their own
-thread] in ring_progress.py).  Every message carries a tag of its own (the collective's, drawn from a
-count kept per process group, plus the message's number), so that two collectives in flight between
-the same two ranks cannot take each other's messages; the count advances identically on every rank
-because every rank issues its collectives in the same order.  Both ends post a collective's messages
-in the order of their numbers, so tags reused past ``_TAGS_PER_COLLECTIVE`` messages still match in
-order.
+thread] in distributed/ring_progress.py).  Every message carries a tag of its own (the collective's,
+drawn from a count kept per process group, plus the message's number), so that two collectives in
+flight between the same two ranks cannot take each other's messages; the count advances identically on
+every rank because every rank issues its collectives in the same order.  Both ends post a collective's
+messages in the order of their numbers, so tags reused past ``_TAGS_PER_COLLECTIVE`` messages still
+match in order.
 """
 
 from __future__ import annotations

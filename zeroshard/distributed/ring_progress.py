@@ -1,26 +1,26 @@
 """A thread of its own that carries gloo's rings forward while the training thread computes.
 
 [Note: rings progress on their own thread]
-A ring (ring.py) posts its first messages when it is launched; everything after that (waiting for a
-piece, adding it, sending it on, posting the next receive) used to run in ``wait()``, on the training
-thread.  gloo moves a message's payload only once its receiver has posted the receive, so a launched
-reduce-scatter moved its first two pieces and then stood still until backward came to wait for it:
-the collective that was meant to overlap the next bucket's backward ran after it instead.  Measured
-at 91M fp32, world 2, DeepSpeed's defaults (eight 45 MiB buckets), beside DDP in one world (whose
-all-reduces run on gloo's own threads): stage 2's backward took 4.11-4.18 s against DDP's 3.33-3.37;
-driven from this thread, 3.51-3.59 s against 3.53-3.55, and the whole step went from 1.10-1.17x
-DDP's to 1.02x (benchmarks/RESULTS.md, nineteenth session).
+A ring (distributed/ring.py) posts its first messages when it is launched; everything after that
+(waiting for a piece, adding it, sending it on, posting the next receive) is work someone must do
+while the ring is in flight.  gloo moves a message's payload only once its receiver has posted the
+receive, so a reduce-scatter carried forward only by ``wait()`` on the training thread would move its
+first two pieces and then stand still until backward came to wait for it: the collective meant to
+overlap the next bucket's backward would run after it instead, and stage 2's backward would take
+markedly longer than DDP's, whose all-reduces run on gloo's own threads (measured in
+benchmarks/RESULTS.md, section "One bucket's collectives", paragraph "zeroshard's rings on a thread of
+their own").
 
-Here each launched ring is handed to a daemon thread of its process group, which drives the group's
+So each launched ring is handed to a daemon thread of its process group, which drives the group's
 rings to completion in the order they were launched (every rank launches a group's rings in the same
 order, so no rank waits for a ring its neighbour has not reached); ``wait()`` on the training thread
 only waits for the thread to finish that ring.  One thread per group, not per process: rings of
 different groups are launched from different threads (an asynchronous save gathers its file list on a
 group of its own while training launches gathers), so their order differs from rank to rank, and one
-queue for all of them deadlocked two ranks each waiting on the ring the other had queued behind.
-The thread holds the GIL only between torch calls (a wait for a
-message and an addition both release it), so it runs while autograd computes.  A ring computes the
-same additions in the same order as before: results are bitwise the same.  An error in a ring (a
+queue for all of them could deadlock two ranks, each waiting on the ring the other queued behind it.
+The thread holds the GIL only between torch calls (a wait for a message and an addition both release
+it), so it runs while autograd computes.  Which thread carries a ring changes nothing in its
+arithmetic: the same additions in the same order, bitwise the same results.  An error in a ring (a
 timeout, a lost peer) is raised by that ring's ``wait()``, on the training thread.
 """
 
@@ -117,8 +117,8 @@ class RingProgress:
 
     def release(self) -> None:
         """Stop every progress thread once the rings handed to it are done, and let go of their groups
-        (see [Note: a clean exit] in world.py: a group still held at interpreter shutdown keeps
-        gloo's threads running into it).  A thread still busy after ``_EXIT_JOIN_S`` (a ring waiting
+        (see [Note: a clean exit] in distributed/world.py: a group still held at interpreter shutdown
+        keeps gloo's threads running into it).  A thread still busy after ``_EXIT_JOIN_S`` (a ring waiting
         on a rank that is gone) is left to the process's end."""
         with self._lock:
             served, self._threads = list(self._threads.values()), {}

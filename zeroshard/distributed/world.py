@@ -76,22 +76,21 @@ def _clean_exit() -> None:
     """[Note: a clean exit]
     A process that reaches interpreter shutdown while Python objects still reference a gloo process
     group (its ``ProcessGroup`` object, a side group, an unfinished ``Work``) destroys the group's C++
-    state during finalization, and in about one run in four (measured with collectives issued from
-    autograd hooks, as every ZeRO backward does) dies in ``terminate called without an active
-    exception`` (SIGABRT) after finishing its work: torchrun then reports a failed job.  Destroying
-    the groups while the interpreter is intact, with nothing else holding them, never aborts
-    (0 in 32 runs).  So zeroshard keeps no reference to the default group (``World.group`` is None for
-    it), and at exit each live engine finishes its collectives and drops its side groups, the rings'
-    progress threads stop and let go of theirs (ring_progress.py), and torch's own hold on the
-    default group is undone (``_unbind_groups_from_default_arguments``); then the process groups are
-    destroyed, whoever created them (Hugging Face and Accelerate never destroy theirs), and gloo's
-    threads are joined before the interpreter goes.  A group still held at shutdown is not harmless
-    even when its work is done: a gloo thread drops its last finished collective a moment after the
-    caller's ``wait()`` returns, and when that collective's tensors were Python's (Accelerate's
-    ``gather()`` ends a run so) the drop needs the GIL, which a finalizing interpreter refuses by
-    ending the thread: the same abort.  Measured: 14 aborts in 40 runs of an Accelerate loop, 6 in 20
-    of a zeroshard loop ending in ``all_gather``, while the progress threads and torch's default
-    arguments held the groups; 0 in 30 and 0 in 20 once nothing did."""
+    state during finalization, and in a good fraction of runs (with collectives issued from autograd
+    hooks, as every ZeRO backward does) dies in ``terminate called without an active exception``
+    (SIGABRT) after finishing its work: torchrun then reports a failed job.  Destroying the groups
+    while the interpreter is intact, with nothing else holding them, does not abort.  So zeroshard
+    keeps no reference to the default group (``World.group`` is None for it), and at exit each live
+    engine finishes its collectives and drops its side groups, the rings' progress threads stop and
+    let go of theirs (distributed/ring_progress.py), and torch's own hold on the default group is
+    undone (``_unbind_groups_from_default_arguments``); then the process groups are destroyed, whoever
+    created them (Hugging Face and Accelerate never destroy theirs), and gloo's threads are joined
+    before the interpreter goes.  A group still held at shutdown is not harmless even when its work is
+    done: a gloo thread drops its last finished collective a moment after the caller's ``wait()``
+    returns, and when that collective's tensors were Python's (Accelerate's ``gather()`` ends a run
+    so) the drop needs the GIL, which a finalizing interpreter refuses by ending the thread: the same
+    abort.  How often each case aborts is counted in benchmarks/RESULTS.md, section "Reliability: the
+    consistency check's cost and a soak run", paragraph "A clean exit"."""
     for ref in _exit_callbacks + _last_exit_callbacks:
         method = ref()
         if method is not None:

@@ -1,7 +1,9 @@
 """The training engine: forward, backward, step, gradient accumulation, clipping and accounting.
 
 The engine only wires parts together and keeps the step counters; what ZeRO does to gradients and
-parameters lives in the stage's :class:`~zeroshard.sharding.ShardingStrategy`.
+parameters lives in the stage's :class:`~zeroshard.sharding.ShardingStrategy`, what a checkpoint
+saves in :class:`~zeroshard.engine.checkpoints.EngineCheckpointer`, and DeepSpeed's accessor names in
+:class:`~zeroshard.deepspeed.engine_api.DeepSpeedEngineAPI`: parts the engine owns.
 
 [Note: loss scaling for accumulation]
 ``engine.backward(loss)`` divides the loss by ``gradient_accumulation_steps`` exactly once, as
@@ -39,23 +41,27 @@ from .metrics import MetricsWriter, PhaseTimers, device_peak_bytes, host_peak_by
 from ..planning import model_state_bytes
 from ..host.host_allocator import HostMemoryPolicy
 from ..optim import build_scheduler, clip_coefficient, from_config, from_user, global_grad_norm
-from ..optim.param_groups import collect_trainable
+from ..optim.param_groups import TrainableParams, collect_trainable
 from ..offload import OffloadIOError
 from ..optim.nonfinite import NonFiniteGradientError, first_nonfinite_parameter, ranks_with_nonfinite_loss
 from ..optim.updaters import build_updater
 from ..offload.policy import OffloadPolicies
-from ..sharding.storage import HOMES, InitialValues
+from ..sharding.storage import HOMES, InitialValues, ParameterStorage
 from ..precision import LossScaler, PrecisionPolicy
 from .counters import TrainingCounters
 from ..checkpoint.background import BackgroundSaves, wait_for_copies
+from ..checkpoint.interface import CheckpointParts
 from ..sharding import STRATEGIES
 from ..deepspeed.engine_api import DeepSpeedEngineAPI
-from .checkpoints import EngineCheckpoints
+from .checkpoints import Attached, CheckpointSettings, EngineCheckpointer, TrainingParts
 
 SchedulerSpec = Union[None, LRScheduler, Callable[[Optimizer], LRScheduler]]
 
 #: model -> the live engine that wraps it (see [Note: an engine's lifetime])
 _ENGINE_OF: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[Engine]]" = weakref.WeakKeyDictionary()
+
+#: id(param) -> gathers the full values of a parameter built under zeroshard.Init
+FromInit = dict[int, Callable[[], torch.Tensor]]
 
 
 class ModelAlreadyWrappedError(RuntimeError):
@@ -80,12 +86,43 @@ class _Counter:
         setattr(engine.counters, self.name, value)
 
 
-class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
+def _refuse_a_wrapped_model(model: nn.Module) -> None:
+    """[Note: an engine's lifetime]
+    An engine takes the model over: its parameters become views into zeroshard's storage, and
+    hooks on its parameters and (stage 3) modules drive the reductions and gathers.  A model can
+    be wrapped by one live engine at a time: ``initialize()`` on a model that is still wrapped
+    raises :class:`ModelAlreadyWrappedError`.  ``engine.close()`` hands it back: every hook
+    removed, every parameter a plain tensor of its own holding its current full values (at stage
+    3 a gather, so every rank calls it), and a new ``initialize()`` on it works.
+    """
+    previous = _ENGINE_OF.get(model)
+    if previous is not None and previous() is not None:
+        raise ModelAlreadyWrappedError(
+            f"this {type(model).__name__} is already wrapped by a zeroshard engine: call engine.close() on "
+            f"that engine first (it hands the model back with its current weights), then initialize() again")
+
+
+def _adopt_init_parameters(model: nn.Module, config: ZeroshardConfig, world: World
+                           ) -> tuple[dict[int, nn.Parameter], FromInit]:
+    """A model built under ``zeroshard.Init`` (stage 3 only): its parameters, made ordinary ones, and
+    how to gather each one's full values; nothing for any other model."""
+    if not has_init_params(model):
+        return {}, {}
+    if config.stage != 3:
+        raise ValueError(f"the model was built under zeroshard.Init, which needs ZeRO stage 3; the "
+                         f"config says zero_optimization.stage = {config.stage}")
+    return adopt_init_params(model, world.device)
+
+
+class Engine:
     """Wraps a model for ZeRO data-parallel training; use it like DeepSpeed's engine.
 
-    The DeepSpeed-shaped accessors (``fp16_enabled()``, ``zero_optimization_stage()``, attribute
-    forwarding to the module, ...) live in :class:`~zeroshard.deepspeed.engine_api.DeepSpeedEngineAPI`;
-    this class holds what training does.
+    This class holds what training does.  Checkpoints are :attr:`checkpointer`'s
+    (:class:`~zeroshard.engine.checkpoints.EngineCheckpointer`; the engine's checkpoint methods hand
+    over to it), and DeepSpeed's accessor names (``fp16_enabled()``, ``zero_optimization_stage()``,
+    attribute forwarding to the module, ...) are answered by
+    :class:`~zeroshard.deepspeed.engine_api.DeepSpeedEngineAPI` (see [Note: DeepSpeed's names on
+    the engine]).
     """
 
     global_steps = _Counter()
@@ -96,104 +133,65 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
     def __init__(self, model: nn.Module, config: ZeroshardConfig, world: World,
                  model_parameters: Any = None, optimizer: Any = None,
                  lr_scheduler: SchedulerSpec = None) -> None:
-        """[Note: an engine's lifetime]
-        An engine takes the model over: its parameters become views into zeroshard's storage, and
-        hooks on its parameters and (stage 3) modules drive the reductions and gathers.  A model can
-        be wrapped by one live engine at a time: ``initialize()`` on a model that is still wrapped
-        raises :class:`ModelAlreadyWrappedError`.  ``engine.close()`` hands it back: every hook
-        removed, every parameter a plain tensor of its own holding its current full values (at stage
-        3 a gather, so every rank calls it), and a new ``initialize()`` on it works.
+        """Take ``model`` over (see [Note: an engine's lifetime]).
+
+        [Note: the order an engine is built in]
+        Each step uses what the steps before it built: the policies the config decides; the world
+        and the groups the state is sharded over; every rank starting from rank 0's values (the
+        storage copies them in); the strategy with its storage, then the parameters it leaves whole;
+        the updater over the strategy's buckets, the optimizer over the updater's pieces and the LR
+        schedule over the optimizer; the per-step state and metrics; last the parts that read all of
+        these (the checkpointer, DeepSpeed's names); then the take-over, after which the collectives'
+        byte counts start from zero (set-up is not training traffic).
         """
-        previous = _ENGINE_OF.get(model)
-        if previous is not None and previous() is not None:
-            raise ModelAlreadyWrappedError(
-                f"this {type(model).__name__} is already wrapped by a zeroshard engine: call engine.close() on "
-                f"that engine first (it hands the model back with its current weights), then initialize() again")
-        replaced: dict[int, nn.Parameter] = {}
-        from_init: dict[int, Callable[[], torch.Tensor]] = {}  # id(param) -> gathers its Init shards
-        if has_init_params(model):
-            if config.stage != 3:
-                raise ValueError(f"the model was built under zeroshard.Init, which needs ZeRO stage 3; the "
-                                 f"config says zero_optimization.stage = {config.stage}")
-            replaced, from_init = adopt_init_params(model, world.device)
+        _refuse_a_wrapped_model(model)
+        replaced, from_init = _adopt_init_parameters(model, config, world)
         self.module = model.to(world.device)
-        self.counters = TrainingCounters()
         self.config = config
-        self.host_memory = HostMemoryPolicy(config.host_memory_release, config.host_memory_trim).apply()
-        self.topology = Topology.discover(world)
-        self.world = world = dataclasses.replace(world, spans_nodes=self.topology.spans_nodes(range(world.world_size)))
-        self.comm = Collectives(world)
-        self._agree = ConsistencyCheck(self.comm)
-        self.saves = BackgroundSaves(self.world)  # asynchronous checkpoint saves
-        zero = config.zero_optimization
-        #: the groups the training state is sharded over (hybrid sharding: see distributed/topology.py)
-        self.shard_groups = build_shard_groups(self.comm, self.topology, zero.mics_shard_size,
-                                               zero.zero_hpz_partition_size,
-                                               STRATEGIES[config.stage].gathers_in_passes)
-        # API misuse checks: step() needs a backward() before it; one backward() per boundary
-        self._backwards_since_step = 0
-        self._boundary_backward_done = False
+        self.counters = TrainingCounters()
+        self._decide_policies(config)
+        self._build_groups(world)
         trainable = collect_trainable(model, model_parameters,
                                       optimizer if isinstance(optimizer, Optimizer) else None, replaced)
         self.param_names = trainable.names
         self._sync_initial_state(from_init)
-        # this engine's own settings while its forward runs (see [Note: whose settings a region uses])
+        self._build_storage_and_strategy(trainable, from_init)
+        self._keep_frozen_parameters_whole(trainable.frozen, from_init)
+        self._build_optimizer(optimizer, trainable.group_options, lr_scheduler)
+        self._reset_step_state()
+        self._start_metrics()
+        self._build_parts()
+        self._take_over()
+
+    # ------------------------------------------------------------------ construction steps
+    def _decide_policies(self, config: ZeroshardConfig) -> None:
+        """What the config decides, once: host memory, activation checkpointing, precision, loss
+        scale and where state lives."""
+        self.host_memory = HostMemoryPolicy(config.host_memory_release, config.host_memory_trim).apply()
+        # this engine's own settings while its forward runs (see [Note: whose settings a region uses] in
+        # activations/checkpointing.py)
         self.checkpointing: Optional[activation_checkpointing.CheckpointingContext] = (
             activation_checkpointing.CheckpointingContext(config.activation_checkpointing)
             if config.activation_checkpointing != ActivationCheckpointingConfig() else None)
         self.precision = PrecisionPolicy.from_config(config)
         self.loss_scaler = LossScaler.from_config(config)
-        self._consecutive_skips = 0  # non-finite steps in a row (see optim/nonfinite.py)
-        self._nonfinite_loss_seen = False  # a micro step since the last step had a NaN/inf loss
         self.offload = OffloadPolicies.from_config(config.zero_optimization)
-        name_of = {id(p): n for n, p in model.named_parameters()}
-        self.strategy = STRATEGIES[config.stage].build(
-            model, trainable.params, trainable.names, trainable.group_of, self.shard_groups,
-            config.zero_optimization, self.precision, self.offload, InitialValues(from_init),
-            [(name_of[id(p)], p) for p in trainable.frozen])
-        self.flat = self.strategy.flat
-        self.flat.read_chunks_elsewhere_while(self.saves.copying)  # an asynchronous save's copy
-        #: frozen parameters kept whole in their modules (all of them below stage 3); stage 3's storage
-        #: holds the others (see [Note: frozen parameters at stage 3] in sharding/stage3/units.py)
-        self.frozen_params = [p for p in trainable.frozen if HOMES.home_of(p) is None]
-        with torch.no_grad():
-            for p in self.frozen_params:
-                if id(p) in from_init:  # built under Init and kept whole: gathered now, in model order
-                    p.data = from_init[id(p)]().clone()
-        self._convert_rest_of_model()
-        # What the optimizer updates, and where it lives (see [Note: pieces] in optim/updater.py).
-        self.updater = build_updater(self.strategy, self.offload)
-        self.strategy.add_reduced_listener(self.updater.grad_reduced)
-        self.optimizer = self._build_optimizer(optimizer, trainable.group_options)
-        self.updater.attach(self.optimizer)
-        setattr(self.optimizer, "overflow", False)
-        self.lr_scheduler = self._build_scheduler(lr_scheduler)
-        self.data_loader: Any = None  # set by initialize(training_data=...); checkpoints record its position
-        # set_gradient_accumulation_boundary(): a caller (Accelerate) that decides the boundary itself
-        self._boundary_override: Optional[bool] = None
-        self._grad_norm: Optional[float] = None
-        self._last_loss: Optional[float] = None
-        self._window_start = time.perf_counter()
-        self._window_steps = 0
-        self._window_comm = (0, 0.0)
-        self._tokens = 0
-        self._timers = PhaseTimers()
-        self.last_metrics: Optional[dict[str, Any]] = None
-        tb = config.tensorboard
-        csv = config.csv_monitor
-        self._writer = MetricsWriter(
-            config.metrics_path if world.is_main else None,
-            f"{tb.output_path}/{tb.job_name}" if tb.enabled and world.is_main else None,
-            str(Path(csv.output_path or ".") / csv.job_name) if csv.enabled and world.is_main else None)
-        self.comm.reset_counters()  # the initial broadcast is set-up, not training traffic
-        #: the parameters' names as the engine took them over (see ``_check_unchanged``)
-        self._parameter_names = [name for name, _ in model.named_parameters()]
-        self._closed = False
-        _ENGINE_OF[model] = weakref.ref(self)
-        release_at_exit(self._release_at_exit)
 
-    # ------------------------------------------------------------------ construction helpers
-    def _sync_initial_state(self, from_init: dict[int, Any]) -> None:
+    def _build_groups(self, world: World) -> None:
+        """The world (which ranks share a node), its collectives, the consistency check, the group of
+        asynchronous saves and the groups the training state is sharded over (hybrid sharding: see
+        distributed/topology.py)."""
+        self.topology = Topology.discover(world)
+        self.world = dataclasses.replace(world, spans_nodes=self.topology.spans_nodes(range(world.world_size)))
+        self.comm = Collectives(self.world)
+        self._agree = ConsistencyCheck(self.comm)
+        self.saves = BackgroundSaves(self.world)  # asynchronous checkpoint saves
+        zero = self.config.zero_optimization
+        self.shard_groups = build_shard_groups(self.comm, self.topology, zero.mics_shard_size,
+                                               zero.zero_hpz_partition_size,
+                                               STRATEGIES[self.config.stage].traits.gathers_in_passes)
+
+    def _sync_initial_state(self, from_init: FromInit) -> None:
         """Start every rank from rank 0's parameters and buffers, as DistributedDataParallel does."""
         with torch.no_grad():
             for p in self.module.parameters():
@@ -201,6 +199,27 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
                     self.comm.broadcast(p.data, 0, "init_params")
             for b in self.module.buffers():
                 self.comm.broadcast(b.data, 0, "init_buffers")
+
+    def _build_storage_and_strategy(self, trainable: TrainableParams, from_init: FromInit) -> None:
+        """The stage's strategy, which lays the parameters out in its storage and takes them over."""
+        name_of = {id(p): n for n, p in self.module.named_parameters()}
+        self.strategy = STRATEGIES[self.config.stage].build(
+            self.module, trainable.params, trainable.names, trainable.group_of, self.shard_groups,
+            self.config.zero_optimization, self.precision, self.offload, InitialValues(from_init),
+            [(name_of[id(p)], p) for p in trainable.frozen])
+        self.storage = self.strategy.storage
+        self.storage.read_chunks_elsewhere_while(self.saves.copying)  # an asynchronous save's copy
+
+    def _keep_frozen_parameters_whole(self, frozen: list[nn.Parameter], from_init: FromInit) -> None:
+        """Frozen parameters the storage does not hold stay whole in their modules (all of them below
+        stage 3; see [Note: frozen parameters at stage 3] in sharding/stage3/units.py), with full
+        values, in the compute dtype like the rest of the model."""
+        self.frozen_params = [p for p in frozen if HOMES.home_of(p) is None]
+        with torch.no_grad():
+            for p in self.frozen_params:
+                if id(p) in from_init:  # built under Init and kept whole: gathered now, in model order
+                    p.data = from_init[id(p)]().clone()
+        self._convert_rest_of_model()
 
     def _convert_rest_of_model(self) -> None:
         """Mixed precision: frozen parameters and floating-point buffers compute in 16 bits too, as
@@ -217,13 +236,23 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
                     if b is not None and b.is_floating_point():
                         module._buffers[name] = b.to(dtype)
 
+    def _build_optimizer(self, optimizer: Any, options: list[dict[str, Any]], lr_scheduler: SchedulerSpec) -> None:
+        """What the optimizer updates and where it lives (see [Note: pieces] in optim/updater.py), the
+        optimizer over it, and the LR schedule."""
+        self.updater = build_updater(self.strategy, self.offload)
+        self.strategy.add_reduced_listener(self.updater.grad_reduced)
+        self.optimizer = self._optimizer_over_pieces(optimizer, options)
+        self.updater.attach(self.optimizer)
+        setattr(self.optimizer, "overflow", False)
+        self.lr_scheduler = self._build_scheduler(lr_scheduler)
+
     def _optimizer_groups(self, options: list[dict[str, Any]]) -> list[dict[str, Any]]:
         groups = [{**opts, "params": []} for opts in options]
         for bucket in self.strategy.layout.buckets:
             groups[bucket.group_index]["params"].extend(self.updater.params_of(bucket))
         return groups
 
-    def _build_optimizer(self, optimizer: Any, options: list[dict[str, Any]]) -> Optimizer:
+    def _optimizer_over_pieces(self, optimizer: Any, options: list[dict[str, Any]]) -> Optimizer:
         groups = self._optimizer_groups(options)
         if isinstance(optimizer, Optimizer):
             # Keep the user's object (a scheduler may already hold it): swap its tensors for our chunks.
@@ -253,6 +282,78 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
             return build_scheduler(self.config.scheduler.type, self.config.scheduler.params, self.optimizer)
         return None
 
+    def _reset_step_state(self) -> None:
+        """The state of the micro step in progress: a fresh optimizer step at a boundary."""
+        # API misuse checks: step() needs a backward() before it; one backward() per boundary
+        self._backwards_since_step = 0
+        self._boundary_backward_done = False
+        self._nonfinite_loss_seen = False  # a micro step since the last step had a NaN/inf loss
+        self._consecutive_skips = 0  # non-finite steps in a row (see optim/nonfinite.py)
+        # set_gradient_accumulation_boundary(): a caller (Accelerate) that decides the boundary itself
+        self._boundary_override: Optional[bool] = None
+        self._grad_norm: Optional[float] = None
+        self._last_loss: Optional[float] = None
+
+    def _start_metrics(self) -> None:
+        """The first metrics window, the phase timers and the JSONL / TensorBoard / CSV writer (rank 0)."""
+        self._window_start = time.perf_counter()
+        self._window_steps = 0
+        self._window_comm = (0, 0.0)
+        self._tokens = 0
+        self._timers = PhaseTimers()
+        self.last_metrics: Optional[dict[str, Any]] = None
+        tb, csv, main = self.config.tensorboard, self.config.csv_monitor, self.world.is_main
+        self._writer = MetricsWriter(
+            self.config.metrics_path if main else None,
+            f"{tb.output_path}/{tb.job_name}" if tb.enabled and main else None,
+            str(Path(csv.output_path or ".") / csv.job_name) if csv.enabled and main else None)
+
+    def _build_parts(self) -> None:
+        """The parts built over the engine: the checkpointer and DeepSpeed's names.
+
+        [Note: parts hold the engine weakly]
+        A part that needs something of the engine at call time reads it through a weak proxy of the
+        engine, never through the engine itself, so that no part keeps its engine alive: an engine
+        nobody references goes by reference counting, without waiting for the cycle collector, and
+        its storage, swap files and hooks go with it.
+        """
+        self.data_loader: Any = None  # set by initialize(training_data=...); checkpoints record its position
+        engine = weakref.proxy(self)
+        parts = TrainingParts(self.module, self.param_names, self.strategy, self.updater, self.optimizer,
+                              self.loss_scaler, self.counters)
+        self.checkpointer = EngineCheckpointer(
+            parts, self.world, self.comm, self._agree, self.saves,
+            CheckpointSettings.from_config(self.config, self.precision, self.offload),
+            attached=lambda: Attached(engine.lr_scheduler, engine.data_loader),
+            resume_at_boundary=lambda: engine._resume_at_boundary())
+        self._deepspeed = DeepSpeedEngineAPI(engine)
+
+    def _take_over(self) -> None:
+        """Register the engine as the model's (see [Note: an engine's lifetime]) and as one to release
+        at exit; the traffic of set-up is not training traffic."""
+        self.comm.reset_counters()
+        #: the parameters' names as the engine took them over (see ``_check_unchanged``)
+        self._parameter_names = [name for name, _ in self.module.named_parameters()]
+        self._closed = False
+        _ENGINE_OF[self.module] = weakref.ref(self)
+        release_at_exit(self._release_at_exit)
+
+    def __getattr__(self, name: str) -> Any:
+        """[Note: DeepSpeed's names on the engine]
+        DeepSpeed's accessors (``engine.fp16_enabled()``, ``engine.local_rank``, ...) and, as in
+        DeepSpeed, any attribute of the wrapped module (``engine.generate(...)``) are reached on the
+        engine.  The engine answers every name it does not define itself with its
+        :class:`DeepSpeedEngineAPI` part (``answer``), which has DeepSpeed's accessor of that name or
+        hands the lookup on to the module: one fallback, where naming each of some thirty accessors
+        again here would give the engine DeepSpeed's vocabulary (see [Note: one thin layer for
+        DeepSpeed's names] in deepspeed/engine_api.py).  What the engine defines comes first, so
+        none of its own names is ever a module's.
+        """
+        deepspeed = self.__dict__.get("_deepspeed")
+        if deepspeed is None or name.startswith("__"):
+            raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
+        return deepspeed.answer(name)
+
     # ------------------------------------------------------------------ the training step
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
@@ -260,7 +361,7 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
         self._check_unchanged()
-        if self.strategy.forward_communicates:
+        if self.strategy.traits.forward_communicates:
             self._agree.agree(Call.FORWARD, self.micro_steps, self.global_steps)
         self.strategy.before_forward()
         tokens = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
@@ -356,18 +457,20 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
         self.micro_steps += 1
         self._timers.add("step", started)
         if boundary:
-            self._save_periodically()
+            self.checkpointer.save_periodically()
         if self.micro_steps % self.gradient_accumulation_steps() == 0 and \
                 self.global_steps % self.config.steps_per_print == 0:
             self._log_progress()
 
     def _optimizer_step(self) -> None:
-        wait_for_copies()  # an asynchronous save copies what this step changes (see [Note: asynchronous saves])
-        self.flat.take_back_chunks()  # the optimizer steps the chunks in place
+        # an asynchronous save copies what this step changes (see [Note: asynchronous saves] in
+        # checkpoint/background.py)
+        wait_for_copies()
+        self.storage.take_back_chunks()  # the optimizer steps the chunks in place
         self._raise_swap_failures()  # a parameter shard that could not be read: stop before updating
         grads = [self.strategy.owned_grad(b) for b in self.strategy.layout.buckets]  # on the device
         shard_comm = self.strategy.comm  # the shard group: replicas (MiCS) hold the same averaged shard
-        sharded = self.strategy.grads_are_sharded and shard_comm.world.is_distributed
+        sharded = self.strategy.traits.grads_are_sharded and shard_comm.world.is_distributed
         scaled_norm = global_grad_norm(grads, shard_comm if sharded else None)
         scale = self.loss_scaler.scale
         self._grad_norm = scaled_norm / scale
@@ -450,12 +553,12 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
         """NVMe offload: a swap read or write that failed on any rank stops every rank, together.
 
         A failing rank keeps issuing the step's collectives (its update stops, see [Note: NVMe
-        sub-groups] in optim/updater.py); here one scalar all-reduce tells every rank, and each raises
+        sub-groups] in optim/nvme_updater.py); here one scalar all-reduce tells every rank, and each raises
         an OffloadIOError: the failing ones with the file and the reason, the others naming them.
         """
         if not self.offload.uses_nvme:
             return
-        failures = [f for f in (self.updater.take_failure(), self.flat.take_failure()) if f is not None]
+        failures = [f for f in (self.updater.take_failure(), self.storage.take_failure()) if f is not None]
         failed = self.comm.all_reduce_scalar(float(bool(failures)), "offload_io_check") \
             if self.world.is_distributed else float(bool(failures))
         if failures:
@@ -491,9 +594,9 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
         self.strategy.finish_refresh()
         self.strategy.remove_hooks()
         if hand_back:
-            self.flat.detach_parameters()
+            self.storage.detach_parameters()
         self.updater.close()
-        self.flat.close()
+        self.storage.close()
         _ENGINE_OF.pop(self.module, None)
 
     def zero_grad(self) -> None:
@@ -501,6 +604,89 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
         self.strategy.zero_grad()
         for p in self.strategy.params:
             p.grad = None
+
+    # ------------------------------------------------------------------ checkpoints and full weights
+    def save_checkpoint(self, save_dir: Union[str, Path], tag: Any = None, client_state: Any = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False,
+                        async_save: Optional[bool] = None) -> Path:
+        """Write a sharded checkpoint under ``save_dir/tag`` (see zeroshard/checkpoint/format.py); returns
+        that directory.
+
+        ``tag`` may be of any type (DeepSpeed scripts pass step numbers): it names a directory by
+        ``str(tag)``.  ``exclude_frozen_parameters`` leaves frozen parameters out (a LoRA job's base
+        model, which the job loads from its pretrained weights anyway); a load then keeps the model's
+        current frozen values.  ``async_save`` (default: ``checkpoint.writer.decoupled``): return at once;
+        the state is copied (the next optimizer step waits for that), written and published in the
+        background (see [Note: asynchronous saves] in checkpoint/background.py).
+        """
+        return self.checkpointer.save(save_dir, tag, client_state, save_latest, exclude_frozen_parameters, async_save)
+
+    def wait_for_checkpoint(self) -> Optional[Path]:
+        """Block until the asynchronous save in flight is published; returns its directory (None when
+        none was in flight).  Raises its error, on every rank, if it failed."""
+        return self.saves.wait()
+
+    def load_checkpoint(self, load_dir: Union[str, Path], tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, load_rng_state: Optional[bool] = None,
+                        ) -> tuple[Optional[Path], Any]:
+        """Load a checkpoint saved at any world size and stage; returns ``(path, client_state)``.
+
+        [Note: who owns the random number generators on resume]
+        ``load_rng_state=None`` (the default) restores torch's RNG states from the checkpoint only
+        when this engine owns the data pipeline (``initialize(training_data=...)``): then resume is
+        bitwise, data order included.  A script with its own loader keeps its own seeding, as under
+        DeepSpeed, whose ``load_checkpoint`` never touches the global generators: a DeepSpeed script
+        therefore resumes with the data order it had there.  ``True``/``False`` decide explicitly.
+
+        The engine resumes at a step boundary, with its own accumulation (see :meth:`_resume_at_boundary`).
+        """
+        return self.checkpointer.load(load_dir, tag, load_module_strict, load_optimizer_states,
+                                      load_lr_scheduler_states, load_module_only, load_rng_state)
+
+    def _resume_at_boundary(self) -> None:
+        """After a load the next optimizer step takes this engine's ``gradient_accumulation_steps``
+        micro batches, whatever the checkpoint was saved with (see ``TrainingCounters.resume_at_boundary``).
+
+        What a micro step before the load left behind belongs to the parameters the load replaced:
+        its gradients are dropped, and the checks on ``backward()``/``step()`` start a fresh step.
+        """
+        self.counters.resume_at_boundary(self.gradient_accumulation_steps())
+        self.zero_grad()
+        self._backwards_since_step = 0
+        self._boundary_backward_done = False
+        self._nonfinite_loss_seen = False
+
+    def checkpoint_parts(self) -> CheckpointParts:
+        """The engine's stateful parts, as a checkpoint saves and restores them (checkpoint/interface.py)."""
+        return self.checkpointer.checkpoint_parts()
+
+    def save_16bit_model(self, save_dir: Union[str, Path], save_filename: str = "model.safetensors",
+                         dtype: Optional[torch.dtype] = None, exclude_frozen_parameters: bool = False,
+                         ) -> Optional[Path]:
+        """Rank 0 writes the full weights in 16 bits to ``save_dir/save_filename``; every rank calls it.
+
+        The file is what its name says: a torch pickle for ``.bin``/``.pt``/``.pth`` (DeepSpeed's
+        ``pytorch_model.bin``), safetensors otherwise.  ``dtype``: default the training dtype under
+        mixed precision, else bf16.  At stage 3 the weights are gathered (one bucket at a time) only
+        when ``stage3_gather_16bit_weights_on_model_save`` is true; otherwise nothing is written and a
+        warning says so, as DeepSpeed does.  ``exclude_frozen_parameters`` leaves frozen ones out.
+        """
+        return self.checkpointer.save_16bit_model(save_dir, save_filename, dtype, exclude_frozen_parameters)
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """Whether ``save_16bit_model`` gathers full weights (always below stage 3; the config's
+        ``stage3_gather_16bit_weights_on_model_save`` at stage 3)."""
+        return self.checkpointer.settings.gathers_16bit_weights
+
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """The model's ordinary state dict with full values, as CPU tensors.
+
+        Gathers one bucket at a time (peak: one bucket beyond the shards).  Every rank must call it;
+        with ``rank0_only`` the other ranks get an empty dict.  Tied weights appear under each of
+        their names, as ``nn.Module.state_dict`` gives them, so ``load_state_dict(strict=True)`` works.
+        """
+        return self.checkpointer.full_state_dict(rank0_only)
 
     def _log_progress(self) -> None:
         """Every ``steps_per_print`` steps: a log line on rank 0, and the JSONL / TensorBoard record."""
@@ -576,9 +762,14 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
     def stage(self) -> int:
         return self.strategy.stage
 
+    @property
+    def flat(self) -> ParameterStorage:
+        """The old name of :attr:`storage`, read-only, for code that still reads it."""
+        return self.storage
+
     # ------------------------------------------------------------------ accounting
     def memory_breakdown(self) -> dict[str, float]:
-        """Bytes this rank holds, by category (see [Note: what the breakdown counts])."""
+        """Bytes this rank holds, by category (see [Note: what the breakdown counts] in planning/accounting.py)."""
         params, param_padding = self.strategy.param_bytes()
         frozen_sharded, frozen_padding = self.strategy.frozen_bytes()
         grads, grad_padding = self.strategy.grad_bytes()

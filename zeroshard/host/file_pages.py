@@ -5,11 +5,11 @@
 safetensors file through safetensors' own memory map and hands every weight over as a view into that
 map; Init copies this rank's slice of it into a shard.  The pages the copy (and transformers' own
 checks) touched stay resident in this process until transformers closes the file, at the end of the
-load, so every rank's RSS grew by the whole model (measured 1.18x the model's bytes at world 2) even
-though each keeps half.  The pages are file pages: the page cache holds them, and a later read faults
-them in again with the same bytes.  So once a parameter is sharded, :func:`drop_mapped_pages` tells
-the kernel (``madvise(MADV_DONTNEED)``) that this process no longer needs the pages lying wholly
-inside the weight's bytes, and RSS follows what each rank keeps.
+load, so every rank's RSS would grow by the whole model even though each keeps half (measured in
+benchmarks/RESULTS.md, section "Pretrained weights into the shards").  The pages are file pages: the
+page cache holds them, and a later read faults them in again with the same bytes.  So once a parameter
+is sharded, :func:`drop_mapped_pages` tells the kernel (``madvise(MADV_DONTNEED)``) that this process no
+longer needs the pages lying wholly inside the weight's bytes, and RSS follows what each rank keeps.
 
 It acts only where that cannot change a value: a mapping of a file (not anonymous memory), shared
 (a written page stays in the page cache) or private with no page of the range copied on write

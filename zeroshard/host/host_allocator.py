@@ -6,10 +6,10 @@ glibc's ``malloc`` serves a large block with its own ``mmap`` (returned on ``fre
 threshold that it raises, by default, to the size of every such block freed, up to 32 MiB
 (``mallopt(3)``: the dynamic mmap threshold).  After the first step, a training job's activations,
 gradient buckets and collective temporaries therefore come from the heap, and when they are freed
-the heap keeps them: measured at 91M parameters on two ranks, glibc held 450-900 MiB freed but not
-returned at the peak of every stage (``malloc_stats``: the main arena 1165 MB from the system, 519 MB
-in use, at the end of a stage-3 step), so the memory ZeRO saves did not show in the process's RSS.
-Two explicit settings give it back, both off by default, both measured in benchmarks/RESULTS.md:
+the heap keeps them: at every stage, hundreds of MiB freed but not returned sit in the peak, so the
+memory ZeRO saves need not show in the process's RSS (``malloc_stats`` shows it: far more taken from
+the system than in use).  Two explicit settings give it back, both off by default, both measured in
+benchmarks/RESULTS.md, section "Peak RSS like for like", subsection "Opt-in memory settings":
 
 - ``host_memory_release`` fixes the mmap and trim thresholds at 1 MiB at initialize: blocks of a MiB
   or more are mapped and unmapped one by one, and RSS follows live memory, at the price of page

@@ -2,38 +2,32 @@
 
 [Note: releasing a gathered unit's pages]
 Stage 3 gathers a unit's full buffer before its module runs and releases it after.  Freeing the
-buffer (shrinking its storage) hands the memory to glibc, which serves the next gather from its heap
-and keeps what is freed there (see [Note: glibc keeps what training frees] in host_allocator.py):
-the units' buffers, re-allocated every step, then mix with activations and gradients of changing
-sizes in a heap that only grows.  Instead, in host memory on Linux, each unit's buffer stays
-allocated for the whole run and releasing it drops its pages with ``madvise(MADV_DONTNEED)``: the
-kernel takes them back at once, the next gather's writes fault fresh zeroed pages in, and no other
-allocation can move into the hole.  The buffers ask for transparent huge pages
-(``MADV_HUGEPAGE``), so that faulting a 27 MiB unit back in costs 14 faults instead of 6912
-(measured on this project's 2-core machine, refilling dropped buffers: 1.2 GiB/s with 4 KiB pages,
-3.2 GiB/s with huge pages, 4.5 GiB/s for buffers whose pages are kept: about 0.04 s a step for the
-364 MB a 91M-parameter model gathers once a step at DeepSpeed's default reuse distance).  At 91M
-parameters on two ranks (benchmarks/RESULTS.md) the peak RSS under glibc's defaults stays within
-the noise, but what is released is really gone:
-with ``host_memory_trim`` stage 3 peaks at ~1780 MiB, against ~1950 when the units went through
-the heap.
+buffer (shrinking its storage) would hand the memory to glibc, which serves the next gather from its
+heap and keeps what is freed there (see [Note: glibc keeps what training frees] in
+host/host_allocator.py): the units' buffers, allocated again every step, would mix with activations
+and gradients of changing sizes in a heap that only grows.  So, in host memory on Linux, each unit's
+buffer stays allocated for the whole run and a release gives back its pages, not its addresses: they
+go first to a reserve that moves them under the next buffer filled ([Note: released pages move to the
+next gather] in host/page_reserve.py), and what the reserve cannot hold is dropped here with
+``madvise(MADV_DONTNEED)``: the kernel takes it back at once, the next writes fault fresh zeroed pages
+in, and no other allocation can move into the hole.  What is released is therefore really gone from
+the process: with ``host_memory_trim`` stage 3 peaks lower than with its units' buffers on the heap.
+The buffers ask for transparent huge pages (``MADV_HUGEPAGE``), so that faulting a 27 MiB unit back in
+costs 14 faults instead of 6912, which refills a dropped buffer more than twice as fast.
 
 What faulting back in costs depends on the host.  On a virtual machine whose guest reports free
-memory to the hypervisor (virtio-balloon free page reporting, as on this project's machine), pages
-that stay free for about two seconds go to the host, and touching them again costs a fault there as
-well: 351 MiB refilled in 0.06-0.07 s up to a second after the drop, 0.17 s from two seconds on
-(benchmarks/bench_page_refill.py).  A unit released in one backward is gathered again in the next
-forward, seconds later, so stage 3 pays that price every step (benchmarks/RESULTS.md, seventeenth
-session: much of stage 3's step time above DDP's there).
-
-Since the nineteenth session a release hands its pages to a reserve that moves them under the next
-buffer filled, dropping only what the reserve cannot hold ([Note: released pages move to the next
-gather] in page_reserve.py).
+memory to the hypervisor (virtio-balloon free page reporting), pages that stay free for about two
+seconds go to the host, and touching them again costs a fault there as well: a refill takes more than
+twice as long two seconds after the drop as right after it.  A unit released in one backward is
+gathered again in the next forward, seconds later, when the pages it dropped are cold: the reason the
+reserve moves pages instead of dropping them.  The figures (huge pages, refill rates, stage 3's peak)
+are in benchmarks/RESULTS.md, section "What faulting released pages back in costs"
+(benchmarks/bench_page_refill.py).
 
 A released buffer reads as zeros (or stale values, under the reserve) rather than as freed memory;
-nothing reads it (the modules show placeholders, see placeholder.py, and every use gathers first).
-Where ``madvise`` is not available (not Linux, or device memory) the caller frees the storage
-instead, as before.
+nothing reads it (the modules show placeholders, see sharding/stage3/placeholder.py, and every use
+gathers first).  Where ``madvise`` is not available (not Linux, or device memory) the caller frees the
+storage instead.
 """
 
 from __future__ import annotations

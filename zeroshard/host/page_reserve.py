@@ -2,39 +2,40 @@
 
 [Note: released pages move to the next gather]
 Stage 3 keeps its buffers (gathered units, lent chunks, gradient chunks, gradient buckets) for the
-run and releases their memory by dropping their pages ([Note: releasing a gathered unit's pages] in
-page_release.py).  A unit released in one backward is gathered again in the next forward, seconds
-later, and on a virtual machine that reports free memory to its hypervisor the pages it faults in
-then are cold: most of stage 3's step time above DDP's (seventeenth session, benchmarks/RESULTS.md).
+run and releases their memory page by page ([Note: releasing a gathered unit's pages] in
+host/page_release.py).  A unit released in one backward is gathered again in the next forward, seconds
+later, and on a virtual machine that reports free memory to its hypervisor, pages dropped at the
+release and faulted in at the gather are cold by then: a large part of what a stage-3 step would cost
+beyond DDP's.
 
-A :class:`PageReserve` takes what is released instead, and leaves the pages where they are,
-*parked*: the buffer no longer owns them, and the next buffer filled takes them, moved under its own
-addresses with ``mremap(MREMAP_DONTUNMAP)`` (the page tables move; no page is freed, zeroed,
-faulted or copied, and both buffers keep their addresses: tensors that autograd saved still point
-where they did).  Whatever the reserve cannot cover is faulted in as before; what is parked beyond
-``capacity`` is dropped at once, oldest first.
+So a :class:`PageReserve` takes what is released and leaves the pages where they are, *parked*: the
+buffer no longer owns them, and the next buffer filled takes them, moved under its own addresses with
+``mremap(MREMAP_DONTUNMAP)`` (the page tables move; no page is freed, zeroed, faulted or copied, and
+both buffers keep their addresses: tensors that autograd saved still point where they did).  Whatever
+the reserve cannot cover is faulted in; what is parked beyond ``capacity`` is dropped at once, oldest
+first.
 
 Where the pages go.  A forward's gather moves the store's pages under this rank's chunk into the
 unit's slot (:meth:`PageReserve.hand_over`; see [Note: a gathered unit borrows this rank's chunk] in
-sharding/stage3/sharded_params.py) and fills the rest of the unit from the reserve.  A backward releases each
-unit: the slot's pages go home to the store (handed over again), the rest is parked, and the gradient
-chunk it produces is filled from the reserve; the step gives the gradient chunks back (parked); the
-next forward's gathers take what is parked.  The capacity is what one forward gathers beyond the
-chunks its units borrow (174 MiB at 91M, world 2): exactly what the gathers take from the reserve.
-Before the twentieth session a gather filled the whole unit from the reserve and lent the chunk by
-dropping the store's pages, so half of a forward's gathers faulted in (the pages of a lent chunk could
-not be parked: prefetch launches every gather of the forward before the first unit lends, so they
-would have waited through the forward's end, where stage 3 peaks).
-Between steps the parked pages count in the process's RSS (``memory_breakdown()["parked_pages"]``);
-at the forward's end the gathers have taken them.  Measured at 91M fp32, world 2, DeepSpeed's
-defaults (benchmarks/RESULTS.md, nineteenth and twentieth sessions): peak RSS 1500/1519 MiB
-(1501/1582 before the reserve); the forward faulted 44,500-46,600 pages with 0.34-0.47 s of system
-time instead of 0.59-0.65 s, and none once the chunks moved too.
+sharding/stage3/sharded_params.py) and fills the rest of the unit from the reserve.  A backward
+releases each unit: the slot's pages go home to the store (handed over again), the rest is parked, and
+the gradient chunk it produces is filled from the reserve; the step gives the gradient chunks back
+(parked); the next forward's gathers take what is parked.  The capacity is what one forward gathers
+beyond the chunks its units borrow (174 MiB at 91M, world 2): exactly what the gathers take from the
+reserve.  The store's pages move straight into the slot because they could not usefully be parked:
+prefetch launches every gather of a forward before the first unit lends its chunk, so pages parked at
+lending would wait through the forward's end, where stage 3 peaks, and dropped instead they would leave
+half of a forward's gathers to fault in.  Between steps the parked pages count in the process's RSS
+(``memory_breakdown()["parked_pages"]``); at the forward's end the gathers have taken them.  A forward
+then faults in next to no pages, and the reserve does not raise the peak RSS (measured in
+benchmarks/RESULTS.md, section "What faulting released pages back in costs", paragraph "Stage 3's
+pages moved, not faulted").
 
 Every page range the reserve holds lies inside one buffer that released it; a buffer must be filled
 (:meth:`PageReserve.fill`) or reclaimed (:meth:`PageReserve.reclaim`) before anything writes to it
 again, so that no parked page is moved away from under live values.  Where ``mremap`` cannot move
-(not Linux, a kernel older than 5.7) the reserve drops what it is given, as before.
+(not Linux, a kernel older than 5.7) the reserve drops what it is given, and the next buffer filled
+faults its pages in.
 """
 
 from __future__ import annotations

@@ -42,7 +42,8 @@ class ParamSwap(SwapSpace):
 
     def read_into(self, bucket: int, into: torch.Tensor) -> None:
         """Read bucket ``bucket``'s shard into ``into``; on failure fill zeros and record the error
-        (the collective goes on: see [Note: swap failures stop every rank together])."""
+        (the collective goes on: see [Note: swap failures stop every rank together] in
+        offload/swap_files.py)."""
         try:
             if into.device.type == "cpu":
                 self.io.read(self.files[bucket], into).result()

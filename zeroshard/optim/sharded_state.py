@@ -45,11 +45,11 @@ class ShardedState:
     @property
     def saved_dtype(self) -> torch.dtype:
         """The dtype the chunks are saved in: fp32 masters if any, else the parameters' dtype."""
-        return torch.float32 if self.strategy.masters is not None else self.strategy.flat.dtype
+        return torch.float32 if self.strategy.masters is not None else self.strategy.storage.dtype
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return self.strategy.flat.dtype
+        return self.strategy.storage.dtype
 
     def chunk_layout(self) -> list[tuple[int, int]]:
         """Per bucket: (chunk size, number of chunks) as this engine owns them (stage 0: one whole chunk)."""

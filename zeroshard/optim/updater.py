@@ -11,14 +11,14 @@ The torch optimizer steps *pieces*: 1D tensors wrapped as Parameters, stepped bu
   dtype, into the owned parameters;
 - ``offload_optimizer.device: nvme`` (:class:`~.nvme_updater.NVMeUpdater`): a piece's master values
   and optimizer state live in swap files and are in host memory only while it is read, updated and
-  written (see [Note: NVMe sub-groups] in nvme_updater.py).
+  written (see [Note: NVMe sub-groups] in optim/nvme_updater.py).
 
 Which one a run gets is decided once, from the :class:`~zeroshard.offload.policy.OffloadPolicy`
 (:func:`~.updaters.build_updater`).
 
 Under offload a bucket's owned chunk is cut into pieces of at most ``sub_group_size`` elements
-(rounded down to a multiple of 64, see [Note: cutting pieces]): the unit of swapping, and what
-bounds the fp32 gradient copied to the host at once.
+(rounded down to a multiple of 64, see [Note: cutting pieces] in offload/master_swap.py): the unit of
+swapping, and what bounds the fp32 gradient copied to the host at once.
 """
 
 from __future__ import annotations

@@ -43,7 +43,8 @@ class StageEstimate:
     activations: float
     buffers: float
     host: float = 0.0  # bytes moved to host memory by offload
-    #: hpZ's secondary partition of the parameters (see [Note: hybrid sharding memory] in accounting.py)
+    #: hpZ's secondary partition of the parameters (see [Note: hybrid sharding memory] in
+    #: planning/accounting.py)
     secondary_params: float = 0.0
 
     @property
@@ -94,7 +95,8 @@ def buffer_bytes(req: EstimateRequest, stage: int) -> float:
     trainable = int(req.num_params * req.trainable)
     per_model = 2 * BUCKETS_PER_MODEL if stage == 2 else BUCKETS_PER_MODEL  # as the stages cut buckets
     bucket = min(capped_bucket_numel(int(req.reduce_bucket_size), trainable, per_model), trainable)
-    # stage 2 never writes a bucket's own chunk (see [Note: stage 2's own chunk is reduced in place])
+    # stage 2 never writes a bucket's own chunk (see [Note: stage 2's own chunk is reduced in place] in
+    # sharding/grad_chunks.py)
     written = (req.world_size - 1) / req.world_size if stage == 2 else 1.0
     buckets = 2 * bucket * grad_bytes * written if stage >= 2 else 0.0
     prefetch = min(req.prefetch_bucket_size, req.num_params) * grad_bytes if stage == 3 else 0.0
@@ -121,7 +123,8 @@ def estimate_stage(req: EstimateRequest, stage: int) -> StageEstimate:
 
 def estimate_hybrid(req: EstimateRequest, stage: int, mics_shard_size: Optional[int] = None,
                     hpz_partition_size: Optional[int] = None) -> StageEstimate:
-    """:func:`estimate_stage` with hybrid sharding (see [Note: hybrid sharding memory] in accounting.py).
+    """:func:`estimate_stage` with hybrid sharding (see [Note: hybrid sharding memory] in
+    planning/accounting.py).
 
     MiCS (``mics_shard_size`` S, None or -1: off): the stage's estimate for a world of S ranks, since
     every sharded byte is split over the S ranks of a shard group.  hpZ (``hpz_partition_size`` S, None

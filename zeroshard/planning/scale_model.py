@@ -78,11 +78,11 @@ backward gather, reduce-scatter: M each) and hpZ's as 2M (the backward gather st
 Times, approximately: ZeRO++ reports, on 384 V100s (24 nodes of 16), 1K tokens per GPU, that its three
 techniques together (0.75M across nodes: qwZ halves the forward gather, hpZ keeps the backward gather
 in the node, qgZ sends 0.25M of gradients) are 28-36% faster than ZeRO-3 at 400 Gb/s per node, up to
-2.2x (about 2x on average) at 100 Gb/s, and as fast at 200 Gb/s as ZeRO-3 at 800 Gb/s.  We fed this
-model those volumes (hpZ's from :func:`traffic_per_step`, qwZ/qgZ's as hand-built
-:class:`CollectiveTraffic`), an 18B model, activation checkpointing, 150 GB/s NVSwitch and an assumed
-50 achieved TFLOPS per V100 (the papers give plots, so the assumption is ours).  Predicted ZeRO++
-speedup: 2.36x overlapped / 2.15x with no overlap at 100 Gb/s (published: up to 2.2x, within 7%);
+2.2x (about 2x on average) at 100 Gb/s, and as fast at 200 Gb/s as ZeRO-3 at 800 Gb/s.  Given those
+volumes (hpZ's from :func:`traffic_per_step`, qwZ/qgZ's as hand-built :class:`CollectiveTraffic`), an
+18B model, activation checkpointing, 150 GB/s NVSwitch and an assumed 50 achieved TFLOPS per V100 (the
+papers give plots, so that figure is an assumption), this model predicts a ZeRO++ speedup of
+2.36x overlapped / 2.15x with no overlap at 100 Gb/s (published: up to 2.2x, within 7%);
 1.00x overlapped / 1.35x with no overlap at 400 Gb/s (published 1.28-1.36x: it matches the
 no-overlap bound: ZeRO-3's 2.2 s of network per step overlaps the 2.9 s of compute far less than
 perfectly); ZeRO++ at 200 Gb/s and ZeRO-3 at 800 Gb/s both 2.95 s (published: equal).  hpZ alone:

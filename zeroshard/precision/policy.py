@@ -76,7 +76,7 @@ class PrecisionPolicy:
     def store_divided(self, into: torch.Tensor, grad: torch.Tensor, world_size: int, accumulate: bool) -> None:
         """``into = grad / divisor`` (or ``+=`` with ``accumulate``): :meth:`before_reduction` done while
         the gradient is copied into its bucket, one pass over the values instead of two (see [Note:
-        filling a stage-2 bucket] in sharding/stage2.py; stages 0-1: [Note: a full gradient buffer
+        filling a stage-2 bucket] in sharding/sharded_grads.py; stages 0-1: [Note: a full gradient buffer
         zeroed where it was not written] in sharding/full_grads.py).  Dividing the copy gives the
         bits dividing the bucket afterwards gives."""
         divisor = self.divisor(world_size)

@@ -1,14 +1,15 @@
 """Reusable communication buffers.
 
 [Note: why a pool]
-Stage 2 needs a full-size buffer for each gradient bucket while it is being filled and reduced, and a
-shard-size buffer for each reduce-scatter's result.  Allocating them afresh at every micro step makes
-the allocator hand out and reclaim tens of megabytes per step: the kernel zero-fills new pages each
-time (slow), and glibc keeps freed blocks of changing sizes (peak RSS grows).  A small pool of
+Stages 2-3 need a full-size buffer for each gradient bucket while it is being filled and reduced
+(stages 0-1 one for each bucket they reduce in another dtype).  Allocating them afresh at every micro
+step makes the allocator hand out and reclaim tens of megabytes per step: the kernel zero-fills new
+pages each time (slow), and glibc keeps freed blocks of changing sizes (peak RSS grows).  A small pool of
 fixed-capacity buffers, reused from step to step, costs a constant, reported amount of memory
 (``comm_buffers`` in the breakdown) bounded by the bucket size, not by the model.
 
-The buffers are kept for the run, pages included ([Note: when the bucket pool lets go] in stage2.py).
+The buffers are kept for the run, pages included ([Note: when the bucket pool lets go] in
+sharding/sharded_grads.py).
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from ..host.page_reserve import PageReserve
 
 class BufferPool:
     """Hands out 1D views of fixed-capacity buffers, their values undefined (each user writes every
-    element it reads: see [Note: filling a stage-2 bucket] in stage2.py); grows only when all are in use.
-    In host memory a buffer's pages are dropped when it is made, so what its users never write (stage
-    2's own chunks) never becomes resident."""
+    element it reads: see [Note: filling a stage-2 bucket] in sharding/sharded_grads.py); grows only
+    when all are in use.  In host memory a buffer's pages are dropped when it is made, so what its
+    users never write (stage 2's own chunks) never becomes resident."""
 
     def __init__(self, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
         self.capacity = capacity
@@ -70,7 +71,8 @@ class KeptBuffers:
     """One buffer per key, allocated at its first use and kept for the run: :meth:`give_back` drops its
     pages in host memory on Linux (see the Note), or parks them in the page reserve it was given, whence
     :meth:`take` moves pages back in; elsewhere it frees the buffer (and :meth:`take` allocates it
-    again).  Stage 3 keeps each bucket's gradient chunk in one ([Note: where gradient chunks live])."""
+    again).  Stage 3 keeps each bucket's gradient chunk in one ([Note: where gradient chunks live] in
+    sharding/grad_chunks.py)."""
 
     def __init__(self, device: torch.device, reserve: Optional[PageReserve] = None) -> None:
         self.device = device

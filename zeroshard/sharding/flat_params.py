@@ -63,7 +63,8 @@ class FlatParameters:
         self.masters = masters
         self.page_reserve: Optional[PageReserve] = None  # stages 0-2 release no pages between uses
         #: waits until these buckets' values are current (None: all), set by a strategy whose post-step
-        #: gather runs into the next forward (see [Note: the parameter gather runs into the next forward])
+        #: gather runs into the next forward (see [Note: the parameter gather
+        #: runs into the next forward] in sharding/strategy.py)
         self.before_read: Callable[[Optional[Collection[int]]], None] = lambda indices: None
         self.data = torch.zeros(layout.padded_numel, dtype=self.dtype, device=self.device)  # 1D, padded
         with torch.no_grad():

@@ -12,7 +12,7 @@ from ..distributed.topology import ShardGroups
 from ..precision import PrecisionPolicy
 from .buffer_pool import BufferPool
 from .layout import BucketLayout, ParamSlot
-from .storage import ParameterStorage
+from .flat_params import FlatParameters
 from .strategy import ShardingStrategy
 
 
@@ -22,7 +22,7 @@ class FullGradientStrategy(ShardingStrategy):
     Communication happens only at the accumulation boundary (``sync_gradients``), so accumulating
     over K micro steps costs one reduction, exactly like ``DistributedDataParallel.no_sync``.  The
     buffer is kept from step to step (see [Note: gradients live from backward to the step] in
-    strategy.py for why stages 0-1 differ from 2-3 here).
+    sharding/strategy.py for why stages 0-1 differ from 2-3 here).
 
     [Note: a full gradient buffer zeroed where it was not written]
     ``zero_grad()`` does not write the buffer: it forgets which parameters were stored since the
@@ -32,10 +32,10 @@ class FullGradientStrategy(ShardingStrategy):
     without accumulation) is divided by the number of ranks on its way in, and the others are
     divided slot by slot before the reduction, so each element is divided once, as
     ``PrecisionPolicy.before_reduction`` on the whole bucket would (bit for bit; when the bucket is
-    reduced in another dtype, the cast copy is divided instead, as before).  Zeroing the whole
-    buffer after every step, adding each gradient into the zeros and dividing the whole bucket cost
-    two passes over every gradient (366 MB at 91M fp32) and a second read of it, on the training
-    thread (as [Note: filling a stage-2 bucket] in stage2.py).
+    reduced in another dtype, its cast copy is divided whole).  Zeroing the whole buffer after every
+    step, adding each gradient into the zeros and dividing the whole bucket would be two more passes
+    over every gradient and a second read of it, on the training thread (as [Note: filling a stage-2
+    bucket] in sharding/sharded_grads.py).
     """
 
     @property
@@ -43,11 +43,11 @@ class FullGradientStrategy(ShardingStrategy):
         """The number of ranks a gradient is averaged over."""
         return self.data_parallel_size
 
-    def __init__(self, flat: ParameterStorage, params: Sequence[nn.Parameter], groups: ShardGroups,
+    def __init__(self, storage: FlatParameters, params: Sequence[nn.Parameter], groups: ShardGroups,
                  zero: ZeroConfig, precision: PrecisionPolicy = PrecisionPolicy()) -> None:
-        super().__init__(flat, params, groups, zero, precision)
+        super().__init__(storage, params, groups, zero, precision)
         # 1D, padded, same layout as the parameters, in the accumulation dtype
-        self.grads = torch.zeros(self.layout.padded_numel, dtype=self.precision.grad_accum, device=self.flat.device)
+        self.grads = torch.zeros(self.layout.padded_numel, dtype=self.precision.grad_accum, device=self.storage.device)
         #: parameters (by index) whose slot holds a gradient stored since the last ``zero_grad()``, and
         #: those of them already divided for the reduction (see the Note)
         self._stored: set[int] = set()
@@ -56,8 +56,12 @@ class FullGradientStrategy(ShardingStrategy):
         self._divides_in_place = self.precision.grad_accum == self.precision.comm
         largest = max(b.padded_numel for b in self.layout.buckets)
         #: buckets converted to the communication dtype while in flight (only when it differs)
-        self.cast_pool = BufferPool(largest, self.precision.comm, self.flat.device)
+        self.cast_pool = BufferPool(largest, self.precision.comm, self.storage.device)
         self._cast: dict[int, torch.Tensor] = {}
+
+    def communicates_now(self) -> bool:
+        """Only at the accumulation boundary (``sync_gradients``)."""
+        return self.sync_gradients
 
     def ready_to_reduce(self, bucket: BucketLayout) -> torch.Tensor:
         """The bucket's gradients as its reduction sums them: zeros where nothing was stored, divided

@@ -181,7 +181,7 @@ def capped_bucket_numel(configured: int, trainable_numel: int, per_model: int = 
     0-2 a bucket therefore holds at most 1/``per_model`` of the trainable elements (never less than
     ``MIN_CAPPED_BUCKET``): ``BUCKETS_PER_MODEL`` at stages 0-1, twice as many at stage 2, whose
     three pooled buffers (two in flight, one filling) then hold at most ~3/16 of a full gradient
-    (see [Note: stage 2's own chunk is reduced in place] in stage2.py).  A configured size below the
+    (see [Note: stage 2's own chunk is reduced in place] in sharding/grad_chunks.py).  A configured size below the
     cap is used as it is.
     """
     cap = max(-(-trainable_numel // per_model), MIN_CAPPED_BUCKET)

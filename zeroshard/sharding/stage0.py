@@ -7,14 +7,14 @@ import torch
 from ..distributed.collectives import PendingCollective
 from .full_grads import FullGradientStrategy
 from .layout import BucketLayout
+from .strategy import StageTraits
 
 
 class Stage0(FullGradientStrategy):
     """Every rank holds everything; each gradient bucket is averaged with one all-reduce."""
 
-    stage = 0
-    grads_are_sharded = False
-    owns_whole_buckets = True
+    traits = StageTraits(stage=0, grads_are_sharded=False, owns_whole_buckets=True, forward_communicates=False,
+                         gathers_in_passes=False)
 
     @property
     def averaged_over(self) -> int:
@@ -32,7 +32,7 @@ class Stage0(FullGradientStrategy):
         self.precision.after_reduction(self.grad_bucket(bucket), self.world.world_size)
 
     def owned_param(self, bucket: BucketLayout) -> torch.Tensor:
-        return self.flat.bucket_view(bucket)
+        return self.storage.bucket_view(bucket)
 
     def owned_grad(self, bucket: BucketLayout) -> torch.Tensor:
         return self.grad_bucket(bucket)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from ..distributed.collectives import PendingCollective
 from .full_grads import FullGradientStrategy
 from .layout import BucketLayout
+from .strategy import StageTraits
 
 
 class Stage1(FullGradientStrategy):
@@ -17,8 +19,14 @@ class Stage1(FullGradientStrategy):
     step the updated chunks are all-gathered back into every rank's full parameters.
     """
 
-    stage = 1
-    defers_refresh = True
+    traits = StageTraits(stage=1, grads_are_sharded=True, owns_whole_buckets=False, forward_communicates=False,
+                         gathers_in_passes=False)
+
+    def hook_model(self, model: nn.Module) -> None:
+        """With ``overlap_param_gather``, the post-step gather runs on into the next forward ([Note: the
+        parameter gather runs into the next forward] in sharding/strategy.py)."""
+        if self.zero.overlap_param_gather:
+            self.defer_refresh_to_forward(model)
 
     def launch(self, bucket: BucketLayout, async_op: bool) -> PendingCollective:
         return self.reduce_to_owner(bucket, self.ready_to_reduce(bucket), async_op)

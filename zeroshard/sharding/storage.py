@@ -2,7 +2,7 @@
 
 Stages 0-2 keep every bucket whole in one flat buffer (:class:`~.flat_params.FlatParameters`); stage 3
 keeps only this rank's chunk of each and gathers a bucket on demand
-(:class:`~.sharded_params.ShardedParameters`).  Everything above the storage (the strategies,
+(:class:`~.stage3.sharded_params.ShardedParameters`).  Everything above the storage (the strategies,
 ``GatheredParameters``, full state dicts, checkpoints) talks to it through :class:`ParameterStorage`.
 
 [Note: the parameter registry]
@@ -62,8 +62,8 @@ class ParameterStorage(Protocol):
 
     def take_back_chunks(self) -> None:
         """Stage 3: every chunk lent to a gathered unit back in the store (see [Note: a gathered unit
-        borrows this rank's chunk] in sharded_params.py), before the chunks are read or written as a
-        whole (the optimizer step, a save or a load).  Nothing to do at stages 0-2."""
+        borrows this rank's chunk] in sharding/stage3/sharded_params.py), before the chunks are read or
+        written as a whole (the optimizer step, a save or a load).  Nothing to do at stages 0-2."""
 
     def read_chunks_elsewhere_while(self, busy: Callable[[], bool]) -> None:
         """Stage 3 lends no chunk while ``busy()`` (an asynchronous save copying them)."""

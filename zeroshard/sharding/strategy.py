@@ -2,8 +2,11 @@
 
 A stage is a :class:`ShardingStrategy` subclass that says only where ZeRO differs: where gradients
 accumulate, which collective reduces a bucket, which part of the buffer this rank's optimizer owns,
-and whether parameters are gathered after the step.  The engine asks the strategy's class attributes
-(``grads_are_sharded``, ``forward_communicates``, ...) instead of comparing stage numbers.
+and whether parameters are gathered after the step.  Stages 0-1 keep full-size gradients
+(:mod:`.full_grads`), stages 2-3 reduce-scatter every bucket into this rank's chunks
+(:mod:`.sharded_grads`, where each keeps them as its :mod:`.grad_chunks` policy says).  What the code
+around a stage asks of it is one frozen :class:`StageTraits` per stage class (``strategy.traits``), not
+a comparison of stage numbers.
 
 [Note: launching buckets in order]
 Collectives must be issued in the same order on every rank.  A bucket is launched only when all of its
@@ -56,40 +59,52 @@ class BucketProgress:
         return len(self.arrived) + len(self.absent - self.arrived) >= len(bucket.slots)
 
 
+@dataclass(frozen=True)
+class StageTraits:
+    """What a ZeRO stage is, as the engine, the groups and the stage's own shared code ask it; each
+    stage class declares its own once (``traits``)."""
+
+    stage: int
+    #: whether each rank holds a different part of the averaged gradients (the grad norm then needs a
+    #: sum across ranks)
+    grads_are_sharded: bool
+    #: whether this rank's optimizer updates every bucket whole (stage 0) or only its chunk of each
+    owns_whole_buckets: bool
+    #: whether forward issues collectives (stage 3 gathers): the engine then checks that every rank
+    #: is in the same forward first (see [Note: the consistency check] in distributed/consistency.py)
+    forward_communicates: bool
+    #: whether forward and backward gather parameters: ``build_shard_groups`` adds the groups their
+    #: rounds need (see [Note: ranks agree on every gather] in sharding/stage3/gather_agreement.py)
+    gathers_in_passes: bool
+    #: the fewest buckets a model is cut into (see [Note: buckets smaller than the model] in sharding/layout.py)
+    buckets_per_model: int = BUCKETS_PER_MODEL
+    #: launched gradient buckets allowed in flight before the oldest is waited for (see ``_retire``)
+    max_buckets_in_flight: int = 2
+
+
 class ShardingStrategy(ABC):
     """Gradient reduction, optimizer ownership and parameter refresh for one ZeRO stage."""
 
-    stage: ClassVar[int]
-    #: whether gradients are communicated at every micro step (stage 2) or only at the boundary
-    reduces_every_micro_step: ClassVar[bool] = False
-    #: whether the grad norm needs a sum across ranks (each rank holds a different part)
-    grads_are_sharded: ClassVar[bool] = True
-    #: launched gradient buckets allowed in flight before the oldest is waited for (see ``_retire``)
-    max_buckets_in_flight: ClassVar[int] = 2
-    #: whether this rank's optimizer updates every bucket whole (stage 0) or only its chunks
-    owns_whole_buckets: ClassVar[bool] = False
-    #: whether the post-step parameter gather may run on into the next forward (stages 1-2)
-    defers_refresh: ClassVar[bool] = False
-    #: whether forward and backward gather parameters (stage 3: their rounds need groups of their own)
-    gathers_in_passes: ClassVar[bool] = False
-    #: the fewest buckets a model is cut into (see [Note: buckets smaller than the model] in layout.py)
-    buckets_per_model: ClassVar[int] = BUCKETS_PER_MODEL
+    traits: ClassVar[StageTraits]
 
-    def __init__(self, flat: ParameterStorage, params: Sequence[torch.nn.Parameter], groups: ShardGroups,
+    def __init__(self, storage: ParameterStorage, params: Sequence[torch.nn.Parameter], groups: ShardGroups,
                  zero: ZeroConfig, precision: PrecisionPolicy = PrecisionPolicy()) -> None:
-        self.flat = flat
+        #: where the trainable parameters' values live (stages 0-2: one flat buffer; stage 3: this
+        #: rank's chunks)
+        self.storage = storage
         self.precision = precision
         #: fp32 copies of the owned parameters when the model computes in 16 bits (else None)
-        self.masters: Optional[MasterWeights] = flat.masters
+        self.masters: Optional[MasterWeights] = storage.masters
         #: called with each bucket once its gradients are averaged at an accumulation boundary
         self._reduced_listeners: list[Callable[[BucketLayout], None]] = []
         #: the trainable buckets (stage 3's storage also holds frozen ones after them)
-        self.layout = flat.layout.trainable()
+        self.layout = storage.layout.trainable()
         self.params = list(params)
         #: the shard group's collectives and world: the whole job, or a MiCS group
         self.comm: Collectives = groups.shard
         self.world: World = groups.shard.world
-        #: MiCS: the ranks holding this rank's shard in the other groups (see [Note: hybrid sharding groups])
+        #: MiCS: the ranks holding this rank's shard in the other groups (see [Note: hybrid sharding
+        #: groups] in distributed/topology.py)
         self.replicas: Optional[Collectives] = groups.replicas
         #: every rank of the job: what gradients are averaged over
         self.data_parallel_size = groups.data_parallel_size
@@ -108,9 +123,16 @@ class ShardingStrategy(ABC):
         #: whether the gathers may outlive step() (see [Note: the parameter gather runs into the next forward])
         self._deferred = False
 
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage number."""
+        return self.traits.stage
+
     # ------------------------------------------------------------------ backward
-    def _communicates_now(self) -> bool:
-        return self.reduces_every_micro_step or self.sync_gradients
+    @abstractmethod
+    def communicates_now(self) -> bool:
+        """Whether this backward reduces its gradients: at every micro step (stages 2-3) or only at
+        the accumulation boundary (``sync_gradients``, stages 0-1)."""
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook: move the gradient into zeroshard's storage, maybe launch."""
@@ -131,7 +153,7 @@ class ShardingStrategy(ABC):
             self.store_grad(bucket, slot, grad.reshape(-1), first=index not in progress.arrived)
         progress.arrived.add(index)
         self.grad_arrived(bucket, progress)
-        if self._communicates_now():
+        if self.communicates_now():
             self._launch_in_order(only_complete=True)
 
     def _launch_in_order(self, only_complete: bool) -> None:
@@ -145,7 +167,7 @@ class ShardingStrategy(ABC):
                 progress.pending = self.launch(bucket, async_op=self.zero.overlap_comm)
             progress.state = BucketState.IN_FLIGHT
             self._next_launch += 1
-            self._retire(keep_in_flight=self.max_buckets_in_flight)
+            self._retire(keep_in_flight=self.traits.max_buckets_in_flight)
 
     def _retire(self, keep_in_flight: int) -> None:
         """Wait for the oldest launched buckets until at most ``keep_in_flight`` remain in flight.
@@ -190,7 +212,7 @@ class ShardingStrategy(ABC):
 
     def finish_backward(self) -> None:
         """End of a backward: launch what is left (in order), wait for everything, store results."""
-        if self._communicates_now():
+        if self.communicates_now():
             self._launch_in_order(only_complete=False)
             self._retire(keep_in_flight=0)
             self._after_reduction()
@@ -224,14 +246,16 @@ class ShardingStrategy(ABC):
         over ``groups.shard``; ``frozen`` (name, parameter) pairs stay whole at stages 0-2, as in DDP."""
         comm = groups.shard
         bucket_numel = capped_bucket_numel(zero.reduce_bucket_size, sum(p.numel() for p in params),
-                                           cls.buckets_per_model)
+                                           cls.traits.buckets_per_model)
         layout = plan_buckets(params, names, group_of, bucket_numel, comm.world.world_size)
         masters = cls.make_masters(layout, comm.world, precision, offload, params[0].device, comm)
-        flat = FlatParameters(layout, params, comm, precision.compute, masters, groups.job)
-        strategy = cls(flat, params, groups, zero, precision)
-        if cls.defers_refresh and zero.overlap_param_gather:
-            strategy.defer_refresh_to_forward(model)
+        storage = FlatParameters(layout, params, comm, precision.compute, masters, groups.job)
+        strategy = cls(storage, params, groups, zero, precision)
+        strategy.hook_model(model)
         return strategy
+
+    def hook_model(self, model: nn.Module) -> None:
+        """Module hooks this stage needs besides its gradient hooks (none unless a stage says so)."""
 
     @classmethod
     def make_masters(cls, layout: FlatLayout, world: World, precision: PrecisionPolicy, offload: OffloadPolicies,
@@ -242,14 +266,11 @@ class ShardingStrategy(ABC):
         policy: OffloadPolicy = offload.optimizer
         if not (precision.mixed or policy.needs_masters):
             return None
-        spans = owned_spans(layout, world.rank, cls.owns_whole_buckets)
+        whole_buckets = cls.traits.owns_whole_buckets
+        spans = owned_spans(layout, world.rank, whole_buckets)
         spill = policy.open_master_swap(spans, offload.sub_group_size, comm)
-        return MasterWeights(layout, world.rank, cls.owns_whole_buckets, policy.masters_device(device),
+        return MasterWeights(layout, world.rank, whole_buckets, policy.masters_device(device),
                              policy.pin_memory, spill)
-
-    #: whether forward issues collectives (stage 3 gathers): the engine then checks that every rank
-    #: is in the same forward first (see [Note: the consistency check] in distributed/consistency.py)
-    forward_communicates = False
 
     def before_forward(self) -> None:
         """Called at the start of every engine forward."""
@@ -259,7 +280,7 @@ class ShardingStrategy(ABC):
 
     def param_bytes(self) -> tuple[int, int]:
         """(bytes of real parameter elements held, bytes of padding)."""
-        size = self.flat.dtype.itemsize
+        size = self.storage.dtype.itemsize
         return self.layout.numel * size, (self.layout.padded_numel - self.layout.numel) * size
 
     def frozen_bytes(self) -> tuple[int, int]:
@@ -299,7 +320,8 @@ class ShardingStrategy(ABC):
         the bucket is all-reduced in place and the same chunk is read from it.
 
         ``own``: this rank's chunk kept outside ``full``, holding its own share of the input; the sum
-        accumulates there instead (stage 2: [Note: stage 2's own chunk is reduced in place]).
+        accumulates there instead (stage 2: [Note: stage 2's own chunk is reduced in place] in
+        sharding/grad_chunks.py).
         """
         label = f"grad_bucket{bucket.index}"
         if not self.zero.reduce_scatter:
@@ -318,19 +340,20 @@ class ShardingStrategy(ABC):
         """Forget accumulated gradients (after the optimizer step), giving their memory back.
 
         [Note: gradients live from backward to the step]
-        At stage 3 each bucket's averaged chunk is a buffer of its own whose pages are taken when the
-        bucket's first reduction of a step completes and given back as soon as the optimizer has
-        stepped that bucket (:meth:`release_grad`), or by ``zero_grad()``: the forward, where stage
-        3's activations and gathered units peak, holds no gradient memory.  Stage 2 did the same with
-        chunks born from the heap, which cost page faults in every backward; it now keeps its chunks
-        for the run and sums into them in place, at no higher peak ([Note: stage 2's own chunk is
-        reduced in place] in stage2.py); :meth:`release_grad` then only marks the chunk as free to
-        be overwritten by the next backward.  Stages 0-1 keep one full-size buffer, forgotten after the step ([Note: a full gradient buffer
-        zeroed where it was not written] in full_grads.py): done the same way there, each
-        step allocated 4Ψ of fresh, page-faulted memory (their buckets are above glibc's largest
-        mmap threshold, so every free goes back to the kernel) for 5-9% more step time and about
-        50 MiB less peak (tried, measured, reverted).  ``grad_bytes()`` reports the ZeRO formula's
-        gradient term at every stage: what is held from the end of backward to the step.
+        Every stage holds its averaged gradients from backward to the optimizer step, each in the way
+        its memory peak asks.  At stage 3 each bucket's chunk is a buffer whose pages are taken when
+        the bucket's first reduction of a step completes and given back as soon as the optimizer has
+        stepped that bucket (:meth:`release_grad`), or by ``zero_grad()``: the forward holds no
+        gradient memory ([Note: where gradient chunks live] in sharding/grad_chunks.py).  Stage 2
+        keeps its chunks for the run and sums into them in place ([Note: stage 2's own chunk is
+        reduced in place] in sharding/grad_chunks.py): its peak is in backward, where they are live
+        anyway, and :meth:`release_grad` only marks a chunk as free to be overwritten by the next
+        backward.  Stages 0-1 keep one full-size buffer, forgotten after the step ([Note: a full
+        gradient buffer zeroed where it was not written] in sharding/full_grads.py): given back at
+        each step, it would be 4Ψ of fresh memory to fault in at every step (their buckets are above
+        glibc's largest mmap threshold, so every free goes back to the kernel), step time paid for
+        little at the peak.  ``grad_bytes()`` reports the ZeRO formula's gradient term at every stage:
+        what is held from the end of backward to the step.
         """
 
     @abstractmethod
@@ -339,11 +362,11 @@ class ShardingStrategy(ABC):
 
     @abstractmethod
     def held_grad_bytes(self) -> int:
-        """Bytes the gradient buffers hold right now (0 between a step and the next backward)."""
+        """Bytes the gradient buffers hold right now (stage 3: none between a step and the next backward)."""
 
     def owned_param(self, bucket: BucketLayout) -> torch.Tensor:
-        """The part of the flat buffer this rank's optimizer updates, for ``bucket``."""
-        return self.flat.shard_view(bucket, self.world.rank)
+        """The part of the parameter storage this rank's optimizer updates, for ``bucket``."""
+        return self.storage.shard_view(bucket, self.world.rank)
 
     def publish_piece(self, bucket: BucketLayout, start: int, values: torch.Tensor) -> None:
         """Write updated master values (fp32, from element ``start`` of the owned chunk) into the owned
@@ -368,9 +391,9 @@ class ShardingStrategy(ABC):
         """
         if self._gathers and self._gather_numel + bucket.padded_numel > self.zero.allgather_bucket_size:
             self.finish_refresh()
-        own = self.flat.shard_view(bucket, self.world.rank)
+        own = self.storage.shard_view(bucket, self.world.rank)
         with torch.no_grad():
-            self._gathers.append((bucket.index, self.comm.all_gather(self.flat.bucket_view(bucket), own,
+            self._gathers.append((bucket.index, self.comm.all_gather(self.storage.bucket_view(bucket), own,
                                                                      f"param_bucket{bucket.index}", async_op=True)))
         self._gather_numel += bucket.padded_numel
 
@@ -422,8 +445,8 @@ class ShardingStrategy(ABC):
                 self._hooks.append(module.register_forward_pre_hook(
                     lambda _module, _args, needed=needed: self.wait_for_buckets(needed)))
         self._hooks.append(model.register_state_dict_pre_hook(lambda *_: self.finish_refresh()))
-        assert isinstance(self.flat, FlatParameters)  # stages 1-2
-        self.flat.before_read = self.wait_for_buckets
+        assert isinstance(self.storage, FlatParameters)  # stages 1-2
+        self.storage.before_read = self.wait_for_buckets
         self._deferred = True
 
     def comm_buffer_bytes(self) -> int:

@@ -20,7 +20,7 @@ Ranks whose modules run alike ask for the same units in the same rounds, so the 
 host-side all-gather per unit that prefetch did not bring in time (prefetch happens inside rounds
 only).  Gradient reduce-scatters run on a group of their own (``ShardGroups.grads``), so that a rank
 reducing a bucket while another gathers never pairs the two; their order is the bucket order on
-every rank ([Note: launching buckets in order] in strategy.py).  Two more rules keep a rank from
+every rank ([Note: launching buckets in order] in sharding/strategy.py).  Two more rules keep a rank from
 waiting on another that waits for it in a round: parameters that the backward graph does not reach
 count as arrived from its start (:func:`parameters_reached`, as DDP's ``find_unused_parameters``),
 so a rank that skipped a module reduces its bucket when the others do; and until every rank's

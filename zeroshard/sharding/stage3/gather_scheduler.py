@@ -14,8 +14,8 @@ moment they differ it stops, and at the end of the pass the new order replaces t
 re-recorded).  A wrong guess only costs a gather that was not needed (released at the end of
 backward); it can never deadlock, because every rank makes the same guesses from the same program.
 Ranks whose control flow differs (a module run on one rank only, experts chosen by the data) agree on
-each gather instead of issuing it (see [Note: ranks agree on every gather] in gather_agreement.py):
-prefetch then happens inside those rounds.
+each gather instead of issuing it (see [Note: ranks agree on every gather] in
+sharding/stage3/gather_agreement.py): prefetch then happens inside those rounds.
 """
 
 from __future__ import annotations
@@ -117,7 +117,9 @@ class GatherScheduler:
             self._used_in_forward.add(index)
         if self.agreement is None:
             self.storage.gather(index, self._labels[index])
-            self.storage.lend_chunk(index)  # see [Note: a gathered unit borrows this rank's chunk]
+            # the unit borrows this rank's chunk: [Note: a gathered unit borrows this rank's chunk] in
+            # sharding/stage3/sharded_params.py
+            self.storage.lend_chunk(index)
             for ahead in self._prefetch_candidates():
                 self.storage.gather(ahead, self._labels[ahead], async_op=True)
             return

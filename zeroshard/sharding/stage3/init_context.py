@@ -53,7 +53,8 @@ class Init:
         self.world = world or init_distributed(timeout_s=timeout)
         self.comm = Collectives(self.world)
         self._handle: Any = None
-        #: bytes of mapped checkpoint pages given back after sharding ([Note: mapped checkpoint pages under Init])
+        #: bytes of mapped checkpoint pages given back after sharding ([Note: mapped checkpoint pages under
+        #: Init] in host/file_pages.py)
         self.released_file_bytes = 0
 
     def _on_register(self, module: nn.Module, name: str, param: nn.Parameter) -> Optional[nn.Parameter]:
@@ -62,7 +63,8 @@ class Init:
         if param.is_meta:  # no values yet (transformers' from_pretrained builds on meta, then assigns each
             return None   # loaded parameter: that assignment comes through here again and is sharded)
         sharded = InitShardedParameter.shard_of(param, self.comm, self.dtype, self.shard_device)
-        # a view into a mapped checkpoint file: [Note: mapped checkpoint pages under Init]
+        # a view into a mapped checkpoint file: [Note: mapped checkpoint pages under Init] in
+        # host/file_pages.py
         self.released_file_bytes += drop_mapped_pages(param)
         return sharded
 

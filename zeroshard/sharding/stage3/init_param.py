@@ -25,7 +25,8 @@ its padded flat values.  Every torch operation on it falls into one of five kind
   gathered and kept inside the ``Init`` block, refused outside it.
 
 Released stage-3 parameters after ``initialize()`` follow the same rule for reads (their placeholder
-raises the same error, see [Note: reading a sharded parameter outside forward] in placeholder.py).
+raises the same error, see [Note: reading a sharded parameter outside forward] in
+sharding/stage3/placeholder.py).
 """
 
 from __future__ import annotations

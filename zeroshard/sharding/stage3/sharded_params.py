@@ -10,29 +10,29 @@ host/page_release.py), elsewhere the storage shrinks to zero bytes (``untyped_st
 and gathering re-grows it.  Either way every view (the parameter, autograd's saved copies) keeps its
 shape, and gathering all-gathers into the same storage, so those views see the right values again.
 A released parameter still reports its full ``.shape``; reading its values outside forward raises a clear
-error (see [Note: reading a sharded parameter outside forward] in placeholder.py).
+error (see [Note: reading a sharded parameter outside forward] in sharding/stage3/placeholder.py).
 
 [Note: a gathered unit borrows this rank's chunk]
 A gathered unit's full buffer holds this rank's chunk in its own slot, and the store holds the same
 values a second time: at DeepSpeed's default reuse distance every unit stays gathered from its forward
 to its backward, so at the backward peak a rank holds its whole shard twice (174 MiB of a 91M-parameter
-model at world 2).  So a gathered unit *borrows* the chunk: where pages can move (host memory on
-Linux, see [Note: released pages move to the next gather] in host/page_reserve.py), the gather moves
-the store's whole pages under the chunk into the full buffer's slot (the buffer is placed so that the
-slot lies at the chunk's offset within a page: :meth:`_allocate_full`) and sends from the slot, and
-:meth:`release` moves them back; only the partial page at either end is copied.  Nothing is copied
-or faulted, and the chunk's pages never wait in the page reserve.  Where they cannot move, a unit
-gathered for training (:meth:`GatherScheduler.use`) lends its chunk by :meth:`lend_chunk`, which drops
-the store's pages (the slot is the only copy), and :meth:`release` copies the slot back into pages
-from the reserve.  Whatever reads or
-writes the chunks as a whole first takes every lent chunk back (:meth:`take_back_chunks`): the
-optimizer step (it steps the store in place) and ``checkpoint_parts`` (saves, loads, pretrained
-weights); writes to one chunk (:meth:`commit_full`, the updater's pieces, :meth:`shard_view`) take
-that chunk back.  Nothing is lent while something outside training reads the chunks (an asynchronous
-save's copy, :meth:`read_chunks_elsewhere_while`), nor for chunks offloaded to host memory or NVMe
-(``offload_param``), nor for persistent buckets, nor where pages cannot be dropped (device memory).
-Measured (91M fp32, world 2, DeepSpeed's defaults; benchmarks/RESULTS.md, twentieth session): moving
-the chunk instead of copying it took the forward's page faults from ~45,000 to none.
+model at world 2).  So a gathered unit *borrows* the chunk: where pages can move (host memory on Linux,
+see [Note: released pages move to the next gather] in host/page_reserve.py), the gather moves the
+store's whole pages under the chunk into the full buffer's slot (the buffer is placed so that the slot
+lies at the chunk's offset within a page: :meth:`_allocate_full`) and sends from the slot, and
+:meth:`release` moves them back; only the partial page at either end is copied.  Nothing is copied or
+faulted, and the chunk's pages never wait in the page reserve.  Where they cannot move, a unit gathered
+for training (:meth:`GatherScheduler.use`) lends its chunk by :meth:`lend_chunk`, which drops the
+store's pages (the slot is the only copy), and :meth:`release` copies the slot back into pages from the
+reserve.  Whatever reads or writes the chunks as a whole first takes every lent chunk back
+(:meth:`take_back_chunks`): the optimizer step (it steps the store in place) and ``checkpoint_parts``
+(saves, loads, pretrained weights); writes to one chunk (:meth:`commit_full`, the updater's pieces,
+:meth:`shard_view`) take that chunk back.  Nothing is lent while something outside training reads the
+chunks (an asynchronous save's copy, :meth:`read_chunks_elsewhere_while`), nor for chunks offloaded to
+host memory or NVMe (``offload_param``), nor for persistent buckets, nor where pages cannot be dropped
+(device memory).  Moving the chunk's pages instead of filling the slot from elsewhere leaves a forward
+with next to no page faults to take (measured in benchmarks/RESULTS.md, section "What faulting released
+pages back in costs", paragraph "Stage 3's pages moved, not faulted").
 """
 
 from __future__ import annotations
@@ -232,8 +232,9 @@ class ShardedParameters:
 
     def join_gather(self, index: int, label: str) -> None:
         """Take part in an all-gather of bucket ``index`` that other ranks need while this rank has it
-        gathered already (see [Note: ranks agree on every gather] in gather_agreement.py): this rank's
-        chunk is sent from its slot and what arrives goes to a scratch buffer, dropped at once."""
+        gathered already (see [Note: ranks agree on every gather] in sharding/stage3/gather_agreement.py):
+        this rank's chunk is sent from its slot and what arrives goes to a scratch buffer, dropped at
+        once."""
         self.wait(index)
         scratch = torch.empty_like(self.full[index])
         kept = self._secondary.get(index) if index in self._secondary_valid else None

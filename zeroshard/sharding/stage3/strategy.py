@@ -1,10 +1,11 @@
 """ZeRO stage 3: parameters sharded too; each unit is gathered just before it computes, then released.
 
-Gradients travel exactly as at stage 2 (one reduce-scatter per bucket into this rank's shard), and
-the optimizer updates this rank's chunks in place; what stage 3 adds is parameter storage that holds
-only those chunks (:mod:`.sharded_params`), the gather units (:mod:`.units`) and the hooks that gather,
-prefetch and release them (:mod:`.gather_scheduler`).  Where a parameter is gathered:
-:meth:`ShardedParameters.gather`, called from :meth:`GatherScheduler.use`.
+Gradients travel as at stage 2 (one reduce-scatter per bucket into this rank's shard, the code both
+share in :mod:`..sharded_grads`), each bucket's chunk in a buffer of its own whose pages go at the step
+(:class:`~..grad_chunks.KeptChunkBuffers`), and the optimizer updates this rank's chunks in place; what
+stage 3 adds is parameter storage that holds only those chunks (:mod:`.sharded_params`), the gather
+units (:mod:`.units`) and the hooks that gather, prefetch and release them (:mod:`.gather_scheduler`).
+Where a parameter is gathered: :meth:`ShardedParameters.gather`, called from :meth:`GatherScheduler.use`.
 """
 
 from __future__ import annotations
@@ -21,33 +22,41 @@ from ...offload.policy import OffloadPolicies, Place
 from ...precision import PrecisionPolicy
 from .gather_agreement import GatherAgreement, parameters_reached
 from .gather_scheduler import GatherScheduler
+from ..buffer_pool import KeptBuffers
+from ..grad_chunks import KeptChunkBuffers
 from ..layout import BucketLayout
 from .sharded_params import ShardedParameters
+from ..sharded_grads import ShardedGradientStrategy
 from ..storage import InitialValues
-from ..stage2 import Stage2
-from ..strategy import BucketProgress
+from ..strategy import BucketProgress, StageTraits
 from .units import Stage3Plan, plan_units
 
 
-class Stage3(Stage2):
-    """Stage 2's gradient path over stage 3's sharded parameter storage."""
+class Stage3(ShardedGradientStrategy):
+    """Stage 2's gradient path over stage 3's sharded parameter storage.
 
-    stage = 3
-    defers_refresh = False  # only persistent buckets are refreshed; the rest are gathered for use
-    max_buckets_in_flight = 1  # a bucket is a whole unit here: keep fewer full-size ones alive
-    keeps_chunk_buffers = True  # see [Note: where gradient chunks live] in stage2.py
+    Only persistent buckets are gathered after the step (the rest are gathered for use), and one
+    launched bucket is kept in flight: a bucket is a whole unit here, so fewer full-size ones stay
+    alive.  Gathers happen inside forward and backward (``traits.gathers_in_passes``): the engine
+    builds the groups their rounds need ([Note: ranks agree on every gather] in
+    sharding/stage3/gather_agreement.py).
+    """
 
-    #: gathers happen inside forward and backward: ``build_shard_groups`` adds the groups their
-    #: rounds need (see [Note: ranks agree on every gather] in gather_agreement.py)
-    gathers_in_passes = True
+    traits = StageTraits(stage=3, grads_are_sharded=True, owns_whole_buckets=False, forward_communicates=True,
+                         gathers_in_passes=True, max_buckets_in_flight=1)
+    storage: ShardedParameters
+    grad_chunks: KeptChunkBuffers
 
     def __init__(self, storage: ShardedParameters, params: Sequence[nn.Parameter], groups: ShardGroups,
                  zero: ZeroConfig, plan: Stage3Plan, model: nn.Module,
                  precision: PrecisionPolicy = PrecisionPolicy()) -> None:
         # the gradient reduce-scatters on a group of their own, apart from the gathers
-        super().__init__(storage, params, dataclasses.replace(groups, shard=groups.grads or groups.shard),
-                         zero, precision)
-        self.storage = storage
+        grad_groups = dataclasses.replace(groups, shard=groups.grads or groups.shard)
+        # each bucket's chunk in a buffer of its own whose pages go at the step, to the page reserve
+        # (see [Note: where gradient chunks live] in sharding/grad_chunks.py)
+        chunks = KeptChunkBuffers(precision, grad_groups.data_parallel_size, grad_groups.shard.world.rank,
+                                  storage.device, storage.page_reserve)
+        super().__init__(storage, params, grad_groups, zero, precision, chunks)
         self.plan = plan
         agreement = GatherAgreement(groups.rounds) if groups.rounds is not None else None
         self.scheduler = GatherScheduler(storage, plan.units, zero, model, agreement)
@@ -59,8 +68,8 @@ class Stage3(Stage2):
               group_of: Sequence[int], groups: ShardGroups, zero: ZeroConfig,
               precision: PrecisionPolicy = PrecisionPolicy(), offload: OffloadPolicies = OffloadPolicies(),
               initial: InitialValues = InitialValues(), frozen: Sequence[tuple[str, nn.Parameter]] = ()) -> "Stage3":
-        """As at stages 0-2, plus stage 3's units; frozen parameters above the persistence threshold
-        are sharded too (see [Note: frozen parameters at stage 3] in units.py)."""
+        """Stage 3's units over sharded storage; frozen parameters above the persistence threshold
+        are sharded too (see [Note: frozen parameters at stage 3] in sharding/stage3/units.py)."""
         comm = groups.shard
         plan = plan_units(model, params, names, group_of, zero.stage3_param_persistence_threshold,
                           zero.reduce_bucket_size, comm.world.world_size, frozen)
@@ -70,7 +79,10 @@ class Stage3(Stage2):
                                     groups.job)
         return cls(storage, params, groups, zero, plan, model, precision)
 
-    forward_communicates = True
+    @property
+    def _chunk_buffers(self) -> KeptBuffers:
+        """The buffers the gradient chunks live in (the name tests read them by)."""
+        return self.grad_chunks.buffers
 
     def before_forward(self) -> None:
         self.scheduler.release_all()
@@ -89,7 +101,7 @@ class Stage3(Stage2):
         arrived (zeros) from the start, so a rank that skipped a module reduces its bucket when the
         others do, not at the end of backward (DDP's ``find_unused_parameters`` does the same)."""
         self._rounds_over = False
-        if self.scheduler.agreement is None or not self._communicates_now():
+        if self.scheduler.agreement is None or not self.communicates_now():
             return
         reached: Optional[set[int]] = parameters_reached(loss)
         if reached is None:
