@@ -74,7 +74,7 @@ def worker(rank: int, world: int, stage: int, directory: str, repeats: int) -> d
 
 def _full_optimizer_state(engine: zeroshard.Engine) -> dict:
     # Moments of the size of the model, as torch.optim.AdamW would hold them on every DDP rank.
-    return {"exp_avg": torch.zeros(engine.flat.layout.numel), "exp_avg_sq": torch.zeros(engine.flat.layout.numel)}
+    return {"exp_avg": torch.zeros(engine.storage.layout.numel), "exp_avg_sq": torch.zeros(engine.storage.layout.numel)}
 
 
 def main() -> None:

@@ -81,7 +81,7 @@ def worker(name: str, steps: int, out: str) -> None:
     memory = engine.memory_breakdown()
     record = {"rank": rank, "step_s": statistics.median(times[2:]), "sent": sent,
               "model_states": memory["model_states"], "secondary_params": memory.get("secondary_params", 0),
-              "padded_buckets": [b.padded_numel for b in engine.flat.layout.buckets],
+              "padded_buckets": [b.padded_numel for b in engine.storage.layout.buckets],
               "persistent": sorted(getattr(engine.strategy, "plan", None).persistent_buckets)
               if engine.stage == 3 else [],
               "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}

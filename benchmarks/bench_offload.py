@@ -63,7 +63,7 @@ def step_worker(rank: int, world: int, optimizer: str, nvme: str, steps: int) ->
         if i:
             times.append(time.perf_counter() - start)
     io = engine.updater.swap.io if engine.updater.swap is not None else None
-    psi = engine.flat.layout.numel
+    psi = engine.storage.layout.numel
     out = {"params": psi, "median_step_s": statistics.median(times), "params_per_s": psi / statistics.median(times)}
     if io is not None:
         out.update({"read_mib_s": io.bytes_read / 2**20 / max(io.seconds_reading, 1e-9),
@@ -127,7 +127,7 @@ def train_worker(rank: int, world: int, optimizer: str, param: str, nvme: str, s
         else:
             engine._timers.take()
     mb = engine.memory_breakdown()
-    return {"params": engine.flat.layout.numel, "median_step_s": statistics.median(times),
+    return {"params": engine.storage.layout.numel, "median_step_s": statistics.median(times),
             "phases_s": {k: statistics.median(p[k] for p in phases) for k in phases[0]},
             "peak_rss_mib": host_peak_bytes() / 2**20,
             "breakdown_mib": {k: mb[k] / 2**20 for k in ("params", "grads", "optimizer", "on_device", "on_host",

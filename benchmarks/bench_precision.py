@@ -74,7 +74,7 @@ def stage_worker(rank: int, world: int, stage: int, precision: str, cfg_dict: di
     mb = engine.memory_breakdown()
     return {"median_step_s": statistics.median(times), "peak_rss_bytes": host_peak_bytes(),
             "model_states": mb["model_states"], "formula": mb["formula"], "params": mb["params"],
-            "grads": mb["grads"], "optimizer": mb["optimizer"], "psi": engine.flat.layout.numel,
+            "grads": mb["grads"], "optimizer": mb["optimizer"], "psi": engine.storage.layout.numel,
             "last_loss": losses[-1]}
 
 

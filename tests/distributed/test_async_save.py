@@ -7,6 +7,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from zs_common import TINY, make_model, zero_config
 import zeroshard
 import zeroshard.checkpoint.save as saving
 from zeroshard.checkpoint import CheckpointError
-from zeroshard.tools.testing import run_world
+from zeroshard.tools.testing import CaseFailures, case, run_world
 
 STAGE3 = {"stage3_param_persistence_threshold": 20}
 
@@ -62,45 +63,64 @@ def late_copy():
     return returned, original
 
 
-def same_state_worker(rank: int, world: int, stage: int, directory: str) -> dict:
+def same_state_case(rank: int, stage: int, directory: str) -> dict:
+    """A synchronous save and an asynchronous one of the same instant, written while training goes on."""
     engine = make_engine(stage)
     torch.manual_seed(rank)
     step(engine, 1)
     engine.save_checkpoint(directory, tag="sync", client_state={"at": 1})
     release, original = held_writer()
     returned, original_stage = late_copy()
-    client = {"at": 1}
-    path = engine.save_checkpoint(directory, tag="async", client_state=client, async_save=True)
-    returned.set()  # the copy starts now: the step below must wait for it before updating
-    client["at"] = 99  # the script changes its state: the save has its own copy
-    for seed in (2, 3):  # training goes on, changing every parameter and moment, while the save waits
-        step(engine, seed)
-    pending = engine.saves.pending
-    published_early = (Path(directory) / "async").exists()
-    release.set()
-    done = engine.wait_for_checkpoint()
-    saving._write_file, saving.StagingBuffers.stage = original, original_stage
+    try:
+        client = {"at": 1}
+        path = engine.save_checkpoint(directory, tag="async", client_state=client, async_save=True)
+        returned.set()  # the copy starts now: the step below must wait for it before updating
+        client["at"] = 99  # the script changes its state: the save has its own copy
+        for seed in (2, 3):  # training goes on, changing every parameter and moment, while the save waits
+            step(engine, seed)
+        pending = engine.saves.pending
+        published_early = (Path(directory) / "async").exists()
+        release.set()
+        done = engine.wait_for_checkpoint()
+    finally:
+        release.set()
+        returned.set()
+        saving._write_file, saving.StagingBuffers.stage = original, original_stage
+    engine.close()
     return {"pending": str(pending), "published_early": published_early, "done": str(done), "path": str(path),
             "latest": (Path(directory) / "latest").read_text()}
 
 
+def same_state_worker(rank: int, world: int, stages: tuple[int, ...], root: str) -> dict:
+    out = {}
+    for stage in stages:
+        with case(stage=stage, world=world):
+            out[stage] = same_state_case(rank, stage, str(Path(root) / f"stage{stage}"))
+    return out
+
+
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
-@pytest.mark.parametrize("stage, world", [(1, 2), (3, 3), pytest.param(2, 2, marks=pytest.mark.slow)])
-def test_an_async_save_holds_the_state_of_its_instant(stage: int, world: int, tmp_path: Path) -> None:
-    results = run_world(same_state_worker, world, args=(stage, str(tmp_path)))
-    for r in results:
-        assert r["pending"] == r["done"] == r["path"] == str(tmp_path / "async")
-        assert not r["published_early"] and r["latest"] == "async"
-    sync, background = tmp_path / "sync", tmp_path / "async"
-    files = sorted(p.name for p in sync.glob("*.safetensors"))
-    assert files == sorted(p.name for p in background.glob("*.safetensors")) and len(files) >= world
-    for name in files:  # byte for byte the tensors of the synchronous save of the same instant
-        a, b = load_file(sync / name), load_file(background / name)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
-    m_sync, m_async = (json.loads((d / "manifest.json").read_text()) for d in (sync, background))
-    for key in ("buckets", "optimizer", "engine", "lr_scheduler", "client_state", "model"):
-        assert m_sync[key] == m_async[key], key
-    assert m_async["client_state"] == {"at": 1}
+@pytest.mark.parametrize("world, stages", [(2, (1, 2)), (3, (3,))], ids=["world2", "world3"])
+def test_an_async_save_holds_the_state_of_its_instant(world: int, stages: tuple[int, ...], tmp_path: Path) -> None:
+    results = run_world(same_state_worker, world, args=(stages, str(tmp_path)), timeout=600)
+    failures = CaseFailures()
+    for stage in stages:
+        with failures.case(stage=stage, world=world):
+            directory = tmp_path / f"stage{stage}"
+            for r in (result[stage] for result in results):
+                assert r["pending"] == r["done"] == r["path"] == str(directory / "async")
+                assert not r["published_early"] and r["latest"] == "async"
+            sync, background = directory / "sync", directory / "async"
+            files = sorted(p.name for p in sync.glob("*.safetensors"))
+            assert files == sorted(p.name for p in background.glob("*.safetensors")) and len(files) >= world
+            for name in files:  # byte for byte the tensors of the synchronous save of the same instant
+                a, b = load_file(sync / name), load_file(background / name)
+                assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+            m_sync, m_async = (json.loads((d / "manifest.json").read_text()) for d in (sync, background))
+            for key in ("buckets", "optimizer", "engine", "lr_scheduler", "client_state", "model"):
+                assert m_sync[key] == m_async[key], key
+            assert m_async["client_state"] == {"at": 1}
+    failures.raise_any()
 
 
 def lent_chunks_worker(rank: int, world: int, directory: str) -> dict:
@@ -154,7 +174,7 @@ def test_stage3_lends_no_chunk_while_an_async_save_copies_them(tmp_path: Path) -
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
 
 
-def resume_worker(rank: int, world: int, directory: str, phase: str) -> list:
+def resume_phase(rank: int, directory: str, phase: str) -> list:
     engine = make_engine(3, checkpoint={"writer": {"decoupled": True}})
     if phase == "resume":
         engine.load_checkpoint(directory)
@@ -172,15 +192,24 @@ def resume_worker(rank: int, world: int, directory: str, phase: str) -> list:
     return losses
 
 
+def resume_worker(rank: int, world: int, directory: str) -> dict:
+    """The run that saves, then (its engine closed, so only the files carry the state) the run that resumes."""
+    out = {}
+    for phase in ("first", "resume"):
+        with case(phase=phase, stage=3, world=world):
+            out[phase] = resume_phase(rank, directory, phase)
+    return out
+
+
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
 def test_the_config_key_saves_in_the_background_and_resume_is_exact(tmp_path: Path) -> None:
-    first = run_world(resume_worker, 2, args=(str(tmp_path), "first"))
+    results = run_world(resume_worker, 2, args=(str(tmp_path),))
     assert (tmp_path / "latest").read_text() == "global_step1"
-    resumed = run_world(resume_worker, 2, args=(str(tmp_path), "resume"))
+    first, resumed = ([r[phase] for r in results] for phase in ("first", "resume"))
     assert [r[:2] for r in resumed] == [f[1:] for f in first]  # bitwise: the steps after the save repeat
 
 
-def failing_worker(rank: int, world: int, directory: str) -> list:
+def failing_case(rank: int, directory: str) -> list:
     engine = make_engine(2)
     step(engine, 1)
     engine.save_checkpoint(directory, tag="good", async_save=True)
@@ -191,16 +220,18 @@ def failing_worker(rank: int, world: int, directory: str) -> list:
             raise OSError(28, "No space left on device", str(path))
         return original(path, tensors, *rest)
 
-    saving._write_file = full_disk
-    step(engine, 2)
-    engine.save_checkpoint(directory, tag="bad", async_save=True)  # waits for "good" first
-    step(engine, 3)
     errors = []
+    saving._write_file = full_disk
     try:
-        engine.wait_for_checkpoint()
-    except CheckpointError as err:
-        errors.append(str(err))
-    saving._write_file = original
+        step(engine, 2)
+        engine.save_checkpoint(directory, tag="bad", async_save=True)  # waits for "good" first
+        step(engine, 3)
+        try:
+            engine.wait_for_checkpoint()
+        except CheckpointError as err:
+            errors.append(str(err))
+    finally:
+        saving._write_file = original
     original_stage = saving.StagingBuffers.stage
 
     def no_memory(self, tensors):
@@ -209,31 +240,21 @@ def failing_worker(rank: int, world: int, directory: str) -> list:
         return original_stage(self, tensors)
 
     saving.StagingBuffers.stage = no_memory
-    engine.save_checkpoint(directory, tag="uncopied", async_save=True)
-    step(engine, 4)  # does not wait forever for a copy that failed
     try:
-        engine.wait_for_checkpoint()
-    except CheckpointError as err:
-        errors.append(str(err))
-    saving.StagingBuffers.stage = original_stage
+        engine.save_checkpoint(directory, tag="uncopied", async_save=True)
+        step(engine, 4)  # does not wait forever for a copy that failed
+        try:
+            engine.wait_for_checkpoint()
+        except CheckpointError as err:
+            errors.append(str(err))
+    finally:
+        saving.StagingBuffers.stage = original_stage
     engine.save_checkpoint(directory, tag="again", async_save=True)  # the engine saves again after a failure
     engine.close()
     return errors
 
 
-def test_a_failed_background_save_raises_on_every_rank_and_publishes_nothing(tmp_path: Path) -> None:
-    errors = run_world(failing_worker, 2, args=(str(tmp_path),))
-    for rank_errors in errors:
-        assert len(rank_errors) == 2
-        assert "rank 1 could not write its files" in rank_errors[0] and "No space left on device" in rank_errors[0]
-        assert "'bad'" in rank_errors[0]
-        assert "rank 1 could not write its files (its state could not be copied (RuntimeError: out of memory " \
-               "(injected)))" in rank_errors[1] and "'uncopied'" in rank_errors[1]
-    assert not (tmp_path / "bad").exists() and not (tmp_path / "uncopied").exists() and (tmp_path / "good" / "manifest.json").is_file()
-    assert (tmp_path / "latest").read_text() == "again"
-
-
-def periodic_worker(rank: int, world: int, directory: str) -> list:
+def periodic_case(rank: int, directory: str) -> list:
     engine = make_engine(1, checkpoint={"save_dir": directory, "save_interval": 1, "keep_last": 2,
                                         "writer": {"decoupled": True, "io_buffer_size": 4096}})
     for seed in range(5):
@@ -242,13 +263,7 @@ def periodic_worker(rank: int, world: int, directory: str) -> list:
     return sorted(p.name for p in Path(directory).iterdir() if not p.name.startswith("."))
 
 
-def test_periodic_async_saves_prune_after_each_is_published(tmp_path: Path) -> None:
-    kept = run_world(periodic_worker, 2, args=(str(tmp_path),))[0]
-    assert kept == ["global_step4", "global_step5", "latest"]
-    assert (tmp_path / "latest").read_text() == "global_step5"
-
-
-def paced_worker(rank: int, world: int, directory: str) -> dict:
+def paced_case(rank: int, directory: str) -> dict:
     engine = make_engine(2, checkpoint={"writer": {"type": "python", "io_buffer_size": 4096, "spread_over_steps": 4}})
     step(engine, 1)
     engine.save_checkpoint(directory, tag="sync")
@@ -270,15 +285,56 @@ def paced_worker(rank: int, world: int, directory: str) -> dict:
     return {"seen": seen, "done": str(done), "lifted": str(lifted)}
 
 
-def test_a_save_spread_over_steps_writes_a_share_per_step_and_a_wait_lifts_the_pace(tmp_path: Path) -> None:
-    results = run_world(paced_worker, 2, args=(str(tmp_path),))
-    for r in results:
-        assert r["done"] == str(tmp_path / "paced") and r["lifted"] == str(tmp_path / "lifted")
+#: the cases at world 2 run in one world (stage 2, 1, 2), each saving into a directory of its own
+WORLD2_CASES: dict[str, tuple[int, Callable[[int, str], Any]]] = {
+    "failing": (2, failing_case), "periodic": (1, periodic_case), "paced": (2, paced_case)}
+
+
+def world2_worker(rank: int, world: int, root: str) -> dict:
+    out = {}
+    for name, (stage, run) in WORLD2_CASES.items():
+        with case(case=name, stage=stage, world=world):
+            out[name] = run(rank, str(Path(root) / name))
+    return out
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """Every case of WORLD2_CASES, in one world: the root of their directories and each rank's results."""
+    root = tmp_path_factory.mktemp("async_world2")
+    return root, run_world(world2_worker, 2, args=(str(root),), timeout=600)
+
+
+def test_a_failed_background_save_raises_on_every_rank_and_publishes_nothing(world2) -> None:
+    root, results = world2
+    directory = root / "failing"
+    for rank_errors in (r["failing"] for r in results):
+        assert len(rank_errors) == 2
+        assert "rank 1 could not write its files" in rank_errors[0] and "No space left on device" in rank_errors[0]
+        assert "'bad'" in rank_errors[0]
+        assert "rank 1 could not write its files (its state could not be copied (RuntimeError: out of memory " \
+               "(injected)))" in rank_errors[1] and "'uncopied'" in rank_errors[1]
+    assert not (directory / "bad").exists() and not (directory / "uncopied").exists() and (directory / "good" / "manifest.json").is_file()
+    assert (directory / "latest").read_text() == "again"
+
+
+def test_periodic_async_saves_prune_after_each_is_published(world2) -> None:
+    root, results = world2
+    kept = results[0]["periodic"]
+    assert kept == ["global_step4", "global_step5", "latest"]
+    assert (root / "periodic" / "latest").read_text() == "global_step5"
+
+
+def test_a_save_spread_over_steps_writes_a_share_per_step_and_a_wait_lifts_the_pace(world2) -> None:
+    root, results = world2
+    directory = root / "paced"
+    for r in (result["paced"] for result in results):
+        assert r["done"] == str(directory / "paced") and r["lifted"] == str(directory / "lifted")
         for steps, seen in enumerate(r["seen"]):
             assert not seen["published"], steps  # the last quarter waits for the third step
             share = -(-seen["total"] * (steps + 1) // 4)
             assert seen["taken"] <= share + 4095, (steps, seen)  # a piece starts only within the share
-    assert (tmp_path / "latest").read_text() == "lifted"
-    for name in sorted(p.name for p in (tmp_path / "sync").glob("*.safetensors")):
-        a, b = load_file(tmp_path / "sync" / name), load_file(tmp_path / "paced" / name)
+    assert (directory / "latest").read_text() == "lifted"
+    for name in sorted(p.name for p in (directory / "sync").glob("*.safetensors")):
+        a, b = load_file(directory / "sync" / name), load_file(directory / "paced" / name)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name

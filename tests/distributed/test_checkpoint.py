@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from zs_common import TINY, make_model, rank_micro_batches, zero_config
 import zeroshard
 from zeroshard.checkpoint import CheckpointError, CheckpointReader, consolidate
 from zeroshard.tools.demo.model import GPT
-from zeroshard.tools.testing import WorldFailed, run_world
+from zeroshard.tools.testing import CaseFailures, WorldFailed, case, run_world
 
 K = 3
 SCHEDULE = {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 2, "warmup_max_lr": 1e-3, "total_num_steps": 20}}
@@ -40,34 +41,42 @@ def random_step(engine) -> float:
     return float(loss)
 
 
-def resume_worker(rank: int, world: int, stage: int, phase: str, directory: str) -> dict:
+def resume_phase(rank: int, stage: int, phase: str, directory: str) -> dict:
+    """One run of a resume case: ``full`` trains 2K steps, ``first`` K steps and saves, ``second`` loads
+    that save and trains the other K."""
     engine = make_engine(stage)
     torch.manual_seed(100 + rank)
-    losses = []
+    losses, loaded = [], None
     if phase == "second":
         path, client = engine.load_checkpoint(directory, load_rng_state=True)  # batches come from torch's RNG
-        assert client == {"next": K} and path.name == f"global_step{K}"
+        loaded = (client, path.name)
     steps = {"full": 2 * K, "first": K, "second": K}[phase]
     for _ in range(steps):
         losses.append(random_step(engine))
     if phase == "first":
         engine.save_checkpoint(directory, client_state={"next": K})
     state = engine.full_state_dict()
-    return {"losses": losses, "state": state if rank == 0 else None, "lr": engine.get_lr(),
-            "steps": engine.global_steps}
+    result = {"losses": losses, "state": state if rank == 0 else None, "lr": engine.get_lr(),
+              "steps": engine.global_steps, "loaded": loaded}
+    engine.close()
+    return result
 
 
-@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), pytest.param(1, marks=pytest.mark.slow), 2, 3])
-def test_resume_is_bitwise_exact(stage: int, tmp_path: Path) -> None:
-    full = run_world(resume_worker, 2, args=(stage, "full", str(tmp_path)))
-    run_world(resume_worker, 2, args=(stage, "first", str(tmp_path)))
-    second = run_world(resume_worker, 2, args=(stage, "second", str(tmp_path)))
+def resume_case(rank: int, world: int, stage: int, directory: str) -> dict:
+    """A stage's three runs in turn; each run's engine is closed before the next, so the resumed run
+    gets from the first only what its checkpoint holds."""
+    return {phase: resume_phase(rank, stage, phase, directory) for phase in ("full", "first", "second")}
+
+
+def check_resume(by_rank: list[dict], directory: Path) -> None:
+    full, second = ([r[phase] for r in by_rank] for phase in ("full", "second"))
     for a, b in zip(full, second):
+        assert b["loaded"] == ({"next": K}, f"global_step{K}"), b["loaded"]
         assert a["losses"][K:] == b["losses"]  # bitwise: the same floats
         assert a["lr"] == b["lr"] and a["steps"] == b["steps"] == 2 * K
     for name, value in full[0]["state"].items():
         assert torch.equal(value, second[0]["state"][name]), name
-    assert (tmp_path / "latest").read_text() == f"global_step{K}"
+    assert (directory / "latest").read_text() == f"global_step{K}"
 
 
 def train_steps(engine, rank: int, world: int, steps) -> list[float]:
@@ -107,7 +116,7 @@ LOAD_FLAGS = {
 }
 
 
-def load_flags_worker(rank: int, world: int, stage: int, directory: str) -> dict:
+def load_flags_case(rank: int, world: int, stage: int, directory: str) -> dict:
     """A source run saves after 3 steps; for each flag, a different run (other weights, one step of its
     own, so it has moments, counters and a schedule of its own) loads it.  Each part ends up equal to
     the source's ("source") or to the loading run's own ("kept").  ``next_lr``: the learning rate after one
@@ -117,38 +126,30 @@ def load_flags_worker(rank: int, world: int, stage: int, directory: str) -> dict
     source.save_checkpoint(directory, tag="src")
     saved = snapshot(source)
     lrs += train_steps(source, rank, world, range(3, 4))
+    source.close()
     out = {}
     for name, flags in LOAD_FLAGS.items():
-        config = zero_config(stage, 2, 1, **(STAGE3 if stage == 3 else {}))
-        engine, _, _, _ = zeroshard.initialize(model=make_model(seed=7), config={**config, "scheduler": SCHEDULE})
-        train_steps(engine, rank, world, range(10, 11))
-        own = snapshot(engine)
-        engine.load_checkpoint(directory, tag="src", **flags)
-        loaded = snapshot(engine)
-        out[name] = {part: "source" if same(loaded[part], saved[part]) else "kept" if same(loaded[part], own[part])
-                     else "neither" for part in loaded}
-        next_lr = train_steps(engine, rank, world, range(3, 4))[0]
-        out[name]["next_lr"] = {lrs[3]: "source", lrs[1]: "kept"}.get(next_lr, "neither")
-        assert lrs[3] != lrs[1]
-        engine.close()
+        with case(flags=name):
+            out[name] = load_with_flags(rank, world, stage, directory, flags, saved, lrs)
     return out
 
 
-@pytest.mark.slow  # extended: runs in CI (see conftest.py)
-@pytest.mark.parametrize("stage", [2, 3])
-def test_load_flags_restore_exactly_what_they_say(stage: int, tmp_path: Path) -> None:
-    """load_module_only: the weights only; load_optimizer_states=False: all but the Adam state (moments
-    and step); load_lr_scheduler_states=False: all but the schedule.  Everything else is bitwise the
-    checkpoint's, and what is not loaded is bitwise the loading run's own."""
-    src, kept = "source", "kept"
-    expected = {
-        "all": dict(params=src, moments=src, adam_step=src, counters=src, scheduler=src, next_lr=src),
-        "module_only": dict(params=src, moments=kept, adam_step=kept, counters=kept, scheduler=kept, next_lr=kept),
-        "no_optimizer": dict(params=src, moments=kept, adam_step=kept, counters=src, scheduler=src, next_lr=src),
-        "no_scheduler": dict(params=src, moments=src, adam_step=src, counters=src, scheduler=kept, next_lr=kept),
-    }
-    for result in run_world(load_flags_worker, 2, args=(stage, str(tmp_path))):
-        assert result == expected
+def load_with_flags(rank: int, world: int, stage: int, directory: str, flags: dict, saved: dict,
+                    lrs: list[float]) -> dict:
+    """Which parts of a run that loads the source's checkpoint with ``flags`` are the source's."""
+    config = zero_config(stage, 2, 1, **(STAGE3 if stage == 3 else {}))
+    engine, _, _, _ = zeroshard.initialize(model=make_model(seed=7), config={**config, "scheduler": SCHEDULE})
+    train_steps(engine, rank, world, range(10, 11))
+    own = snapshot(engine)
+    engine.load_checkpoint(directory, tag="src", **flags)
+    loaded = snapshot(engine)
+    out = {part: "source" if same(loaded[part], saved[part]) else "kept" if same(loaded[part], own[part])
+           else "neither" for part in loaded}
+    next_lr = train_steps(engine, rank, world, range(3, 4))[0]
+    out["next_lr"] = {lrs[3]: "source", lrs[1]: "kept"}.get(next_lr, "neither")
+    assert lrs[3] != lrs[1]
+    engine.close()
+    return out
 
 
 def global_loss(engine, step: int, world: int, rank: int) -> float:
@@ -162,19 +163,76 @@ def global_loss(engine, step: int, world: int, rank: int) -> float:
     return float(value) / world
 
 
-def reshard_save_worker(rank: int, world: int, stage: int, directory: str) -> float:
+Run = tuple[int, int]  # (world, stage)
+#: source run -> the runs that load its checkpoint
+RESHARDS: dict[Run, list[Run]] = {
+    (4, 2): [(1, 2), (2, 2), (3, 2)],  # world 4 -> 1, 2, 3
+    (2, 2): [(2, 3)],                  # stage 2 -> 3
+    (3, 3): [(2, 2)],                  # stage 3 -> 2 (and world 3 -> 2)
+    (2, 0): [(3, 3)],                  # stage 0 -> 3
+}
+
+
+def reshard_rounds(reshards: dict[Run, list[Run]]) -> list[tuple[int, list[Run], list[tuple[Run, Run]]]]:
+    """The worlds to run, in order, as (world size, sources it saves, (source, target) loads it runs).
+
+    A world saves every source of its size, then loads every checkpoint already saved into the targets
+    of its size; sizes go from the largest down and start over until every target has loaded, so each
+    world size runs as few times as the dependencies allow (a world-2 source loaded at world 3 and a
+    world-3 source loaded at world 2 need a second round)."""
+    pending = [(source, target) for source, targets in reshards.items() for target in targets]
+    sizes = sorted({world for world, _ in reshards} | {world for _, (world, _) in pending}, reverse=True)
+    saved: set[Run] = set()
+    rounds = []
+    while pending:
+        for world in sizes:
+            saves = [source for source in reshards if source[0] == world and source not in saved]
+            saved.update(saves)
+            loads = [(source, target) for source, target in pending if target[0] == world and source in saved]
+            pending = [load for load in pending if load not in loads]
+            if saves or loads:
+                rounds.append((world, saves, loads))
+    return rounds
+
+
+def source_dir(root: str, source: Run) -> Path:
+    return Path(root) / f"world{source[0]}_stage{source[1]}"
+
+
+def resaved_dir(root: str, source: Run, target: Run) -> Path:
+    return source_dir(root, source) / f"to_world{target[0]}_stage{target[1]}"
+
+
+def reshard_save(rank: int, world: int, stage: int, directory: Path) -> float:
     engine = make_engine(stage, micro=12 // world)
     for step in range(2):
         global_loss(engine, step, world, rank)
     engine.save_checkpoint(directory, tag="source")
-    return global_loss(engine, 2, world, rank)
+    loss = global_loss(engine, 2, world, rank)
+    engine.close()
+    return loss
 
 
-def reshard_load_worker(rank: int, world: int, stage: int, source: str, again: str) -> float:
+def reshard_load(rank: int, world: int, stage: int, source: Path, again: Path) -> float:
     engine = make_engine(stage, micro=12 // world)
     engine.load_checkpoint(source, tag="source")
     engine.save_checkpoint(again, tag="again")
-    return global_loss(engine, 2, world, rank)
+    loss = global_loss(engine, 2, world, rank)
+    engine.close()
+    return loss
+
+
+def reshard_worker(rank: int, world: int, saves: list[Run], loads: list[tuple[Run, Run]], root: str) -> dict:
+    """One round of RESHARDS: the global loss of the step after each save and after each load."""
+    out: dict = {}
+    for source in saves:
+        with case(save=f"world {source[0]} stage {source[1]}"):
+            out[source] = reshard_save(rank, world, source[1], source_dir(root, source))
+    for source, target in loads:
+        with case(source=f"world {source[0]} stage {source[1]}", target=f"world {target[0]} stage {target[1]}"):
+            out[(source, target)] = reshard_load(rank, world, target[1], source_dir(root, source),
+                                                 resaved_dir(root, source, target))
+    return out
 
 
 def same_contents(a: Path, b: Path) -> None:
@@ -185,21 +243,22 @@ def same_contents(a: Path, b: Path) -> None:
             assert torch.equal(ra.tensor(name, key), rb.tensor(name, key)), (name, key)
 
 
-@pytest.mark.parametrize("source, targets", [
-    ((4, 2), [(1, 2), (2, 2), (3, 2)]),  # world 4 -> 1, 2, 3
-    ((2, 2), [(2, 3)]),                  # stage 2 -> 3
-    ((3, 3), [(2, 2)]),                  # stage 3 -> 2 (and world 3 -> 2)
-    ((2, 0), [(3, 3)]),                  # stage 0 -> 3
-])
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
-def test_load_reshards_across_world_sizes_and_stages(source, targets, tmp_path: Path) -> None:
-    world, stage = source
-    expected = run_world(reshard_save_worker, world, args=(stage, str(tmp_path / "a")))[0]
-    for new_world, new_stage in targets:
-        again = tmp_path / f"b{new_world}{new_stage}"
-        losses = run_world(reshard_load_worker, new_world, args=(new_stage, str(tmp_path / "a"), str(again)))
-        same_contents(tmp_path / "a" / "source", again / "again")  # parameters and Adam moments, exactly
-        assert losses[0] == pytest.approx(expected, rel=1e-6), (new_world, new_stage)
+def test_load_reshards_across_world_sizes_and_stages(tmp_path: Path) -> None:
+    """Every source of RESHARDS and every load of it, one world per round of reshard_rounds."""
+    losses: dict = {}
+    for world, saves, loads in reshard_rounds(RESHARDS):
+        losses.update(run_world(reshard_worker, world, args=(saves, loads, str(tmp_path)), timeout=600)[0])
+    failures = CaseFailures()
+    for source, targets in RESHARDS.items():
+        for target in targets:
+            with failures.case(source=f"world {source[0]} stage {source[1]}",
+                               target=f"world {target[0]} stage {target[1]}"):
+                # parameters and Adam moments, exactly
+                same_contents(source_dir(str(tmp_path), source) / "source",
+                              resaved_dir(str(tmp_path), source, target) / "again")
+                assert losses[(source, target)] == pytest.approx(losses[source], rel=1e-6), (source, target)
+    failures.raise_any()
 
 
 def crash_worker(rank: int, world: int, directory: str, background: bool) -> None:
@@ -223,20 +282,33 @@ def crash_worker(rank: int, world: int, directory: str, background: bool) -> Non
     engine.wait_for_checkpoint()
 
 
-def load_latest_worker(rank: int, world: int, directory: str) -> str:
-    engine = make_engine(2)
-    path, _ = engine.load_checkpoint(directory)
-    return path.name
+def load_latest_worker(rank: int, world: int, directories: list[str]) -> list[str]:
+    """The tag that ``latest`` names in each directory, loaded."""
+    names = []
+    for directory in directories:
+        with case(directory=Path(directory).name, world=world):
+            engine = make_engine(2)
+            path, _ = engine.load_checkpoint(directory)
+            names.append(path.name)
+            engine.close()
+    return names
 
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
-@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
-def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(background: bool, tmp_path: Path) -> None:
-    with pytest.raises(WorldFailed):  # rank 1 dies; rank 0 fails in whichever collective it is waiting in
-        run_world(crash_worker, 2, args=(str(tmp_path), background), pg_timeout_s=20, timeout=120)
-    assert (tmp_path / "latest").read_text() == "good"
-    assert not (tmp_path / "bad").exists() and (tmp_path / ".bad.incomplete").exists()
-    assert run_world(load_latest_worker, 2, args=(str(tmp_path),)) == ["good", "good"]
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:
+    """A killed rank needs a world of its own, one per kind of save; one world then loads both."""
+    saves = {"sync": tmp_path / "sync", "async": tmp_path / "async"}
+    for name, directory in saves.items():
+        with pytest.raises(WorldFailed):  # rank 1 dies; rank 0 fails in whichever collective it is waiting in
+            run_world(crash_worker, 2, args=(str(directory), name == "async"), pg_timeout_s=20, timeout=120)
+    loaded = run_world(load_latest_worker, 2, args=([str(d) for d in saves.values()],))
+    failures = CaseFailures()
+    for index, (name, directory) in enumerate(saves.items()):
+        with failures.case(save=name, world=2):
+            assert (directory / "latest").read_text() == "good"
+            assert not (directory / "bad").exists() and (directory / ".bad.incomplete").exists()
+            assert [names[index] for names in loaded] == ["good", "good"]
+    failures.raise_any()
 
 
 def saved_worker(rank: int, world: int, directory: str, stage: int) -> dict:
@@ -319,7 +391,8 @@ def test_a_flipped_byte_in_the_header_or_the_data_is_caught_and_older_formats_ch
         victim.write_bytes(data)
 
 
-def verifying_worker(rank: int, world: int, directory: str, stage: int) -> dict:
+def verified_files(stage: int, directory: str) -> dict:
+    """Load ``directory``'s tag ``t``: the files this rank checksummed, and the error if the load failed."""
     import zeroshard.checkpoint.format as fmt
 
     hashed, original = [], fmt.file_matches
@@ -330,26 +403,44 @@ def verifying_worker(rank: int, world: int, directory: str, stage: int) -> dict:
         error = None
     except CheckpointError as err:
         error = str(err)
+    finally:
+        fmt.file_matches = original
+    engine.close()
     return {"hashed": sorted(hashed), "error": error}
+
+
+def verifying_worker(rank: int, world: int, directories: list[str], stage: int) -> dict:
+    out = {}
+    for directory in directories:
+        with case(checkpoint=Path(directory).name, world=world, stage=stage):
+            out[Path(directory).name] = verified_files(stage, directory)
+    return out
 
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
 def test_a_load_verifies_only_the_files_the_rank_reads(saved, tmp_path: Path) -> None:
-    directory = tmp_path / "t"
-    shutil.copytree(saved[0] / "t", directory)
-    extra = ["model_extra.safetensors"] if (directory / "model_extra.safetensors").exists() else []
-    same = run_world(verifying_worker, 3, args=(str(tmp_path), 3))
-    assert [r["hashed"] for r in same] == [sorted([f"rank0000{r}.safetensors", *extra]) for r in range(3)]
-    assert all(r["error"] is None for r in same)
-    whole = run_world(verifying_worker, 1, args=(str(tmp_path), 2))[0]  # one rank reads every chunk
-    assert whole["hashed"] == sorted([f"rank0000{r}.safetensors" for r in range(3)] + extra)
-    victim = directory / "rank00002.safetensors"
+    intact, damaged = tmp_path / "intact", tmp_path / "damaged"
+    for directory in (intact, damaged):
+        shutil.copytree(saved[0] / "t", directory / "t")
+    extra = ["model_extra.safetensors"] if (intact / "t" / "model_extra.safetensors").exists() else []
+    victim = damaged / "t" / "rank00002.safetensors"
     flipped = bytearray(victim.read_bytes())
     flipped[len(flipped) // 2] ^= 0x10
     victim.write_bytes(bytes(flipped))
-    errors = [r["error"] for r in run_world(verifying_worker, 3, args=(str(tmp_path), 3))]
-    assert "rank00002.safetensors: checksum mismatch" in errors[2]
-    assert all("failed validation on 1 other rank" in e for e in errors[:2])
+    at_3 = run_world(verifying_worker, 3, args=([str(intact), str(damaged)], 3), timeout=600)
+    whole = run_world(verifying_worker, 1, args=([str(intact)], 2))[0]["intact"]  # one rank reads every chunk
+    failures = CaseFailures()
+    with failures.case(checkpoint="intact", world=3, stage=3):
+        same = [r["intact"] for r in at_3]
+        assert [r["hashed"] for r in same] == [sorted([f"rank0000{r}.safetensors", *extra]) for r in range(3)]
+        assert all(r["error"] is None for r in same)
+    with failures.case(checkpoint="intact", world=1, stage=2):
+        assert whole["hashed"] == sorted([f"rank0000{r}.safetensors" for r in range(3)] + extra)
+    with failures.case(checkpoint="damaged", world=3, stage=3):
+        errors = [r["damaged"]["error"] for r in at_3]
+        assert "rank00002.safetensors: checksum mismatch" in errors[2]
+        assert all("failed validation on 1 other rank" in e for e in errors[:2])
+    failures.raise_any()
 
 
 def test_a_newer_format_is_refused(saved, tmp_path: Path) -> None:
@@ -361,22 +452,116 @@ def test_a_newer_format_is_refused(saved, tmp_path: Path) -> None:
         CheckpointReader(directory)
 
 
-def wrong_model_worker(rank: int, world: int, directory: str, change: str) -> str:
+def wrong_model_case(rank: int, world: int, directory: str, change: str) -> str:
+    """The error a model changed by ``change`` raises when it loads the checkpoint."""
     torch.manual_seed(0)
     cfg = TINY.__class__(**{**TINY.__dict__, **({"vocab_size": 67} if change == "shape" else {"n_layer": 3})})
     engine, _, _, _ = zeroshard.initialize(model=GPT(cfg), config=zero_config(2, 1, 1))
     try:
         engine.load_checkpoint(directory, tag="t")
+        message = "no error"
     except CheckpointError as err:
-        return str(err)
-    return "no error"
+        message = str(err)
+    engine.close()
+    return message
 
 
-def test_loading_into_a_different_model_names_the_parameters(saved) -> None:
-    shape = run_world(wrong_model_worker, 2, args=(str(saved[0]), "shape"))[0]
-    assert "shape mismatch: tok.weight (checkpoint (61, 16), model (67, 16))" in shape
-    extra = run_world(wrong_model_worker, 2, args=(str(saved[0]), "layers"))[0]
-    assert "missing from the checkpoint: blocks.2." in extra
+#: how the loading model differs -> what the error must say
+WRONG_MODELS = {"shape": "shape mismatch: tok.weight (checkpoint (61, 16), model (67, 16))",
+                "layers": "missing from the checkpoint: blocks.2."}
+
+
+# The cases at world size 2 run in two worlds, each building and closing an engine per case: one for
+# the default cases, one for the extended ones.  Each case works in a directory of its own.
+
+RESUME_STAGES = {"world2": (2, 3), "world2_extended": (0, 1)}
+LOAD_FLAG_STAGES = (2, 3)
+
+
+def cases_worker(rank: int, world: int, cases: dict[str, tuple[Callable[..., Any], tuple]]) -> dict[str, Any]:
+    out = {}
+    for name, (run, args) in cases.items():
+        with case(case=name, world=world):
+            out[name] = run(rank, world, *args)
+    return out
+
+
+def run_cases(world: int, cases: dict[str, tuple[Callable[..., Any], tuple]]) -> dict[str, list[Any]]:
+    """Every case in one world: each case's results, by rank."""
+    by_rank = run_world(cases_worker, world, args=(cases,), timeout=600)
+    return {name: [r[name] for r in by_rank] for name in cases}
+
+
+def resume_dir(root: Path, stage: int) -> Path:
+    return root / f"resume_stage{stage}"
+
+
+def resume_cases(stages: tuple[int, ...], root: Path) -> dict[str, tuple[Callable[..., Any], tuple]]:
+    return {f"resume, stage {stage}": (resume_case, (stage, str(resume_dir(root, stage)))) for stage in stages}
+
+
+@pytest.fixture(scope="module")
+def world2(saved, tmp_path_factory) -> tuple[Path, dict[str, list[Any]]]:
+    """The default cases: resume at stages 2 and 3, and loads into other models."""
+    root = tmp_path_factory.mktemp("world2")
+    cases = {**resume_cases(RESUME_STAGES["world2"], root),
+             **{f"wrong model, {change}": (wrong_model_case, (str(saved[0]), change)) for change in WRONG_MODELS}}
+    return root, run_cases(2, cases)
+
+
+@pytest.fixture(scope="module")
+def world2_extended(tmp_path_factory) -> tuple[Path, dict[str, list[Any]]]:
+    """The extended cases: resume at stages 0 and 1, and the load flags at stages 2 and 3."""
+    root = tmp_path_factory.mktemp("world2_extended")
+    cases = {**resume_cases(RESUME_STAGES["world2_extended"], root),
+             **{f"load flags, stage {stage}": (load_flags_case, (stage, str(root / f"flags_stage{stage}")))
+                for stage in LOAD_FLAG_STAGES}}
+    return root, run_cases(2, cases)
+
+
+@pytest.mark.parametrize("world", [pytest.param("world2_extended", marks=pytest.mark.slow, id="stages_0_1"),
+                                   pytest.param("world2", id="stages_2_3")])
+def test_resume_is_bitwise_exact(world: str, request: pytest.FixtureRequest) -> None:
+    root, results = request.getfixturevalue(world)
+    failures = CaseFailures()
+    for stage in RESUME_STAGES[world]:
+        with failures.case(case=f"resume, stage {stage}", world=2):
+            check_resume(results[f"resume, stage {stage}"], resume_dir(root, stage))
+    failures.raise_any()
+
+
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
+def test_load_flags_restore_exactly_what_they_say(world2_extended) -> None:
+    """load_module_only: the weights only; load_optimizer_states=False: all but the Adam state (moments
+    and step); load_lr_scheduler_states=False: all but the schedule.  Everything else is bitwise the
+    checkpoint's, and what is not loaded is bitwise the loading run's own."""
+    src, kept = "source", "kept"
+    expected = {
+        "all": dict(params=src, moments=src, adam_step=src, counters=src, scheduler=src, next_lr=src),
+        "module_only": dict(params=src, moments=kept, adam_step=kept, counters=kept, scheduler=kept, next_lr=kept),
+        "no_optimizer": dict(params=src, moments=kept, adam_step=kept, counters=src, scheduler=src, next_lr=src),
+        "no_scheduler": dict(params=src, moments=src, adam_step=src, counters=src, scheduler=kept, next_lr=kept),
+    }
+    _, results = world2_extended
+    failures = CaseFailures()
+    for stage in LOAD_FLAG_STAGES:
+        for rank, result in enumerate(results[f"load flags, stage {stage}"]):
+            with failures.case(case=f"load flags, stage {stage}", world=2, rank=rank):
+                assert result.keys() == expected.keys(), sorted(result)
+            for name in LOAD_FLAGS:
+                with failures.case(case=f"load flags, stage {stage}", world=2, rank=rank, flags=name):
+                    assert result[name] == expected[name], result[name]
+    failures.raise_any()
+
+
+def test_loading_into_a_different_model_names_the_parameters(world2) -> None:
+    _, results = world2
+    failures = CaseFailures()
+    for change, expected in WRONG_MODELS.items():
+        for rank, message in enumerate(results[f"wrong model, {change}"]):
+            with failures.case(case=f"wrong model, {change}", world=2, rank=rank):
+                assert expected in message, message
+    failures.raise_any()
 
 
 def test_consolidate_gives_an_ordinary_state_dict(saved, tmp_path: Path) -> None:

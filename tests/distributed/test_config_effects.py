@@ -1,53 +1,84 @@
 """Config keys that real DeepSpeed configs carry have their effect: prescaled averaging equals the default
 average, csv_monitor writes DeepSpeed's one-file-per-metric CSVs, steps_per_print Infinity never logs,
-``seed`` decides every rank's random numbers and the data order."""
+``seed`` decides every rank's random numbers and the data order.  Each family runs in one world that
+builds and closes an engine per case."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 from torch.utils.data import TensorDataset
 
 import zeroshard
-from zeroshard.tools.testing import run_world
+from zeroshard.tools.testing import CaseFailures, case, run_world
 
 from zs_common import global_batch, make_model, rank_micro_batches, zero_config
 
 
-def train(rank: int, world: int, stage: int, extra: dict, steps: int = 3):
+def train(rank: int, world: int, stage: int, extra: dict, steps: int = 3) -> dict:
     torch.manual_seed(0)
     engine, *_ = zeroshard.initialize(model=make_model(), config={**zero_config(stage, 2, 2), **extra})
     for step in range(steps):
         for x, y in rank_micro_batches(step, rank, world, 2, 2):
             engine.backward(engine(x, y))
             engine.step()
-    return engine.full_state_dict()
+    state = engine.full_state_dict()
+    engine.close()
+    return state
+
+
+def train_worker(rank: int, world: int, cases: dict[str, tuple[int, dict]]) -> dict[str, dict]:
+    """Every case (name -> (stage, extra config)) trained in turn; rank 0's final weights by case."""
+    out = {}
+    for name, (stage, extra) in cases.items():
+        with case(config=name, stage=stage, world=world):
+            out[name] = train(rank, world, stage, extra)
+    return out
+
+
+PRESCALED = {"prescale_gradients": True, "gradient_predivide_factor": 2.0}
+PRESCALED_STAGES = (0, 2, 3)
 
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
-@pytest.mark.parametrize("stage", [0, 2, 3])
-def test_prescaled_gradient_averaging_equals_the_default_average(stage) -> None:
-    default = run_world(train, 3, args=(stage, {}))[0]
-    prescaled = run_world(train, 3, args=(stage, {"prescale_gradients": True, "gradient_predivide_factor": 2.0}))[0]
-    for name, value in default.items():
-        torch.testing.assert_close(prescaled[name], value, rtol=1e-5, atol=1e-7, msg=name)
+def test_prescaled_gradient_averaging_equals_the_default_average() -> None:
+    cases = {f"{kind} stage {stage}": (stage, extra) for stage in PRESCALED_STAGES
+             for kind, extra in (("default", {}), ("prescaled", PRESCALED))}
+    states = run_world(train_worker, 3, args=(cases,), timeout=600)[0]
+    failures = CaseFailures()
+    for stage in PRESCALED_STAGES:
+        with failures.case(stage=stage, world=3):
+            default, prescaled = states[f"default stage {stage}"], states[f"prescaled stage {stage}"]
+            for name, value in default.items():
+                torch.testing.assert_close(prescaled[name], value, rtol=1e-5, atol=1e-7, msg=name)
+    failures.raise_any()
 
 
-def test_csv_monitor_writes_one_file_per_metric(tmp_path) -> None:
-    extra = {"steps_per_print": 1, "csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "run"}}
-    run_world(train, 2, args=(1, extra))
-    loss = (tmp_path / "run" / "loss.csv").read_text().splitlines()
+@pytest.fixture(scope="module")
+def logged(tmp_path_factory) -> Path:
+    """One world trains both logging configs: csv_monitor at stage 1, steps_per_print Infinity at stage 2."""
+    root = tmp_path_factory.mktemp("logging")
+    cases = {
+        "csv_monitor": (1, {"steps_per_print": 1,
+                            "csv_monitor": {"enabled": True, "output_path": str(root), "job_name": "run"}}),
+        "steps_per_print_infinity": (2, {"steps_per_print": float("inf"), "metrics_path": str(root / "m.jsonl")}),
+    }
+    run_world(train_worker, 2, args=(cases,), timeout=600)
+    return root
+
+
+def test_csv_monitor_writes_one_file_per_metric(logged: Path) -> None:
+    loss = (logged / "run" / "loss.csv").read_text().splitlines()
     assert loss[0] == "step,loss" and [line.split(",")[0] for line in loss[1:]] == ["1", "2", "3"]
-    assert (tmp_path / "run" / "lr.csv").is_file() and (tmp_path / "run" / "tokens_per_s.csv").is_file()
+    assert (logged / "run" / "lr.csv").is_file() and (logged / "run" / "tokens_per_s.csv").is_file()
 
 
-def test_steps_per_print_infinity_never_logs(tmp_path) -> None:
-    metrics = tmp_path / "m.jsonl"
-    run_world(train, 2, args=(2, {"steps_per_print": float("inf"), "metrics_path": str(metrics)}))
-    assert not metrics.exists()
+def test_steps_per_print_infinity_never_logs(logged: Path) -> None:
+    assert not (logged / "m.jsonl").exists()
 
 
-def seeded_worker(rank: int, world: int, seed: int) -> dict:
+def seeded_run(rank: int, seed: int) -> dict:
     """Three steps whose only randomness is the config's ``seed``: the generator is scrambled from the OS
     just before initialize(), so a run repeats only if initialize() seeds torch on this rank, and the
     batches come from the loader that initialize() builds, whose shuffle only the seed decides."""
@@ -63,14 +94,26 @@ def seeded_worker(rank: int, world: int, seed: int) -> dict:
         engine.backward(loss)
         engine.step()
         losses.append(float(loss))
+    engine.close()
     return {"drawn": drawn, "losses": losses}
+
+
+#: run name -> the config's seed; "again" repeats "first" later in the same process
+SEEDED_RUNS = {"first": 1, "again": 1, "other": 2}
+
+
+def seeded_worker(rank: int, world: int) -> dict:
+    out = {}
+    for name, seed in SEEDED_RUNS.items():
+        with case(run=name, seed=seed, world=world):
+            out[name] = seeded_run(rank, seed)
+    return out
 
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
 def test_different_seeds_give_different_runs() -> None:
-    first = run_world(seeded_worker, 2, args=(1,))
-    again = run_world(seeded_worker, 2, args=(1,))
-    other = run_world(seeded_worker, 2, args=(2,))
+    runs = run_world(seeded_worker, 2, timeout=600)
+    first, again, other = ([r[name] for r in runs] for name in SEEDED_RUNS)
     for rank in range(2):
         # the same seed: the same draws and the same data order, bitwise, on every rank
         assert torch.equal(first[rank]["drawn"], again[rank]["drawn"]), rank

@@ -12,7 +12,6 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-import pytest
 import torch
 import torch.distributed as dist
 from zs_common import make_model, rank_micro_batches, zero_config
@@ -21,7 +20,8 @@ import zeroshard
 from zeroshard.checkpoint import FORMAT_VERSION
 from zeroshard.checkpoint import CheckpointError
 from zeroshard.distributed.consistency import DivergenceError
-from zeroshard.tools.testing import run_world
+from zeroshard.tools import testing
+from zeroshard.tools.testing import CaseFailures, run_world
 
 
 def _manifest_edit(edit: Callable[[Any], Any]) -> Callable[[Path], None]:
@@ -102,7 +102,8 @@ def train(engine, rank: int, world: int, steps: int) -> None:
         engine.step()
 
 
-def worker(rank: int, world: int, stage: int, directory: str) -> dict[str, Any]:
+def load_attempts(rank: int, world: int, stage: int, directory: str) -> dict[str, Any]:
+    """Every damaged or mismatched load at ``stage``: its error and what it changed, by case."""
     root = Path(directory)
     config = zero_config(stage, 2, 1, **({"stage3_param_persistence_threshold": 20} if stage == 3 else {}))
     config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 1e-3}}
@@ -144,12 +145,32 @@ def worker(rank: int, world: int, stage: int, directory: str) -> dict[str, Any]:
         results[case] = (error, same(before, snapshot(engine)))
     engine.load_checkpoint(root, tag="a")  # after all that, a good checkpoint still loads
     results["good"] = engine.global_steps
+    engine.close()
     return results
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_a_bad_checkpoint_raises_on_every_rank_and_changes_nothing(stage: int, tmp_path: Path) -> None:
-    ranks = run_world(worker, 2, args=(stage, str(tmp_path)), timeout=240)
+def worker(rank: int, world: int, stages: tuple[int, ...], directory: str) -> dict[int, dict[str, Any]]:
+    """Each stage's loads in turn, from checkpoints of its own directory."""
+    out = {}
+    for stage in stages:
+        with testing.case(stage=stage, world=world):
+            out[stage] = load_attempts(rank, world, stage, str(Path(directory) / f"stage{stage}"))
+    return out
+
+
+STAGES = (1, 3)
+
+
+def test_a_bad_checkpoint_raises_on_every_rank_and_changes_nothing(tmp_path: Path) -> None:
+    by_rank = run_world(worker, 2, args=(STAGES, str(tmp_path)), timeout=600)
+    failures = CaseFailures()
+    for stage in STAGES:
+        with failures.case(stage=stage, world=2):
+            check_stage([r[stage] for r in by_rank])
+    failures.raise_any()
+
+
+def check_stage(ranks: list[dict[str, Any]]) -> None:
     for rank, results in enumerate(ranks):
         assert results.pop("good") == 1
         for case, (error, changed) in results.items():

@@ -5,18 +5,23 @@ import pytest
 import torch
 
 import zeroshard
-from zeroshard.tools.testing import run_world
+from zeroshard.tools.testing import CaseFailures, case, run_world
 
 from zs_common import make_model, rank_micro_batches, zero_config
 
 
-def train(rank: int, world: int, stage: int, precision: str, poison: set, steps: int, max_skips: int = 10):
+def build(stage: int, precision: str, max_skips: int = 10):
     torch.manual_seed(0)
     config = zero_config(stage, 2, 1, stage3_param_persistence_threshold=0)
     config["max_consecutive_skips"] = max_skips
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
     engine, *_ = zeroshard.initialize(model=make_model(), config=config)
+    return engine
+
+
+def train(rank: int, world: int, stage: int, precision: str, poison: set, steps: int, max_skips: int = 10):
+    engine = build(stage, precision, max_skips)
     for step in range(steps):
         for x, y in rank_micro_batches(step, rank, world, 2, 1):
             loss = engine(x, y)
@@ -24,36 +29,54 @@ def train(rank: int, world: int, stage: int, precision: str, poison: set, steps:
                 loss = loss * float("nan")
             engine.backward(loss)
             engine.step()
-    return engine.full_state_dict(), engine.skipped_steps
+    result = engine.full_state_dict(), engine.skipped_steps
+    engine.close()
+    return result
 
 
 def clean_without(rank: int, world: int, stage: int, precision: str, skipped_step: int, steps: int):
     """The reference: the same run in which the poisoned iteration never happened."""
-    torch.manual_seed(0)
-    config = zero_config(stage, 2, 1, stage3_param_persistence_threshold=0)
-    if precision == "bf16":
-        config["bf16"] = {"enabled": True}
-    engine, *_ = zeroshard.initialize(model=make_model(), config=config)
+    engine = build(stage, precision)
     for step in range(steps):
         if step == skipped_step:
             continue
         for x, y in rank_micro_batches(step, rank, world, 2, 1):
             engine.backward(engine(x, y))
             engine.step()
-    return engine.full_state_dict()
+    state = engine.full_state_dict()
+    engine.close()
+    return state
+
+
+SKIP_CASES = [(stage, precision) for stage in (1, 3) for precision in ("fp32", "bf16")]
+POISONED_STEP, POISONED_RANK, STEPS = 2, 1, 5
+
+
+def skip_worker(rank: int, world: int, cases: list[tuple[int, str]]) -> dict:
+    """Each case's poisoned run and its reference, in turn."""
+    out = {}
+    for stage, precision in cases:
+        with case(stage=stage, precision=precision, world=world):
+            poisoned = train(rank, world, stage, precision, {(POISONED_STEP, POISONED_RANK)}, STEPS)
+            reference = clean_without(rank, world, stage, precision, POISONED_STEP, STEPS)
+            out[(stage, precision)] = (poisoned, reference)
+    return out
 
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("stage", [1, 3])
-def test_a_nan_on_one_rank_skips_the_step_on_every_rank(stage, precision) -> None:
-    poisoned = run_world(train, 2, args=(stage, precision, {(2, 1)}, 5))
-    reference = run_world(clean_without, 2, args=(stage, precision, 2, 5))
-    state, skipped = poisoned[0]
-    assert skipped == 1 and poisoned[1][1] == 1
-    for name, value in reference[0].items():
-        assert torch.isfinite(state[name].float()).all(), name
-        assert torch.equal(state[name], value), name
+def test_a_nan_on_one_rank_skips_the_step_on_every_rank() -> None:
+    results = run_world(skip_worker, 2, args=(SKIP_CASES,), timeout=600)
+    failures = CaseFailures()
+    for stage, precision in SKIP_CASES:
+        with failures.case(stage=stage, precision=precision, world=2):
+            poisoned = [r[(stage, precision)][0] for r in results]
+            reference = results[0][(stage, precision)][1]
+            state, skipped = poisoned[0]
+            assert skipped == 1 and poisoned[1][1] == 1
+            for name, value in reference.items():
+                assert torch.isfinite(state[name].float()).all(), name
+                assert torch.equal(state[name], value), name
+    failures.raise_any()
 
 
 def test_nans_that_keep_coming_stop_training_naming_rank_and_parameter() -> None:

@@ -17,7 +17,7 @@ from torch import nn
 from zs_common import CLIP, LR, WD, make_model, max_rel_diff, rank_micro_batches, zero_config
 
 import zeroshard
-from zeroshard.tools.testing import run_world
+from zeroshard.tools.testing import CaseFailures, case, run_world
 
 VOCAB, SEQ, SAMPLES = 23, 6, 40  # 40 samples, micro batch 2, world 2: an epoch is 10 steps per rank
 
@@ -54,7 +54,8 @@ def train(engine, loader, steps: int) -> list[float]:
     return losses
 
 
-def worker(rank: int, world: int, stage: int, phase: str, directory: str) -> dict:
+def run_phase(rank: int, stage: int, phase: str, directory: str) -> dict:
+    """``full`` trains 16 steps, ``first`` 7 and saves, ``second`` loads that save and trains the other 9."""
     torch.manual_seed(0)
     config = {"train_micro_batch_size_per_gpu": 2, "seed": 1, "steps_per_print": 1000,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
@@ -66,21 +67,37 @@ def worker(rank: int, world: int, stage: int, phase: str, directory: str) -> dic
     losses = train(engine, loader, steps)
     if phase == "first":
         engine.save_checkpoint(directory)
-    return {"losses": losses, "state": engine.full_state_dict(), "position": loader.state_dict()}
+    result = {"losses": losses, "state": engine.full_state_dict(), "position": loader.state_dict()}
+    engine.close()
+    return result
+
+
+def worker(rank: int, world: int, stages: tuple[int, ...], root: str) -> dict:
+    """Every stage's three runs in turn; each run's engine is closed before the next, so the resumed run
+    gets from the first only what its checkpoint holds."""
+    out = {}
+    for stage in stages:
+        with case(stage=stage, world=world):
+            directory = str(Path(root) / f"stage{stage}")
+            out[stage] = {phase: run_phase(rank, stage, phase, directory) for phase in ("full", "first", "second")}
+    return out
 
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
-@pytest.mark.parametrize("stage", [2, 3])
-def test_resume_with_dropout_and_the_engines_loader_is_bitwise(stage: int, tmp_path: Path) -> None:
-    full = run_world(worker, 2, args=(stage, "full", str(tmp_path / "unused")))
-    first = run_world(worker, 2, args=(stage, "first", str(tmp_path)))
-    second = run_world(worker, 2, args=(stage, "second", str(tmp_path)))
-    for rank in range(2):
-        assert first[rank]["losses"] + second[rank]["losses"] == full[rank]["losses"]
-        assert second[rank]["position"] == full[rank]["position"] == {"epoch": 1, "consumed": 6,
-                                                                     "micro_batch_size": 2}
-    for name, value in full[0]["state"].items():
-        assert torch.equal(second[0]["state"][name], value), name
+def test_resume_with_dropout_and_the_engines_loader_is_bitwise(tmp_path: Path) -> None:
+    stages = (2, 3)
+    results = run_world(worker, 2, args=(stages, str(tmp_path)), timeout=600)
+    failures = CaseFailures()
+    for stage in stages:
+        with failures.case(stage=stage, world=2):
+            full, first, second = ([r[stage][phase] for r in results] for phase in ("full", "first", "second"))
+            for rank in range(2):
+                assert first[rank]["losses"] + second[rank]["losses"] == full[rank]["losses"]
+                assert second[rank]["position"] == full[rank]["position"] == {"epoch": 1, "consumed": 6,
+                                                                             "micro_batch_size": 2}
+            for name, value in full[0]["state"].items():
+                assert torch.equal(second[0]["state"][name], value), name
+    failures.raise_any()
 
 
 def test_iterating_again_after_a_break_continues_the_epoch_and_draws_no_random_numbers(monkeypatch) -> None:
@@ -128,23 +145,25 @@ def changed_accumulation_worker(rank: int, world: int, directory: str) -> dict:
     """Every phase of CHANGED_ACCUMULATION run at this world size: saves, then the loads of the same world
     (the run at another world size loads what this one saved)."""
     out = {}
-    for case, ((save_world, save_micro, save_accum, saved), (load_world, micro, accum, resumed)) in \
+    for change, ((save_world, save_micro, save_accum, saved), (load_world, micro, accum, resumed)) in \
             CHANGED_ACCUMULATION.items():
-        path = str(Path(directory) / case.replace(" ", "_").replace(">", ""))
+        path = str(Path(directory) / change.replace(" ", "_").replace(">", ""))
         if save_world == world:
-            config = zero_config(STAGE, save_micro, save_accum)
-            engine, _, _, _ = zeroshard.initialize(model=make_model(), config=config)
-            train_steps(engine, rank, world, save_micro, save_accum, range(saved))
-            engine.save_checkpoint(path)
-            engine.close()
+            with case(change=change, phase="save", world=world):
+                config = zero_config(STAGE, save_micro, save_accum)
+                engine, _, _, _ = zeroshard.initialize(model=make_model(), config=config)
+                train_steps(engine, rank, world, save_micro, save_accum, range(saved))
+                engine.save_checkpoint(path)
+                engine.close()
         if load_world == world:
-            engine, _, _, _ = zeroshard.initialize(model=make_model(), config=zero_config(STAGE, micro, accum))
-            engine.load_checkpoint(path)
-            after_load = (engine.global_steps, engine.micro_steps)
-            train_steps(engine, rank, world, micro, accum, range(saved, saved + resumed))
-            out[case] = {"state": engine.full_state_dict(), "after_load": after_load,
-                         "at_end": (engine.global_steps, engine.micro_steps)}
-            engine.close()
+            with case(change=change, phase="load", world=world):
+                engine, _, _, _ = zeroshard.initialize(model=make_model(), config=zero_config(STAGE, micro, accum))
+                engine.load_checkpoint(path)
+                after_load = (engine.global_steps, engine.micro_steps)
+                train_steps(engine, rank, world, micro, accum, range(saved, saved + resumed))
+                out[change] = {"state": engine.full_state_dict(), "after_load": after_load,
+                               "at_end": (engine.global_steps, engine.micro_steps)}
+                engine.close()
     return out
 
 
@@ -172,12 +191,12 @@ def test_a_load_resumes_at_a_step_boundary_when_the_accumulation_changes(tmp_pat
     results = run_world(changed_accumulation_worker, 2, args=(str(tmp_path),))[0]
     results.update(run_world(changed_accumulation_worker, 1, args=(str(tmp_path),))[0])
     assert set(results) == set(CHANGED_ACCUMULATION)
-    for case, ((save_world, save_micro, save_accum, saved), (world, micro, accum, resumed)) in \
+    for change, ((save_world, save_micro, save_accum, saved), (world, micro, accum, resumed)) in \
             CHANGED_ACCUMULATION.items():
         reference = uninterrupted([(save_world, save_micro, save_accum)] * saved + [(world, micro, accum)] * resumed)
         ours = make_model()
-        ours.load_state_dict(results[case]["state"])
+        ours.load_state_dict(results[change]["state"])
         diff = max_rel_diff(ours, reference)
-        assert diff <= 1e-5, f"{case}: parameters differ from the uninterrupted run by {diff:.2e}"
-        assert results[case]["after_load"] == (saved, saved * accum), case
-        assert results[case]["at_end"] == (saved + resumed, (saved + resumed) * accum), case
+        assert diff <= 1e-5, f"{change}: parameters differ from the uninterrupted run by {diff:.2e}"
+        assert results[change]["after_load"] == (saved, saved * accum), change
+        assert results[change]["at_end"] == (saved + resumed, (saved + resumed) * accum), change
