@@ -1,27 +1,33 @@
 """Stage 3 shards frozen parameters too (a LoRA job's base model): gathered and released like the
 trainable ones, never reduced or updated, each rank holding its share; training equals one process
 on the whole global batch, and checkpoints save, resume, reshard and consolidate them.
+
+One world per world size runs its cases in turn (``family_worker``), each from the same seed, in a
+directory of its own, with engines it closes; then one process loads the LoRA run's checkpoint at
+stage 2.  The test checks every case, and a failure names the case: its check, stage, world size,
+precision and arguments.
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
 from torch import nn
-from zs_common import CLIP, LR, WD, global_batch, rank_micro_batches, zero_config
+from zs_common import CLIP, LR, TINY, WD, global_batch, rank_micro_batches, zero_config
 
 import zeroshard
 from zeroshard.checkpoint.consolidate import full_state_dict
 from zeroshard.tools.demo.model import GPT
-from zeroshard.sharding.storage import HOMES
-from zeroshard.tools.testing import run_world
-from zs_common import TINY
+from zeroshard.tools.testing import CaseFailures, case, run_world
 
 STEPS, MICRO, ACCUM = 3, 2, 2
+
+#: a case of a family: the name of its check (its worker in WORKERS, its check in CHECKS) and its arguments
+Case = tuple[str, dict[str, Any]]
 
 
 class LoRALinear(nn.Module):
@@ -112,9 +118,10 @@ def lora_worker(rank: int, world: int, directory: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_stage3_shards_the_frozen_base_and_trains_lora_as_one_process(world: int, tmp_path: Path) -> None:
-    results = run_world(lora_worker, world, args=(str(tmp_path),))
+def check_stage3_shards_the_frozen_base_and_trains_lora_as_one_process(
+        results: list[dict], directory: Path, loaded: dict[str, torch.Tensor]) -> None:
+    """``loaded``: what a plain stage-2 single process loaded from the "mid" save (``load_into_stage2``)."""
+    world = len(results)
     expected = reference(world)
     for rank, result in enumerate(results):
         for name, value in expected.items():
@@ -135,25 +142,25 @@ def test_stage3_shards_the_frozen_base_and_trains_lora_as_one_process(world: int
         assert result["optimizer_numel"] <= trainable
     assert sum(r["shard_frozen"] for r in results) == results[0]["frozen_sharded_total"] > 0
     # the frozen base is in the checkpoint, whole, and consolidates; "lora_only" left it out
-    saved = full_state_dict(tmp_path / "mid")
+    saved = full_state_dict(directory / "mid")
     assert set(saved) == set(expected)
-    light = full_state_dict(tmp_path / "lora_only")
+    light = full_state_dict(directory / "lora_only")
     assert not any(".base." in k for k in light) and any("lora_" in k for k in light)
     # a plain stage-2 single process loads the sharded-frozen checkpoint (reshard), frozen base included
-    loaded = run_world(load_into_stage2, 1, args=(str(tmp_path),))[0]
     for name, value in saved.items():
         assert torch.equal(loaded[name], value), name
 
 
 def load_into_stage2(rank: int, world: int, directory: str) -> dict:
-    engine, _, _, _ = zeroshard.initialize(model=lora_model(seed=3), config=zero_config(2, 1, 1))
-    engine.load_checkpoint(directory, tag="mid")
-    state = engine.full_state_dict()
-    engine.close()
+    with case(check=LORA, stage=2, world=world, directory=directory):
+        engine, _, _, _ = zeroshard.initialize(model=lora_model(seed=3), config=zero_config(2, 1, 1))
+        engine.load_checkpoint(directory, tag="mid")
+        state = engine.full_state_dict()
+        engine.close()
     return state
 
 
-def init_worker(rank: int, world: int, dtype: str) -> dict:
+def init_worker(rank: int, world: int, directory: str, dtype: str) -> dict:
     config = lora_config(3)
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
@@ -169,14 +176,77 @@ def init_worker(rank: int, world: int, dtype: str) -> dict:
     return out
 
 
-def test_frozen_parameters_built_under_init_are_sharded_from_the_start() -> None:
+def check_frozen_parameters_built_under_init_are_sharded_from_the_start(results: list[dict], directory: Path,
+                                                                         dtype: str) -> None:
     expected = lora_model().state_dict()
-    for result in run_world(init_worker, 2, args=("fp32",)):
-        assert result["frozen_buckets"] > 0
-        for name, value in expected.items():
-            assert torch.equal(result["initial"][name], value), name
-    for result in run_world(init_worker, 2, args=("bf16",)):  # frozen shards in the training dtype
-        assert result["dtype"] == "torch.bfloat16"
-        for name, value in expected.items():
-            if ".base." in name:  # never updated: the bf16 rounding of the initial values
-                assert torch.equal(result["after"][name], value.to(torch.bfloat16)), name
+    for result in results:
+        if dtype == "fp32":
+            assert result["frozen_buckets"] > 0
+            for name, value in expected.items():
+                assert torch.equal(result["initial"][name], value), name
+        else:  # frozen shards in the training dtype
+            assert result["dtype"] == "torch.bfloat16"
+            for name, value in expected.items():
+                if ".base." in name:  # never updated: the bf16 rounding of the initial values
+                    assert torch.equal(result["after"][name], value.to(torch.bfloat16)), name
+
+
+LORA = "stage3_shards_the_frozen_base_and_trains_lora_as_one_process"
+INIT = "frozen_parameters_built_under_init_are_sharded_from_the_start"
+#: each case's worker (called with the case's own directory first), and the check of its results (one per rank)
+WORKERS: dict[str, Callable[..., Any]] = {LORA: lora_worker, INIT: init_worker}
+CHECKS: dict[str, Callable[..., None]] = {
+    LORA: check_stage3_shards_the_frozen_base_and_trains_lora_as_one_process,
+    INIT: check_frozen_parameters_built_under_init_are_sharded_from_the_start,
+}
+DEFAULT_CASES: list[Case] = [(LORA, {}), (INIT, {"dtype": "fp32"}), (INIT, {"dtype": "bf16"})]  # world 2
+EXTENDED_CASES: list[Case] = [(LORA, {})]  # world 3
+
+
+def labels(name: str, world: int, arguments: dict[str, Any]) -> dict[str, Any]:
+    """How a case is named in failures: its check, stage 3, world size, precision and other arguments."""
+    rest = dict(arguments)
+    return {"check": name, "stage": 3, "world": world, "precision": rest.pop("dtype", "fp32"), **rest}
+
+
+def case_directory(root: Path, index: int) -> Path:
+    return root / f"case{index}"
+
+
+def family_worker(rank: int, world: int, root: str, cases: list[Case]) -> list[Any]:
+    """Every case in turn, from the same seed, each named in anything it raises; results in case order."""
+    results = []
+    for index, (name, arguments) in enumerate(cases):
+        torch.manual_seed(0)
+        with case(**labels(name, world, arguments)):
+            results.append(WORKERS[name](rank, world, str(case_directory(Path(root), index)), **arguments))
+    return results
+
+
+def check_family(world: int, cases: list[Case], root: Path) -> None:
+    """Run the family, load its LoRA run's "mid" save in one process at stage 2, and check every case."""
+    for index in range(len(cases)):
+        case_directory(root, index).mkdir()
+    by_rank = run_world(family_worker, world, args=(str(root), cases), timeout=600)
+    lora = next(index for index, (name, _) in enumerate(cases) if name == LORA)
+    loaded = run_world(load_into_stage2, 1, args=(str(case_directory(root, lora)),))[0]
+    failures = CaseFailures()
+    for index, (name, arguments) in enumerate(cases):
+        with failures.case(**labels(name, world, arguments)):
+            assert all(len(results) == len(cases) for results in by_rank), "a rank skipped a case"
+            more = {"loaded": loaded} if index == lora else {}
+            CHECKS[name]([results[index] for results in by_rank], case_directory(root, index), **arguments, **more)
+    failures.raise_any()
+
+
+def test_frozen_stage3_cases(tmp_path: Path) -> None:
+    """World 2: stage 3 shards the frozen base and trains LoRA as one process (its checkpoint loaded by
+    one process at stage 2), frozen parameters built under Init are sharded from the start (fp32, bf16)."""
+    check_family(2, DEFAULT_CASES, tmp_path)
+
+
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
+def test_frozen_stage3_extended_cases(tmp_path: Path) -> None:
+    """World 3: stage 3 shards the frozen base and trains LoRA as one process (its checkpoint loaded by
+    one process at stage 2)."""
+    check_family(3, EXTENDED_CASES, tmp_path)

@@ -2,12 +2,16 @@
 zeroshard is told are two nodes of two (as torchrun tells them): each trains as one process on the
 whole global batch, and every collective is where it should be, checked call by call: which group it
 ran over, whether its bytes stayed inside a node, and the exact bytes that crossed nodes.
+
+One world of four runs its cases in turn (``family_worker``), each from the same seed, in a directory of
+its own, with engines it closes; the test then checks every case, and a failure names the case: its
+check, stage, world size, hybrid sharding and arguments.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -19,11 +23,14 @@ from zeroshard.checkpoint.consolidate import full_state_dict
 from zeroshard.distributed.collectives import CallRecord, CommKind, CommScope
 from zeroshard.planning import model_state_bytes
 from zeroshard.planning.scale_model import traffic_per_step
-from zeroshard.tools.testing import run_world
+from zeroshard.tools.testing import CaseFailures, case, run_world
 
 WORLD, PER_NODE, STEPS, MICRO, ACCUM = 4, 2, 3, 2, 2
 FP32 = 4
 HYBRID = {"mics": {"mics_shard_size": PER_NODE}, "hpz": {"zero_hpz_partition_size": PER_NODE}}
+
+#: a case of a family: the name of its check (its worker in WORKERS, its check in CHECKS) and its arguments
+Case = tuple[str, dict[str, Any]]
 
 
 def config(stage: int, hybrid: str | None, **zero: Any) -> dict:
@@ -38,7 +45,7 @@ def train(engine: Any, first: int, last: int) -> None:
             engine.step()
 
 
-def train_and_log(rank: int, world: int, stage: int, hybrid: str) -> dict:
+def train_and_log(rank: int, world: int, directory: str, stage: int, hybrid: str) -> dict:
     engine, _, _, _ = zeroshard.initialize(model=make_model(), config=config(stage, hybrid))
     log = engine.comm.ledger.start_log()
     train(engine, 0, STEPS)
@@ -82,12 +89,11 @@ def predicted(stage: int, result: dict, hybrid: str) -> dict[str, int]:
     return out
 
 
-@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3])
-def test_mics_trains_as_one_process_and_only_the_replica_all_reduce_crosses_nodes(stage: int) -> None:
+def check_mics_trains_as_one_process_and_only_the_replica_all_reduce_crosses_nodes(
+        results: list[dict], directory: Path, stage: int, hybrid: str) -> None:
     """MiCS over groups of 2 (one per node): parameters, gradients and optimizer state sharded inside
     the node, replicated across; once per step each rank all-reduces its gradient shard with the rank
     holding the same shard on the other node, and nothing else crosses."""
-    results = run_world(train_and_log, WORLD, args=(stage, "mics"), ranks_per_node=PER_NODE)
     expected = single_process_reference(STEPS, WORLD, MICRO, ACCUM)
     for name, value in expected.items():
         torch.testing.assert_close(results[0]["state"][name], value, rtol=1e-5, atol=1e-6, msg=name)
@@ -118,12 +124,11 @@ def test_mics_trains_as_one_process_and_only_the_replica_all_reduce_crosses_node
         assert predicted(stage, results[0], "mics")["inside_node"] == inside
 
 
-@pytest.mark.slow  # extended: runs in CI (see conftest.py)
-def test_hpz_trains_as_one_process_and_gathers_inside_the_node_after_the_first() -> None:
+def check_hpz_trains_as_one_process_and_gathers_inside_the_node_after_the_first(
+        results: list[dict], directory: Path, stage: int, hybrid: str) -> None:
     """hpZ over groups of 2: the first gather of each bucket after a step comes over all 4 ranks (and
     across nodes); every later one (backward, the second micro step's forward) from the secondary
     partition inside the node.  Gradients still reduce-scatter over all 4 ranks."""
-    results = run_world(train_and_log, WORLD, args=(3, "hpz"), ranks_per_node=PER_NODE)
     expected = single_process_reference(STEPS, WORLD, MICRO, ACCUM)
     for name, value in expected.items():
         torch.testing.assert_close(results[0]["state"][name], value, rtol=1e-5, atol=1e-6, msg=name)
@@ -159,7 +164,7 @@ def test_hpz_trains_as_one_process_and_gathers_inside_the_node_after_the_first()
             padded // PER_NODE * FP32 for padded in [buckets[i][0] for i in sharded] + frozen)
 
 
-def save_resume_modify(rank: int, world: int, hybrid: str, directory: str) -> dict:
+def save_resume_modify(rank: int, world: int, directory: str, hybrid: str) -> dict:
     """Train 2 steps, save, train the 3rd; a second engine loads the save and trains the 3rd too; then a
     GatheredParameters change by rank 0 after a forward (hpZ's secondary partition is then current)."""
     engine, _, _, _ = zeroshard.initialize(model=make_model(), config=config(3, hybrid))
@@ -183,45 +188,128 @@ def save_resume_modify(rank: int, world: int, hybrid: str, directory: str) -> di
     return {"uninterrupted": uninterrupted, "resumed": after_resume, "modified": modified}
 
 
-@pytest.mark.slow  # extended: runs in CI (see conftest.py)
-@pytest.mark.parametrize("hybrid", ["mics", "hpz"])
-def test_hybrid_checkpoints_resume_exactly_and_reshard(hybrid: str, tmp_path: Path) -> None:
-    results = run_world(save_resume_modify, WORLD, args=(hybrid, str(tmp_path)), ranks_per_node=PER_NODE)
+def check_hybrid_checkpoints_resume_exactly_and_reshard(results: list[dict], directory: Path, hybrid: str,
+                                                        loaded: dict[str, torch.Tensor]) -> None:
+    """``loaded``: what plain stage 2 on 3 ranks loaded from the save (``load_plain``)."""
     for result in results:
         for name, value in result["uninterrupted"].items():
             assert torch.equal(result["resumed"][name], value), name
         assert torch.equal(result["modified"], torch.full_like(result["modified"], 0.25))  # every rank, every node
-    saved = full_state_dict(tmp_path / "two")  # offline consolidation sees the whole model
-    files = sorted(p.name for p in (tmp_path / "two").glob("rank*.safetensors"))
+    saved = full_state_dict(directory / "two")  # offline consolidation sees the whole model
+    files = sorted(p.name for p in (directory / "two").glob("rank*.safetensors"))
     assert files == [f"rank{r:05d}.safetensors" for r in range(WORLD)]
     if hybrid == "mics":  # the first node's ranks hold the shards; the others only their RNG state
         for r in range(WORLD):
-            with safe_open(str(tmp_path / "two" / files[r]), "pt") as f:
+            with safe_open(str(directory / "two" / files[r]), "pt") as f:
                 assert any(k.startswith("param.") for k in f.keys()) == (r < PER_NODE), files[r]
     # and any other layout loads it: plain stage 2 on 3 ranks
-    loaded = run_world(load_plain, 3, args=(str(tmp_path),))
     for name, value in saved.items():
-        assert torch.equal(loaded[0][name], value), name
+        assert torch.equal(loaded[name], value), name
 
 
-def load_plain(rank: int, world: int, directory: str) -> dict:
-    engine, _, _, _ = zeroshard.initialize(model=make_model(seed=7), config=zero_config(2, 1, 1))
-    engine.load_checkpoint(directory, tag="two")
-    state = engine.full_state_dict()
-    engine.close()
-    return state
+def load_plain(rank: int, world: int, directories: list[str]) -> list[dict]:
+    """Each save loaded by plain stage 2 (on a world of 3): rank 0's full state dict of each."""
+    states = []
+    for directory in directories:
+        with case(check="hybrid_checkpoints_resume_exactly_and_reshard", stage=2, world=world, directory=directory):
+            engine, _, _, _ = zeroshard.initialize(model=make_model(seed=7), config=zero_config(2, 1, 1))
+            engine.load_checkpoint(directory, tag="two")
+            states.append(engine.full_state_dict())
+            engine.close()
+    return states
 
 
-def build_with(rank: int, world: int, zero: dict) -> str:
+def build_with(rank: int, world: int, directory: str, stage: int, zero: dict) -> str:
     try:
-        zeroshard.initialize(model=make_model(), config=zero_config(3, 1, 1, **zero))
+        zeroshard.initialize(model=make_model(), config=zero_config(stage, 1, 1, **zero))
     except ValueError as err:
         return str(err)
     return "built"
 
 
-def test_a_group_size_that_does_not_divide_the_world_is_refused_on_every_rank() -> None:
-    for zero in ({"mics_shard_size": 2}, {"zero_hpz_partition_size": 2}):
-        key = next(iter(zero))
-        for message in run_world(build_with, 3, args=(zero,)):
-            assert f"zero_optimization.{key} = 2 does not divide the world size 3" in message
+def check_a_group_size_that_does_not_divide_the_world_is_refused_on_every_rank(
+        results: list[str], directory: Path, stage: int, zero: dict) -> None:
+    key = next(iter(zero))
+    for message in results:
+        assert f"zero_optimization.{key} = 3 does not divide the world size {WORLD}" in message
+
+
+MICS = "mics_trains_as_one_process_and_only_the_replica_all_reduce_crosses_nodes"
+HPZ = "hpz_trains_as_one_process_and_gathers_inside_the_node_after_the_first"
+RESUME = "hybrid_checkpoints_resume_exactly_and_reshard"
+REFUSED = "a_group_size_that_does_not_divide_the_world_is_refused_on_every_rank"
+#: each case's worker (called with the case's own directory first), and the check of its results (one per rank)
+WORKERS: dict[str, Callable[..., Any]] = {MICS: train_and_log, HPZ: train_and_log, RESUME: save_resume_modify,
+                                          REFUSED: build_with}
+CHECKS: dict[str, Callable[..., None]] = {
+    MICS: check_mics_trains_as_one_process_and_only_the_replica_all_reduce_crosses_nodes,
+    HPZ: check_hpz_trains_as_one_process_and_gathers_inside_the_node_after_the_first,
+    RESUME: check_hybrid_checkpoints_resume_exactly_and_reshard,
+    REFUSED: check_a_group_size_that_does_not_divide_the_world_is_refused_on_every_rank,
+}
+
+#: on two nodes of two (world 4): MiCS at stage 3 and the refusals of a group size of 3 by default, the
+#: rest extended
+DEFAULT_NODE_CASES: list[Case] = [(MICS, {"stage": 3, "hybrid": "mics"}),
+                                  (REFUSED, {"stage": 3, "zero": {"mics_shard_size": 3}}),
+                                  (REFUSED, {"stage": 3, "zero": {"zero_hpz_partition_size": 3}})]
+EXTENDED_NODE_CASES: list[Case] = [(MICS, {"stage": 1, "hybrid": "mics"}), (MICS, {"stage": 2, "hybrid": "mics"}),
+                                   (HPZ, {"stage": 3, "hybrid": "hpz"}),
+                                   (RESUME, {"hybrid": "mics"}), (RESUME, {"hybrid": "hpz"})]
+
+
+def labels(name: str, world: int, arguments: dict[str, Any]) -> dict[str, Any]:
+    """How a case is named in failures: its check, stage, world size, precision and other arguments."""
+    rest = {"stage": 3, **arguments}
+    return {"check": name, "stage": rest.pop("stage"), "world": world, "precision": "fp32", **rest}
+
+
+def case_directory(root: Path, index: int) -> Path:
+    return root / f"case{index}"
+
+
+def family_worker(rank: int, world: int, root: str, cases: list[Case]) -> list[Any]:
+    """Every case in turn, from the same seed, each named in anything it raises; results in case order."""
+    results = []
+    for index, (name, arguments) in enumerate(cases):
+        torch.manual_seed(0)
+        with case(**labels(name, world, arguments)):
+            results.append(WORKERS[name](rank, world, str(case_directory(Path(root), index)), **arguments))
+    return results
+
+
+def run_family(world: int, cases: list[Case], root: Path, **world_options: Any) -> list[list[Any]]:
+    for index in range(len(cases)):
+        case_directory(root, index).mkdir(parents=True)
+    by_rank = run_world(family_worker, world, args=(str(root), cases), timeout=600, **world_options)
+    assert all(len(results) == len(cases) for results in by_rank), "a rank skipped a case"
+    return by_rank
+
+
+def check_family(cases: list[Case], root: Path, by_rank: list[list[Any]],
+                 more: dict[int, dict[str, Any]] | None = None) -> None:
+    """Check every case; ``more``: further arguments of some cases' checks, by the case's index."""
+    failures = CaseFailures()
+    for index, (name, arguments) in enumerate(cases):
+        with failures.case(**labels(name, WORLD, arguments)):
+            CHECKS[name]([results[index] for results in by_rank], case_directory(root, index), **arguments,
+                         **(more or {}).get(index, {}))
+    failures.raise_any()
+
+
+def test_hybrid_cases(tmp_path: Path) -> None:
+    """On two nodes of two: MiCS at stage 3; a group size that does not divide the world (3) is refused
+    on every rank (MiCS and hpZ)."""
+    nodes = run_family(WORLD, DEFAULT_NODE_CASES, tmp_path, ranks_per_node=PER_NODE)
+    check_family(DEFAULT_NODE_CASES, tmp_path, nodes)
+
+
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
+def test_hybrid_extended_cases(tmp_path: Path) -> None:
+    """On two nodes of two: MiCS at stages 1 and 2, hpZ, and checkpoints of both that resume exactly and
+    reshard: each save is then loaded by plain stage 2 on 3 ranks."""
+    nodes = run_family(WORLD, EXTENDED_NODE_CASES, tmp_path, ranks_per_node=PER_NODE)
+    saves = [index for index, (name, _) in enumerate(EXTENDED_NODE_CASES) if name == RESUME]
+    loaded = run_world(load_plain, 3, args=([str(case_directory(tmp_path, i)) for i in saves],), timeout=600)[0]
+    check_family(EXTENDED_NODE_CASES, tmp_path, nodes,
+                 more={index: {"loaded": state} for index, state in zip(saves, loaded)})

@@ -1,4 +1,13 @@
-"""zeroshard.Init: models built already sharded, with the values of a plain construction, in ~1/N memory."""
+"""zeroshard.Init: models built already sharded, with the values of a plain construction, in ~1/N memory.
+
+One world runs the cases that train or refuse in turn (``family_worker``), each from the same seed,
+with engines it closes; the test then checks every case, and a failure names the case: its check,
+stage, world size, precision and arguments.  The memory of a build is measured in fresh processes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -8,7 +17,10 @@ from zs_common import TINY, make_model
 import zeroshard
 from zeroshard.engine.metrics import host_peak_bytes
 from zeroshard.tools.demo.model import GPT
-from zeroshard.tools.testing import run_world
+from zeroshard.tools.testing import CaseFailures, case, run_world
+
+#: a case of a family: the name of its check (its worker in WORKERS, its check in CHECKS) and its arguments
+Case = tuple[str, dict[str, Any]]
 
 LAYERS, WIDTH = 16, 1024  # 16 x 4 MiB of fp32 weights: 64 MiB in all, 4 MiB in the largest layer
 
@@ -49,16 +61,26 @@ def build_worker(rank: int, world: int, use_init: bool) -> dict:
 
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
-@pytest.mark.parametrize("world", [2, 4])
-def test_building_under_init_takes_about_one_nth_of_the_memory(world: int) -> None:
+def test_building_under_init_takes_about_one_nth_of_the_memory() -> None:
+    """A plain build (one process), then builds under Init on 2 and on 4 ranks.
+
+    [Note: a build's memory is measured in a fresh process]
+    The peak is the process's high-water mark since it started, and the MALLOC_* thresholds are read
+    when it starts: each build has a world of its own."""
     env = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
-    plain = run_world(build_worker, 1, args=(False,), env=env)[0]
     full = LAYERS * WIDTH * WIDTH * 4
-    assert plain["growth"] >= 0.9 * full
-    for r in run_world(build_worker, world, args=(True,), env=env):
-        assert r["held"] == full // world
-        # the shards, plus about the largest layer (and its temporary while being initialised)
-        assert r["growth"] <= full / world + 3 * WIDTH * WIDTH * 4, (r, full)
+    failures = CaseFailures()
+    plain = run_world(build_worker, 1, args=(False,), env=env)[0]
+    with failures.case(check="plain_build", stage=3, world=1, precision="fp32"):
+        assert plain["growth"] >= 0.9 * full
+    for world in (2, 4):
+        results = run_world(build_worker, world, args=(True,), env=env)
+        with failures.case(check="build_under_init", stage=3, world=world, precision="fp32"):
+            for r in results:
+                assert r["held"] == full // world
+                # the shards, plus about the largest layer (and its temporary while being initialised)
+                assert r["growth"] <= full / world + 3 * WIDTH * WIDTH * 4, (r, full)
+    failures.raise_any()
 
 
 def values_worker(rank: int, world: int) -> dict:
@@ -74,11 +96,13 @@ def values_worker(rank: int, world: int) -> dict:
     x = torch.randint(0, TINY.vocab_size, (1, TINY.seq_len))
     engine.backward(engine(x, x))
     engine.step()
-    return {"same": same, "tied": model.head.weight is model.tok.weight}
+    out = {"same": same, "tied": model.head.weight is model.tok.weight}
+    engine.close()
+    return out
 
 
-def test_init_gives_the_values_of_a_plain_construction_and_trains() -> None:
-    for r in run_world(values_worker, 3):
+def check_init_gives_the_values_of_a_plain_construction_and_trains(results: list[dict]) -> None:
+    for r in results:
         assert r["same"] and r["tied"]
 
 
@@ -86,15 +110,15 @@ def wrong_stage_worker(rank: int, world: int) -> str:
     with zeroshard.Init():
         model = GPT(TINY)
     try:
-        zeroshard.initialize(model=model, config={"train_batch_size": 2, "optimizer": {"type": "SGD"},
+        zeroshard.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD"},
                                                   "zero_optimization": {"stage": 2}})
     except ValueError as err:
         return str(err)
     return "no error"
 
 
-def test_init_needs_stage_3() -> None:
-    assert "needs ZeRO stage 3" in run_world(wrong_stage_worker, 2)[0]
+def check_init_needs_stage_3(results: list[str]) -> None:
+    assert "needs ZeRO stage 3" in results[0]
 
 
 def disabled_worker(rank: int, world: int, api: str) -> dict:
@@ -123,13 +147,59 @@ def disabled_worker(rank: int, world: int, api: str) -> dict:
     engine.backward(engine(x, x))
     engine.step()
     out["trained"] = not torch.equal(model.blocks[1].qkv.weight, plain.blocks[1].qkv.weight)
+    engine.close()
     return out
 
 
-@pytest.mark.parametrize("api", ["zeroshard", "deepspeed"])
-def test_disabled_init_builds_an_ordinary_model(api: str) -> None:
+def check_disabled_init_builds_an_ordinary_model(results: list[dict], api: str) -> None:
     """Init(enabled=False) is a no-op: ordinary fp32 nn.Parameters holding all their values, exactly a
     plain construction's, which stage 2 accepts (a model built by an enabled Init it refuses, above)."""
-    for r in run_world(disabled_worker, 2, args=(api,)):
+    for r in results:
         assert r == {"plain_parameters": True, "fp32_and_whole": True, "same_values": True, "tied": True,
                      "trained": True}
+
+
+VALUES = "init_gives_the_values_of_a_plain_construction_and_trains"
+DISABLED = "disabled_init_builds_an_ordinary_model"
+WRONG_STAGE = "init_needs_stage_3"
+#: each case's worker, and the check of its results (one per rank) in the test
+WORKERS: dict[str, Callable[..., Any]] = {VALUES: values_worker, DISABLED: disabled_worker,
+                                          WRONG_STAGE: wrong_stage_worker}
+CHECKS: dict[str, Callable[..., None]] = {
+    VALUES: check_init_gives_the_values_of_a_plain_construction_and_trains,
+    DISABLED: check_disabled_init_builds_an_ordinary_model,
+    WRONG_STAGE: check_init_needs_stage_3,
+}
+#: the stage each check trains at (or, for the refusal, asks for)
+STAGES = {VALUES: 3, DISABLED: 2, WRONG_STAGE: 2}
+#: world 3 (padding); the refusal last, as it leaves a model built under Init that no engine took
+CASES: list[Case] = [(VALUES, {}), (DISABLED, {"api": "zeroshard"}), (DISABLED, {"api": "deepspeed"}),
+                     (WRONG_STAGE, {})]
+
+
+def labels(name: str, world: int, arguments: dict[str, Any]) -> dict[str, Any]:
+    """How a case is named in failures: its check, stage, world size, precision and arguments."""
+    return {"check": name, "stage": STAGES[name], "world": world, "precision": "fp32", **arguments}
+
+
+def family_worker(rank: int, world: int, cases: list[Case]) -> list[Any]:
+    """Every case in turn, from the same seed, each named in anything it raises; results in case order."""
+    results = []
+    for name, arguments in cases:
+        torch.manual_seed(0)
+        with case(**labels(name, world, arguments)):
+            results.append(WORKERS[name](rank, world, **arguments))
+    return results
+
+
+def test_init_cases() -> None:
+    """In a world of 3: Init gives the values of a plain construction and trains; a disabled Init
+    (zeroshard's and DeepSpeed's spelling) builds an ordinary model; Init needs stage 3."""
+    world = 3
+    by_rank = run_world(family_worker, world, args=(CASES,), timeout=600)
+    failures = CaseFailures()
+    for index, (name, arguments) in enumerate(CASES):
+        with failures.case(**labels(name, world, arguments)):
+            assert all(len(results) == len(CASES) for results in by_rank), "a rank skipped a case"
+            CHECKS[name]([results[index] for results in by_rank], **arguments)
+    failures.raise_any()

@@ -9,11 +9,15 @@ on one rank only, and Hugging Face's model surgery (``resize_token_embeddings``,
 or a ``ShardedParameterError``; never a hang (the world has a timeout) and never a silent difference.
 Then a model resized under Init trains at stage 3 equal to DDP on the plain resized model, and the same
 operations on a live stage-3 engine's model either raise by name or leave it training like DDP.
+
+The world of two runs these families in turn (``family_worker``), each from the same seed; the test
+then checks every one, and a failure names it: its check, stage, world size, precision and arguments.
 """
 
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -23,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zeroshard
 from zeroshard.engine.engine import ModelChangedError
-from zeroshard.tools.testing import run_world
+from zeroshard.tools.testing import CaseFailures, case, run_world
 
 transformers = pytest.importorskip("transformers")
 
@@ -123,15 +127,15 @@ def guard_worker(rank: int, world: int, directory: str) -> dict[str, str]:
     """For each case and tied/untied: '' (equal to unsharded), 'raised: ...' or what differs."""
     results: dict[str, str] = {}
     for tied, dtype in itertools.product((False, True), (torch.float32, torch.bfloat16)):
-        for name, case in surgery_cases().items():
+        for name, operation in surgery_cases().items():
             key = f"{name} ({'tied' if tied else 'untied'}, {dtype})"
             ours, plain = sharded_llama(tied).to(dtype), llama(tied).to(dtype)
             try:
-                ours = case(ours, True) or ours
+                ours = operation(ours, True) or ours
             except zeroshard.ShardedParameterError as error:
                 results[key] = f"raised: {error}"
                 continue
-            plain = case(plain, False) or plain
+            plain = operation(plain, False) or plain
             results[key] = same(ours, plain)
         model = sharded_llama(tied)
         results[f"num_parameters ({tied}, {dtype})"] = "" if model.num_parameters() == llama(tied).num_parameters() else "differs"
@@ -163,8 +167,9 @@ MUST_WORK = ("resize 1013", "resize 1013 mean_resizing", "resize pad_to_multiple
 MUST_RAISE = ("state_dict read", "save_pretrained")
 
 
-def test_operations_on_init_built_parameters_equal_unsharded_or_raise_by_name(tmp_path: Any) -> None:
-    for rank, results in enumerate(run_world(guard_worker, 2, args=(str(tmp_path),), timeout=240)):
+def check_operations_on_init_built_parameters_equal_unsharded_or_raise_by_name(
+        by_rank: list[dict[str, str]]) -> None:
+    for rank, results in enumerate(by_rank):
         for key, outcome in results.items():
             if key.startswith(MUST_WORK):
                 assert outcome == "", f"rank {rank}, {key}: {outcome}"
@@ -176,7 +181,7 @@ def test_operations_on_init_built_parameters_equal_unsharded_or_raise_by_name(tm
             assert "lone read" not in results
 
 
-def resized_training_worker(rank: int, world: int, tied: bool, bf16: bool) -> float:
+def resized_training_worker(rank: int, world: int, directory: str, tied: bool, bf16: bool) -> float:
     """Resized under Init, then stage 3: equal to DDP on the plain model resized the same way."""
     ours, plain = sharded_llama(tied), llama(tied)
     resize(new_num_tokens=NEW_VOCAB, mean_resizing=False)(ours, True)
@@ -207,9 +212,9 @@ def resized_training_worker(rank: int, world: int, tied: bool, bf16: bool) -> fl
     return worst
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_a_model_resized_under_init_trains_at_stage_3_like_ddp(tied: bool) -> None:
-    for worst in run_world(resized_training_worker, 2, args=(tied, False), timeout=240):
+def check_a_model_resized_under_init_trains_at_stage_3_like_ddp(by_rank: list[float], tied: bool,
+                                                                bf16: bool) -> None:
+    for worst in by_rank:
         assert worst <= 1e-5
 
 
@@ -240,9 +245,9 @@ ENGINE_EXPECTED = {"resize": "raised", "state_dict read": "raised", "load_state_
                    "gradient_checkpointing_enable": "trains", "tie_weights": "trains"}
 
 
-def engine_guard_worker(rank: int, world: int) -> dict[str, str]:
+def engine_guard_worker(rank: int, world: int, directory: str) -> dict[str, str]:
     results = {}
-    for (name, case), tied, bf16 in itertools.product(engine_cases().items(), (False, True), (False, True)):
+    for (name, operation), tied, bf16 in itertools.product(engine_cases().items(), (False, True), (False, True)):
         config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
                                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}},
                                   "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 64}}
@@ -252,7 +257,7 @@ def engine_guard_worker(rank: int, world: int) -> dict[str, str]:
         engine, _, _, _ = zeroshard.initialize(model=ours, config=config)
         key = f"{name} ({'tied' if tied else 'untied'}, {'bf16' if bf16 else 'fp32'})"
         try:
-            case(engine.module)
+            operation(engine.module)
         except RuntimeError as error:  # torch's load_state_dict wraps the error it met in its own
             named = isinstance(error, zeroshard.ShardedParameterError) or "GatheredParameters" in str(error)
             results[key] = "raised" if named else f"raised {error!r}"
@@ -267,7 +272,7 @@ def engine_guard_worker(rank: int, world: int) -> dict[str, str]:
             continue
         engine.step()
         if not bf16:  # one step of DDP on the plain model, the same operation applied
-            case(plain)
+            operation(plain)
             ddp = DDP(plain)
             opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.0)
             ddp(input_ids=ids, labels=ids).loss.backward()
@@ -283,7 +288,62 @@ def engine_guard_worker(rank: int, world: int) -> dict[str, str]:
     return results
 
 
-def test_operations_on_a_stage_3_engines_model_raise_by_name_or_train_like_ddp() -> None:
-    for rank, results in enumerate(run_world(engine_guard_worker, 2, timeout=400)):
+def check_operations_on_a_stage_3_engines_model_raise_by_name_or_train_like_ddp(
+        by_rank: list[dict[str, str]]) -> None:
+    for rank, results in enumerate(by_rank):
         for key, outcome in results.items():
             assert outcome == ENGINE_EXPECTED[key.split(" (")[0]], f"rank {rank}, {key}: {outcome}"
+
+
+GUARD = "operations_on_init_built_parameters_equal_unsharded_or_raise_by_name"
+RESIZED = "a_model_resized_under_init_trains_at_stage_3_like_ddp"
+ENGINE_GUARD = "operations_on_a_stage_3_engines_model_raise_by_name_or_train_like_ddp"
+#: each case's worker (called with the case's own directory first), and the check of its results (one per rank)
+WORKERS: dict[str, Callable[..., Any]] = {GUARD: guard_worker, RESIZED: resized_training_worker,
+                                          ENGINE_GUARD: engine_guard_worker}
+CHECKS: dict[str, Callable[..., None]] = {
+    GUARD: check_operations_on_init_built_parameters_equal_unsharded_or_raise_by_name,
+    RESIZED: check_a_model_resized_under_init_trains_at_stage_3_like_ddp,
+    ENGINE_GUARD: check_operations_on_a_stage_3_engines_model_raise_by_name_or_train_like_ddp,
+}
+#: (a case of the family: the name of its check and its arguments); the guards try fp32 and bf16 each
+CASES: list[tuple[str, dict[str, Any]]] = [
+    (GUARD, {}), (RESIZED, {"tied": False, "bf16": False}), (RESIZED, {"tied": True, "bf16": False}),
+    (ENGINE_GUARD, {})]
+
+
+def labels(name: str, world: int, arguments: dict[str, Any]) -> dict[str, Any]:
+    """How a case is named in failures: its check, stage, world size, precision and other arguments."""
+    rest = dict(arguments)
+    precision = ("bf16" if rest.pop("bf16") else "fp32") if "bf16" in rest else "fp32 and bf16"
+    return {"check": name, "stage": 3, "world": world, "precision": precision, **rest}
+
+
+def case_directory(root: Path, index: int) -> Path:
+    return root / f"case{index}"
+
+
+def family_worker(rank: int, world: int, root: str, cases: list[tuple[str, dict[str, Any]]]) -> list[Any]:
+    """Every case in turn, from the same seed, each named in anything it raises; results in case order."""
+    results = []
+    for index, (name, arguments) in enumerate(cases):
+        torch.manual_seed(0)
+        with case(**labels(name, world, arguments)):
+            results.append(WORKERS[name](rank, world, str(case_directory(Path(root), index)), **arguments))
+    return results
+
+
+def test_init_surgery_cases(tmp_path: Path) -> None:
+    """In a world of 2: operations on Init-built parameters equal the unsharded ones or raise by name; a
+    model resized under Init trains at stage 3 like DDP (untied and tied embeddings); operations on a
+    stage-3 engine's model raise by name or train like DDP."""
+    world = 2
+    for index in range(len(CASES)):
+        case_directory(tmp_path, index).mkdir()
+    by_rank = run_world(family_worker, world, args=(str(tmp_path), CASES), timeout=600)
+    failures = CaseFailures()
+    for index, (name, arguments) in enumerate(CASES):
+        with failures.case(**labels(name, world, arguments)):
+            assert all(len(results) == len(CASES) for results in by_rank), "a rank skipped a case"
+            CHECKS[name]([results[index] for results in by_rank], **arguments)
+    failures.raise_any()

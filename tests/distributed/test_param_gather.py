@@ -1,13 +1,26 @@
 """Stages 1-2: the post-step parameter all-gather runs on into the next forward (``overlap_param_gather``),
 each module waiting only for its own buckets, and everything that reads the parameters otherwise waits
-for all of them (see [Note: the parameter gather runs into the next forward])."""
+for all of them (see [Note: the parameter gather runs into the next forward]).
+
+One world per world size runs its cases in turn (``family_worker``), each from the same seed, with an
+engine of its own that it closes; the test then checks every case, and a failure names the case: its
+check, stage, world size and precision.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
 from zs_common import TINY, make_model, zero_config
 
 import zeroshard
-from zeroshard.tools.testing import run_world
+from zeroshard.tools.testing import CaseFailures, case, run_world
+
+#: a case of a family: the name of its check (its worker in WORKERS, its check in CHECKS) and its arguments
+Case = tuple[str, dict[str, Any]]
 
 
 def make_engine(stage: int, **zero):
@@ -46,13 +59,12 @@ def forward_worker(rank: int, world: int, stage: int) -> dict:
         before = engine.strategy.pending_gathers
         read()
         readers[name] = (before, engine.strategy.pending_gathers)
+    engine.close()
     return {"buckets": buckets, "after_step": after_step, "seen": seen, "readers": readers}
 
 
-@pytest.mark.slow  # extended: runs in CI (see conftest.py)
-@pytest.mark.parametrize("stage, world", [(1, 2), (2, 3)])
-def test_each_module_waits_only_for_its_own_buckets(stage: int, world: int) -> None:
-    for r in run_world(forward_worker, world, args=(stage,)):
+def check_each_module_waits_only_for_its_own_buckets(results: list[dict], stage: int) -> None:
+    for r in results:
         assert r["buckets"] >= 3 and r["after_step"] == r["buckets"]  # step() returned with all in flight
         seen = r["seen"]
         assert seen == sorted(seen, reverse=True) and seen[-1] == 0
@@ -61,30 +73,101 @@ def test_each_module_waits_only_for_its_own_buckets(stage: int, world: int) -> N
             assert before == r["buckets"] and after == 0, name
 
 
-def synchronous_worker(rank: int, world: int) -> int:
-    engine, _, _, _ = zeroshard.initialize(model=make_model(), config=zero_config(2, 2, 1))  # the default
+def synchronous_worker(rank: int, world: int, stage: int) -> int:
+    engine, _, _, _ = zeroshard.initialize(model=make_model(), config=zero_config(stage, 2, 1))  # the default
     train_step(engine, 0)
-    return engine.strategy.pending_gathers
+    pending = engine.strategy.pending_gathers
+    engine.close()
+    return pending
 
 
-def test_by_default_step_returns_with_every_parameter_current() -> None:
-    assert run_world(synchronous_worker, 2) == [0, 0]
+def check_by_default_step_returns_with_every_parameter_current(results: list[int], stage: int) -> None:
+    assert results == [0, 0]
+
+
+@contextmanager
+def tiny_bucket_floor() -> Iterator[None]:
+    """The tiny model acts as a large one (DeepSpeed's 5e8 exceeds it); undone afterwards, for the
+    next case in this process."""
+    import zeroshard.sharding.layout as layout
+
+    floor = layout.MIN_CAPPED_BUCKET
+    layout.MIN_CAPPED_BUCKET = 1000
+    try:
+        yield
+    finally:
+        layout.MIN_CAPPED_BUCKET = floor
 
 
 def capped_worker(rank: int, world: int, stage: int) -> dict:
-    import zeroshard.sharding.layout as layout
-
-    layout.MIN_CAPPED_BUCKET = 1000  # the tiny model acts as a large one: DeepSpeed's 5e8 exceeds it
-    engine, _, _, _ = zeroshard.initialize(model=make_model(), config=zero_config(stage, 2, 1, reduce_bucket_size=500_000_000))
+    with tiny_bucket_floor():
+        engine, _, _, _ = zeroshard.initialize(model=make_model(), config=zero_config(stage, 2, 1, reduce_bucket_size=500_000_000))
     total = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
     biggest_param = max(p.numel() for p in engine.module.parameters())
-    return {"sizes": [b.numel for b in engine.strategy.layout.buckets], "total": total, "biggest": biggest_param}
+    out = {"sizes": [b.numel for b in engine.strategy.layout.buckets], "total": total, "biggest": biggest_param}
+    engine.close()
+    return out
 
 
-@pytest.mark.slow  # extended: runs in CI (see conftest.py)
-@pytest.mark.parametrize("stage", [0, 2])
-def test_a_bucket_holds_at_most_an_eighth_of_the_model(stage: int) -> None:
-    r = run_world(capped_worker, 2, args=(stage,))[0]
+def check_a_bucket_holds_at_most_an_eighth_of_the_model(results: list[dict], stage: int) -> None:
+    r = results[0]
     cap = -(-r["total"] // 8)
     assert len(r["sizes"]) >= 6 and sum(r["sizes"]) == r["total"]
     assert all(size < cap + r["biggest"] for size in r["sizes"])  # filled to the cap, a parameter never split
+
+
+WAITS = "each_module_waits_only_for_its_own_buckets"
+SYNCHRONOUS = "by_default_step_returns_with_every_parameter_current"
+CAPPED = "a_bucket_holds_at_most_an_eighth_of_the_model"
+#: each case's worker, and the check of its results (one per rank) in the test
+WORKERS: dict[str, Callable[..., Any]] = {WAITS: forward_worker, SYNCHRONOUS: synchronous_worker,
+                                          CAPPED: capped_worker}
+CHECKS: dict[str, Callable[..., None]] = {
+    WAITS: check_each_module_waits_only_for_its_own_buckets,
+    SYNCHRONOUS: check_by_default_step_returns_with_every_parameter_current,
+    CAPPED: check_a_bucket_holds_at_most_an_eighth_of_the_model,
+}
+DEFAULT_CASES: dict[int, list[Case]] = {2: [(SYNCHRONOUS, {"stage": 2})]}
+EXTENDED_CASES: dict[int, list[Case]] = {
+    2: [(WAITS, {"stage": 1}), (CAPPED, {"stage": 0}), (CAPPED, {"stage": 2})],
+    3: [(WAITS, {"stage": 2})],
+}
+
+
+def labels(name: str, world: int, arguments: dict[str, Any]) -> dict[str, Any]:
+    """How a case is named in failures: its check, stage, world size and precision."""
+    return {"check": name, "stage": arguments["stage"], "world": world, "precision": "fp32"}
+
+
+def family_worker(rank: int, world: int, cases: list[Case]) -> list[Any]:
+    """Every case in turn, from the same seed, each named in anything it raises; results in case order."""
+    results = []
+    for name, arguments in cases:
+        torch.manual_seed(0)
+        with case(**labels(name, world, arguments)):
+            results.append(WORKERS[name](rank, world, **arguments))
+    return results
+
+
+def check_family(world: int, cases: list[Case]) -> None:
+    by_rank = run_world(family_worker, world, args=(cases,), timeout=600)
+    failures = CaseFailures()
+    for index, (name, arguments) in enumerate(cases):
+        with failures.case(**labels(name, world, arguments)):
+            assert all(len(results) == len(cases) for results in by_rank), "a rank skipped a case"
+            CHECKS[name]([results[index] for results in by_rank], **arguments)
+    failures.raise_any()
+
+
+@pytest.mark.parametrize("world", sorted(DEFAULT_CASES))
+def test_param_gather_cases(world: int) -> None:
+    """By default step() returns with every parameter current (stage 2)."""
+    check_family(world, DEFAULT_CASES[world])
+
+
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
+@pytest.mark.parametrize("world", sorted(EXTENDED_CASES))
+def test_param_gather_extended_cases(world: int) -> None:
+    """Each module waits only for its own buckets (stage 1 at world 2, stage 2 at world 3); a bucket holds
+    at most an eighth of the model (stages 0 and 2, world 2)."""
+    check_family(world, EXTENDED_CASES[world])

@@ -1,4 +1,13 @@
-"""Stage 3: exact accounting, the hard cases, GatheredParameters and full_state_dict, in real worlds."""
+"""Stage 3: exact accounting, the hard cases, GatheredParameters and full_state_dict, in real worlds.
+
+One world per world size runs its cases in turn (``family_worker``), each from the same seed with an
+engine of its own that it closes; the test then checks every case, and a failure names the case: its
+check, stage 3, the world size and the case's arguments.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -11,9 +20,12 @@ import zeroshard
 from zeroshard.tools.demo.model import GPT
 from zeroshard.distributed.collectives import CollectiveError, CommKind
 from zeroshard.planning.estimator import EstimateRequest, estimate_stage
-from zeroshard.tools.testing import run_world
+from zeroshard.tools.testing import CaseFailures, case, run_world
 
 SHARD_ALL = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
+
+#: a case of a family: the name of its check (its worker in WORKERS, its check in CHECKS) and its arguments
+Case = tuple[str, dict[str, Any]]
 
 
 def accounting_worker(rank: int, world: int, persistence: int) -> dict:
@@ -28,7 +40,7 @@ def accounting_worker(rank: int, world: int, persistence: int) -> dict:
     layout, plan = engine.strategy.layout, engine.strategy.plan  # the trainable buckets
     persistent = [b for b in layout.buckets if b.index in plan.persistent_buckets]
     frozen = [b for b in engine.flat.layout.buckets if b.frozen]  # the frozen layer, sharded too
-    return {
+    out = {
         "mb": engine.memory_breakdown(),
         "counters": {k.value: (c.calls, c.bytes_sent) for k, c in engine.comm.counters.items()},
         "padded": layout.padded_numel, "padded_persistent": sum(b.padded_numel for b in persistent),
@@ -38,13 +50,12 @@ def accounting_worker(rank: int, world: int, persistence: int) -> dict:
         "largest_bucket": max(b.padded_numel for b in layout.buckets),
         "psi": sum(p.numel() for p in model.parameters() if p.requires_grad),
     }
+    engine.close()
+    return out
 
 
-@pytest.mark.slow  # extended: runs in CI (see conftest.py)
-@pytest.mark.parametrize("persistence", [0, 20])
-def test_stage3_memory_and_communication_are_exact(persistence: int) -> None:
-    n = 3
-    results = run_world(accounting_worker, n, args=(persistence,))
+def check_memory_and_communication_are_exact(results: list[dict], persistence: int) -> None:
+    n = len(results)
     total = 0.0
     for r in results:
         mb, c = r["mb"], r["counters"]
@@ -121,12 +132,13 @@ def hard_cases_worker(rank: int, world: int, prefetch: int) -> float:
         assert engine.memory_breakdown()["gathered_params"] == 0
         engine.train()
     with zeroshard.GatheredParameters(list(ours.parameters())):
-        return max_rel_diff(ours, ref)
+        diff = max_rel_diff(ours, ref)
+    engine.close()
+    return diff
 
 
-@pytest.mark.parametrize("prefetch", [0, 10**6])
-def test_stage3_hard_cases_match_ddp(prefetch: int) -> None:
-    assert max(run_world(hard_cases_worker, 2, args=(prefetch,))) <= 1e-5
+def check_hard_cases_match_ddp(results: list[float], prefetch: int) -> None:
+    assert max(results) <= 1e-5
 
 
 def outside_forward_worker(rank: int, world: int) -> dict:
@@ -153,11 +165,12 @@ def outside_forward_worker(rank: int, world: int) -> dict:
     out["plain_qkv_sum"] = float(plain.blocks[1].qkv.weight.sum())
     only0 = engine.full_state_dict()  # every rank calls it; only rank 0 gets the values
     out["rank0_only_empty"] = (only0 == {}) if rank else bool(only0)
+    engine.close()
     return out
 
 
-def test_sharded_parameters_outside_forward() -> None:
-    for r in run_world(outside_forward_worker, 3):
+def check_sharded_parameters_outside_forward(results: list[dict]) -> None:
+    for r in results:
         assert r["shape"] == (48, 16)  # the full shape, never a silent zero-size tensor
         assert "'blocks.1.qkv.weight' is sharded" in r["read"] and "GatheredParameters" in r["read"]
         assert r["after_modify"] == pytest.approx(0.5 * 48 * 16)  # rank 0's change reached every shard
@@ -188,14 +201,15 @@ def disabled_gather_worker(rank: int, world: int) -> dict:
     after = engine.full_state_dict(rank0_only=False)
     out["unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
     out["expected_sum"] = float(before["blocks.1.qkv.weight"].sum())
+    engine.close()
     return out
 
 
-def test_disabled_gathered_parameters_gathers_nothing() -> None:
+def check_disabled_gathered_parameters_gathers_nothing(results: list[dict]) -> None:
     """GatheredParameters(enabled=False) is a no-op at stage 3: no all-gather, nothing held, the
     parameter stays released (reading it is the usual error), no write-back broadcast; the same block
     enabled gathers the unit once and broadcasts once."""
-    for r in run_world(disabled_gather_worker, 2):
+    for r in results:
         off, on = r[False], r[True]
         assert off["gathers"] == 0 and off["held"] == 0 and off["broadcasts"] == 0 and off["held_after"] == 0
         assert "'blocks.1.qkv.weight' is sharded" in off["read"] and "GatheredParameters" in off["read"]
@@ -217,6 +231,7 @@ class OneRankBranch(nn.Module):
 
 
 def divergent_worker(rank: int, world: int) -> str:
+    """A 3-second ``collective_timeout``: a gather one rank waited for in vain would fail fast."""
     engine, _, _, _ = zeroshard.initialize(model=OneRankBranch(), config={
         "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD"}, "collective_timeout": 3,
         "zero_optimization": {"stage": 3, **SHARD_ALL}})
@@ -224,13 +239,14 @@ def divergent_worker(rank: int, world: int) -> str:
         engine.backward(engine(torch.ones(1, 6), skip=rank == 1))
         engine.step()
     except CollectiveError as err:
-        return str(err)
+        return str(err)  # [Note: a case that may break its world runs last]
+    engine.close()
     return "no error"
 
 
-def test_a_module_skipped_on_one_rank_neither_hangs_nor_fails() -> None:
+def check_a_module_skipped_on_one_rank_neither_hangs_nor_fails(results: list[str]) -> None:
     """The ranks agree on each gather (values against one process: test_unused_parameters.py)."""
-    assert run_world(divergent_worker, 2, pg_timeout_s=3, timeout=120) == ["no error", "no error"]
+    assert results == ["no error", "no error"]
 
 
 class StepDependent(nn.Module):
@@ -268,14 +284,16 @@ def changing_order_worker(rank: int, world: int) -> float:
         engine.step()
         assert engine.memory_breakdown()["gathered_params"] == 0
     with zeroshard.GatheredParameters(engine.strategy.params):
-        return max_rel_diff(ours, ref)
+        diff = max_rel_diff(ours, ref)
+    engine.close()
+    return diff
 
 
-def test_stage3_prefetch_survives_a_changing_execution_order() -> None:
-    assert max(run_world(changing_order_worker, 2)) <= 1e-6
+def check_prefetch_survives_a_changing_execution_order(results: list[float]) -> None:
+    assert max(results) <= 1e-6
 
 
-def reuse_worker(rank: int, world: int, zero: dict) -> int:
+def all_gathers_of_a_step(rank: int, world: int, zero: dict) -> int:
     """All-gathers of one training step with the given stage-3 knobs (after the order is recorded)."""
     engine, _ = train_zero(make_model(), rank, world, 1, micro=1, accum=1, stage=3,
                            stage3_param_persistence_threshold=0, **zero)
@@ -284,19 +302,27 @@ def reuse_worker(rank: int, world: int, zero: dict) -> int:
         engine.backward(engine(x, y))
         engine.step()
         assert engine.memory_breakdown()["gathered_params"] == 0
-    return engine.comm.counters[CommKind.ALL_GATHER].calls
+    gathers = engine.comm.counters[CommKind.ALL_GATHER].calls
+    engine.close()
+    return gathers
 
 
-@pytest.mark.slow  # extended: runs in CI (see conftest.py)
-def test_reuse_distance_and_live_parameter_limits_are_honoured() -> None:
-    release_all = run_world(reuse_worker, 2, args=({"stage3_max_reuse_distance": 0},))[0]
-    keep = run_world(reuse_worker, 2, args=({"stage3_max_reuse_distance": 10**9},))[0]
-    keep_capped = run_world(reuse_worker, 2, args=({"stage3_max_reuse_distance": 10**9,
-                                                    "stage3_max_live_parameters": 1},))[0]
+#: the reuse knobs compared: every unit released after each use, units kept, units kept under a cap
+REUSE_SETTINGS = {"release_all": {"stage3_max_reuse_distance": 0},
+                  "keep": {"stage3_max_reuse_distance": 10**9},
+                  "keep_capped": {"stage3_max_reuse_distance": 10**9, "stage3_max_live_parameters": 1}}
+
+
+def reuse_worker(rank: int, world: int) -> dict[str, int]:
+    return {name: all_gathers_of_a_step(rank, world, zero) for name, zero in REUSE_SETTINGS.items()}
+
+
+def check_reuse_distance_and_live_parameter_limits_are_honoured(results: list[dict[str, int]]) -> None:
+    gathers = results[0]
     units = 4  # two blocks, the root, and block 0's frozen layer (stage 3 shards it too)
-    assert release_all == 2 * units  # gathered for forward, again for backward
-    assert keep < release_all  # units reused soon after their forward stay gathered for backward
-    assert keep_capped == release_all  # ... unless that would exceed the live-parameter limit
+    assert gathers["release_all"] == 2 * units  # gathered for forward, again for backward
+    assert gathers["keep"] < gathers["release_all"]  # units reused soon after their forward stay gathered for backward
+    assert gathers["keep_capped"] == gathers["release_all"]  # ... unless that would exceed the live-parameter limit
 
 
 def gather_order_worker(rank: int, world: int, prefetch: int) -> list[list[tuple[str, str]]]:
@@ -344,17 +370,16 @@ def gather_order_worker(rank: int, world: int, prefetch: int) -> list[list[tuple
             engine.backward(engine(x, y))
             engine.step()
         steps.append(list(events))
+    engine.close()
     return steps
 
 
-@pytest.mark.slow  # extended: runs in CI (see conftest.py)
-@pytest.mark.parametrize("prefetch", [0, 10**6])
-def test_stage3_prefetch_gathers_ahead_of_use(prefetch: int) -> None:
+def check_prefetch_gathers_ahead_of_use(results: list[list[list[tuple[str, str]]]], prefetch: int) -> None:
     """With prefetch, once the order is recorded (the first step), each block's all-gather is launched
     before the block starts: in forward before the previous block has even finished, in backward before
     the block's gradient arrives.  Without prefetch (and on the recording pass) a block is gathered only
     when it starts."""
-    for first, second in run_world(gather_order_worker, 2, args=(prefetch,)):
+    for first, second in results:
         blocks = ["blocks.0", "blocks.1"]
         for step, events in (("first", first), ("second", second)):
             ahead = prefetch > 0 and step == "second"
@@ -419,6 +444,26 @@ def page_release_worker(rank: int, world: int) -> dict:
     return seen
 
 
+def check_releases_a_units_pages_and_keeps_its_buffer(results: list[dict]) -> None:
+    """[Note: releasing a gathered unit's pages]: between steps a unit holds no resident page of its own,
+    only pages parked for the next gather ([Note: released pages move to the next gather]), no more than
+    the reserve's capacity, and pages did move from buffer to buffer; while a block runs its unit is
+    resident (all but the partial pages at its ends); the buffers never move; closing drops what is
+    parked."""
+    for seen in results:
+        assert all(held <= parked <= seen["capacity"] for held, parked in zip(seen["between_steps"], seen["parked"]))
+        assert seen["moved"] > 0 and seen["parked_after_close"] == 0
+        assert seen["while_running"] and all(
+            seen["unit_bytes"] - 8192 <= held <= seen["unit_bytes"] for held in seen["while_running"])
+        assert seen["same_storage"]
+        # the gradient chunks, kept for the run, hold their own pages from backward to the step only:
+        # between steps whatever units and chunks hold is parked
+        assert all(units + chunks <= parked for units, chunks, parked
+                   in zip(seen["between_steps"], seen["chunks_between_steps"], seen["parked"])), seen
+        assert all(seen["chunk_bytes"] - seen["chunk_slack"] <= held <= seen["chunk_bytes"]
+                   for held in seen["chunks_after_backward"])
+
+
 def lent_chunk_worker(rank: int, world: int) -> dict:
     """DeepSpeed's default reuse distance (every unit stays gathered from its forward to its backward):
     what the store holds of the units' chunks after forward and between steps, measured with mincore."""
@@ -453,12 +498,12 @@ def lent_chunk_worker(rank: int, world: int) -> dict:
     return seen
 
 
-def test_a_gathered_unit_borrows_this_ranks_chunk() -> None:
+def check_a_gathered_unit_borrows_this_ranks_chunk(results: list[dict]) -> None:
     """[Note: a gathered unit borrows this rank's chunk]: from the second forward on (the first records
     the order, so its units are released after their forward), every unit is gathered from forward to
     backward and the store holds none of their chunks' whole pages; between steps the store holds them
     all and nothing is lent.  World 3: the chunks are ragged."""
-    for seen in run_world(lent_chunk_worker, 3):
+    for seen in results:
         chunk, slack = seen["chunk_bytes"], seen["chunk_slack"]
         assert seen["lent_after_forward"][1:] == [chunk, chunk], seen
         assert seen["resident_after_forward"][1:] == [0, 0], seen
@@ -467,21 +512,90 @@ def test_a_gathered_unit_borrows_this_ranks_chunk() -> None:
         assert all(0 < loss < 10 for loss in seen["losses"])
 
 
-def test_stage3_releases_a_units_pages_and_keeps_its_buffer() -> None:
-    """[Note: releasing a gathered unit's pages]: between steps a unit holds no resident page of its own,
-    only pages parked for the next gather ([Note: released pages move to the next gather]), no more than
-    the reserve's capacity, and pages did move from buffer to buffer; while a block runs its unit is
-    resident (all but the partial pages at its ends); the buffers never move; closing drops what is
-    parked."""
-    for seen in run_world(page_release_worker, 2):
-        assert all(held <= parked <= seen["capacity"] for held, parked in zip(seen["between_steps"], seen["parked"]))
-        assert seen["moved"] > 0 and seen["parked_after_close"] == 0
-        assert seen["while_running"] and all(
-            seen["unit_bytes"] - 8192 <= held <= seen["unit_bytes"] for held in seen["while_running"])
-        assert seen["same_storage"]
-        # the gradient chunks, kept for the run, hold their own pages from backward to the step only:
-        # between steps whatever units and chunks hold is parked
-        assert all(units + chunks <= parked for units, chunks, parked
-                   in zip(seen["between_steps"], seen["chunks_between_steps"], seen["parked"])), seen
-        assert all(seen["chunk_bytes"] - seen["chunk_slack"] <= held <= seen["chunk_bytes"]
-                   for held in seen["chunks_after_backward"])
+#: each case's worker, and the check of its results (one per rank) in the test
+WORKERS: dict[str, Callable[..., Any]] = {
+    "memory_and_communication_are_exact": accounting_worker,
+    "hard_cases_match_ddp": hard_cases_worker,
+    "sharded_parameters_outside_forward": outside_forward_worker,
+    "disabled_gathered_parameters_gathers_nothing": disabled_gather_worker,
+    "a_module_skipped_on_one_rank_neither_hangs_nor_fails": divergent_worker,
+    "prefetch_survives_a_changing_execution_order": changing_order_worker,
+    "reuse_distance_and_live_parameter_limits_are_honoured": reuse_worker,
+    "prefetch_gathers_ahead_of_use": gather_order_worker,
+    "releases_a_units_pages_and_keeps_its_buffer": page_release_worker,
+    "a_gathered_unit_borrows_this_ranks_chunk": lent_chunk_worker,
+}
+CHECKS: dict[str, Callable[..., None]] = {
+    "memory_and_communication_are_exact": check_memory_and_communication_are_exact,
+    "hard_cases_match_ddp": check_hard_cases_match_ddp,
+    "sharded_parameters_outside_forward": check_sharded_parameters_outside_forward,
+    "disabled_gathered_parameters_gathers_nothing": check_disabled_gathered_parameters_gathers_nothing,
+    "a_module_skipped_on_one_rank_neither_hangs_nor_fails": check_a_module_skipped_on_one_rank_neither_hangs_nor_fails,
+    "prefetch_survives_a_changing_execution_order": check_prefetch_survives_a_changing_execution_order,
+    "reuse_distance_and_live_parameter_limits_are_honoured": check_reuse_distance_and_live_parameter_limits_are_honoured,
+    "prefetch_gathers_ahead_of_use": check_prefetch_gathers_ahead_of_use,
+    "releases_a_units_pages_and_keeps_its_buffer": check_releases_a_units_pages_and_keeps_its_buffer,
+    "a_gathered_unit_borrows_this_ranks_chunk": check_a_gathered_unit_borrows_this_ranks_chunk,
+}
+
+# [Note: a case that may break its world runs last]
+# The divergent case ends its world: should a rank raise there, the engine it leaves may hold
+# collectives the other rank never joins, and no case after it could run.
+
+#: by world size, in the order they run
+DEFAULT_CASES: dict[int, list[Case]] = {
+    2: [("releases_a_units_pages_and_keeps_its_buffer", {}),
+        ("hard_cases_match_ddp", {"prefetch": 0}), ("hard_cases_match_ddp", {"prefetch": 10**6}),
+        ("disabled_gathered_parameters_gathers_nothing", {}),
+        ("prefetch_survives_a_changing_execution_order", {}),
+        ("a_module_skipped_on_one_rank_neither_hangs_nor_fails", {})],
+    3: [("a_gathered_unit_borrows_this_ranks_chunk", {}),  # world 3: ragged chunks
+        ("sharded_parameters_outside_forward", {})],
+}
+EXTENDED_CASES: dict[int, list[Case]] = {
+    2: [("reuse_distance_and_live_parameter_limits_are_honoured", {}),
+        ("prefetch_gathers_ahead_of_use", {"prefetch": 0}), ("prefetch_gathers_ahead_of_use", {"prefetch": 10**6})],
+    3: [("memory_and_communication_are_exact", {"persistence": 0}),
+        ("memory_and_communication_are_exact", {"persistence": 20})],
+}
+
+
+def labels(name: str, world: int, arguments: dict[str, Any]) -> dict[str, Any]:
+    """How a case is named in failures: its check, the stage, the world size and its arguments."""
+    return {"check": name, "stage": 3, "world": world, **arguments}
+
+
+def family_worker(rank: int, world: int, cases: list[Case]) -> list[Any]:
+    """Every case in turn, from the same seed, each named in anything it raises; results in case order."""
+    results = []
+    for name, arguments in cases:
+        torch.manual_seed(0)
+        with case(**labels(name, world, arguments)):
+            results.append(WORKERS[name](rank, world, **arguments))
+    return results
+
+
+def check_family(world: int, cases: list[Case]) -> None:
+    by_rank = run_world(family_worker, world, args=(cases,), timeout=600)
+    failures = CaseFailures()
+    for index, (name, arguments) in enumerate(cases):
+        with failures.case(**labels(name, world, arguments)):
+            assert all(len(results) == len(cases) for results in by_rank), "a rank skipped a case"
+            CHECKS[name]([results[index] for results in by_rank], **arguments)
+    failures.raise_any()
+
+
+@pytest.mark.parametrize("world", sorted(DEFAULT_CASES))
+def test_stage3_cases(world: int) -> None:
+    """World 2: a unit's pages released and its buffer kept, the hard cases against DDP (prefetch off and
+    on), GatheredParameters disabled, prefetch under a changing execution order, a module one rank skips.
+    World 3: a gathered unit borrows this rank's chunk, sharded parameters outside forward."""
+    check_family(world, DEFAULT_CASES[world])
+
+
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
+@pytest.mark.parametrize("world", sorted(EXTENDED_CASES))
+def test_stage3_extended_cases(world: int) -> None:
+    """World 2: the reuse distance and live-parameter limits, prefetch gathers ahead of use (off and on).
+    World 3: memory and communication exact (persistence 0 and 20)."""
+    check_family(world, EXTENDED_CASES[world])

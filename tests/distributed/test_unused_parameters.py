@@ -8,7 +8,8 @@ the ranks then need different units gathered, and agree on each gather
 ([Note: ranks agree on every gather] in sharding/stage3/gather_agreement.py); at every stage a parameter a
 rank did not use contributes a zero gradient.  One world per world size loops every stage, with and
 without accumulation and activation checkpointing, against one process that computes every rank's
-micro batches itself (fp32, 1e-5 relative).
+micro batches itself (fp32, 1e-5 relative); a failure names the case (model, stage, accumulation,
+checkpointing, groups, world, rank).  The world of two then ends with a rank that skips a backward.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import zeroshard
-from zeroshard.tools.testing import run_world
+from zeroshard.tools.testing import CaseFailures, case, run_world
 
 VOCAB, WIDTH, ROWS, STEPS, LR = 16, 8, 6, 5, 1e-2
 
@@ -104,43 +105,50 @@ def trained(rank: int, kind: str, checkpointed: bool, stage: int, accum: int,
     return state
 
 
-CASES = list(itertools.product(("experts", "layerdrop", "heads"), (0, 1, 2, 3), (1, 2), (False, True)))
-
-
-def compared(rank: int, world: int, kind: str, stage: int, accum: int, checkpointed: bool, **zero: Any) -> str:
-    """'' where training equals the reference, else what differs (naming the case)."""
-    ours = trained(rank, kind, checkpointed, stage, accum, **zero)
-    expected = reference(kind, checkpointed, world, accum)
-    worst = max(float((ours[k] - v).abs().max()) / (float(v.abs().max()) or 1.0) for k, v in expected.items())
-    return "" if worst <= 1e-5 else (f"{kind}, stage {stage}, accumulation {accum}, checkpointed {checkpointed}, "
-                                     f"{zero}, world {world}: off by {worst:.2e}")
-
-
-def world_worker(rank: int, world: int) -> list[str]:
-    """Every case in this one world."""
-    return [compared(rank, world, kind, stage, accum, checkpointed) for kind, stage, accum, checkpointed in CASES]
-
-
+#: (model, stage, accumulation, checkpointed, zero_optimization keys)
+Case = tuple[str, int, int, bool, dict[str, Any]]
+CASES: list[Case] = [(kind, stage, accum, checkpointed, {}) for kind, stage, accum, checkpointed
+                     in itertools.product(("experts", "layerdrop", "heads"), (0, 1, 2, 3), (1, 2), (False, True))]
 #: stage 3 with the hybrid groups and offload, where the gather rounds span groups of their own
 HYBRID = ({"mics_shard_size": 2}, {"zero_hpz_partition_size": 2},
           {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}})
+HYBRID_CASES: list[Case] = [(kind, 3, 2, checkpointed, zero)
+                            for zero in HYBRID for kind, checkpointed in (("experts", False), ("layerdrop", True))]
 
 
-def hybrid_worker(rank: int, world: int) -> list[str]:
-    return [compared(rank, world, kind, 3, 2, checkpointed, **zero)
-            for zero in HYBRID for kind, checkpointed in (("experts", False), ("layerdrop", True))]
+def labels(world: int, kind: str, stage: int, accum: int, checkpointed: bool, zero: dict[str, Any]) -> dict[str, Any]:
+    """How a case is named in failures."""
+    return {"model": kind, "stage": stage, "world": world, "precision": "fp32", "accumulation": accum,
+            "checkpointed": checkpointed, "zero": zero}
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_ranks_using_different_modules_train_like_one_process(world: int) -> None:
-    for rank, outcomes in enumerate(run_world(world_worker, world, timeout=900)):
-        assert [o for o in outcomes if o] == [], f"rank {rank}"
+def off_by(rank: int, world: int, kind: str, stage: int, accum: int, checkpointed: bool, zero: dict[str, Any]) -> float:
+    """The largest relative difference between training here and the reference (one process)."""
+    ours = trained(rank, kind, checkpointed, stage, accum, **zero)
+    expected = reference(kind, checkpointed, world, accum)
+    return max(float((ours[k] - v).abs().max()) / (float(v.abs().max()) or 1.0) for k, v in expected.items())
 
 
-@pytest.mark.slow  # extended: runs in CI (see conftest.py)
-def test_ranks_using_different_modules_with_hybrid_groups_and_offload_train_like_one_process() -> None:
-    for rank, outcomes in enumerate(run_world(hybrid_worker, 4, timeout=900)):
-        assert [o for o in outcomes if o] == [], f"rank {rank}"
+def world_worker(rank: int, world: int, cases: list[Case], skip_a_backward: bool) -> dict[str, Any]:
+    """Every case in this one world; then, with ``skip_a_backward``, a rank that skips a backward (last:
+    it leaves an engine that cannot go on)."""
+    out: dict[str, Any] = {"off_by": []}
+    for kind, stage, accum, checkpointed, zero in cases:
+        with case(**labels(world, kind, stage, accum, checkpointed, zero)):
+            out["off_by"].append(off_by(rank, world, kind, stage, accum, checkpointed, zero))
+    if skip_a_backward:
+        with case(check="a_rank_that_skips_a_backward_gets_a_divergence_error", stage=3, world=world):
+            out["skipped_backward"] = skipped_backward_worker(rank, world)
+    return out
+
+
+def check_every_case(by_rank: list[dict[str, Any]], world: int, cases: list[Case],
+                     failures: CaseFailures) -> None:
+    for rank, result in enumerate(by_rank):
+        assert len(result["off_by"]) == len(cases), f"rank {rank} ran {len(result['off_by'])} of {len(cases)} cases"
+        for (kind, stage, accum, checkpointed, zero), worst in zip(cases, result["off_by"]):
+            with failures.case(**labels(world, kind, stage, accum, checkpointed, zero), rank=rank):
+                assert worst <= 1e-5, f"off by {worst:.2e}"
 
 
 def skipped_backward_worker(rank: int, world: int) -> str:
@@ -158,6 +166,23 @@ def skipped_backward_worker(rank: int, world: int) -> str:
     return "no error"
 
 
-def test_a_rank_that_skips_a_backward_gets_a_divergence_error() -> None:
-    assert run_world(skipped_backward_worker, 2, timeout=120) == ["DivergenceError", "DivergenceError"]
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_ranks_using_different_modules_train_like_one_process(world: int) -> None:
+    """Every case at this world size; at world 2 then a rank that skips a backward gets a divergence
+    error (both ranks)."""
+    skip_a_backward = world == 2
+    by_rank = run_world(world_worker, world, args=(CASES, skip_a_backward), timeout=600)
+    failures = CaseFailures()
+    check_every_case(by_rank, world, CASES, failures)
+    if skip_a_backward:
+        with failures.case(check="a_rank_that_skips_a_backward_gets_a_divergence_error", stage=3, world=world):
+            assert [r["skipped_backward"] for r in by_rank] == ["DivergenceError", "DivergenceError"]
+    failures.raise_any()
 
+
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
+def test_ranks_using_different_modules_with_hybrid_groups_and_offload_train_like_one_process() -> None:
+    by_rank = run_world(world_worker, 4, args=(HYBRID_CASES, False), timeout=600)
+    failures = CaseFailures()
+    check_every_case(by_rank, 4, HYBRID_CASES, failures)
+    failures.raise_any()
