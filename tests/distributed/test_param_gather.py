@@ -9,6 +9,9 @@ check, stage, world size and precision.
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -50,16 +53,21 @@ def forward_worker(rank: int, world: int, stage: int) -> dict:
     for h in hooks:
         h.remove()
     readers = {}
+    # one directory per world (its port), shared by its ranks
+    save_dir = os.path.join(tempfile.gettempdir(), f"zs-param-gather-{os.environ['MASTER_PORT']}-{stage}")
     for name, read in (("state_dict", lambda: engine.module.state_dict()),
                        ("gathered", lambda: zeroshard.GatheredParameters(list(engine.module.parameters())).__enter__()),
                        ("full_state_dict", lambda: engine.full_state_dict()),
-                       ("save", lambda: engine.save_checkpoint(f"/tmp/zs-param-gather-{world}-{stage}", tag="t"))):
+                       ("save", lambda: engine.save_checkpoint(save_dir, tag="t"))):
         engine.backward(engine(x, x))
         engine.step()
         before = engine.strategy.pending_gathers
         read()
         readers[name] = (before, engine.strategy.pending_gathers)
     engine.close()
+    torch.distributed.barrier()
+    if rank == 0:
+        shutil.rmtree(save_dir)
     return {"buckets": buckets, "after_step": after_step, "seen": seen, "readers": readers}
 
 
