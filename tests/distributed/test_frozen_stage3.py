@@ -2,7 +2,7 @@
 trainable ones, never reduced or updated, each rank holding its share; training equals one process
 on the whole global batch, and checkpoints save, resume, reshard and consolidate them.
 
-One world per world size runs its cases in turn (``family_worker``), each from the same seed, in a
+One world per world size runs its cases in turn (``run_family``), each from the same seed, in a
 directory of its own, with engines it closes; then one process loads the LoRA run's checkpoint at
 stage 2.  The test checks every case, and a failure names the case: its check, stage, world size,
 precision and arguments.
@@ -22,13 +22,9 @@ from zs_common import CLIP, LR, TINY, WD, global_batch, rank_micro_batches, zero
 import zeroshard
 from zeroshard.checkpoint.consolidate import full_state_dict
 from zeroshard.tools.demo.model import GPT
-from zeroshard.tools.testing import CaseFailures, case, run_world
+from zeroshard.tools.testing import Case, case, case_directory, check_family, run_family, run_world
 
 STEPS, MICRO, ACCUM = 3, 2, 2
-
-#: a case of a family: the name of its check (its worker in WORKERS, its check in CHECKS) and its arguments
-Case = tuple[str, dict[str, Any]]
-
 
 class LoRALinear(nn.Module):
     """A frozen linear layer plus a trainable low-rank update (what peft's LoRA layer computes)."""
@@ -85,7 +81,7 @@ def train(engine: Any, first: int, last: int, world: int) -> None:
 
 def lora_worker(rank: int, world: int, directory: str) -> dict:
     engine, _, _, _ = zeroshard.initialize(model=lora_model(), config=lora_config(3))
-    storage = engine.flat
+    storage = engine.storage
     frozen_buckets = [b for b in storage.layout.buckets if b.frozen]
     frozen_names = {s.name for b in frozen_buckets for s in b.slots}
     train(engine, 0, STEPS - 1, world)
@@ -167,8 +163,8 @@ def init_worker(rank: int, world: int, directory: str, dtype: str) -> dict:
     with zeroshard.Init(config=config):
         model = lora_model()
     engine, _, _, _ = zeroshard.initialize(model=model, config=config)
-    frozen = [b for b in engine.flat.layout.buckets if b.frozen]
-    out = {"initial": engine.full_state_dict(rank0_only=False), "dtype": str(engine.flat.shard.dtype),
+    frozen = [b for b in engine.storage.layout.buckets if b.frozen]
+    out = {"initial": engine.full_state_dict(rank0_only=False), "dtype": str(engine.storage.shard.dtype),
            "frozen_buckets": len(frozen)}
     train(engine, 0, 1, world)
     out["after"] = engine.full_state_dict(rank0_only=False)
@@ -209,44 +205,22 @@ def labels(name: str, world: int, arguments: dict[str, Any]) -> dict[str, Any]:
     return {"check": name, "stage": 3, "world": world, "precision": rest.pop("dtype", "fp32"), **rest}
 
 
-def case_directory(root: Path, index: int) -> Path:
-    return root / f"case{index}"
-
-
-def family_worker(rank: int, world: int, root: str, cases: list[Case]) -> list[Any]:
-    """Every case in turn, from the same seed, each named in anything it raises; results in case order."""
-    results = []
-    for index, (name, arguments) in enumerate(cases):
-        torch.manual_seed(0)
-        with case(**labels(name, world, arguments)):
-            results.append(WORKERS[name](rank, world, str(case_directory(Path(root), index)), **arguments))
-    return results
-
-
-def check_family(world: int, cases: list[Case], root: Path) -> None:
+def check_cases(world: int, cases: list[Case], root: Path) -> None:
     """Run the family, load its LoRA run's "mid" save in one process at stage 2, and check every case."""
-    for index in range(len(cases)):
-        case_directory(root, index).mkdir()
-    by_rank = run_world(family_worker, world, args=(str(root), cases), timeout=600)
+    by_rank = run_family(world, cases, WORKERS, labels=labels, root=root)
     lora = next(index for index, (name, _) in enumerate(cases) if name == LORA)
     loaded = run_world(load_into_stage2, 1, args=(str(case_directory(root, lora)),))[0]
-    failures = CaseFailures()
-    for index, (name, arguments) in enumerate(cases):
-        with failures.case(**labels(name, world, arguments)):
-            assert all(len(results) == len(cases) for results in by_rank), "a rank skipped a case"
-            more = {"loaded": loaded} if index == lora else {}
-            CHECKS[name]([results[index] for results in by_rank], case_directory(root, index), **arguments, **more)
-    failures.raise_any()
+    check_family(cases, by_rank, CHECKS, world, labels=labels, root=root, more={lora: {"loaded": loaded}})
 
 
 def test_frozen_stage3_cases(tmp_path: Path) -> None:
     """World 2: stage 3 shards the frozen base and trains LoRA as one process (its checkpoint loaded by
     one process at stage 2), frozen parameters built under Init are sharded from the start (fp32, bf16)."""
-    check_family(2, DEFAULT_CASES, tmp_path)
+    check_cases(2, DEFAULT_CASES, tmp_path)
 
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
 def test_frozen_stage3_extended_cases(tmp_path: Path) -> None:
     """World 3: stage 3 shards the frozen base and trains LoRA as one process (its checkpoint loaded by
     one process at stage 2)."""
-    check_family(3, EXTENDED_CASES, tmp_path)
+    check_cases(3, EXTENDED_CASES, tmp_path)

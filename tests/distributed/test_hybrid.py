@@ -3,7 +3,7 @@ zeroshard is told are two nodes of two (as torchrun tells them): each trains as 
 whole global batch, and every collective is where it should be, checked call by call: which group it
 ran over, whether its bytes stayed inside a node, and the exact bytes that crossed nodes.
 
-One world of four runs its cases in turn (``family_worker``), each from the same seed, in a directory of
+One world of four runs its cases in turn (``run_family``), each from the same seed, in a directory of
 its own, with engines it closes; the test then checks every case, and a failure names the case: its
 check, stage, world size, hybrid sharding and arguments.
 """
@@ -23,15 +23,11 @@ from zeroshard.checkpoint.consolidate import full_state_dict
 from zeroshard.distributed.collectives import CallRecord, CommKind, CommScope
 from zeroshard.planning import model_state_bytes
 from zeroshard.planning.scale_model import traffic_per_step
-from zeroshard.tools.testing import CaseFailures, case, run_world
+from zeroshard.tools.testing import Case, case, case_directory, check_family, run_family, run_world
 
 WORLD, PER_NODE, STEPS, MICRO, ACCUM = 4, 2, 3, 2, 2
 FP32 = 4
 HYBRID = {"mics": {"mics_shard_size": PER_NODE}, "hpz": {"zero_hpz_partition_size": PER_NODE}}
-
-#: a case of a family: the name of its check (its worker in WORKERS, its check in CHECKS) and its arguments
-Case = tuple[str, dict[str, Any]]
-
 
 def config(stage: int, hybrid: str | None, **zero: Any) -> dict:
     extra = {"stage3_param_persistence_threshold": 20} if stage == 3 else {}
@@ -53,7 +49,7 @@ def train_and_log(rank: int, world: int, directory: str, stage: int, hybrid: str
     persistent = sorted(engine.strategy.plan.persistent_buckets) if stage == 3 else []
     out = {"log": list(log), "by_scope": engine.comm.bytes_sent_by_scope(), "memory": engine.memory_breakdown(),
            "buckets": [(b.padded_numel, b.shard_numel, b.numel) for b in layout.buckets], "persistent": persistent,
-           "frozen": [b.padded_numel for b in engine.flat.layout.buckets if b.frozen],
+           "frozen": [b.padded_numel for b in engine.storage.layout.buckets if b.frozen],
            "shard_rank": engine.strategy.world.rank}
     out["state"] = engine.full_state_dict()
     if hybrid == "hpz":  # the same job without hpZ: the same gathers, only from elsewhere
@@ -264,52 +260,19 @@ def labels(name: str, world: int, arguments: dict[str, Any]) -> dict[str, Any]:
     return {"check": name, "stage": rest.pop("stage"), "world": world, "precision": "fp32", **rest}
 
 
-def case_directory(root: Path, index: int) -> Path:
-    return root / f"case{index}"
-
-
-def family_worker(rank: int, world: int, root: str, cases: list[Case]) -> list[Any]:
-    """Every case in turn, from the same seed, each named in anything it raises; results in case order."""
-    results = []
-    for index, (name, arguments) in enumerate(cases):
-        torch.manual_seed(0)
-        with case(**labels(name, world, arguments)):
-            results.append(WORKERS[name](rank, world, str(case_directory(Path(root), index)), **arguments))
-    return results
-
-
-def run_family(world: int, cases: list[Case], root: Path, **world_options: Any) -> list[list[Any]]:
-    for index in range(len(cases)):
-        case_directory(root, index).mkdir(parents=True)
-    by_rank = run_world(family_worker, world, args=(str(root), cases), timeout=600, **world_options)
-    assert all(len(results) == len(cases) for results in by_rank), "a rank skipped a case"
-    return by_rank
-
-
-def check_family(cases: list[Case], root: Path, by_rank: list[list[Any]],
-                 more: dict[int, dict[str, Any]] | None = None) -> None:
-    """Check every case; ``more``: further arguments of some cases' checks, by the case's index."""
-    failures = CaseFailures()
-    for index, (name, arguments) in enumerate(cases):
-        with failures.case(**labels(name, WORLD, arguments)):
-            CHECKS[name]([results[index] for results in by_rank], case_directory(root, index), **arguments,
-                         **(more or {}).get(index, {}))
-    failures.raise_any()
-
-
 def test_hybrid_cases(tmp_path: Path) -> None:
     """On two nodes of two: MiCS at stage 3; a group size that does not divide the world (3) is refused
     on every rank (MiCS and hpZ)."""
-    nodes = run_family(WORLD, DEFAULT_NODE_CASES, tmp_path, ranks_per_node=PER_NODE)
-    check_family(DEFAULT_NODE_CASES, tmp_path, nodes)
+    nodes = run_family(WORLD, DEFAULT_NODE_CASES, WORKERS, labels=labels, root=tmp_path, ranks_per_node=PER_NODE)
+    check_family(DEFAULT_NODE_CASES, nodes, CHECKS, WORLD, labels=labels, root=tmp_path)
 
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
 def test_hybrid_extended_cases(tmp_path: Path) -> None:
     """On two nodes of two: MiCS at stages 1 and 2, hpZ, and checkpoints of both that resume exactly and
     reshard: each save is then loaded by plain stage 2 on 3 ranks."""
-    nodes = run_family(WORLD, EXTENDED_NODE_CASES, tmp_path, ranks_per_node=PER_NODE)
+    nodes = run_family(WORLD, EXTENDED_NODE_CASES, WORKERS, labels=labels, root=tmp_path, ranks_per_node=PER_NODE)
     saves = [index for index, (name, _) in enumerate(EXTENDED_NODE_CASES) if name == RESUME]
     loaded = run_world(load_plain, 3, args=([str(case_directory(tmp_path, i)) for i in saves],), timeout=600)[0]
-    check_family(EXTENDED_NODE_CASES, tmp_path, nodes,
+    check_family(EXTENDED_NODE_CASES, nodes, CHECKS, WORLD, labels=labels, root=tmp_path,
                  more={index: {"loaded": state} for index, state in zip(saves, loaded)})

@@ -1,6 +1,6 @@
 """zeroshard.Init: models built already sharded, with the values of a plain construction, in ~1/N memory.
 
-One world runs the cases that train or refuse in turn (``family_worker``), each from the same seed,
+One world runs the cases that train or refuse in turn (``run_family``), each from the same seed,
 with engines it closes; the test then checks every case, and a failure names the case: its check,
 stage, world size, precision and arguments.  The memory of a build is measured in fresh processes.
 """
@@ -17,10 +17,7 @@ from zs_common import TINY, make_model
 import zeroshard
 from zeroshard.engine.metrics import host_peak_bytes
 from zeroshard.tools.demo.model import GPT
-from zeroshard.tools.testing import CaseFailures, case, run_world
-
-#: a case of a family: the name of its check (its worker in WORKERS, its check in CHECKS) and its arguments
-Case = tuple[str, dict[str, Any]]
+from zeroshard.tools.testing import Case, CaseFailures, check_family, run_family, run_world
 
 LAYERS, WIDTH = 16, 1024  # 16 x 4 MiB of fp32 weights: 64 MiB in all, 4 MiB in the largest layer
 
@@ -182,24 +179,8 @@ def labels(name: str, world: int, arguments: dict[str, Any]) -> dict[str, Any]:
     return {"check": name, "stage": STAGES[name], "world": world, "precision": "fp32", **arguments}
 
 
-def family_worker(rank: int, world: int, cases: list[Case]) -> list[Any]:
-    """Every case in turn, from the same seed, each named in anything it raises; results in case order."""
-    results = []
-    for name, arguments in cases:
-        torch.manual_seed(0)
-        with case(**labels(name, world, arguments)):
-            results.append(WORKERS[name](rank, world, **arguments))
-    return results
-
-
 def test_init_cases() -> None:
     """In a world of 3: Init gives the values of a plain construction and trains; a disabled Init
     (zeroshard's and DeepSpeed's spelling) builds an ordinary model; Init needs stage 3."""
     world = 3
-    by_rank = run_world(family_worker, world, args=(CASES,), timeout=600)
-    failures = CaseFailures()
-    for index, (name, arguments) in enumerate(CASES):
-        with failures.case(**labels(name, world, arguments)):
-            assert all(len(results) == len(CASES) for results in by_rank), "a rank skipped a case"
-            CHECKS[name]([results[index] for results in by_rank], **arguments)
-    failures.raise_any()
+    check_family(CASES, run_family(world, CASES, WORKERS, labels=labels), CHECKS, world, labels=labels)

@@ -10,7 +10,7 @@ or a ``ShardedParameterError``; never a hang (the world has a timeout) and never
 Then a model resized under Init trains at stage 3 equal to DDP on the plain resized model, and the same
 operations on a live stage-3 engine's model either raise by name or leave it training like DDP.
 
-The world of two runs these families in turn (``family_worker``), each from the same seed; the test
+The world of two runs these families in turn (``run_family``), each from the same seed; the test
 then checks every one, and a failure names it: its check, stage, world size, precision and arguments.
 """
 
@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zeroshard
 from zeroshard.engine.engine import ModelChangedError
-from zeroshard.tools.testing import CaseFailures, case, run_world
+from zeroshard.tools.testing import Case, check_family, run_family
 
 transformers = pytest.importorskip("transformers")
 
@@ -307,7 +307,7 @@ CHECKS: dict[str, Callable[..., None]] = {
     ENGINE_GUARD: check_operations_on_a_stage_3_engines_model_raise_by_name_or_train_like_ddp,
 }
 #: (a case of the family: the name of its check and its arguments); the guards try fp32 and bf16 each
-CASES: list[tuple[str, dict[str, Any]]] = [
+CASES: list[Case] = [
     (GUARD, {}), (RESIZED, {"tied": False, "bf16": False}), (RESIZED, {"tied": True, "bf16": False}),
     (ENGINE_GUARD, {})]
 
@@ -319,31 +319,10 @@ def labels(name: str, world: int, arguments: dict[str, Any]) -> dict[str, Any]:
     return {"check": name, "stage": 3, "world": world, "precision": precision, **rest}
 
 
-def case_directory(root: Path, index: int) -> Path:
-    return root / f"case{index}"
-
-
-def family_worker(rank: int, world: int, root: str, cases: list[tuple[str, dict[str, Any]]]) -> list[Any]:
-    """Every case in turn, from the same seed, each named in anything it raises; results in case order."""
-    results = []
-    for index, (name, arguments) in enumerate(cases):
-        torch.manual_seed(0)
-        with case(**labels(name, world, arguments)):
-            results.append(WORKERS[name](rank, world, str(case_directory(Path(root), index)), **arguments))
-    return results
-
-
 def test_init_surgery_cases(tmp_path: Path) -> None:
     """In a world of 2: operations on Init-built parameters equal the unsharded ones or raise by name; a
     model resized under Init trains at stage 3 like DDP (untied and tied embeddings); operations on a
     stage-3 engine's model raise by name or train like DDP."""
     world = 2
-    for index in range(len(CASES)):
-        case_directory(tmp_path, index).mkdir()
-    by_rank = run_world(family_worker, world, args=(str(tmp_path), CASES), timeout=600)
-    failures = CaseFailures()
-    for index, (name, arguments) in enumerate(CASES):
-        with failures.case(**labels(name, world, arguments)):
-            assert all(len(results) == len(CASES) for results in by_rank), "a rank skipped a case"
-            CHECKS[name]([results[index] for results in by_rank], **arguments)
-    failures.raise_any()
+    by_rank = run_family(world, CASES, WORKERS, labels=labels, root=tmp_path)  # a directory per worker; checks need none
+    check_family(CASES, by_rank, CHECKS, world, labels=labels)

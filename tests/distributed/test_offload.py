@@ -6,7 +6,7 @@ and nvme beyond ``max_in_cpu``); AdamW with amsgrad under NVMe offload against t
 that resume exactly into another offload setting; swap files removed or a full disk (clear errors);
 the pre-flight checks; and the breakdown by place.
 
-One world per world size runs its cases in turn (``family_worker``), each from the same seed, in a
+One world per world size runs its cases in turn (``run_family``), each from the same seed, in a
 directory of its own, with engines it closes; the test then checks every case, and a failure names
 the case: its check, stage, world size, precision and arguments.
 """
@@ -24,13 +24,9 @@ from zs_common import clone, make_model, max_rel_diff, rank_micro_batches, train
 
 from zeroshard.planning.estimator import EstimateRequest, estimate_stage
 from zeroshard.offload import OffloadIOError, OffloadPreflightError
-from zeroshard.tools.testing import CaseFailures, case, run_world
+from zeroshard.tools.testing import Case, case_directory, check_family, run_family
 
 SUB_GROUP = 700  # smaller than most buckets and no divisor of them: pieces of odd sizes
-
-#: a case of a family: the name of its check (its worker in WORKERS, its check in CHECKS) and its arguments
-Case = tuple[str, dict[str, Any]]
-
 
 def offload_config(stage: int, nvme: str, optimizer: str = "none", param: str = "none", **extra) -> dict:
     zero = {"stage3_param_persistence_threshold": 20, "sub_group_size": SUB_GROUP,
@@ -126,10 +122,10 @@ def _expected_sizes(engine) -> dict[str, int]:
         for piece in pieces:
             for key in piece.files:
                 out[f"optimizer/b{piece.bucket}_{piece.start}.{key}"] = piece.numel * 4
-    store = getattr(engine.flat, "store", None)
+    store = getattr(engine.storage, "store", None)
     if store is not None and store.swap is not None:
         for index in store.swap.files:
-            out[f"params/b{index}.shard"] = engine.flat.layout.buckets[index].shard_numel * 4
+            out[f"params/b{index}.shard"] = engine.storage.layout.buckets[index].shard_numel * 4
     return out
 
 
@@ -140,12 +136,12 @@ def swap_size_worker(rank: int, world: int, nvme: str) -> tuple[dict, dict, tupl
     root = Path(nvme)
     sizes = {f"{d.name.split('_')[1]}/{f.name}": f.stat().st_size
              for d in root.iterdir() if f"rank{rank}_" in d.name for f in d.iterdir()}
-    store = engine.flat.store
+    store = engine.storage.store
     held = store.device_shard.numel() + store.host_shard.numel()  # shard elements in memory
     expected = _expected_sizes(engine)
     engine.close()  # removes this rank's swap files at once
     assert not list(root.glob(f"*rank{rank}_*"))
-    return sizes, expected, (held, engine.flat.layout.shard_numel())
+    return sizes, expected, (held, engine.storage.layout.shard_numel())
 
 
 def check_each_swap_file_is_exactly_its_tensor(results: list[tuple[dict, dict, tuple[int, int]]],
@@ -422,10 +418,6 @@ def labels(name: str, world: int, arguments: dict[str, Any]) -> dict[str, Any]:
     return {"check": name, "stage": rest.pop("stage"), "world": world, "precision": rest.pop("precision"), **rest}
 
 
-def case_directory(root: Path, index: int) -> Path:
-    return root / f"case{index}"
-
-
 def prepare_directories(root: Path, cases: list[Case]) -> None:
     """A directory per case (its swap files, checkpoints and pre-flight paths), a file in each pre-flight's."""
     for index, (name, _) in enumerate(cases):
@@ -434,25 +426,10 @@ def prepare_directories(root: Path, cases: list[Case]) -> None:
             (case_directory(root, index) / "a_file").write_text("x")
 
 
-def family_worker(rank: int, world: int, root: str, cases: list[Case]) -> list[Any]:
-    """Every case in turn, from the same seed, each named in anything it raises; results in case order."""
-    results = []
-    for index, (name, arguments) in enumerate(cases):
-        torch.manual_seed(0)
-        with case(**labels(name, world, arguments)):
-            results.append(WORKERS[name](rank, world, str(case_directory(Path(root), index)), **arguments))
-    return results
-
-
-def check_family(world: int, cases: list[Case], root: Path) -> None:
+def check_cases(world: int, cases: list[Case], root: Path) -> None:
     prepare_directories(root, cases)
-    by_rank = run_world(family_worker, world, args=(str(root), cases), timeout=600)
-    failures = CaseFailures()
-    for index, (name, arguments) in enumerate(cases):
-        with failures.case(**labels(name, world, arguments)):
-            assert all(len(results) == len(cases) for results in by_rank), "a rank skipped a case"
-            CHECKS[name]([results[index] for results in by_rank], case_directory(root, index), **arguments)
-    failures.raise_any()
+    by_rank = run_family(world, cases, WORKERS, labels=labels, root=root)
+    check_family(cases, by_rank, CHECKS, world, labels=labels, root=root)
 
 
 @pytest.mark.parametrize("world", sorted(DEFAULT_CASES))
@@ -460,7 +437,7 @@ def test_offload_cases(world: int, tmp_path: Path) -> None:
     """Every world size: offloaded runs equal non-offloaded ones bitwise at stages 1-3 (and each rank's
     bytes exactly).  World 2 also: the breakdown by place agrees with the estimate, a pre-flight failure on
     one rank stops every rank, swap I/O errors (a file removed, a full disk) are clear and stop every rank."""
-    check_family(world, DEFAULT_CASES[world], tmp_path)
+    check_cases(world, DEFAULT_CASES[world], tmp_path)
 
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
@@ -470,4 +447,4 @@ def test_offload_extended_cases(world: int, tmp_path: Path) -> None:
     matches torch's (stages 2, 3), offloaded state survives a checkpoint into any offload setting, modified
     parameters reach the masters and only they (no, cpu and nvme offload), the pre-flight checks name the
     path and the numbers."""
-    check_family(world, EXTENDED_CASES[world], tmp_path)
+    check_cases(world, EXTENDED_CASES[world], tmp_path)

@@ -2,7 +2,7 @@
 each module waiting only for its own buckets, and everything that reads the parameters otherwise waits
 for all of them (see [Note: the parameter gather runs into the next forward]).
 
-One world per world size runs its cases in turn (``family_worker``), each from the same seed, with an
+One world per world size runs its cases in turn (``run_family``), each from the same seed, with an
 engine of its own that it closes; the test then checks every case, and a failure names the case: its
 check, stage, world size and precision.
 """
@@ -20,11 +20,7 @@ import torch
 from zs_common import TINY, make_model, zero_config
 
 import zeroshard
-from zeroshard.tools.testing import CaseFailures, case, run_world
-
-#: a case of a family: the name of its check (its worker in WORKERS, its check in CHECKS) and its arguments
-Case = tuple[str, dict[str, Any]]
-
+from zeroshard.tools.testing import Case, check_family, run_family
 
 def make_engine(stage: int, **zero):
     zero = {"reduce_bucket_size": 800, "allgather_bucket_size": 10**9,  # several buckets, all in flight
@@ -147,30 +143,14 @@ def labels(name: str, world: int, arguments: dict[str, Any]) -> dict[str, Any]:
     return {"check": name, "stage": arguments["stage"], "world": world, "precision": "fp32"}
 
 
-def family_worker(rank: int, world: int, cases: list[Case]) -> list[Any]:
-    """Every case in turn, from the same seed, each named in anything it raises; results in case order."""
-    results = []
-    for name, arguments in cases:
-        torch.manual_seed(0)
-        with case(**labels(name, world, arguments)):
-            results.append(WORKERS[name](rank, world, **arguments))
-    return results
-
-
-def check_family(world: int, cases: list[Case]) -> None:
-    by_rank = run_world(family_worker, world, args=(cases,), timeout=600)
-    failures = CaseFailures()
-    for index, (name, arguments) in enumerate(cases):
-        with failures.case(**labels(name, world, arguments)):
-            assert all(len(results) == len(cases) for results in by_rank), "a rank skipped a case"
-            CHECKS[name]([results[index] for results in by_rank], **arguments)
-    failures.raise_any()
+def check_cases(world: int, cases: list[Case]) -> None:
+    check_family(cases, run_family(world, cases, WORKERS, labels=labels), CHECKS, world, labels=labels)
 
 
 @pytest.mark.parametrize("world", sorted(DEFAULT_CASES))
 def test_param_gather_cases(world: int) -> None:
     """By default step() returns with every parameter current (stage 2)."""
-    check_family(world, DEFAULT_CASES[world])
+    check_cases(world, DEFAULT_CASES[world])
 
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
@@ -178,4 +158,4 @@ def test_param_gather_cases(world: int) -> None:
 def test_param_gather_extended_cases(world: int) -> None:
     """Each module waits only for its own buckets (stage 1 at world 2, stage 2 at world 3); a bucket holds
     at most an eighth of the model (stages 0 and 2, world 2)."""
-    check_family(world, EXTENDED_CASES[world])
+    check_cases(world, EXTENDED_CASES[world])

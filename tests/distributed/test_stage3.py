@@ -1,6 +1,6 @@
 """Stage 3: exact accounting, the hard cases, GatheredParameters and full_state_dict, in real worlds.
 
-One world per world size runs its cases in turn (``family_worker``), each from the same seed with an
+One world per world size runs its cases in turn (``run_family``), each from the same seed with an
 engine of its own that it closes; the test then checks every case, and a failure names the case: its
 check, stage 3, the world size and the case's arguments.
 """
@@ -20,13 +20,9 @@ import zeroshard
 from zeroshard.tools.demo.model import GPT
 from zeroshard.distributed.collectives import CollectiveError, CommKind
 from zeroshard.planning.estimator import EstimateRequest, estimate_stage
-from zeroshard.tools.testing import CaseFailures, case, run_world
+from zeroshard.tools.testing import Case, check_family, run_family
 
 SHARD_ALL = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
-
-#: a case of a family: the name of its check (its worker in WORKERS, its check in CHECKS) and its arguments
-Case = tuple[str, dict[str, Any]]
-
 
 def accounting_worker(rank: int, world: int, persistence: int) -> dict:
     model = make_model()
@@ -39,7 +35,7 @@ def accounting_worker(rank: int, world: int, persistence: int) -> dict:
         engine.step()
     layout, plan = engine.strategy.layout, engine.strategy.plan  # the trainable buckets
     persistent = [b for b in layout.buckets if b.index in plan.persistent_buckets]
-    frozen = [b for b in engine.flat.layout.buckets if b.frozen]  # the frozen layer, sharded too
+    frozen = [b for b in engine.storage.layout.buckets if b.frozen]  # the frozen layer, sharded too
     out = {
         "mb": engine.memory_breakdown(),
         "counters": {k.value: (c.calls, c.bytes_sent) for k, c in engine.comm.counters.items()},
@@ -334,7 +330,7 @@ def gather_order_worker(rank: int, world: int, prefetch: int) -> list[list[tuple
     engine, _, _, _ = zeroshard.initialize(model=model, config=zero_config(
         3, 1, 1, stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0,
         stage3_prefetch_bucket_size=prefetch))
-    assert engine.flat.comm is engine.comm
+    assert engine.storage.comm is engine.comm
     events: list[tuple[str, str]] = []
     launch = engine.comm.all_gather
 
@@ -415,7 +411,7 @@ def page_release_worker(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, seq_len=8, d_model=128, n_layer=2, n_head=2))
     engine, *_ = zeroshard.initialize(model=model, config=zero_config(3, 2, 1, **SHARD_ALL))
-    storage = engine.flat
+    storage = engine.storage
     units = [b.index for b in storage.layout.buckets if b.index not in storage.persistent]
     addresses = [storage.full[i].untyped_storage().data_ptr() for i in units]
     seen: dict = {"while_running": [], "between_steps": []}
@@ -423,7 +419,7 @@ def page_release_worker(rank: int, world: int) -> dict:
     model.blocks[1].register_forward_pre_hook(  # after the scheduler's own pre-hook, which gathers
         lambda *_: seen["while_running"].append(storage.held_bytes(block_unit)))
     x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
-    chunks = engine.strategy._chunk_buffers  # [Note: where gradient chunks live]
+    chunks = engine.strategy.grad_chunks.buffers  # [Note: where gradient chunks live]
     seen["chunks_after_backward"], seen["chunks_between_steps"] = [], []
     for _ in range(2):
         engine.backward(engine(x, x))
@@ -473,7 +469,7 @@ def lent_chunk_worker(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, seq_len=8, d_model=128, n_layer=2, n_head=2))
     engine, *_ = zeroshard.initialize(model=model, config=zero_config(3, 2, 1, stage3_param_persistence_threshold=0))
-    storage = engine.flat
+    storage = engine.storage
     units = [b for b in storage.layout.buckets if b.index not in storage.persistent]
     seen: dict = {key: [] for key in ("lent_after_forward", "resident_after_forward", "lent_between_steps",
                                       "resident_between_steps", "losses")}
@@ -565,24 +561,8 @@ def labels(name: str, world: int, arguments: dict[str, Any]) -> dict[str, Any]:
     return {"check": name, "stage": 3, "world": world, **arguments}
 
 
-def family_worker(rank: int, world: int, cases: list[Case]) -> list[Any]:
-    """Every case in turn, from the same seed, each named in anything it raises; results in case order."""
-    results = []
-    for name, arguments in cases:
-        torch.manual_seed(0)
-        with case(**labels(name, world, arguments)):
-            results.append(WORKERS[name](rank, world, **arguments))
-    return results
-
-
-def check_family(world: int, cases: list[Case]) -> None:
-    by_rank = run_world(family_worker, world, args=(cases,), timeout=600)
-    failures = CaseFailures()
-    for index, (name, arguments) in enumerate(cases):
-        with failures.case(**labels(name, world, arguments)):
-            assert all(len(results) == len(cases) for results in by_rank), "a rank skipped a case"
-            CHECKS[name]([results[index] for results in by_rank], **arguments)
-    failures.raise_any()
+def check_cases(world: int, cases: list[Case]) -> None:
+    check_family(cases, run_family(world, cases, WORKERS, labels=labels), CHECKS, world, labels=labels)
 
 
 @pytest.mark.parametrize("world", sorted(DEFAULT_CASES))
@@ -590,7 +570,7 @@ def test_stage3_cases(world: int) -> None:
     """World 2: a unit's pages released and its buffer kept, the hard cases against DDP (prefetch off and
     on), GatheredParameters disabled, prefetch under a changing execution order, a module one rank skips.
     World 3: a gathered unit borrows this rank's chunk, sharded parameters outside forward."""
-    check_family(world, DEFAULT_CASES[world])
+    check_cases(world, DEFAULT_CASES[world])
 
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
@@ -598,4 +578,4 @@ def test_stage3_cases(world: int) -> None:
 def test_stage3_extended_cases(world: int) -> None:
     """World 2: the reuse distance and live-parameter limits, prefetch gathers ahead of use (off and on).
     World 3: memory and communication exact (persistence 0 and 20)."""
-    check_family(world, EXTENDED_CASES[world])
+    check_cases(world, EXTENDED_CASES[world])

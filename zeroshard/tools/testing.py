@@ -2,9 +2,16 @@
 
     results = run_world(my_worker, world_size=3, args=(stage,))
 
-One world serves a family of cases: the worker loops over them (``with case(stage=2, precision="bf16"):``
-names the case in anything it raises), and the test checks each case's results under
-``CaseFailures`` so that every failing case is reported, each by its name.
+One world serves a family of cases.  ``run_family`` runs named cases in turn in one world (each
+from the same seed, named in anything it raises), and ``check_family`` checks each case's results
+from every rank under ``CaseFailures``, so that every failing case is reported, each by its name:
+
+    WORKERS = {"matches_ddp": matches_ddp_worker}       # module-level: worker(rank, world, **arguments)
+    CHECKS = {"matches_ddp": check_matches_ddp}         # check(results_by_rank, **arguments)
+    cases = [("matches_ddp", {"stage": 2}), ("matches_ddp", {"stage": 3})]
+    check_family(cases, run_family(2, cases, WORKERS), CHECKS, world=2)
+
+A worker that loops by itself can use ``case(stage=2, precision="bf16")`` and ``CaseFailures`` directly.
 
 ``my_worker(rank, world_size, *args)`` must be importable (a module-level function): each process is
 started with ``spawn``, joins a gloo process group on a free localhost port, runs it with one
@@ -24,7 +31,8 @@ import socket
 import time
 import traceback
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional, Sequence
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 PORT_CLASH_MARKERS = ("address already in use", "EADDRINUSE", "errno: 98")
 
@@ -197,3 +205,64 @@ class CaseFailures:
         assert self.checked, "no case was checked"
         if self.failed:
             raise AssertionError(f"{len(self.failed)} of {self.checked} cases failed:\n" + "\n".join(self.failed))
+
+
+#: one case of a family: the name of its worker and check, and their keyword arguments
+Case = tuple[str, dict[str, Any]]
+#: how a case is named in failures, from its name, the world size and its arguments
+Labels = Callable[[str, int, dict[str, Any]], dict[str, Any]]
+
+
+def default_labels(name: str, world: int, arguments: dict[str, Any]) -> dict[str, Any]:
+    """``check <name>, world <n>``, then the case's arguments (stage, precision, ...)."""
+    return {"check": name, "world": world, **arguments}
+
+
+def case_directory(root: Path, index: int) -> Path:
+    """The directory of a family's case ``index`` (its checkpoints, swap files, ...)."""
+    return root / f"case{index}"
+
+
+def run_cases(rank: int, world: int, cases: Sequence[Case], workers: Mapping[str, Callable[..., Any]],
+              labels: Labels, root: Optional[str]) -> list[Any]:
+    """In every rank: each case in turn, from the same seed, named in anything it raises; results in case
+    order.  With ``root``, a case's worker gets its directory as its third argument."""
+    import torch
+
+    results = []
+    for index, (name, arguments) in enumerate(cases):
+        torch.manual_seed(0)
+        directory = () if root is None else (str(case_directory(Path(root), index)),)
+        with case(**labels(name, world, arguments)):
+            results.append(workers[name](rank, world, *directory, **arguments))
+    return results
+
+
+def run_family(world_size: int, cases: Sequence[Case], workers: Mapping[str, Callable[..., Any]],
+               labels: Labels = default_labels, root: Optional[Path] = None, timeout: float = 600.0,
+               **world_options: Any) -> list[list[Any]]:
+    """Run a family of cases in one world of ``world_size``; each rank's results, in case order.
+    ``workers`` must be module-level functions (they travel to the spawned ranks by name); with ``root``
+    each case gets a directory of its own, made here."""
+    if root is not None:
+        for index in range(len(cases)):
+            case_directory(root, index).mkdir(parents=True, exist_ok=True)
+    by_rank = run_world(run_cases, world_size, args=(list(cases), dict(workers), labels,
+                                                     None if root is None else str(root)),
+                        timeout=timeout, **world_options)
+    assert all(len(results) == len(cases) for results in by_rank), "a rank skipped a case"
+    return by_rank
+
+
+def check_family(cases: Sequence[Case], by_rank: list[list[Any]], checks: Mapping[str, Callable[..., None]],
+                 world: int, labels: Labels = default_labels, root: Optional[Path] = None,
+                 more: Optional[Mapping[int, dict[str, Any]]] = None) -> None:
+    """Check every case: ``checks[name](results_by_rank, [directory,] **arguments, **more[index])``,
+    reporting every failing case by its name."""
+    failures = CaseFailures()
+    for index, (name, arguments) in enumerate(cases):
+        directory = () if root is None else (case_directory(root, index),)
+        with failures.case(**labels(name, world, arguments)):
+            checks[name]([results[index] for results in by_rank], *directory, **arguments,
+                         **(more or {}).get(index, {}))
+    failures.raise_any()
