@@ -147,7 +147,7 @@ def lent_chunks_worker(rank: int, world: int, directory: str) -> dict:
     loss = engine(x, x)  # every unit gathered now, until backward
     go.set()
     assert copied.wait(30)
-    lent_during_copy = engine.flat.lent_bytes()
+    lent_during_copy = engine.storage.lent_bytes()
     engine.backward(loss)
     engine.step()
     engine.wait_for_checkpoint()
@@ -155,7 +155,7 @@ def lent_chunks_worker(rank: int, world: int, directory: str) -> dict:
     step(engine, 4)
     lent_later = []
     loss = engine(x, x)
-    lent_later.append(engine.flat.lent_bytes())
+    lent_later.append(engine.storage.lent_bytes())
     engine.backward(loss)
     engine.step()
     engine.close()

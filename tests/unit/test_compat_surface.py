@@ -90,7 +90,7 @@ def test_backward_scale_wrt_gas_and_the_accumulation_boundary() -> None:
         engine = engine_for(nn.Linear(3, 1, bias=False), stage=0)
         loss = engine(torch.ones(2, 3)).sum()
         engine.backward(loss, scale_wrt_gas=scale_wrt_gas)
-        return engine.strategy.owned_grad(engine.flat.layout.buckets[0]).clone()
+        return engine.strategy.owned_grad(engine.storage.layout.buckets[0]).clone()
 
     torch.testing.assert_close(grads(False), 2 * grads(True))
     engine = engine_for(nn.Linear(3, 1))
