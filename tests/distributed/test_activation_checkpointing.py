@@ -4,7 +4,9 @@ fp32 recomputation repeats the same operations on the same values, so parameters
 be *bitwise* equal with and without checkpointing.  Covered: stage 3 (units gathered again for
 recomputation, prefetch on), a frozen layer inside a checkpointed block (the test GPT's first block),
 a weight used twice inside one checkpointed block, gradient accumulation, and the config keys that
-act on a CPU run (cpu_checkpointing, synchronize_checkpoint_boundary, profile).
+act on a CPU run (cpu_checkpointing, synchronize_checkpoint_boundary, profile).  Every stage in both
+modes runs in one world, each case with engines of its own, closed before the next; a failure names
+stage, mode and model.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from zs_common import make_model, rank_micro_batches, zero_config
 
 from zeroshard.checkpointing import checkpoint, checkpoint_modules
 from zeroshard.tools.demo.model import Block
-from zeroshard.tools.testing import run_world
+from zeroshard.tools.testing import CaseFailures, case, run_world
 
 
 class SharedBlock(nn.Module):
@@ -64,7 +66,7 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def parity_worker(rank: int, world: int, stage: int, reentrant: bool) -> dict:
+def parity_case(rank: int, world: int, stage: int, reentrant: bool) -> dict:
     config = zero_config(stage, 1, 2, stage3_param_persistence_threshold=20)
     config["activation_checkpointing"] = {"cpu_checkpointing": True, "synchronize_checkpoint_boundary": True,
                                           "profile": True}
@@ -74,25 +76,48 @@ def parity_worker(rank: int, world: int, stage: int, reentrant: bool) -> dict:
         plain = build()
         ours = copy.deepcopy(plain)
         wrapped = checkpoint_modules(ours, block, use_reentrant=reentrant)
-        train(plain, rank, world, config)
+        plain_engine = train(plain, rank, world, config)
         engine = train(ours, rank, world, config)
         a, b = full_params(plain), full_params(ours)
         out[name] = {"wrapped": wrapped, "equal": all(torch.equal(a[k], b[k]) for k in a),
                      "metrics": engine.last_metrics}
+        plain_engine.close()
+        engine.close()
     return out
 
 
+#: (stage, reentrant): every stage in both modes, in one world (extended)
+PARITY_CASES = [(stage, reentrant) for stage in (0, 1, 2, 3) for reentrant in (False, True)]
+
+
+def parity_worker(rank: int, world: int, cases: list[tuple[int, bool]]) -> dict:
+    """Every case in turn, each named in anything it raises; the results by case."""
+    out = {}
+    for stage, reentrant in cases:
+        with case(stage=stage, world=world, mode=mode_name(reentrant)):
+            torch.manual_seed(0)
+            out[(stage, reentrant)] = parity_case(rank, world, stage, reentrant)
+    return out
+
+
+def mode_name(reentrant: bool) -> str:
+    return "reentrant" if reentrant else "non_reentrant"
+
+
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
-@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_checkpointed_gradients_equal_plain_ones(stage: int, reentrant: bool) -> None:
-    for result in run_world(parity_worker, 2, args=(stage, reentrant)):
-        for name, r in result.items():
-            assert r["wrapped"] == 2
-            assert r["equal"], f"{name}: checkpointed training differs at stage {stage}"
-            m = r["metrics"]  # profile: 2 blocks x 2 micro steps x 3 steps, each run once and recomputed once
-            assert m["checkpoint_regions"] == 12 and m["checkpoint_recomputations"] == 12
-            assert m["checkpoint_forward_s"] > 0 and m["checkpoint_recompute_s"] > 0
+def test_checkpointed_gradients_equal_plain_ones() -> None:
+    results = run_world(parity_worker, 2, args=(PARITY_CASES,), timeout=600)
+    failures = CaseFailures()
+    for rank, rank_results in enumerate(results):
+        for stage, reentrant in PARITY_CASES:
+            for name, r in rank_results[(stage, reentrant)].items():
+                with failures.case(stage=stage, world=2, mode=mode_name(reentrant), model=name, rank=rank):
+                    assert r["wrapped"] == 2
+                    assert r["equal"], "checkpointed training differs"
+                    m = r["metrics"]  # profile: 2 blocks x 2 micro steps x 3 steps, each run once and recomputed once
+                    assert m["checkpoint_regions"] == 12 and m["checkpoint_recomputations"] == 12
+                    assert m["checkpoint_forward_s"] > 0 and m["checkpoint_recompute_s"] > 0
+    failures.raise_any()
 
 
 class InsideAndOutside(nn.Module):

@@ -1,20 +1,29 @@
 """DeepSpeed-style scripts (argparse + add_config_arguments, init_distributed, the accelerator, zero.Init +
 GatheredParameters(modifier_rank=0) in __init__, checkpoints with int tags, 16-bit export) run under
-torchrun at world 2 and train exactly as zeroshard's own API does on the same model and data."""
+torchrun at world 2 and train exactly as zeroshard's own API does on the same model and data.
 
+Each launch is shared by the tests that compare with it: the script's run at each stage (6 steps, which
+a run of 3 steps and one resumed from it must also give), and its ``--native`` path, the reference, run
+for every stage in one world of 2 (the script's own ``main()``, called in turn).
+"""
+
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from zeroshard.tools.testing import free_port
+from zeroshard.tools.testing import case, free_port, run_world
 from zeroshard.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 SCRIPT = Path(__file__).parent / "ds_scripts" / "train_ds_style.py"
+STEPS = 6  # optimizer steps of the shared runs, each of 2 micro steps
+STAGES = (1, 2, 3)
 
 
 def ds_config(stage: int, **extra) -> dict:
@@ -26,9 +35,15 @@ def ds_config(stage: int, **extra) -> dict:
                                   "stage3_gather_16bit_weights_on_model_save": True}, **extra}
 
 
-def launch(tmp: Path, config: dict, *args: str, nproc: int = 2) -> dict:
+def write_config(tmp: Path, config: dict) -> Path:
+    tmp.mkdir(parents=True, exist_ok=True)
     cfg = tmp / "ds.json"
     cfg.write_text(json.dumps(config))
+    return cfg
+
+
+def launch(tmp: Path, config: dict, *args: str, nproc: int = 2) -> dict:
+    cfg = write_config(tmp, config)
     out = tmp / f"out{free_port()}.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
@@ -38,18 +53,63 @@ def launch(tmp: Path, config: dict, *args: str, nproc: int = 2) -> dict:
     return json.loads(out.read_text())
 
 
+class CompatRuns:
+    """The DS-style script's run at each stage, launched the first time a test asks for it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.runs: dict[int, dict] = {}
+
+    def __getitem__(self, stage: int) -> dict:
+        if stage not in self.runs:
+            self.runs[stage] = launch(self.root / f"compat_stage{stage}", ds_config(stage), "--steps", str(STEPS))
+        return self.runs[stage]
+
+
+@pytest.fixture(scope="module")
+def compat_runs(tmp_path_factory) -> CompatRuns:
+    return CompatRuns(tmp_path_factory.mktemp("compat"))
+
+
+def native_worker(rank: int, world: int, runs: list[tuple[int, str, str]]) -> None:
+    """The script's ``--native`` path for each (stage, config, output) in turn, in this one world."""
+    spec = importlib.util.spec_from_file_location("train_ds_style", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    argv = sys.argv
+    try:
+        for stage, config, out in runs:
+            with case(stage=stage, world=world, path="native"):
+                torch.manual_seed(0)
+                sys.argv = [str(SCRIPT), "--deepspeed", "--deepspeed_config", config, "--out", out,
+                            "--steps", str(STEPS), "--native"]
+                script.main()
+    finally:
+        sys.argv = argv
+
+
+@pytest.fixture(scope="module")
+def native_runs(tmp_path_factory) -> dict[int, dict[str, Any]]:
+    """zeroshard's own API on the script's model and data, at every stage: the losses and final lr."""
+    root = tmp_path_factory.mktemp("native")
+    runs = [(stage, str(write_config(root / f"stage{stage}", ds_config(stage))), str(root / f"stage{stage}" / "out.json"))
+            for stage in STAGES]
+    run_world(native_worker, 2, args=(runs,), timeout=600)
+    return {stage: json.loads(Path(out).read_text()) for stage, _, out in runs}
+
+
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_ds_style_script_equals_native_api(tmp_path, stage) -> None:
-    compat = launch(tmp_path, ds_config(stage), "--steps", "5")
-    native = launch(tmp_path, ds_config(stage), "--steps", "5", "--native")
-    assert len(compat["losses"]) == 10
+@pytest.mark.parametrize("stage", STAGES)
+def test_ds_style_script_equals_native_api(compat_runs, native_runs, stage) -> None:
+    compat, native = compat_runs[stage], native_runs[stage]
+    assert len(compat["losses"]) == 2 * STEPS
     torch.testing.assert_close(torch.tensor(compat["losses"]), torch.tensor(native["losses"]), rtol=1e-6, atol=0)
     assert compat["lr"] == native["lr"]
 
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
-def test_an_unmodified_import_deepspeed_script_under_zeroshard_run_as_deepspeed(tmp_path) -> None:
+def test_an_unmodified_import_deepspeed_script_under_zeroshard_run_as_deepspeed(tmp_path, native_runs) -> None:
     """`zeroshard run --as-deepspeed --num_gpus 2` runs a script that says `import deepspeed`, passing
     --local_rank as the deepspeed launcher does; it trains exactly as zeroshard's own API."""
     cfg = tmp_path / "ds.json"
@@ -61,8 +121,8 @@ def test_an_unmodified_import_deepspeed_script_under_zeroshard_run_as_deepspeed(
                            "--deepspeed_config", str(cfg), "--out", str(out), "--steps", "3"],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    native = launch(tmp_path, ds_config(3), "--steps", "3", "--native")
-    assert json.loads(out.read_text())["losses"] == native["losses"]
+    # 3 steps of 2 micro steps: the reference's first 6 losses (no step's loss depends on the steps after it)
+    assert json.loads(out.read_text())["losses"] == native_runs[3]["losses"][:6]
 
 
 def test_run_refuses_several_nodes_by_deepspeed_flags() -> None:
@@ -72,12 +132,12 @@ def test_run_refuses_several_nodes_by_deepspeed_flags() -> None:
 
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
-def test_ds_style_script_resumes_from_an_int_tag_and_exports(tmp_path) -> None:
+def test_ds_style_script_resumes_from_an_int_tag_and_exports(tmp_path, compat_runs) -> None:
     config = ds_config(3)
-    straight = launch(tmp_path, config, "--steps", "6")
+    straight = compat_runs[3]  # 6 steps
     first = launch(tmp_path, config, "--steps", "3", "--save_dir", str(tmp_path / "ckpt"))
     assert (tmp_path / "ckpt" / "3" / "manifest.json").is_file()
-    second = launch(tmp_path, config, "--start_step", "3", "--steps", "6", "--load_dir", str(tmp_path / "ckpt"),
+    second = launch(tmp_path, config, "--start_step", "3", "--steps", str(STEPS), "--load_dir", str(tmp_path / "ckpt"),
                     "--export_dir", str(tmp_path / "export"))
     assert first["losses"] + second["losses"] == straight["losses"]
     exported = torch.load(tmp_path / "export" / "pytorch_model.bin")  # a torch pickle, as its name says

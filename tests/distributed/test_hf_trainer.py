@@ -1,7 +1,9 @@
 """Hugging Face Trainer and Accelerate, unmodified, with DeepSpeed configs, train on zeroshard.
 
 The reference is the same script without DeepSpeed (Trainer's / Accelerate's own DDP on gloo): with
-fp32, losses and the saved weights agree to float rounding.  Each script is launched by torchrun.
+fp32, losses and the saved weights agree to float rounding.  Each script is launched by torchrun, each
+launch once: the tests that compare with the same run (the DDP references, the stage-3 run a resumed
+one must continue) share it.
 """
 
 import json
@@ -36,53 +38,70 @@ def final_weights(directory: Path) -> dict[str, torch.Tensor]:
     return GPT2LMHeadModel.from_pretrained(directory).state_dict()
 
 
+class SharedLaunches:
+    """Each run of the Trainer script, launched the first time a test asks for it: its result and its
+    output directory (``dir``)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.runs: dict[tuple, dict] = {}
+
+    def __call__(self, *args: str, nproc: int = 2) -> dict:
+        key = (nproc, *args)
+        if key not in self.runs:
+            out = self.root / f"run{len(self.runs)}"
+            self.runs[key] = {**launch("trainer_script.py", out, *args, nproc=nproc), "dir": out}
+        return self.runs[key]
+
+
 @pytest.fixture(scope="module")
-def ddp_runs(tmp_path_factory) -> dict[int, dict]:
-    """Trainer without DeepSpeed at worlds 1 and 2: the reference losses and final weights."""
-    runs = {}
-    for world in (1, 2):
-        out = tmp_path_factory.mktemp(f"ddp{world}")
-        runs[world] = {**launch("trainer_script.py", out, "--ddp", nproc=world), "dir": out}
-    return runs
+def trainer_runs(tmp_path_factory) -> SharedLaunches:
+    return SharedLaunches(tmp_path_factory.mktemp("trainer"))
+
+
+def ddp_run(trainer_runs: SharedLaunches, world: int) -> dict:
+    """Trainer without DeepSpeed: the reference losses and final weights at this world size."""
+    return trainer_runs("--ddp", nproc=world)
 
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("stage", [2, 3])
-def test_trainer_with_a_deepspeed_config_equals_ddp(tmp_path, ddp_runs, stage, world) -> None:
-    result = launch("trainer_script.py", tmp_path, "--stage", str(stage), nproc=world)
+def test_trainer_with_a_deepspeed_config_equals_ddp(trainer_runs, stage, world) -> None:
+    result = trainer_runs("--stage", str(stage), nproc=world)
+    out = result["dir"]
     assert result["wrapped"] == "zeroshard.engine.engine.Engine" and result["world_size"] == world
-    reference = ddp_runs[world]
+    reference = ddp_run(trainer_runs, world)
     assert result["global_step"] == 4 and len(result["losses"]) == 4
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=0)
-    ours, theirs = final_weights(tmp_path / "final"), final_weights(reference["dir"] / "final")
+    ours, theirs = final_weights(out / "final"), final_weights(reference["dir"] / "final")
     assert ours.keys() == theirs.keys()
     for name in ours:  # save_model() wrote a from_pretrained-loadable model with the trained weights
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-4, atol=1e-6, msg=name)
-    assert (tmp_path / "checkpoint-2" / "global_step2" / "manifest.json").is_file()
+    assert (out / "checkpoint-2" / "global_step2" / "manifest.json").is_file()
 
 
 @pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_trainer_bf16(tmp_path, ddp_runs, stage) -> None:
+def test_trainer_bf16(tmp_path, trainer_runs, stage) -> None:
     result = launch("trainer_script.py", tmp_path, "--stage", str(stage), "--bf16")
     assert result["wrapped"] == "zeroshard.engine.engine.Engine"
     losses = torch.tensor(result["losses"])
-    torch.testing.assert_close(losses, torch.tensor(ddp_runs[2]["losses"]), rtol=2e-2, atol=0)
+    torch.testing.assert_close(losses, torch.tensor(ddp_run(trainer_runs, 2)["losses"]), rtol=2e-2, atol=0)
     # save_model() writes the training dtype, as under DeepSpeed
     assert final_weights(tmp_path / "final")["transformer.wte.weight"].dtype == torch.bfloat16
 
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
-def test_trainer_resumes_exactly_at_stage3(tmp_path) -> None:
-    straight = launch("trainer_script.py", tmp_path / "a", "--stage", "3")
+def test_trainer_resumes_exactly_at_stage3(tmp_path, trainer_runs) -> None:
+    straight = trainer_runs("--stage", "3")  # (the stage-3 run at world 2 compared with DDP)
     resumed = launch("trainer_script.py", tmp_path / "b", "--stage", "3", "--resume",
-                     str(tmp_path / "a" / "checkpoint-2"))
+                     str(straight["dir"] / "checkpoint-2"))
     assert resumed["steps_run"] == 2 and resumed["global_step"] == 4  # it really started at step 2
     assert resumed["losses"][2:] == straight["losses"][2:]  # bitwise: same RNG, data order and state
 
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
-def test_from_pretrained_under_zero_init_at_world2_with_resize(tmp_path, ddp_runs) -> None:
+def test_from_pretrained_under_zero_init_at_world2_with_resize(tmp_path, trainer_runs) -> None:
     """Stage 3: from_pretrained builds the model under zero.Init (HfDeepSpeedConfig), resize_token_embeddings
     works on the sharded model, model.dtype / model.device answer, and training matches DDP from the
     same pretrained weights."""
@@ -93,7 +112,8 @@ def test_from_pretrained_under_zero_init_at_world2_with_resize(tmp_path, ddp_run
         .save_pretrained(tmp_path / "pretrained")
     result = launch("trainer_script.py", tmp_path / "z3", "--stage", "3", "--pretrained", str(tmp_path / "pretrained"))
     assert (result["dtype"], result["device"]) == ("torch.float32", "cpu")
-    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ddp_runs[2]["losses"]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ddp_run(trainer_runs, 2)["losses"]),
+                               rtol=1e-5, atol=0)
     resized = launch("trainer_script.py", tmp_path / "rz", "--stage", "3", "--pretrained", str(tmp_path / "pretrained"),
                      "--resize", "101")
     assert resized["embedding_rows"] == 101

@@ -2,7 +2,9 @@
 GPT-2 (small configs, random init, nothing downloaded), trained at stages 0-3 equal to one plain
 PyTorch process on the same global batches; at stage 3 the frozen base is sharded; the adapter that
 comes out (from the live engine, and from a checkpoint with ``zeroshard consolidate --trainable-only``)
-is one that ``PeftModel.from_pretrained`` loads.
+is one that ``PeftModel.from_pretrained`` loads.  One world per world size runs its cases in turn, each
+with an engine of its own, closed before the next; a failure names kind, stage, world, precision and
+whether the base came from a saved model.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pytest
 import torch
 
 import zeroshard
-from zeroshard.tools.testing import run_world
+from zeroshard.tools.testing import CaseFailures, case, run_world
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -62,8 +64,8 @@ def reference(kind: str, world: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def peft_worker(rank: int, world: int, kind: str, stage: int, precision: str, directory: str,
-                pretrained: bool) -> dict:
+def peft_case(rank: int, world: int, directory: str, kind: str, stage: int, precision: str,
+              pretrained: bool) -> dict:
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}},
@@ -82,7 +84,7 @@ def peft_worker(rank: int, world: int, kind: str, stage: int, precision: str, di
         ids = batch(step, rank)
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
-    frozen = [b for b in engine.flat.layout.buckets if b.frozen]
+    frozen = [b for b in engine.storage.layout.buckets if b.frozen]
     out: dict[str, Any] = {"storage": held_storage(engine) if stage == 3 else None,
                            "state": engine.full_state_dict(rank0_only=False),
                            "frozen_shard_numel": sum(b.real_numel_in_shard(engine.world.rank) for b in frozen),
@@ -99,7 +101,7 @@ def peft_worker(rank: int, world: int, kind: str, stage: int, precision: str, di
 
 def held_storage(engine: Any) -> dict[str, int]:
     """Bytes this rank's storages hold for the frozen base between steps, measured on the tensors."""
-    flat = engine.flat
+    flat = engine.storage
     frozen = [b for b in flat.layout.buckets if b.frozen]
     chunks = [flat.store.view(b) for b in frozen]
     frozen_names = {s.name for b in frozen for s in b.slots}
@@ -123,19 +125,70 @@ def held_storage(engine: Any) -> dict[str, int]:
     }
 
 
-@pytest.mark.parametrize("kind,stage,world,precision,pretrained", [
+Case = tuple[str, int, int, str, bool]
+#: (kind, stage, world, precision, pretrained), all extended
+CASES: list[Case] = [
     ("llama", 3, 2, "fp32", False),
     ("llama", 3, 2, "fp32", True),  # the issue's whole path: from_pretrained under Init, LoRA, export
-    *(pytest.param(*case, False, marks=pytest.mark.slow) for case in [
-        ("llama", 0, 2, "fp32"), ("llama", 2, 3, "fp32"), ("gpt2", 3, 3, "fp32"), ("llama", 1, 1, "fp32"),
-        ("llama", 3, 2, "bf16")]),
-])
+    ("llama", 0, 2, "fp32", False), ("llama", 3, 2, "bf16", False),
+    ("llama", 2, 3, "fp32", False), ("gpt2", 3, 3, "fp32", False),
+    ("llama", 1, 1, "fp32", False),
+]
+
+
+def cases_of(world: int) -> list[Case]:
+    return [c for c in CASES if c[2] == world]
+
+
+def labels(kind: str, stage: int, world: int, precision: str, pretrained: bool) -> dict[str, Any]:
+    return {"kind": kind, "stage": stage, "world": world, "precision": precision, "pretrained": pretrained}
+
+
+def case_dir(root: Path, kind: str, stage: int, world: int, precision: str, pretrained: bool) -> Path:
+    """Each case's own directory: the base it reads, the adapters and the checkpoint it writes."""
+    return root / f"{kind}_stage{stage}_world{world}_{precision}{'_pretrained' if pretrained else ''}"
+
+
+def peft_worker(rank: int, world: int, cases: list[Case], root: str) -> dict:
+    """Every case of this world size in turn, each named in anything it raises; the results by case."""
+    out = {}
+    for kind, stage, _, precision, pretrained in cases:
+        with case(**labels(kind, stage, world, precision, pretrained)):
+            torch.manual_seed(0)
+            directory = str(case_dir(Path(root), kind, stage, world, precision, pretrained))
+            out[(kind, stage, world, precision, pretrained)] = peft_case(
+                rank, world, directory, kind, stage, precision, pretrained)
+    return out
+
+
+def run_cases(world: int, root: Path) -> list[dict]:
+    """One world for every case of this size (the bases the pretrained cases read, saved first)."""
+    cases = cases_of(world)
+    for kind, stage, _, precision, pretrained in cases:
+        if pretrained:
+            base(kind).save_pretrained(str(case_dir(root, kind, stage, world, precision, pretrained) / "base"))
+    return run_world(peft_worker, world, args=(cases, str(root)), timeout=600)
+
+
+@pytest.fixture(scope="module")
+def peft_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("peft")
+
+
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
-def test_peft_lora_trains_as_one_process_and_its_adapter_loads(kind: str, stage: int, world: int, precision: str,
-                                                                pretrained: bool, tmp_path: Path) -> None:
-    if pretrained:
-        base(kind).save_pretrained(str(tmp_path / "base"))
-    results = run_world(peft_worker, world, args=(kind, stage, precision, str(tmp_path), pretrained))
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_peft_lora_trains_as_one_process_and_its_adapter_loads(world: int, peft_root: Path) -> None:
+    results = run_cases(world, peft_root)
+    failures = CaseFailures()
+    for kind, stage, _, precision, pretrained in cases_of(world):
+        with failures.case(**labels(kind, stage, world, precision, pretrained)):
+            check_case([r[(kind, stage, world, precision, pretrained)] for r in results], kind, stage, world,
+                       precision, case_dir(peft_root, kind, stage, world, precision, pretrained))
+    failures.raise_any()
+
+
+def check_case(results: list[dict], kind: str, stage: int, world: int, precision: str, directory: Path) -> None:
+    """One case's results, by rank: trained as one process would, sharded, its adapters loadable."""
     expected = reference(kind, world)
     got = results[0]["state"]
     assert set(got) == set(expected)
@@ -165,12 +218,12 @@ def test_peft_lora_trains_as_one_process_and_its_adapter_loads(kind: str, stage:
             padding = held["frozen_chunks"] * world - held["frozen_model_bytes"]  # < N elements a bucket
             assert 0 <= padding <= held["frozen_buckets"] * (world - 1) * 4 and held["frozen_model_bytes"] > 0
     # both adapters load into a fresh base with peft, and give the trained model's weights
-    offline = tmp_path / "consolidated_adapter"
-    made = subprocess.run([sys.executable, "-m", "zeroshard.tools.cli", "consolidate", str(tmp_path / "ckpt"), str(offline),
+    offline = directory / "consolidated_adapter"
+    made = subprocess.run([sys.executable, "-m", "zeroshard.tools.cli", "consolidate", str(directory / "ckpt"), str(offline),
                            "--tag", "lora", "--trainable-only"], capture_output=True, text=True)
     assert made.returncode == 0, made.stderr
     assert json.loads((offline / "adapter_config.json").read_text())["r"] == 4
-    for adapter in (tmp_path / "live_adapter", offline):
+    for adapter in (directory / "live_adapter", offline):
         loaded = peft.PeftModel.from_pretrained(base(kind), str(adapter))
         for name, value in loaded.state_dict().items():
             if "lora_" in name:

@@ -762,10 +762,6 @@ class Engine:
     def stage(self) -> int:
         return self.strategy.stage
 
-    @property
-    def flat(self) -> ParameterStorage:
-        """The old name of :attr:`storage`, read-only, for code that still reads it."""
-        return self.storage
 
     # ------------------------------------------------------------------ accounting
     def memory_breakdown(self) -> dict[str, float]:

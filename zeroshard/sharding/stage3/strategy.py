@@ -79,10 +79,6 @@ class Stage3(ShardedGradientStrategy):
                                     groups.job)
         return cls(storage, params, groups, zero, plan, model, precision)
 
-    @property
-    def _chunk_buffers(self) -> KeptBuffers:
-        """The buffers the gradient chunks live in (the name tests read them by)."""
-        return self.grad_chunks.buffers
 
     def before_forward(self) -> None:
         self.scheduler.release_all()
