@@ -22,7 +22,6 @@ from ...offload.policy import OffloadPolicies, Place
 from ...precision import PrecisionPolicy
 from .gather_agreement import GatherAgreement, parameters_reached
 from .gather_scheduler import GatherScheduler
-from ..buffer_pool import KeptBuffers
 from ..grad_chunks import KeptChunkBuffers
 from ..layout import BucketLayout
 from .sharded_params import ShardedParameters
