@@ -7,7 +7,7 @@
 bench_memory.py runs every implementation in a world of its own, one after the other; on a machine
 whose speed drifts by 10-30% from minute to minute (the 2-core VM of benchmarks/RESULTS.md) a ratio of
 two such runs says more about the minute than about the engine: stage 0, which communicates exactly
-as DDP does, measured 0.90x to 1.12x across sessions.  Here each stage shares its world with DDP: the
+as DDP does, measured 0.90x to 1.12x across separate runs.  Here each stage shares its world with DDP: the
 same processes (2 ranks x 1 thread, gloo, OMP_NUM_THREADS=1) build both, from the same initial
 weights, and alternate steps on the same batches (DDP first in even pairs, the stage first in odd
 ones), so that both see the same minute.  Everything else is bench_memory.py's: the GPT, the batches,

@@ -17,7 +17,7 @@ from zs_common import TINY, make_model, rank_micro_batches, zero_config
 import zeroshard
 from zeroshard.checkpoint import CheckpointError, CheckpointReader, consolidate
 from zeroshard.tools.demo.model import GPT
-from zeroshard.tools.testing import CaseFailures, WorldFailed, case, run_world
+from zeroshard.tools.testing import CaseFailures, WorldFailed, case, run_named_cases, run_world
 
 K = 3
 SCHEDULE = {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 2, "warmup_max_lr": 1e-3, "total_num_steps": 20}}
@@ -478,17 +478,10 @@ RESUME_STAGES = {"world2": (2, 3), "world2_extended": (0, 1)}
 LOAD_FLAG_STAGES = (2, 3)
 
 
-def cases_worker(rank: int, world: int, cases: dict[str, tuple[Callable[..., Any], tuple]]) -> dict[str, Any]:
-    out = {}
-    for name, (run, args) in cases.items():
-        with case(case=name, world=world):
-            out[name] = run(rank, world, *args)
-    return out
-
 
 def run_cases(world: int, cases: dict[str, tuple[Callable[..., Any], tuple]]) -> dict[str, list[Any]]:
     """Every case in one world: each case's results, by rank."""
-    by_rank = run_world(cases_worker, world, args=(cases,), timeout=600)
+    by_rank = run_world(run_named_cases, world, args=(cases,), timeout=600)
     return {name: [r[name] for r in by_rank] for name in cases}
 
 

@@ -16,7 +16,7 @@ import torch
 
 import zeroshard
 import zeroshard.checkpoint.pretrained
-from zeroshard.tools.testing import case, run_world
+from zeroshard.tools.testing import run_named_cases, run_world
 
 transformers = pytest.importorskip("transformers")
 
@@ -152,13 +152,6 @@ CASES = {
 }
 
 
-def cases_worker(rank: int, world: int, cases: dict[str, tuple[Callable[..., Any], tuple]]) -> dict[str, Any]:
-    out = {}
-    for name, (run, args) in cases.items():
-        with case(case=name, world=world):
-            out[name] = run(rank, world, *args)
-    return out
-
 
 def save_wide_llama(directory: Path) -> dict[str, torch.Tensor]:
     """A model whose weights span many pages (the embedding, head and two MLP matrices of 1 MiB each)."""
@@ -186,7 +179,7 @@ def run_cases(world: str, checkpoints: dict[str, tuple[Path, dict]]) -> dict[str
     """Every case of the fixture ``world`` in one world: each case's results, by rank."""
     cases = {name: (c.run, (str(checkpoints[c.checkpoint][0]), *c.args)) for name, c in CASES.items()
              if c.world == world}
-    by_rank = run_world(cases_worker, WORLD_SIZES[world], args=(cases,), timeout=600)
+    by_rank = run_world(run_named_cases, WORLD_SIZES[world], args=(cases,), timeout=600)
     return {name: [r[name] for r in by_rank] for name in cases}
 
 

@@ -238,6 +238,16 @@ def run_cases(rank: int, world: int, cases: Sequence[Case], workers: Mapping[str
     return results
 
 
+def run_named_cases(rank: int, world: int, cases: Mapping[str, tuple[Callable[..., Any], tuple]]) -> dict[str, Any]:
+    """In every rank: ``run(rank, world, *args)`` for each named case in turn, named in anything it
+    raises; results by name (for families whose cases are different functions with positional arguments)."""
+    out = {}
+    for name, (run, args) in cases.items():
+        with case(case=name, world=world):
+            out[name] = run(rank, world, *args)
+    return out
+
+
 def run_family(world_size: int, cases: Sequence[Case], workers: Mapping[str, Callable[..., Any]],
                labels: Labels = default_labels, root: Optional[Path] = None, timeout: float = 600.0,
                **world_options: Any) -> list[list[Any]]:
