@@ -29,7 +29,6 @@ class MasterWeights:
                  pin_memory: bool = False, spill: Optional[MasterSwap] = None) -> None:
         self.layout = layout
         self.rank = rank
-        self.whole_buckets = whole_buckets
         self._ranges = owned_spans(layout, rank, whole_buckets)
         self._offsets: list[int] = []
         total = 0
@@ -41,7 +40,6 @@ class MasterWeights:
         pin = pin_memory and device.type == "cpu" and torch.cuda.is_available() and spill is None
         self.data = torch.zeros(0 if spill is not None else total, dtype=torch.float32, device=device,
                                 pin_memory=pin)
-
 
     def chunk(self, bucket: BucketLayout) -> torch.Tensor:
         return self.view_of(self.data, bucket)

@@ -14,7 +14,8 @@ from every rank under ``CaseFailures``, so that every failing case is reported, 
 A worker that loops by itself can use ``case(stage=2, precision="bf16")`` and ``CaseFailures`` directly.
 
 ``my_worker(rank, world_size, *args)`` must be importable (a module-level function): each process is
-started with ``spawn``, joins a gloo process group on a free localhost port, runs it with one
+forked from a server that has imported torch and zeroshard (see [Note: ranks forked from a preloaded
+server]), joins a gloo process group on a free localhost port, runs it with one
 intra-op thread, and sends back its return value (or its traceback).  A port clash is retried with a
 new port; a world that outlives ``timeout`` is killed and reported, so a hang fails a test instead of
 stalling the suite.
@@ -49,6 +50,8 @@ def free_port() -> int:
 
 def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: Sequence[Any],
            results: Any, pg_timeout_s: float, env: dict[str, str], ranks_per_node: Optional[int]) -> None:
+    # A forked rank starts with the fork server's environment: give it the caller's as it is now.
+    os.environ.clear()
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
@@ -71,6 +74,27 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
         results.put((rank, "ok", pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         results.put((rank, "error", traceback.format_exc()))
+
+
+PRELOADED = ["torch", "torch.distributed", "zeroshard"]
+
+
+def _context(start_time_env: bool) -> Any:
+    """How ranks are started: forked from a server that has imported torch and zeroshard once.
+
+    [Note: ranks forked from a preloaded server]
+    Importing torch costs a rank about two CPU-seconds, more than most cases of a family take, and
+    a world's ranks import it side by side on two cores.  A fork server (``forkserver``: a clean
+    single-threaded process, never the test process itself) imports torch and zeroshard once and
+    forks every rank from there.  Variables that the C runtime reads when a process starts
+    (``MALLOC_*``, ``OMP_*``) cannot reach a forked rank, so a world given such an ``env`` is started
+    with ``spawn`` instead.
+    """
+    if start_time_env:
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOADED)
+    return ctx
 
 
 def _drain(results: Any, collected: dict[int, tuple[str, Any]], seconds: float) -> None:
@@ -104,10 +128,12 @@ def run_world(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
 
 def _run_once(fn: Callable[..., Any], world_size: int, args: Sequence[Any], timeout: float,
               pg_timeout_s: float, env: dict[str, str], ranks_per_node: Optional[int] = None) -> list[Any]:
-    ctx = mp.get_context("spawn")
+    ctx = _context(start_time_env=bool(env))
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, results, pg_timeout_s, env, ranks_per_node),
+    child_env = {**os.environ, **env}
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, results, pg_timeout_s, child_env,
+                                              ranks_per_node),
                          daemon=True) for r in range(world_size)]
     # Variables read at process start (MALLOC_*, OMP_*) must be in the environment the children are
     # started with, not set after: put them in ours while starting them.
