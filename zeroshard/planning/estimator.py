@@ -89,7 +89,7 @@ def activation_bytes(req: EstimateRequest) -> float:
 
 
 def buffer_bytes(req: EstimateRequest, stage: int) -> float:
-    """Gradient buckets in flight (as many as the stage keeps) plus, at stage 3, the prefetched units."""
+    """Gradient buckets in flight (two, as the engine keeps) plus, at stage 3, the prefetched units."""
     grad_bytes = 2 if req.precision == "mixed" else 4
     if stage == 0:
         return 0.0  # stages 0-1 reduce inside the full gradient buffer
@@ -99,7 +99,7 @@ def buffer_bytes(req: EstimateRequest, stage: int) -> float:
     # stage 2 never writes a bucket's own chunk (see [Note: stage 2's own chunk is reduced in place] in
     # sharding/grad_chunks.py)
     written = (req.world_size - 1) / req.world_size if stage == 2 else 1.0
-    buckets = traits.max_buckets_in_flight * bucket * grad_bytes * written if stage >= 2 else 0.0
+    buckets = 2 * bucket * grad_bytes * written if stage >= 2 else 0.0
     prefetch = min(req.prefetch_bucket_size, req.num_params) * grad_bytes if stage == 3 else 0.0
     return buckets + prefetch
 
