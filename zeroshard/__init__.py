@@ -27,14 +27,16 @@ from .checkpoint.pretrained import PretrainedError, load_pretrained
 from .sharding.stage3.placeholder import ShardedParameterError
 from .version import __version__
 
-from .deepspeed import accelerator, checkpointing, comm, moe, ops, pipe, publish_at_root, runtime, utils, zero
+from .deepspeed import (accelerator, checkpointing, comm, git_version_info, moe, ops, pipe, publish_at_root, runtime,
+                        utils, zero)
 
 publish_at_root(sys.modules[__name__])
 
 __all__ = ["initialize", "Engine", "GatheredParameters", "Init", "init_distributed", "World", "load_config",
            "ZeroshardConfig", "ConfigError", "CollectiveError", "model_state_bytes", "__version__",
            "add_config_arguments", "DeepSpeedEngine", "zero", "comm", "accelerator", "ops", "utils",
-           "checkpointing", "runtime", "moe", "pipe", "NonFiniteGradientError", "install_as_deepspeed",
+           "checkpointing", "runtime", "moe", "pipe", "git_version_info", "NonFiniteGradientError",
+           "install_as_deepspeed",
            "load_pretrained", "PretrainedError", "ShardedParameterError"]
 
 

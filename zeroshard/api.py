@@ -15,6 +15,7 @@ from .distributed.world import init_distributed
 from .checkpoint.format import LATEST
 from .engine.engine import Engine, SchedulerSpec
 from .logging import log_rank
+from .pipeline import PipelineConfigError, PipelineEngine, PipelineModule, PipelineUsageError
 
 
 def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: Any = None,
@@ -32,6 +33,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     ``training_data`` gives back a distributed loader at the micro batch size.  Joins the process
     group (torchrun's env://) if nobody has yet (``dist_init_required=False``: one must exist).
     ``mpu`` and ``mesh_param`` must be None: zeroshard has no model or sequence parallelism.
+    A :class:`~zeroshard.pipeline.PipelineModule` model gets a pipeline engine (docs/PIPELINE.md).
 
     ``resume_from`` (zeroshard's): a checkpoint directory whose ``latest`` checkpoint is loaded, RNG
     included, when it has one (otherwise training starts fresh); ``"latest"`` means the config's
@@ -40,7 +42,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     """
     if model is None:
         raise ValueError("initialize() needs model=")
-    if mpu is not None or mesh_param is not None:
+    if (mpu is not None and not isinstance(model, PipelineModule)) or mesh_param is not None:
         raise ValueError("initialize(mpu=/mesh_param=): zeroshard is data parallel only; pass None")
     if dist_init_required is False and not torch.distributed.is_initialized():
         raise RuntimeError("initialize(dist_init_required=False) but no process group exists")
@@ -48,6 +50,15 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     source = _config_source(config, config_params, args)
     parsed: ZeroshardConfig = load_config(source)
     world = init_distributed(timeout_s=parsed.collective_timeout)
+    if not isinstance(model, PipelineModule) and (parsed.pipeline.stages or 1) > 1:
+        raise PipelineConfigError(f"'pipeline.stages' = {parsed.pipeline.stages} needs the model as a "
+                                  f"zeroshard.pipe.PipelineModule (docs/PIPELINE.md)")
+    if isinstance(model, PipelineModule):
+        if resume_from is not None:
+            raise PipelineUsageError("initialize(resume_from=...): checkpoints of a pipelined model are not "
+                                     "supported yet (docs/PIPELINE.md)")
+        return _initialize_pipeline(model, parsed, model_parameters, optimizer, lr_scheduler, training_data,
+                                    collate_fn)
     parsed = resolve_batch_sizes(parsed, world.world_size)
     if parsed.seed is not None:
         torch.manual_seed(parsed.seed)
@@ -55,12 +66,29 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     loader = None
     if training_data is not None:
         loader = build_loader(training_data, engine.train_micro_batch_size_per_gpu(), world, collate_fn,
-                              seed=parsed.seed or 0)
+                              seed=parsed.seed or 0, drop_last=parsed.dataloader_drop_last)
         engine.data_loader = loader
     resume_dir = _resume_dir(resume_from, parsed)
     if resume_dir is not None and (resume_dir / LATEST).is_file():
         path, _ = engine.load_checkpoint(resume_dir, load_rng_state=True)
         log_rank(f"resumed from {path} at step {engine.global_steps}")
+    return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _initialize_pipeline(model: "PipelineModule", config: ZeroshardConfig, model_parameters: Any, optimizer: Any,
+                         lr_scheduler: SchedulerSpec, training_data: Optional[Dataset],
+                         collate_fn: Optional[Callable[..., Any]],
+                         ) -> tuple[Engine, torch.optim.Optimizer, Optional[DistributedLoader], Any]:
+    """A :class:`PipelineEngine` for a :class:`PipelineModule` (docs/PIPELINE.md); the loader, if any, is
+    over the stage's data-parallel ranks (every stage of a pipeline sees the same samples)."""
+    if config.seed is not None:
+        torch.manual_seed(config.seed)
+    engine = PipelineEngine(model, config, model_parameters, optimizer, lr_scheduler)
+    loader = None
+    if training_data is not None:
+        loader = build_loader(training_data, engine.train_micro_batch_size_per_gpu(), engine.world, collate_fn,
+                              seed=config.seed or 0, drop_last=config.dataloader_drop_last)
+        engine.data_loader = loader
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 

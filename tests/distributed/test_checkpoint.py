@@ -41,10 +41,10 @@ def random_step(engine) -> float:
     return float(loss)
 
 
-def resume_phase(rank: int, stage: int, phase: str, directory: str) -> dict:
+def resume_phase(rank: int, stage: int, phase: str, directory: str, host_page_reuse: bool) -> dict:
     """One run of a resume case: ``full`` trains 2K steps, ``first`` K steps and saves, ``second`` loads
     that save and trains the other K."""
-    engine = make_engine(stage)
+    engine = make_engine(stage, host_page_reuse=host_page_reuse)
     torch.manual_seed(100 + rank)
     losses, loaded = [], None
     if phase == "second":
@@ -62,10 +62,11 @@ def resume_phase(rank: int, stage: int, phase: str, directory: str) -> dict:
     return result
 
 
-def resume_case(rank: int, world: int, stage: int, directory: str) -> dict:
+def resume_case(rank: int, world: int, stage: int, directory: str, host_page_reuse: bool = True) -> dict:
     """A stage's three runs in turn; each run's engine is closed before the next, so the resumed run
     gets from the first only what its checkpoint holds."""
-    return {phase: resume_phase(rank, stage, phase, directory) for phase in ("full", "first", "second")}
+    return {phase: resume_phase(rank, stage, phase, directory, host_page_reuse)
+            for phase in ("full", "first", "second")}
 
 
 def check_resume(by_rank: list[dict], directory: Path) -> None:
@@ -474,7 +475,9 @@ WRONG_MODELS = {"shape": "shape mismatch: tok.weight (checkpoint (61, 16), model
 # The cases at world size 2 run in two worlds, each building and closing an engine per case: one for
 # the default cases, one for the extended ones.  Each case works in a directory of its own.
 
-RESUME_STAGES = {"world2": (2, 3), "world2_extended": (0, 1)}
+#: (stage, host_page_reuse) of each resume case; false is the GPU's path on the CPU (see [Note: one
+#: buffer memory per engine] in sharding/buffer_memory.py)
+RESUME_CASES = {"world2": ((2, True), (3, True), (3, False)), "world2_extended": ((0, True), (1, True))}
 LOAD_FLAG_STAGES = (2, 3)
 
 
@@ -485,19 +488,24 @@ def run_cases(world: int, cases: dict[str, tuple[Callable[..., Any], tuple]]) ->
     return {name: [r[name] for r in by_rank] for name in cases}
 
 
-def resume_dir(root: Path, stage: int) -> Path:
-    return root / f"resume_stage{stage}"
+def resume_name(stage: int, host_page_reuse: bool) -> str:
+    return f"resume, stage {stage}" + ("" if host_page_reuse else ", host_page_reuse false")
 
 
-def resume_cases(stages: tuple[int, ...], root: Path) -> dict[str, tuple[Callable[..., Any], tuple]]:
-    return {f"resume, stage {stage}": (resume_case, (stage, str(resume_dir(root, stage)))) for stage in stages}
+def resume_dir(root: Path, stage: int, host_page_reuse: bool) -> Path:
+    return root / (f"resume_stage{stage}" + ("" if host_page_reuse else "_device_path"))
+
+
+def resume_cases(runs: tuple[tuple[int, bool], ...], root: Path) -> dict[str, tuple[Callable[..., Any], tuple]]:
+    return {resume_name(stage, reuse): (resume_case, (stage, str(resume_dir(root, stage, reuse)), reuse))
+            for stage, reuse in runs}
 
 
 @pytest.fixture(scope="module")
 def world2(saved, tmp_path_factory) -> tuple[Path, dict[str, list[Any]]]:
-    """The default cases: resume at stages 2 and 3, and loads into other models."""
+    """The default cases: resume at stages 2 and 3 (3 also on the GPU's path), and loads into other models."""
     root = tmp_path_factory.mktemp("world2")
-    cases = {**resume_cases(RESUME_STAGES["world2"], root),
+    cases = {**resume_cases(RESUME_CASES["world2"], root),
              **{f"wrong model, {change}": (wrong_model_case, (str(saved[0]), change)) for change in WRONG_MODELS}}
     return root, run_cases(2, cases)
 
@@ -506,7 +514,7 @@ def world2(saved, tmp_path_factory) -> tuple[Path, dict[str, list[Any]]]:
 def world2_extended(tmp_path_factory) -> tuple[Path, dict[str, list[Any]]]:
     """The extended cases: resume at stages 0 and 1, and the load flags at stages 2 and 3."""
     root = tmp_path_factory.mktemp("world2_extended")
-    cases = {**resume_cases(RESUME_STAGES["world2_extended"], root),
+    cases = {**resume_cases(RESUME_CASES["world2_extended"], root),
              **{f"load flags, stage {stage}": (load_flags_case, (stage, str(root / f"flags_stage{stage}")))
                 for stage in LOAD_FLAG_STAGES}}
     return root, run_cases(2, cases)
@@ -515,11 +523,18 @@ def world2_extended(tmp_path_factory) -> tuple[Path, dict[str, list[Any]]]:
 @pytest.mark.parametrize("world", [pytest.param("world2_extended", marks=pytest.mark.slow, id="stages_0_1"),
                                    pytest.param("world2", id="stages_2_3")])
 def test_resume_is_bitwise_exact(world: str, request: pytest.FixtureRequest) -> None:
+    """Each resumed run repeats the uninterrupted one bitwise; a stage run on both paths (host pages
+    reused, and the GPU's) trains bitwise the same on each."""
     root, results = request.getfixturevalue(world)
     failures = CaseFailures()
-    for stage in RESUME_STAGES[world]:
-        with failures.case(case=f"resume, stage {stage}", world=2):
-            check_resume(results[f"resume, stage {stage}"], resume_dir(root, stage))
+    for stage, reuse in RESUME_CASES[world]:
+        with failures.case(case=resume_name(stage, reuse), world=2):
+            check_resume(results[resume_name(stage, reuse)], resume_dir(root, stage, reuse))
+            if not reuse and (stage, True) in RESUME_CASES[world]:
+                host, device = results[resume_name(stage, True)], results[resume_name(stage, False)]
+                assert [r["full"]["losses"] for r in device] == [r["full"]["losses"] for r in host]
+                assert all(torch.equal(value, host[0]["full"]["state"][name])
+                           for name, value in device[0]["full"]["state"].items())
     failures.raise_any()
 
 

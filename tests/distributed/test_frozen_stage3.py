@@ -79,8 +79,9 @@ def train(engine: Any, first: int, last: int, world: int) -> None:
             engine.step()
 
 
-def lora_worker(rank: int, world: int, directory: str) -> dict:
-    engine, _, _, _ = zeroshard.initialize(model=lora_model(), config=lora_config(3))
+def lora_worker(rank: int, world: int, directory: str, host_page_reuse: bool = True) -> dict:
+    config = lora_config(3, host_page_reuse=host_page_reuse)
+    engine, _, _, _ = zeroshard.initialize(model=lora_model(), config=config)
     storage = engine.storage
     frozen_buckets = [b for b in storage.layout.buckets if b.frozen]
     frozen_names = {s.name for b in frozen_buckets for s in b.slots}
@@ -91,11 +92,11 @@ def lora_worker(rank: int, world: int, directory: str) -> dict:
     # between steps no rank holds a frozen bucket (or any of its parameters) whole
     held = {s.name: storage.params[s.index].untyped_storage().nbytes() for b in frozen_buckets for s in b.slots}
     buckets_held = {f"bucket{b.index}": storage.held_bytes(b.index) for b in frozen_buckets}  # measured
-    parked = storage.page_reserve.nbytes if storage.page_reserve is not None else 0
+    parked = storage.buffer_memory.parked_bytes
     with zeroshard.GatheredParameters([p for p in storage.params if not p.requires_grad]):
         held_gathered = sum(storage.held_bytes(b.index) for b in frozen_buckets)  # the measure sees them
     out = {"frozen_names": sorted(frozen_names), "held": held, "buckets_held": buckets_held, "parked": parked,
-           "memory": engine.memory_breakdown(),
+           "memory": engine.memory_breakdown(), "buffer_memory": type(storage.buffer_memory).__name__,
            "held_gathered": held_gathered,
            "shard_frozen": sum(b.real_numel_in_shard(engine.strategy.world.rank) for b in frozen_buckets) * 4,
            "frozen_sharded_total": sum(b.numel for b in frozen_buckets) * 4,
@@ -105,7 +106,7 @@ def lora_worker(rank: int, world: int, directory: str) -> dict:
            "optimizer_numel": sum(p.numel() for g in engine.optimizer.param_groups for p in g["params"]),
            "state": engine.full_state_dict(rank0_only=False)}
     engine.close()
-    resumed, _, _, _ = zeroshard.initialize(model=lora_model(seed=9), config=lora_config(3))
+    resumed, _, _, _ = zeroshard.initialize(model=lora_model(seed=9), config=config)
     resumed.load_checkpoint(directory, tag="mid")
     train(resumed, STEPS - 1, STEPS, world)
     out["resumed"] = resumed.full_state_dict(rank0_only=False)
@@ -115,8 +116,11 @@ def lora_worker(rank: int, world: int, directory: str) -> dict:
 
 
 def check_stage3_shards_the_frozen_base_and_trains_lora_as_one_process(
-        results: list[dict], directory: Path, loaded: dict[str, torch.Tensor]) -> None:
-    """``loaded``: what a plain stage-2 single process loaded from the "mid" save (``load_into_stage2``)."""
+        results: list[dict], directory: Path, loaded: dict[str, torch.Tensor], host_page_reuse: bool = True) -> None:
+    """``loaded``: what a plain stage-2 single process loaded from the first LoRA case's "mid" save
+    (``load_into_stage2``).  With ``host_page_reuse`` false (the GPU's path: [Note: one buffer memory per
+    engine] in sharding/buffer_memory.py) a released bucket's storage is freed, to the byte, and the run
+    saves bitwise what the host's path saves."""
     world = len(results)
     expected = reference(world)
     for rank, result in enumerate(results):
@@ -126,9 +130,15 @@ def check_stage3_shards_the_frozen_base_and_trains_lora_as_one_process(
         # the base's large weights are sharded: no rank holds one whole between steps
         assert {n for n in result["frozen_names"]} >= {k for k in expected if ".base." in k and k.endswith("weight")}
         assert all(nbytes == 0 for nbytes in result["held"].values()), result["held"]
-        # what the buckets' buffers still have resident is parked for the next gather, not held
-        # (see [Note: released pages move to the next gather] in host/page_reserve.py)
-        assert sum(result["buckets_held"].values()) <= result["parked"], (result["buckets_held"], result["parked"])
+        if host_page_reuse:
+            # what the buckets' buffers still have resident is parked for the next gather, not held
+            # (see [Note: released pages move to the next gather] in host/page_reserve.py)
+            assert result["buffer_memory"] == "HostPageMemory"
+            assert sum(result["buckets_held"].values()) <= result["parked"], (result["buckets_held"], result["parked"])
+        else:
+            assert result["buffer_memory"] == "DeviceMemory"
+            assert all(held == 0 for held in result["buckets_held"].values()) and result["parked"] == 0
+            assert result["memory"]["parked_pages"] == 0
         assert result["held_gathered"] > 0
         memory = result["memory"]
         assert memory["frozen_params"] == result["shard_frozen"] + result["whole_frozen"]
@@ -195,7 +205,9 @@ CHECKS: dict[str, Callable[..., None]] = {
     LORA: check_stage3_shards_the_frozen_base_and_trains_lora_as_one_process,
     INIT: check_frozen_parameters_built_under_init_are_sharded_from_the_start,
 }
-DEFAULT_CASES: list[Case] = [(LORA, {}), (INIT, {"dtype": "fp32"}), (INIT, {"dtype": "bf16"})]  # world 2
+#: world 2; the LoRA run also on the GPU's path (``host_page_reuse`` false)
+DEFAULT_CASES: list[Case] = [(LORA, {}), (LORA, {"host_page_reuse": False}), (INIT, {"dtype": "fp32"}),
+                             (INIT, {"dtype": "bf16"})]
 EXTENDED_CASES: list[Case] = [(LORA, {})]  # world 3
 
 
@@ -206,16 +218,19 @@ def labels(name: str, world: int, arguments: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_cases(world: int, cases: list[Case], root: Path) -> None:
-    """Run the family, load its LoRA run's "mid" save in one process at stage 2, and check every case."""
+    """Run the family, load its first LoRA run's "mid" save in one process at stage 2, and check every
+    case (every LoRA run's save against what that process loaded)."""
     by_rank = run_family(world, cases, WORKERS, labels=labels, root=root)
-    lora = next(index for index, (name, _) in enumerate(cases) if name == LORA)
-    loaded = run_world(load_into_stage2, 1, args=(str(case_directory(root, lora)),))[0]
-    check_family(cases, by_rank, CHECKS, world, labels=labels, root=root, more={lora: {"loaded": loaded}})
+    loras = [index for index, (name, _) in enumerate(cases) if name == LORA]
+    loaded = run_world(load_into_stage2, 1, args=(str(case_directory(root, loras[0])),))[0]
+    check_family(cases, by_rank, CHECKS, world, labels=labels, root=root,
+                 more={lora: {"loaded": loaded} for lora in loras})
 
 
 def test_frozen_stage3_cases(tmp_path: Path) -> None:
     """World 2: stage 3 shards the frozen base and trains LoRA as one process (its checkpoint loaded by
-    one process at stage 2), frozen parameters built under Init are sharded from the start (fp32, bf16)."""
+    one process at stage 2; also on the GPU's path), frozen parameters built under Init are sharded from
+    the start (fp32, bf16)."""
     check_cases(2, DEFAULT_CASES, tmp_path)
 
 

@@ -28,9 +28,10 @@ from zeroshard.tools.testing import Case, case_directory, check_family, run_fami
 
 SUB_GROUP = 700  # smaller than most buckets and no divisor of them: pieces of odd sizes
 
-def offload_config(stage: int, nvme: str, optimizer: str = "none", param: str = "none", **extra) -> dict:
+def offload_config(stage: int, nvme: str, optimizer: str = "none", param: str = "none",
+                   host_page_reuse: bool = True, **extra) -> dict:
     zero = {"stage3_param_persistence_threshold": 20, "sub_group_size": SUB_GROUP,
-            "offload_optimizer": {"device": optimizer, "nvme_path": nvme}}
+            "offload_optimizer": {"device": optimizer, "nvme_path": nvme}, "host_page_reuse": host_page_reuse}
     if param != "none":
         zero["offload_param"] = {"device": param, "nvme_path": nvme, "max_in_cpu": 600}
     return {**zero_config(stage, 1, 2, **zero), **extra}
@@ -48,14 +49,17 @@ def full_params(model) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def parity_worker(rank: int, world: int, nvme: str, stage: int) -> dict:
+def parity_worker(rank: int, world: int, nvme: str, stage: int, host_page_reuse: bool = True) -> dict:
     variants = [("none", "none"), ("cpu", "none"), ("nvme", "none")]
     if stage == 3:
         variants += [("cpu", "cpu"), ("nvme", "nvme"), ("cpu", "nvme")]
+    if not host_page_reuse:  # the GPU's path: parameter shards kept on the device, in host memory, on NVMe
+        variants = [("none", "none"), ("cpu", "cpu"), ("nvme", "nvme")]
     out, reference = {}, None
     for optimizer, param in variants:
         model = make_model()
-        engine, _, _, _ = zeroshard.initialize(model=model, config=offload_config(stage, nvme, optimizer, param))
+        config = offload_config(stage, nvme, optimizer, param, host_page_reuse)
+        engine, _, _, _ = zeroshard.initialize(model=model, config=config)
         train(engine, rank, world, range(4))
         params = full_params(model)
         if reference is None:
@@ -65,6 +69,7 @@ def parity_worker(rank: int, world: int, nvme: str, stage: int) -> dict:
         persistent = engine.strategy.plan.persistent_buckets if stage == 3 else frozenset()
         out[f"{optimizer}/{param}"] = {
             "equal": all(torch.equal(reference[k], params[k]) for k in params),
+            "parked": mb.get("parked_pages", 0),
             "mb": {k: mb[k] for k in ("optimizer", "params", "grads", "model_states", "on_device", "on_host",
                                       "on_nvme", "formula")},
             # real (unpadded) elements: the model's, this rank's share, and its share of persistent buckets
@@ -75,11 +80,13 @@ def parity_worker(rank: int, world: int, nvme: str, stage: int) -> dict:
     return out
 
 
-def check_offloaded_runs_equal_non_offloaded_bitwise(results: list[dict], directory: Path, stage: int) -> None:
+def check_offloaded_runs_equal_non_offloaded_bitwise(results: list[dict], directory: Path, stage: int,
+                                                     host_page_reuse: bool = True) -> None:
     """Every variant at every world size: bitwise the same parameters, and each rank's bytes exactly.
 
     A rank's model states count its real elements only, so with padding (world 3) they differ from the
-    formula's Ψ/N by a few elements, rank by rank; summed over the ranks they are the formula exactly."""
+    formula's Ψ/N by a few elements, rank by rank; summed over the ranks they are the formula exactly.
+    With ``host_page_reuse`` false (the GPU's path) nothing is ever parked."""
     world = len(results)
     for variant in results[0]:
         total = sum(r[variant]["mb"]["model_states"] for r in results)
@@ -88,6 +95,8 @@ def check_offloaded_runs_equal_non_offloaded_bitwise(results: list[dict], direct
     for rank_result in results:
         for variant, r in rank_result.items():
             assert r["equal"], f"stage {stage} world {world} offload {variant}: parameters differ"
+            if not host_page_reuse:
+                assert r["parked"] == 0, variant
             mb, psi, own = r["mb"], r["psi"], r["own"]
             optimizer, param = variant.split("/")
             # fp32: 4-byte parameters and gradients (whole or this rank's share, by stage); Adam's two
@@ -195,11 +204,12 @@ def check_amsgrad_under_nvme_offload_matches_torch(results: list[dict], director
         assert r["files"] == r["expected"]
 
 
-def resume_worker(rank: int, world: int, directory: str, stage: int, param: str) -> dict:
+def resume_worker(rank: int, world: int, directory: str, stage: int, param: str, host_page_reuse: bool = True) -> dict:
     """Save under NVMe offload; resume into cpu offload and into no offload: all must continue identically."""
     nvme, checkpoints = Path(directory, "nvme"), str(Path(directory, "ckpt"))
     nvme.mkdir(exist_ok=True)
-    first, _, _, _ = zeroshard.initialize(model=make_model(), config=offload_config(stage, str(nvme), "nvme", param))
+    first, _, _, _ = zeroshard.initialize(model=make_model(), config=offload_config(stage, str(nvme), "nvme", param,
+                                                                                    host_page_reuse))
     train(first, rank, world, range(3))
     first.save_checkpoint(checkpoints)
     train(first, rank, world, range(3, 6))
@@ -207,8 +217,8 @@ def resume_worker(rank: int, world: int, directory: str, stage: int, param: str)
     first.close()
     out = {}
     for optimizer, into_param in (("nvme", param), ("cpu", "cpu" if param != "none" else "none"), ("none", "none")):
-        engine, _, _, _ = zeroshard.initialize(model=make_model(seed=7),
-                                               config=offload_config(stage, str(nvme), optimizer, into_param))
+        engine, _, _, _ = zeroshard.initialize(model=make_model(seed=7), config=offload_config(
+            stage, str(nvme), optimizer, into_param, host_page_reuse))
         engine.load_checkpoint(checkpoints)
         train(engine, rank, world, range(3, 6))
         params = full_params(engine.module)
@@ -218,7 +228,8 @@ def resume_worker(rank: int, world: int, directory: str, stage: int, param: str)
 
 
 def check_offloaded_state_survives_a_checkpoint_into_any_offload_setting(results: list[dict], directory: Path,
-                                                                         stage: int, param: str) -> None:
+                                                                         stage: int, param: str,
+                                                                         host_page_reuse: bool = True) -> None:
     for result in results:
         assert result == {"nvme": True, "cpu": True, "none": True}
 
@@ -389,12 +400,16 @@ SETTINGS: dict[str, dict[str, Any]] = {
 }
 
 PARITY: list[Case] = [("offloaded_runs_equal_non_offloaded_bitwise", {"stage": stage}) for stage in (1, 2, 3)]
+#: ``host_page_reuse: False``: the GPU's path on the CPU (see [Note: one buffer memory per engine] in
+#: sharding/buffer_memory.py), beside the host's in the same world
+DEVICE_PATH = {"host_page_reuse": False}
 # [Note: a case that may break its world runs last]
 # A case that ends in an error on purpose (a swap file damaged under a live engine) leaves that engine
 # as the error found it, with whatever it had in flight: such cases run after every other of their world.
 DEFAULT_CASES: dict[int, list[Case]] = {
     1: PARITY,
-    2: PARITY + [("breakdown_by_place_agrees_with_estimate", {}),
+    2: PARITY + [("offloaded_runs_equal_non_offloaded_bitwise", {"stage": 3, **DEVICE_PATH}),
+                 ("breakdown_by_place_agrees_with_estimate", {}),
                  ("preflight_failure_on_one_rank_stops_every_rank", {"problem": "room_rank1"}),
                  ("swap_io_errors_are_clear_and_stop_every_rank", {"damage": "removed"}),
                  ("swap_io_errors_are_clear_and_stop_every_rank", {"damage": "full"})],
@@ -406,6 +421,8 @@ EXTENDED_CASES: dict[int, list[Case]] = {
         ("amsgrad_under_nvme_offload_matches_torch", {"stage": 3}),
         ("offloaded_state_survives_a_checkpoint_into_any_offload_setting", {"stage": 2, "param": "none"}),
         ("offloaded_state_survives_a_checkpoint_into_any_offload_setting", {"stage": 3, "param": "nvme"}),
+        ("offloaded_state_survives_a_checkpoint_into_any_offload_setting",
+         {"stage": 3, "param": "nvme", **DEVICE_PATH}),
         *[("modified_parameters_reach_the_masters_and_only_they", {"optimizer": o}) for o in ("none", "cpu", "nvme")],
         *[("preflight_names_the_path_and_the_numbers", {"problem": p}) for p in PREFLIGHT_PROBLEMS]],
     3: [("each_swap_file_is_exactly_its_tensor", {})],  # world 3: padded buckets, chunks of unequal real size

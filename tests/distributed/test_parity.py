@@ -2,13 +2,14 @@
 
 The model has a tied embedding, a frozen layer and a vocabulary (61) that no world size divides;
 clipping is active (the gradient norm is far above 0.05) and the buckets are small, so every run uses
-several buckets with padding.  fp32: parameters must agree to max relative difference 1e-5.  One world
+several buckets with padding.  fp32: parameters must agree to max relative difference 1e-5, and a
+steady-state optimizer step reads one device value on the host, whatever the stage.  One world
 per world size runs every stage and variant in turn; a failure names stage, variant, world and batch.
 """
 
 import pytest
 import zeroshard
-from zs_common import clone, make_model, max_rel_diff, train_ddp, train_zero
+from zs_common import clone, host_reads, make_model, max_rel_diff, rank_micro_batches, train_ddp, train_zero
 
 from zeroshard.tools.testing import CaseFailures, case, run_world
 
@@ -43,8 +44,12 @@ def parity_worker(rank: int, world: int, cases: list[tuple[int, str]]) -> dict:
                                            **{**STAGE3_VARIANTS, **VARIANTS}.get(variant, {}))
                 with zeroshard.GatheredParameters(list(ours.parameters())):
                     diff = max_rel_diff(ours, ref)
+                with host_reads() as reads:  # one more step, after the comparison
+                    for x, y in rank_micro_batches(STEPS, rank, world, micro, accum):
+                        engine.backward(engine(x, y))
+                        engine.step()
                 engine.close()
-                out[(stage, variant, micro, accum)] = (diff, ref_norms, norms)
+                out[(stage, variant, micro, accum)] = (diff, ref_norms, norms, dict(reads))
     return out
 
 
@@ -52,13 +57,16 @@ def check(results: list[dict], world: int, cases: list[tuple[int, str]]) -> None
     failures = CaseFailures()
     for rank, rank_result in enumerate(results):
         assert len(rank_result) == 2 * len(cases), f"rank {rank} ran {len(rank_result)} of {2 * len(cases)} cases"
-        for (stage, variant, micro, accum), (diff, ref_norms, norms) in sorted(rank_result.items()):
+        for (stage, variant, micro, accum), (diff, ref_norms, norms, reads) in sorted(rank_result.items()):
             with failures.case(stage=stage, variant=variant or "default", world=world, rank=rank, micro=micro,
                                accum=accum):
                 assert diff <= 1e-5, f"max relative difference {diff:.2e}"
                 assert all(n > 0.05 for n in ref_norms), "clipping must be active in this test"
                 for ours, theirs in zip(norms, ref_norms):
                     assert ours == pytest.approx(theirs, rel=1e-5)
+                # a steady-state optimizer step of `accum` micro steps reads one device value on the
+                # host (see [Note: one host read per optimizer step] in zeroshard/engine/engine.py)
+                assert reads == {"engine/engine.py:_optimizer_step": 1}, f"host reads in one step: {reads}"
     failures.raise_any()
 
 

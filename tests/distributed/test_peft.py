@@ -118,7 +118,7 @@ def held_storage(engine: Any) -> dict[str, int]:
         # the gathered buffers and the parameters themselves hold nothing of it between steps: what
         # the buffers still have resident is parked for the next gather (host/page_reserve.py)
         "frozen_gathered": sum(flat.held_bytes(b.index) for b in frozen),  # resident pages, measured
-        "parked": flat.page_reserve.nbytes if flat.page_reserve is not None else 0,
+        "parked": flat.buffer_memory.parked_bytes,
         "frozen_params": params,
         "frozen_model_bytes": sum(b.numel for b in frozen) * flat.store.device_shard.element_size(),
         "frozen_buckets": len(frozen),

@@ -24,10 +24,10 @@ from zeroshard.tools.testing import Case, check_family, run_family
 
 SHARD_ALL = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
 
-def accounting_worker(rank: int, world: int, persistence: int) -> dict:
+def accounting_worker(rank: int, world: int, persistence: int, host_page_reuse: bool = True) -> dict:
     model = make_model()
     zero = {"stage3_param_persistence_threshold": persistence, "stage3_max_reuse_distance": 0,
-            "stage3_prefetch_bucket_size": 10**6}
+            "stage3_prefetch_bucket_size": 10**6, "host_page_reuse": host_page_reuse}
     engine, _ = train_zero(model, rank, world, 2, micro=1, accum=1, stage=3, **zero)
     engine.comm.reset_counters()
     for x, y in rank_micro_batches(5, rank, world, 1, 1):
@@ -50,12 +50,15 @@ def accounting_worker(rank: int, world: int, persistence: int) -> dict:
     return out
 
 
-def check_memory_and_communication_are_exact(results: list[dict], persistence: int) -> None:
+def check_memory_and_communication_are_exact(results: list[dict], persistence: int,
+                                             host_page_reuse: bool = True) -> None:
     n = len(results)
     total = 0.0
     for r in results:
         mb, c = r["mb"], r["counters"]
         assert mb["params"] == mb["grads"] == 4 * r["own"]
+        if not host_page_reuse:  # storage freed at each release: nothing waits for the next gather
+            assert mb["parked_pages"] == 0
         assert mb["optimizer"] == 8 * r["own"]
         assert mb["gathered_params"] == 0  # nothing stays gathered between steps
         # the bucket buffers are kept from one backward to the next ([Note: when the bucket pool lets go])
@@ -102,7 +105,7 @@ class TwiceAndShared(nn.Module):
         return logits.logsumexp(-1).mean()
 
 
-def hard_cases_worker(rank: int, world: int, prefetch: int) -> float:
+def hard_cases_worker(rank: int, world: int, prefetch: int, host_page_reuse: bool = True) -> float:
     torch.manual_seed(0)
     ref = TwiceAndShared()
     ours = clone(ref)
@@ -113,7 +116,8 @@ def hard_cases_worker(rank: int, world: int, prefetch: int) -> float:
     engine, _, _, _ = zeroshard.initialize(model=ours, config={
         "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
-        "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": prefetch, **SHARD_ALL}})
+        "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": prefetch, **SHARD_ALL,
+                              "host_page_reuse": host_page_reuse}})
     assert engine.strategy.plan.units[-1].name == "<root>"
     for step in range(4):
         idx = torch.randint(0, 13, (2, 5), generator=torch.Generator().manual_seed(step * 7 + rank))
@@ -133,7 +137,7 @@ def hard_cases_worker(rank: int, world: int, prefetch: int) -> float:
     return diff
 
 
-def check_hard_cases_match_ddp(results: list[float], prefetch: int) -> None:
+def check_hard_cases_match_ddp(results: list[float], prefetch: int, host_page_reuse: bool = True) -> None:
     assert max(results) <= 1e-5
 
 
@@ -396,57 +400,76 @@ def check_prefetch_gathers_ahead_of_use(results: list[list[list[tuple[str, str]]
                 else:  # right after the block starts: its own gather, and at once the wait for it
                     assert fwd_gather[u] == fwd[u] + 1 == fwd_wait[u] - 1, (u, events)
                     assert bwd_gather[u] == bwd[u] + 1, (u, events)
-            # unit k+1's all-gather is in flight while unit k computes: launched before block 0's forward
+            # a budget that holds both blocks: unit k+1's all-gather is launched before block 0's forward
             # begins and waited for after it; in backward (blocks in reverse) launched before block 1's
-            # gradient arrives
-            assert (fwd_gather["blocks.1"] < fwd["blocks.0"] < fwd_wait["blocks.1"]) == ahead, events
-            assert (bwd_gather["blocks.0"] < bwd["blocks.1"]) == ahead, events
+            # gradient arrives.  A budget smaller than a block prefetches the next unit only, as each
+            # unit starts (above).
+            deep = ahead and prefetch > 1
+            assert (fwd_gather["blocks.1"] < fwd["blocks.0"] < fwd_wait["blocks.1"]) == deep, events
+            assert (bwd_gather["blocks.0"] < bwd["blocks.1"]) == deep, events
 
 
-def page_release_worker(rank: int, world: int) -> dict:
-    """Units of ~800 KB (hundreds of whole pages): what each full buffer holds, measured with mincore,
-    between steps and while its block runs; and whether the buffers keep their storage."""
+def page_release_worker(rank: int, world: int, host_page_reuse: bool = True) -> dict:
+    """Units of ~800 KB (hundreds of whole pages): what each full buffer holds, measured (resident pages
+    with mincore, or storage bytes), between steps and while its block runs; and whether the buffers keep
+    their storage."""
     from zeroshard.tools.demo.model import GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, seq_len=8, d_model=128, n_layer=2, n_head=2))
-    engine, *_ = zeroshard.initialize(model=model, config=zero_config(3, 2, 1, **SHARD_ALL))
+    engine, *_ = zeroshard.initialize(model=model, config=zero_config(3, 2, 1, **SHARD_ALL,
+                                                                      host_page_reuse=host_page_reuse))
     storage = engine.storage
+    memory = storage.buffer_memory
     units = [b.index for b in storage.layout.buckets if b.index not in storage.persistent]
     addresses = [storage.full[i].untyped_storage().data_ptr() for i in units]
-    seen: dict = {"while_running": [], "between_steps": []}
+    seen: dict = {"while_running": [], "between_steps": [], "memory": type(memory).__name__,
+                  "shared": memory is engine.buffer_memory is engine.strategy.grad_chunks.buffers.memory}
     block_unit = next(u.bucket_index for u in engine.strategy.plan.units if u.module is model.blocks[1])
     model.blocks[1].register_forward_pre_hook(  # after the scheduler's own pre-hook, which gathers
         lambda *_: seen["while_running"].append(storage.held_bytes(block_unit)))
     x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
     chunks = engine.strategy.grad_chunks.buffers  # [Note: where gradient chunks live]
-    seen["chunks_after_backward"], seen["chunks_between_steps"] = [], []
+    seen["chunks_after_backward"], seen["chunks_between_steps"], seen["breakdown_parked"] = [], [], []
     for _ in range(2):
         engine.backward(engine(x, x))
         seen["chunks_after_backward"].append(chunks.held_bytes())
         engine.step()
         seen["between_steps"].append(sum(storage.held_bytes(i) for i in units))
         seen["chunks_between_steps"].append(chunks.held_bytes())
-        seen.setdefault("parked", []).append(storage.page_reserve.nbytes)
+        seen.setdefault("parked", []).append(memory.parked_bytes)
+        seen["breakdown_parked"].append(engine.memory_breakdown()["parked_pages"])
     trainable = [b for b in storage.layout.buckets if not b.frozen]
     seen["chunk_bytes"] = sum(b.shard_numel * 4 for b in trainable)
     seen["chunk_slack"] = len(trainable) * 2 * 4096  # the partial pages at either end of each chunk
     seen["unit_bytes"] = storage.full[block_unit].numel() * 4
     seen["same_storage"] = addresses == [storage.full[i].untyped_storage().data_ptr() for i in units]
-    seen["capacity"] = storage.page_reserve.capacity
-    seen["moved"] = storage.page_reserve.moved_bytes
+    reserve = getattr(memory, "reserve", None)  # the host's page reserve
+    seen["capacity"] = reserve.capacity if reserve is not None else 0
+    seen["moved"] = reserve.moved_bytes if reserve is not None else 0
     engine.close()
-    seen["parked_after_close"] = storage.page_reserve.nbytes
+    seen["parked_after_close"] = memory.parked_bytes
     return seen
 
 
-def check_releases_a_units_pages_and_keeps_its_buffer(results: list[dict]) -> None:
+def check_releases_a_units_pages_and_keeps_its_buffer(results: list[dict], host_page_reuse: bool = True) -> None:
     """[Note: releasing a gathered unit's pages]: between steps a unit holds no resident page of its own,
     only pages parked for the next gather ([Note: released pages move to the next gather]), no more than
     the reserve's capacity, and pages did move from buffer to buffer; while a block runs its unit is
     resident (all but the partial pages at its ends); the buffers never move; closing drops what is
-    parked."""
+    parked.  With ``host_page_reuse`` false, the GPU's path ([Note: one buffer memory per engine]): a
+    released unit's storage and an idle gradient chunk's are freed, to the byte, and nothing is parked."""
     for seen in results:
+        assert seen["shared"]  # one buffer memory for the storage, the gradient chunks and the engine
+        if not host_page_reuse:
+            assert seen["memory"] == "DeviceMemory"
+            assert seen["between_steps"] == [0, 0] and seen["chunks_between_steps"] == [0, 0]
+            assert seen["while_running"] and all(held == seen["unit_bytes"] for held in seen["while_running"])
+            assert seen["chunks_after_backward"] == [seen["chunk_bytes"]] * 2
+            assert seen["parked"] == seen["breakdown_parked"] == [0, 0] and seen["moved"] == 0
+            continue
+        assert seen["memory"] == "HostPageMemory"
+        assert seen["breakdown_parked"] == seen["parked"]
         assert all(held <= parked <= seen["capacity"] for held, parked in zip(seen["between_steps"], seen["parked"]))
         assert seen["moved"] > 0 and seen["parked_after_close"] == 0
         assert seen["while_running"] and all(
@@ -460,7 +483,7 @@ def check_releases_a_units_pages_and_keeps_its_buffer(results: list[dict]) -> No
                    for held in seen["chunks_after_backward"])
 
 
-def lent_chunk_worker(rank: int, world: int) -> dict:
+def lent_chunk_worker(rank: int, world: int, host_page_reuse: bool = True) -> dict:
     """DeepSpeed's default reuse distance (every unit stays gathered from its forward to its backward):
     what the store holds of the units' chunks after forward and between steps, measured with mincore."""
     from zeroshard.tools.demo.model import GPTConfig
@@ -468,7 +491,8 @@ def lent_chunk_worker(rank: int, world: int) -> dict:
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, seq_len=8, d_model=128, n_layer=2, n_head=2))
-    engine, *_ = zeroshard.initialize(model=model, config=zero_config(3, 2, 1, stage3_param_persistence_threshold=0))
+    engine, *_ = zeroshard.initialize(model=model, config=zero_config(3, 2, 1, stage3_param_persistence_threshold=0,
+                                                                      host_page_reuse=host_page_reuse))
     storage = engine.storage
     units = [b for b in storage.layout.buckets if b.index not in storage.persistent]
     seen: dict = {key: [] for key in ("lent_after_forward", "resident_after_forward", "lent_between_steps",
@@ -494,15 +518,20 @@ def lent_chunk_worker(rank: int, world: int) -> dict:
     return seen
 
 
-def check_a_gathered_unit_borrows_this_ranks_chunk(results: list[dict]) -> None:
+def check_a_gathered_unit_borrows_this_ranks_chunk(results: list[dict], host_page_reuse: bool = True) -> None:
     """[Note: a gathered unit borrows this rank's chunk]: from the second forward on (the first records
     the order, so its units are released after their forward), every unit is gathered from forward to
     backward and the store holds none of their chunks' whole pages; between steps the store holds them
-    all and nothing is lent.  World 3: the chunks are ragged."""
+    all and nothing is lent.  With ``host_page_reuse`` false (the GPU's path) nothing is ever lent and
+    the store keeps its chunks throughout.  World 3: the chunks are ragged."""
     for seen in results:
         chunk, slack = seen["chunk_bytes"], seen["chunk_slack"]
-        assert seen["lent_after_forward"][1:] == [chunk, chunk], seen
-        assert seen["resident_after_forward"][1:] == [0, 0], seen
+        if host_page_reuse:
+            assert seen["lent_after_forward"][1:] == [chunk, chunk], seen
+            assert seen["resident_after_forward"][1:] == [0, 0], seen
+        else:
+            assert seen["lent_after_forward"] == [0, 0, 0], seen
+            assert all(chunk - slack <= held <= chunk for held in seen["resident_after_forward"]), seen
         assert seen["lent_between_steps"] == [0, 0, 0]
         assert all(chunk - slack <= held <= chunk for held in seen["resident_between_steps"]), seen
         assert all(0 < loss < 10 for loss in seen["losses"])
@@ -539,20 +568,30 @@ CHECKS: dict[str, Callable[..., None]] = {
 # collectives the other rank never joins, and no case after it could run.
 
 #: by world size, in the order they run
+#: ``host_page_reuse: False``: the GPU's path on the CPU (see [Note: one buffer memory per engine] in
+#: sharding/buffer_memory.py), run beside the host's in the same worlds
+DEVICE_PATH = {"host_page_reuse": False}
 DEFAULT_CASES: dict[int, list[Case]] = {
     2: [("releases_a_units_pages_and_keeps_its_buffer", {}),
+        ("releases_a_units_pages_and_keeps_its_buffer", DEVICE_PATH),
         ("hard_cases_match_ddp", {"prefetch": 0}), ("hard_cases_match_ddp", {"prefetch": 10**6}),
+        ("hard_cases_match_ddp", {"prefetch": 10**6, **DEVICE_PATH}),
         ("disabled_gathered_parameters_gathers_nothing", {}),
         ("prefetch_survives_a_changing_execution_order", {}),
+        # a budget of one element, smaller than any unit: the next unit is prefetched all the same (see
+        # [Note: the next unit is always prefetched] in zeroshard/sharding/stage3/gather_scheduler.py)
+        ("prefetch_gathers_ahead_of_use", {"prefetch": 1}),
         ("a_module_skipped_on_one_rank_neither_hangs_nor_fails", {})],
     3: [("a_gathered_unit_borrows_this_ranks_chunk", {}),  # world 3: ragged chunks
+        ("a_gathered_unit_borrows_this_ranks_chunk", DEVICE_PATH),
         ("sharded_parameters_outside_forward", {})],
 }
 EXTENDED_CASES: dict[int, list[Case]] = {
     2: [("reuse_distance_and_live_parameter_limits_are_honoured", {}),
         ("prefetch_gathers_ahead_of_use", {"prefetch": 0}), ("prefetch_gathers_ahead_of_use", {"prefetch": 10**6})],
     3: [("memory_and_communication_are_exact", {"persistence": 0}),
-        ("memory_and_communication_are_exact", {"persistence": 20})],
+        ("memory_and_communication_are_exact", {"persistence": 20}),
+        ("memory_and_communication_are_exact", {"persistence": 20, **DEVICE_PATH})],
 }
 
 
@@ -568,8 +607,10 @@ def check_cases(world: int, cases: list[Case]) -> None:
 @pytest.mark.parametrize("world", sorted(DEFAULT_CASES))
 def test_stage3_cases(world: int) -> None:
     """World 2: a unit's pages released and its buffer kept, the hard cases against DDP (prefetch off and
-    on), GatheredParameters disabled, prefetch under a changing execution order, a module one rank skips.
-    World 3: a gathered unit borrows this rank's chunk, sharded parameters outside forward."""
+    on), GatheredParameters disabled, prefetch under a changing execution order, units larger than the
+    prefetch budget prefetched, a module one rank skips.
+    World 3: a gathered unit borrows this rank's chunk, sharded parameters outside forward.  The release,
+    the hard cases and the borrowed chunk also on the GPU's path (``host_page_reuse`` false)."""
     check_cases(world, DEFAULT_CASES[world])
 
 
@@ -577,5 +618,5 @@ def test_stage3_cases(world: int) -> None:
 @pytest.mark.parametrize("world", sorted(EXTENDED_CASES))
 def test_stage3_extended_cases(world: int) -> None:
     """World 2: the reuse distance and live-parameter limits, prefetch gathers ahead of use (off and on).
-    World 3: memory and communication exact (persistence 0 and 20)."""
+    World 3: memory and communication exact (persistence 0 and 20, and 20 on the GPU's path)."""
     check_cases(world, EXTENDED_CASES[world])

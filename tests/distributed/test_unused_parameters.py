@@ -1,7 +1,8 @@
 """Ranks whose inputs use different parts of the model train exactly like one process: every stage.
 
 Three models whose forward depends on the data: experts chosen per token (rank 1's tokens all go to one
-expert), a layer skipped for some batches (LayerDrop), and a head used by one rank only.  Every
+expert), a layer skipped for some batches (LayerDrop), a head used by one rank only, and (stage 3) a
+mixture of experts marked as a ZeRO-3 leaf whose two experts are each used by one rank only.  Every
 parameter is used by some rank in every step: one that no rank used gets a zero gradient here, which
 AdamW still steps by its moments, where torch's optimizer skips a parameter whose gradient is None.  At stage 3
 the ranks then need different units gathered, and agree on each gather
@@ -23,25 +24,48 @@ from torch.utils.checkpoint import checkpoint
 
 import zeroshard
 from zeroshard.tools.testing import CaseFailures, case, run_world
+from zeroshard.utils import set_z3_leaf_modules
 
 VOCAB, WIDTH, ROWS, STEPS, LR = 16, 8, 6, 5, 1e-2
 
 
+class Experts(nn.Module):
+    """Each token to the expert its id chooses; only the chosen experts run (the "leaf" model marks it a
+    ZeRO-3 leaf, so that its experts are gathered as one unit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(2))
+
+    def forward(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        route = x % len(self.experts)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            mask = route == e
+            if bool(mask.any()):
+                out = out + torch.where(mask[:, None], expert(h), torch.zeros_like(h))
+        return torch.tanh(h + out)
+
+
 class DataDependent(nn.Module):
-    """``kind``: "experts", "layerdrop" or "heads" (see the module docstring)."""
+    """``kind``: "experts", "layerdrop", "heads" or "leaf" (see the module docstring)."""
 
     def __init__(self, kind: str, checkpointed: bool) -> None:
         super().__init__()
         self.kind, self.checkpointed = kind, checkpointed
         self.embed = nn.Embedding(VOCAB, WIDTH)
+        if kind == "leaf":
+            self.moe = Experts()
         self.blocks = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(4))
         self.heads = nn.ModuleList(nn.Linear(WIDTH, VOCAB) for _ in range(2))
 
-    def _run(self, block: nn.Module, h: torch.Tensor) -> torch.Tensor:
-        return checkpoint(block, h, use_reentrant=False) if self.checkpointed else block(h)
+    def _run(self, block: nn.Module, *inputs: torch.Tensor) -> torch.Tensor:
+        return checkpoint(block, *inputs, use_reentrant=False) if self.checkpointed else block(*inputs)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         h = self.embed(x)
+        if self.kind == "leaf":
+            h = self._run(self.moe, h, x)
         if self.kind == "experts":  # each token to the block its id chooses, skipped when none chose it
             route = x % len(self.blocks)
             out = torch.zeros_like(h)
@@ -67,6 +91,8 @@ def micro_batch(step: int, micro: int, rank: int, kind: str) -> tuple[torch.Tens
         x[:4] = torch.arange(4)  # rank 0 uses every expert
     if kind == "experts" and rank == 1:
         x = x // 4 * 4 + 1  # every token of rank 1 to expert 1
+    if kind == "leaf":
+        x = x // 2 * 2 + rank  # rank 0's tokens all to expert 0, rank 1's to expert 1
     if kind in ("heads", "layerdrop"):
         x[0] = rank  # heads: rank 0 uses head 0 only, rank 1 head 1 only; layerdrop: rank 0 drops none
     return x, y
@@ -90,12 +116,17 @@ def trained(rank: int, kind: str, checkpointed: bool, stage: int, accum: int,
             **zero: Any) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = DataDependent(kind, checkpointed)
+    if kind == "leaf":
+        set_z3_leaf_modules(model, [Experts])
     engine, _, _, _ = zeroshard.initialize(model=model, config={
         "train_micro_batch_size_per_gpu": ROWS, "gradient_accumulation_steps": accum,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 100,
                               **zero},
         "collective_timeout": 60})
+    if kind == "leaf" and stage == 3:  # the leaf is one unit; its experts have none of their own
+        units = [unit.name for unit in engine.strategy.plan.units]
+        assert "moe" in units and not any(u.startswith("moe.") for u in units), units
     for step in range(STEPS):
         for micro in range(accum):
             engine.backward(engine(*micro_batch(step, micro, rank, kind)))
@@ -109,6 +140,8 @@ def trained(rank: int, kind: str, checkpointed: bool, stage: int, accum: int,
 Case = tuple[str, int, int, bool, dict[str, Any]]
 CASES: list[Case] = [(kind, stage, accum, checkpointed, {}) for kind, stage, accum, checkpointed
                      in itertools.product(("experts", "layerdrop", "heads"), (0, 1, 2, 3), (1, 2), (False, True))]
+#: a mixture of experts marked as a ZeRO-3 leaf (see [Note: leaf modules] in sharding/stage3/units.py)
+CASES += [("leaf", 3, accum, checkpointed, {}) for accum, checkpointed in ((1, False), (2, True))]
 #: stage 3 with the hybrid groups and offload, where the gather rounds span groups of their own
 HYBRID = ({"mics_shard_size": 2}, {"zero_hpz_partition_size": 2},
           {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}})

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
-from typing import Any
+import traceback
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -112,3 +114,39 @@ def single_process_reference(steps: int, world: int, micro: int, accum: int) -> 
         opt.step()
         opt.zero_grad(set_to_none=True)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+#: what reads a tensor's value on the host: on a GPU each waits for everything queued before it
+HOST_READS = ("item", "__float__", "__bool__", "__int__", "__index__", "tolist", "cpu", "numpy")
+#: modules whose reads are of host tensors by design (their own gloo groups), never a device's
+HOST_ONLY = ("distributed/consistency.py", "sharding/stage3/gather_agreement.py", "distributed/ring")
+
+
+@contextlib.contextmanager
+def host_reads() -> Iterator[collections.Counter]:
+    """Count the host reads of tensor values zeroshard makes inside the block, by ``module:function``
+    of the innermost zeroshard frame (reads of modules in ``HOST_ONLY`` left out)."""
+    found: collections.Counter = collections.Counter()
+    originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def counted(name: str) -> Any:
+        original = originals[name]
+
+        def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            for frame in reversed(traceback.extract_stack()[:-1]):
+                path = frame.filename.replace("\\", "/")
+                if "/zeroshard/" in path and "/tests/" not in path:
+                    module = path.rsplit("/zeroshard/", 1)[1]
+                    if not module.startswith(HOST_ONLY):
+                        found[f"{module}:{frame.name}"] += 1
+                    break
+            return original(self, *args, **kwargs)
+        return read
+
+    for name in HOST_READS:
+        setattr(torch.Tensor, name, counted(name))
+    try:
+        yield found
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)

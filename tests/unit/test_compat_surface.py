@@ -167,7 +167,7 @@ def test_utils_moe_runtime_and_refusals() -> None:
     assert split_params_into_different_moe_groups_for_optimizer(groups) == groups
     assert {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR"} <= set(VALID_LR_SCHEDULES)
     assert ZeroParamStatus.AVAILABLE != ZeroParamStatus.NOT_AVAILABLE
-    with pytest.raises(NotImplementedError, match="pipeline"):
+    with pytest.raises(ValueError, match="num_stages"):
         deepspeed.pipe.PipelineModule(layers=[nn.Linear(2, 2)])
     from zeroshard.moe.layer import MoE
 

@@ -43,9 +43,10 @@ def test_device_memory_is_refused_clearly() -> None:
 
 
 def test_a_pool_hands_its_buffers_out_again_as_they_were_left() -> None:
+    from zeroshard.host.page_memory import HostPageMemory
     from zeroshard.sharding.buffer_pool import BufferPool
 
-    pool = BufferPool(1 << 20, torch.float32, torch.device("cpu"))  # 4 MiB buffers
+    pool = BufferPool(1 << 20, torch.float32, torch.device("cpu"), HostPageMemory())  # 4 MiB buffers
     first = pool.acquire(1 << 20)
     first.fill_(3.0)
     pool.release(first)
@@ -58,9 +59,10 @@ def test_a_pool_hands_its_buffers_out_again_as_they_were_left() -> None:
 
 
 def test_kept_buffers_give_back_their_pages_and_keep_their_address() -> None:
+    from zeroshard.host.page_memory import HostPageMemory
     from zeroshard.sharding.buffer_pool import KeptBuffers
 
-    kept = KeptBuffers(torch.device("cpu"))
+    kept = KeptBuffers(torch.device("cpu"), HostPageMemory())  # parks nothing: given-back pages are dropped
     chunk = kept.take(7, 1 << 20, torch.float32).fill_(1.0)
     kept.give_back(7)
     assert resident_bytes(chunk) == 0

@@ -94,6 +94,22 @@ def test_initialize_accepts_objects_and_callables() -> None:
     assert model.training
 
 
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_dataloader_drop_last_as_deepspeed(drop_last: bool) -> None:
+    """``dataloader_drop_last`` false (DeepSpeed's default) hands out every sample, the last micro batch
+    short; true only full micro batches."""
+    dataset = torch.utils.data.TensorDataset(torch.arange(10.0).unsqueeze(1), torch.zeros(10, 1))
+    config = {"train_micro_batch_size_per_gpu": 3, "dataloader_drop_last": drop_last,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    engine, _, loader, _ = zeroshard.initialize(model=nn.Linear(1, 1), config=config, training_data=dataset)
+    assert engine.config.dataloader_drop_last is drop_last
+    sizes = [len(x) for x, _ in loader]
+    seen = sorted(int(v) for x, _ in loader for v in x.flatten())  # the next epoch: reshuffled, same sizes
+    assert sizes == ([3, 3, 3] if drop_last else [3, 3, 3, 1]) and len(loader) == len(sizes)
+    assert len(seen) == sum(sizes) and (len(set(seen)) == 9 if drop_last else seen == list(range(10)))
+    engine.close()
+
+
 def test_callable_optimizer_and_scheduler() -> None:
     model = nn.Linear(5, 3)
     engine, opt, _, sched = zeroshard.initialize(
@@ -135,6 +151,23 @@ def test_config_and_api_errors_are_clear() -> None:
     with pytest.raises(ValueError, match="'1.weight' requires grad but is not in model_parameters"):
         zeroshard.initialize(model=m, model_parameters=list(m[0].parameters()),
                              config={"train_batch_size": 1, "optimizer": {"type": "SGD"}})
+
+
+def test_checkpoint_without_a_directory_is_a_named_error(tmp_path, monkeypatch) -> None:
+    """An empty directory name or None is refused before anything is written (DeepSpeed: ValueError)."""
+    from zeroshard.checkpoint.format import CheckpointDirectoryError
+
+    monkeypatch.chdir(tmp_path)
+    engine, *_ = zeroshard.initialize(model=nn.Linear(2, 2), config={"train_batch_size": 1,
+                                                                     "optimizer": {"type": "SGD"}})
+    for bad in ("", "  ", None):
+        with pytest.raises(CheckpointDirectoryError, match=r"save_checkpoint\(save_dir="):
+            engine.save_checkpoint(bad)
+        with pytest.raises(CheckpointDirectoryError, match=r"load_checkpoint\(load_dir="):
+            engine.load_checkpoint(bad)
+    assert list(tmp_path.iterdir()) == []  # nothing written into the current directory
+    assert issubclass(CheckpointDirectoryError, ValueError)
+    engine.close()
 
 
 def test_deepspeed_schedules() -> None:

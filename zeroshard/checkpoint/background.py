@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.collectives import Collectives
-from ..distributed.world import World
+from ..distributed.world import World, new_side_group
 from .format import CheckpointError
 from .pacing import StepPacing
 from .save import SaveRequest, StagingBuffers, write
@@ -111,8 +111,8 @@ class BackgroundSaves:
         if self._comm is None:
             world = self._world
             if world.is_distributed:  # every rank is in save_checkpoint: creating the group is safe here
-                world = dataclasses.replace(world, group=dist.new_group(backend="gloo"), device=torch.device("cpu"),
-                                            backend="gloo")
+                world = dataclasses.replace(world, group=new_side_group(world, backend="gloo"),
+                                            device=torch.device("cpu"), backend="gloo")
             self._comm = Collectives(world)  # a ledger of its own: a save's bytes are not ZeRO's traffic
         return self._comm
 

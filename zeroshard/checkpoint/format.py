@@ -52,6 +52,19 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message names the file and what is wrong."""
 
 
+class CheckpointDirectoryError(ValueError):
+    """``save_checkpoint`` / ``load_checkpoint`` given no directory (None or an empty name)."""
+
+
+def checked_directory(directory: Any, call: str, argument: str) -> Path:
+    """``directory`` as a path, or :class:`CheckpointDirectoryError`: an empty name would otherwise mean
+    the current directory, and None fails deep inside ``os.path``."""
+    if directory is None or not str(directory).strip():
+        raise CheckpointDirectoryError(f"{call}({argument}={directory!r}): name the checkpoint directory "
+                                       f"(a path; use \".\" for the current directory)")
+    return Path(directory)
+
+
 def replaced_dir(root: Path, tag: str) -> Path:
     """Where a re-saved tag's previous checkpoint waits while the new one is moved into place."""
     return root / f".{tag}.replaced"

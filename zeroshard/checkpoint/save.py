@@ -53,45 +53,76 @@ class StagingBuffers:
     so the buffers are free again when the next capture reuses them.  They cost host memory equal
     to the rank's checkpoint from the first asynchronous save on (``release()`` gives it back), as
     DeepSpeed's decoupled writer keeps its buffers.
+
+    [Note: staging a GPU's state]
+    A tensor on a GPU is copied straight into its staging buffer, which is page-locked, without waiting
+    (``non_blocking``), on a side stream that first waits for everything the training stream has queued
+    (the state as of the save); the copies are waited for once, when all are queued, before anything
+    reads the buffers.  A pageable copy would wait for the GPU at every tensor, and ``.to("cpu")``
+    followed by a copy into the buffer would move every byte twice.  Host tensors are copied as they
+    are.
     """
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
 
     def copy(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Copy ``tensor`` into its buffer; from a GPU without waiting for the copy (see :meth:`stage`)."""
         held = self._buffers.get(name)
-        if held is None or held.shape != tensor.shape or held.dtype != tensor.dtype:
-            held = self._buffers[name] = torch.empty(tensor.shape, dtype=tensor.dtype)
-        return held.copy_(tensor)
+        pinned = tensor.is_cuda
+        if held is None or held.shape != tensor.shape or held.dtype != tensor.dtype or held.is_pinned() != pinned:
+            held = self._buffers[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
+        return held.copy_(tensor, non_blocking=pinned)
 
     def release(self) -> None:
         self._buffers.clear()
 
     def stage(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        """Copy every tensor of ``tensors`` into these buffers (the copies, in order)."""
-        return [(name, self.copy(name, tensor)) for name, tensor in tensors]
+        """Copy every tensor of ``tensors`` into these buffers (the copies, in order, every one landed)."""
+        copied = []
+        side: dict[torch.device, Any] = {}  # per GPU, the stream the copies run on
+        for name, tensor in tensors:
+            if not tensor.is_cuda:
+                copied.append((name, self.copy(name, tensor)))
+                continue
+            stream = side.get(tensor.device)
+            if stream is None:
+                stream = side[tensor.device] = torch.cuda.Stream(tensor.device)
+                stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the state as of the save
+            tensor.record_stream(stream)  # a temporary (a concatenation) stays allocated until copied
+            with torch.cuda.stream(stream):
+                copied.append((name, self.copy(name, tensor)))
+        for stream in side.values():
+            stream.synchronize()
+        return copied
 
 
-def rank_tensors(parts: CheckpointParts) -> Iterator[tuple[str, torch.Tensor]]:
+def rank_tensors(parts: CheckpointParts, on_host: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """What this rank writes: its RNG state, copied now (every forward with dropout changes it), then,
     one bucket at a time as the result is iterated, its chunk (fp32 masters when there are any), its
     optimizer state (read back from host memory or NVMe where offloaded) and scalar state: the
-    engine's own tensors where they are resident, which only the next optimizer step changes."""
+    engine's own tensors where they are resident, which only the next optimizer step changes.
+    ``on_host=False``: where they are (staging buffers copy them to the host: [Note: staging a GPU's
+    state])."""
     rng = [(name, tensor.clone()) for name, tensor in parts.rng.state_dict().items()]
-    return itertools.chain(rng, _bucket_tensors(parts))
+    return itertools.chain(rng, _bucket_tensors(parts, on_host))
 
 
-def _bucket_tensors(parts: CheckpointParts) -> Iterator[tuple[str, torch.Tensor]]:
+def _bucket_tensors(parts: CheckpointParts, on_host: bool) -> Iterator[tuple[str, torch.Tensor]]:
     shards = parts.shards
+
+    def placed(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to("cpu") if on_host else tensor
+
     for bucket, (_, chunks) in zip(shards.layout.buckets, shards.chunk_layout()):
         if shards.rank >= chunks or not shards.writes_chunks:
             continue  # stage 0: every rank holds the same bucket, rank 0 writes it; MiCS: the first group
         values, state, scalars = shards.read_bucket(bucket, copy=False)
-        yield f"param.b{bucket.index}", values.to("cpu")
+        yield f"param.b{bucket.index}", placed(values)
         for key, value in scalars.items():
-            yield f"optim_scalar.{key}.b{bucket.index}", value.to("cpu")
+            yield f"optim_scalar.{key}.b{bucket.index}", placed(value)
         for key, value in state.items():
-            yield f"optim.{key}.b{bucket.index}", value.to("cpu").reshape(-1)
+            yield f"optim.{key}.b{bucket.index}", placed(value).reshape(-1)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -193,8 +224,8 @@ def capture(parts: CheckpointParts, save_dir: str | Path, tag: str, client_state
         if node_local:
             manifest["storage"] = {"node_local": True,
                                    "ranks_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", parts.world.world_size))}
-    request = SaveRequest(root, tag, rank, leader, node_local, save_latest, rank_tensors(parts), extra, manifest,
-                          writing, stage_into=buffers)
+    request = SaveRequest(root, tag, rank, leader, node_local, save_latest, rank_tensors(parts, buffers is None),
+                          extra, manifest, writing, stage_into=buffers)
     if not copy_later:
         request.stage()
     return request

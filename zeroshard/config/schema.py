@@ -153,6 +153,32 @@ class ActivationCheckpointingConfig:
 
 
 @dataclass(frozen=True)
+class PipelineConfig:
+    """``pipeline``: pipeline parallelism, for a model given as a ``PipelineModule`` (docs/PIPELINE.md).
+
+    The module is built before ``initialize()``, so its own arguments decide the split; a key set here
+    must agree with them (a disagreement is refused, naming both values).
+    """
+
+    stages: Optional[int] = key(
+        None, "Pipeline stages; when set, must equal the `PipelineModule`'s `num_stages` (omitted: the module's).",
+        optional_positive, default_text="the module's")
+    partition: Optional[str] = key(
+        None, "How layers are split between stages (`parameters`, `uniform` or `type:<regex>`); when set, must "
+        "equal the module's `partition_method`.", default_text="the module's")
+    seed_layers: Optional[bool] = key(
+        None, "Seed each layer's construction by its index; when set, must equal the module's `seed_layers`.",
+        default_text="the module's")
+    activation_checkpoint_interval: Optional[int] = key(
+        None, "Layers per checkpointed run (0: none); when set, must equal the module's.",
+        lambda v: None if v is None or v >= 0 else "a number >= 0", default_text="the module's")
+    schedule: Literal["1f1b", "gpipe"] = key(
+        "1f1b", "zeroshard's own key: `1f1b` (one forward, one backward: a stage holds at most as many "
+        "micro-batches' activations as there are stages after it) or `gpipe` (every forward, then every "
+        "backward: a stage holds all of them); both idle (stages - 1) / (micro-batches + stages - 1) of a batch.")
+
+
+@dataclass(frozen=True)
 class OffloadOptimizerConfig:
     """``zero_optimization.offload_optimizer``: where the fp32 masters and optimizer state live (stages 1-3)."""
 
@@ -235,7 +261,8 @@ class ZeroConfig:
     )
     stage3_prefetch_bucket_size: int = key(
         50_000_000, "Stage 3: elements of upcoming units gathered ahead of use (order recorded on the first pass); "
-        "0 turns prefetch off.", non_negative)
+        "the next unit is prefetched whatever its size, this bounds the ones after it; 0 turns prefetch off.",
+        non_negative)
     stage3_param_persistence_threshold: int = key(
         100_000, "Stage 3: parameters with at most this many elements stay whole on every rank.", non_negative)
     stage3_max_live_parameters: int = key(
@@ -272,6 +299,13 @@ class ZeroConfig:
         1, "ZeRO++ hpZ (stage 3): a secondary partition of the parameters over groups of this many consecutive "
         "ranks (a node); after the first gather of each step, gathers stay inside the group. 1: off. Must divide "
         "the world size.", positive)
+    host_page_reuse: bool = key(
+        True, "zeroshard's own key: in host memory on Linux (a CPU run), buffers kept for the run (stage 3's "
+        "gathered units and gradient chunks, every stage's gradient bucket pool) keep their addresses and give "
+        "back their pages when released; the pages are parked and moved under the next buffer filled (`mremap`) "
+        "instead of being faulted in again, and a gathered unit borrows this rank's chunk by moving its pages. "
+        "false: a released buffer's storage is freed and allocated again at its next use, exactly as on a GPU "
+        "(a CPU run then takes the GPU's path). No effect on CUDA, where released storage is always freed.")
 
 
 @dataclass(frozen=True)
@@ -385,6 +419,11 @@ class ZeroshardConfig:
     zero_force_ds_cpu_optimizer: bool = key(
         True, "Accepted with either value: under CPU offload zeroshard steps the given torch optimizer on the host "
               "(Adam/AdamW with torch's fused CPU kernel).")
+    dataloader_drop_last: bool = key(
+        False, "The loader `initialize(training_data=...)` returns: false (as DeepSpeed) hands out every sample, "
+        "each rank's share padded by repeating samples to an equal count, the last micro batch possibly smaller; "
+        "true gives only full micro batches and no repeats, leaving out up to a micro batch per rank at the end "
+        "of each epoch.")
     csv_monitor: CSVMonitorConfig = key(CSVMonitorConfig(), "Metrics to CSV files, one per metric.")
     checkpoint: CheckpointConfig = key(CheckpointConfig(), "Checkpoint loading options.")
     host_memory_release: bool = key(
@@ -402,7 +441,11 @@ class ZeroshardConfig:
             "logged) before training stops with `NonFiniteGradientError` naming that rank and the first parameter "
             "with a non-finite gradient. fp16 keeps its loss-scaler rules.", positive)
     collective_timeout: float = key(
-        1800.0, "Seconds a collective may wait before the job fails instead of hanging.", positive
+        1800.0, "Seconds a collective may wait before the job fails instead of hanging. On gloo (CPU) each wait "
+        "is bounded by it and fails with `CollectiveError` naming the collective; on NCCL it is the process "
+        "group's timeout, enforced by NCCL's watchdog, which ends the process with its own error (zeroshard "
+        "waits for GPU collectives without a host timeout, which would stall the host until the GPU is done); "
+        "a process group created before `initialize()` keeps its own timeout on NCCL.", positive
     )
     optimizer: Optional[OptimizerConfig] = key(None, "The optimizer; or pass one to initialize().")
     scheduler: Optional[SchedulerConfig] = key(None, "The learning-rate schedule, if any.")
@@ -414,6 +457,7 @@ class ZeroshardConfig:
     data_types: DataTypesConfig = key(DataTypesConfig(), "Gradient accumulation dtype.")
     activation_checkpointing: ActivationCheckpointingConfig = key(
         ActivationCheckpointingConfig(), "Settings of zeroshard.deepspeed.checkpointing.checkpoint (zeroshard/activations/checkpointing.py).")
+    pipeline: PipelineConfig = key(PipelineConfig(), "Pipeline parallelism (a `PipelineModule` model only).")
 
     @property
     def stage(self) -> int:
@@ -443,7 +487,7 @@ NOT_SUPPORTED_YET: dict[str, tuple[str, ...]] = {
     "": (
         "amp", "sparse_gradients", "memory_breakdown",
         "flops_profiler", "wandb", "comms_logger", "elasticity",
-        "pipeline", "aio", "autotuning", "compression_training", "dump_state", "hybrid_engine",
+        "aio", "autotuning", "compression_training", "dump_state", "hybrid_engine",
     ),
     "zero_optimization": (
         "round_robin_gradients",

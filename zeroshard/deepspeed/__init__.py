@@ -19,9 +19,10 @@ import sys
 from types import ModuleType
 
 #: DeepSpeed's module paths, relative to ``deepspeed`` (and to ``zeroshard``)
-DEEPSPEED_PATHS = ("accelerator", "checkpointing", "comm", "moe", "moe.layer", "moe.utils", "ops", "ops.adam", "pipe",
-                   "runtime", "runtime.engine", "runtime.lr_schedules", "runtime.utils", "runtime.zero",
-                   "runtime.zero.partition_parameters", "utils", "utils.zero_to_fp32", "zero")
+DEEPSPEED_PATHS = ("accelerator", "checkpointing", "comm", "git_version_info", "moe", "moe.layer", "moe.utils", "ops",
+                   "ops.adam", "ops.op_builder", "pipe", "runtime", "runtime.engine", "runtime.lr_schedules",
+                   "runtime.utils", "runtime.zero", "runtime.zero.partition_parameters", "utils",
+                   "utils.tensor_fragment", "utils.torch", "utils.z3_leaf_module", "utils.zero_to_fp32", "zero")
 
 
 def publish_at_root(root: ModuleType) -> None:

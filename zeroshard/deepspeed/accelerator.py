@@ -8,6 +8,7 @@ answer comes from torch itself (``torch.cuda.*``) or, on the CPU, from what zero
 from __future__ import annotations
 
 import functools
+import glob
 import os
 from typing import Any, Optional, Union
 
@@ -15,7 +16,8 @@ import torch
 
 from ..engine.metrics import host_peak_bytes, proc_bytes
 
-__all__ = ["get_accelerator", "CPUAccelerator", "CUDAAccelerator"]
+__all__ = ["get_accelerator", "is_current_accelerator_supported", "SUPPORTED_ACCELERATOR_LIST", "CPUAccelerator",
+           "CUDAAccelerator"]
 
 
 class CUDAAccelerator:
@@ -98,8 +100,13 @@ class CPUAccelerator:
         return True
 
     def device_count(self) -> int:
-        """Ranks a node can run: torchrun's ``LOCAL_WORLD_SIZE`` (1 outside torchrun)."""
-        return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        """CPU "devices" on this node, as DeepSpeed counts them: ``LOCAL_SIZE`` (set by DeepSpeed's and
+        MPI launchers), else torchrun's ``LOCAL_WORLD_SIZE``, else the NUMA nodes that have cores, else 1."""
+        for name in ("LOCAL_SIZE", "LOCAL_WORLD_SIZE"):
+            count = int(os.environ.get(name, "0") or 0)
+            if count > 0:
+                return count
+        return max(1, _numa_nodes_with_cores())
 
     def manual_seed(self, seed: int) -> None:
         torch.manual_seed(seed)
@@ -135,6 +142,28 @@ class CPUAccelerator:
 
     def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
+
+
+def _numa_nodes_with_cores(root: str = "/sys/devices/system/node") -> int:
+    """NUMA nodes whose ``cpulist`` names at least one core (a memory-only node, such as HBM in flat
+    mode, has none); 0 where the system does not say."""
+    count = 0
+    for node in glob.glob(os.path.join(root, "node[0-9]*", "cpulist")):
+        try:
+            with open(node) as f:
+                count += bool(f.read().strip())
+        except OSError:
+            continue
+    return count
+
+
+#: the device names DeepSpeed knows an accelerator for
+SUPPORTED_ACCELERATOR_LIST = ["cuda", "cpu", "xpu", "npu", "mps", "hpu", "mlu", "sdaa", "supa", "klxpu"]
+
+
+def is_current_accelerator_supported() -> bool:
+    """Whether this process's accelerator is one DeepSpeed supports (zeroshard's two always are)."""
+    return get_accelerator().device_name() in SUPPORTED_ACCELERATOR_LIST
 
 
 @functools.lru_cache(maxsize=1)

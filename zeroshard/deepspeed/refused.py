@@ -27,21 +27,6 @@ class _Refused:
         refuse(self.feature, self.reason, self.instead)
 
 
-class PipelineModule(_Refused):
-    feature = "deepspeed.pipe.PipelineModule (pipeline parallelism)"
-    reason = "zeroshard is a ZeRO data-parallel engine, with no pipeline stages"
-    instead = ("Build the layers as one nn.Sequential and train it with ZeRO stage 3, which shards the "
-               "parameters over all ranks instead of splitting the layers between them.")
-
-
-class LayerSpec(PipelineModule):
-    pass
-
-
-class TiedLayerSpec(PipelineModule):
-    pass
-
-
 class MoE(_Refused):
     feature = "deepspeed.moe.layer.MoE (mixture-of-experts layers, expert parallelism)"
     reason = "zeroshard has no expert parallelism"

@@ -28,7 +28,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -80,10 +80,34 @@ class CallRecord:
     sent: int  # bytes this rank sent
 
 
+class LaunchGate:
+    """What must pass before the next collective of an engine is launched, on any of its groups: a
+    consistency check still in flight (see [Note: the backward's check runs behind its compute] in
+    distributed/consistency.py).  Collectives that share a gate share it across threads too: autograd
+    runs a GPU backward's hooks on a thread of its own."""
+
+    def __init__(self) -> None:
+        self._before: Optional[Callable[[], None]] = None
+
+    def hold(self, before: Callable[[], None]) -> None:
+        """Run ``before`` once, before the next collective is launched (it may raise instead)."""
+        self._before = before
+
+    def clear(self) -> None:
+        self._before = None
+
+    def open(self) -> None:
+        before, self._before = self._before, None
+        if before is not None:
+            before()
+
+
 class CommLedger:
     """What the collectives of one engine (every group of it) have cost this rank so far."""
 
-    def __init__(self) -> None:
+    def __init__(self, gate: Optional[LaunchGate] = None) -> None:
+        #: passed before each launch: shared with groups counted apart but launched by the same engine
+        self.gate = gate or LaunchGate()
         self.counters: dict[CommKind, CommCounter] = {kind: CommCounter() for kind in CommKind}
         #: bytes sent, by scope (every kind together)
         self.sent_by_scope: dict[CommScope, int] = {scope: 0 for scope in CommScope}
@@ -124,13 +148,30 @@ class CollectiveError(RuntimeError):
 
 
 class PendingCollective:
-    """A collective in flight: ``wait()`` blocks until it is done and accounts the time."""
+    """A collective in flight: ``wait()`` makes its result usable and accounts the time.
 
-    def __init__(self, work: Optional[Any], label: str, counter: CommCounter, timeout_s: float = 1800.0) -> None:
+    [Note: waiting on a device collective]
+    A host collective (gloo, or zeroshard's rings over it) is waited for on the host, with the
+    config's ``collective_timeout``: it applies even to a process group created elsewhere (torchrun
+    users, test harnesses) with a longer default, and a rank that never joins fails the wait with a
+    :class:`CollectiveError` naming the collective.  A device collective (NCCL, tensors on the GPU) is
+    waited for with no timeout: NCCL's ``wait()`` then only makes the current CUDA stream wait for the
+    collective's stream and returns at once, whereas a wait *with* a timeout polls on the host until the
+    GPU has finished, which would stall the host at every bucket, unit and post-step gather and leave
+    nothing queued ahead of the GPU.  A device collective is bounded by the process group's own timeout
+    instead, which NCCL's watchdog enforces: a hung NCCL collective ends the process with the
+    watchdog's error (torch's ``TORCH_NCCL_ASYNC_ERROR_HANDLING``), not with a :class:`CollectiveError`.
+    ``init_distributed`` creates the group with ``collective_timeout``; a group created elsewhere keeps
+    its own timeout.
+    """
+
+    def __init__(self, work: Optional[Any], label: str, counter: CommCounter, timeout_s: float = 1800.0,
+                 on_device: bool = False) -> None:
         self._work = work
         self.label = label
         self._counter = counter
-        self._timeout = datetime.timedelta(seconds=timeout_s)
+        #: None: a device collective, waited for without a host timeout (see the note above)
+        self._timeout: Optional[datetime.timedelta] = None if on_device else datetime.timedelta(seconds=timeout_s)
 
     def is_completed(self) -> bool:
         """Whether the collective has finished (``wait()`` would not block): it runs on without one."""
@@ -141,9 +182,10 @@ class PendingCollective:
             return
         start = time.perf_counter()
         try:
-            # The config's timeout applies even to a process group created elsewhere (torchrun users,
-            # test harnesses) with a longer default.
-            self._work.wait(timeout=self._timeout)
+            if self._timeout is None:  # a device collective: the stream waits, not the host
+                self._work.wait()
+            else:
+                self._work.wait(timeout=self._timeout)
         except Exception as err:  # gloo and NCCL raise RuntimeError subclasses on timeout
             raise CollectiveError(f"collective {self.label!r} failed: {err}. If ranks diverged (a rank "
                                   f"skipped a module or ran out of data), fix that; the timeout is "
@@ -195,9 +237,13 @@ class Collectives:
         self.ledger.record(kind, label, self.world, self.scope, full_bytes, moved)
         return counter
 
-    def _run(self, kind: CommKind, label: str, counter: CommCounter, launch: Any, async_op: bool) -> PendingCollective:
+    def _run(self, kind: CommKind, label: str, counter: CommCounter, launch: Any, async_op: bool,
+             tensor: torch.Tensor) -> PendingCollective:
+        """Launch a collective over ``tensor`` (one of its tensors: where they live decides how it is
+        waited for, see [Note: waiting on a device collective])."""
         if not self.world.is_distributed:
             return PendingCollective(None, label, counter)
+        self.ledger.gate.open()
         start = time.perf_counter()
         with record_function(f"zeroshard.{kind.value}.{label}"):
             try:
@@ -205,7 +251,8 @@ class Collectives:
             except Exception as err:
                 raise CollectiveError(f"collective {label!r} could not start: {err}") from err
         counter.seconds += time.perf_counter() - start
-        pending = PendingCollective(work, label, counter, self.world.timeout_s)
+        pending = PendingCollective(work, label, counter, self.world.timeout_s,
+                                    on_device=tensor.device.type != "cpu")
         if not async_op:
             pending.wait()
         return pending
@@ -215,7 +262,8 @@ class Collectives:
         """Sum (or ``op``) ``tensor`` in place across ranks."""
         counter = self._account(CommKind.ALL_REDUCE, _nbytes(tensor), 2, label)
         return self._run(CommKind.ALL_REDUCE, label, counter,
-                         lambda: dist.all_reduce(tensor, op=op, group=self.world.group, async_op=True), async_op)
+                         lambda: dist.all_reduce(tensor, op=op, group=self.world.group, async_op=True), async_op,
+                         tensor)
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, label: str, async_op: bool = False,
                        own_input: Optional[torch.Tensor] = None) -> PendingCollective:
@@ -235,13 +283,13 @@ class Collectives:
         if self._rings:
             return self._run(CommKind.REDUCE_SCATTER, label, counter,
                              lambda: self._driven(RingReduceScatter(self.world, full, output, PIECE_BYTES, own_input)),
-                             async_op)
+                             async_op, full)
         if own_input is not None and self.world.is_distributed:
             chunk = full.numel() // self.world.world_size
             full[self.world.rank * chunk: (self.world.rank + 1) * chunk].copy_(own_input)
         return self._run(CommKind.REDUCE_SCATTER, label, counter,
                          lambda: _reduce_scatter_1d(output, full, group=self.world.group, async_op=True),
-                         async_op)
+                         async_op, full)
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, label: str,
                    async_op: bool = False) -> PendingCollective:
@@ -252,10 +300,22 @@ class Collectives:
             full.copy_(shard)
         if self._rings:
             return self._run(CommKind.ALL_GATHER, label, counter,
-                             lambda: self._driven(RingAllGather(self.world, full, shard, PIECE_BYTES)), async_op)
+                             lambda: self._driven(RingAllGather(self.world, full, shard, PIECE_BYTES)), async_op,
+                             full)
         return self._run(CommKind.ALL_GATHER, label, counter,
                          lambda: _all_gather_1d(full, shard, group=self.world.group, async_op=True),
-                         async_op)
+                         async_op, full)
+
+    def all_gather_rows(self, full: torch.Tensor, row: torch.Tensor, label: str,
+                        async_op: bool = False) -> PendingCollective:
+        """:meth:`all_gather` of a row of bookkeeping per rank (a few integers), as one collective of
+        the backend even on gloo: a ring's messages and its progress thread would cost more than the
+        data, whose temporaries are as small (see [Note: gloo's whole-buffer copies])."""
+        counter = self._account(CommKind.ALL_GATHER, _nbytes(full), 1, label)
+        if not self.world.is_distributed:
+            full.copy_(row)
+        return self._run(CommKind.ALL_GATHER, label, counter,
+                         lambda: _all_gather_1d(full, row, group=self.world.group, async_op=True), async_op, full)
 
     def _driven(self, ring: Ring) -> DrivenRing:
         """A launched ring, carried forward on the progress thread (see [Note: rings progress on their
@@ -281,7 +341,7 @@ class Collectives:
                 counter.bytes_received += _nbytes(tensor)
         self.ledger.record(CommKind.BROADCAST, label, self.world, self.scope, _nbytes(tensor), sent)
         self._run(CommKind.BROADCAST, label, counter,
-                  lambda: dist.broadcast(tensor, src=src, group=self.world.group, async_op=True), False)
+                  lambda: dist.broadcast(tensor, group_src=src, group=self.world.group, async_op=True), False, tensor)
 
     def all_reduce_scalar(self, value: float, label: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> float:
         """All-reduce one float64 (e.g. a squared gradient norm); counted like any all-reduce."""

@@ -15,7 +15,19 @@ doesn't match", or a hang until the timeout).  The check runs in a process group
 on host memory), so that when ranks diverge *inside* a call (a module skipped on one rank at stage
 3), a check never pairs with a ZeRO collective of another size (which aborts gloo): the ZeRO
 collective then times out with its own named error.  The cost is one all-gather of six integers per call,
-counted in its own collectives counters (``ConsistencyCheck.own``), apart from ZeRO's traffic.
+counted in its own collectives counters (``ConsistencyCheck.own``), apart from ZeRO's traffic, sent as
+one gloo all-gather (``Collectives.all_gather_rows``), not as a ring of messages.
+
+[Note: the backward's check runs behind its compute]
+The check is a round trip through every rank, whose latency grows with the ranks (gloo's all-gather is a
+ring).  A backward computes for a while before its first collective (a bucket must fill), so its check
+is launched at its start and verified just before the first collective any of the engine's groups
+launches (the engine's ``LaunchGate``, which the gather rounds of stage 3 share), or at the next check
+if the call launches none: a divergent rank still raises before any collective of the divergent call,
+and the check's round trip runs while autograd computes.  Every other call is verified at once: a
+forward at stage 3 and a step issue their first collective almost at once, and a save or a load must
+know before it writes or reads anything.  The verdict comes from the same all-gather on every rank, so
+every rank raises, whichever thread (autograd's, on a GPU) verifies it.
 """
 
 from __future__ import annotations
@@ -28,7 +40,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .collectives import CollectiveError, Collectives
+from .collectives import CollectiveError, Collectives, PendingCollective
+from .world import new_side_group
 
 
 class DivergenceError(CollectiveError):
@@ -62,37 +75,62 @@ class ConsistencyCheck:
         self.comm = comm  # the engine's: how many collectives it has issued is one of the fields
         world = comm.world
         if world.is_distributed:  # a group of its own: a check never pairs with a ZeRO collective
-            world = dataclasses.replace(world, group=dist.new_group(backend="gloo"), device=torch.device("cpu"),
+            world = dataclasses.replace(world, group=new_side_group(world, backend="gloo"), device=torch.device("cpu"),
                                         backend="gloo")
         #: the check's own traffic, counted apart so that the engine's counters stay ZeRO's traffic
         self.own = Collectives(world)
+        #: a check launched and not yet verified, with the rows it gathers into
+        self._in_flight: Optional[tuple[PendingCollective, torch.Tensor]] = None
 
     def release(self) -> None:
-        """Drop the side group (at exit, before the process groups are destroyed)."""
+        """Drop the side group (at exit, before the process groups are destroyed): no collective, and
+        no wait for one (a rank may be gone)."""
+        self._in_flight = None
+        self.comm.ledger.gate.clear()
         self.own.world = dataclasses.replace(self.own.world, group=None)
 
     def close(self) -> None:
         """Destroy the side group (``engine.close()``): its sockets go now, not when the process ends,
         so a process that builds engine after engine holds one group at a time."""
-        group = self.own.world.group
-        self.release()
-        if group is not None and dist.is_initialized():
-            dist.destroy_process_group(group)
+        try:
+            self.verify()  # every rank launched it: it finishes
+        finally:
+            group = self.own.world.group
+            self.release()
+            if group is not None and dist.is_initialized():
+                dist.destroy_process_group(group)
 
-    def agree(self, call: Call, micro_steps: int, global_steps: int, tag: Optional[str] = None) -> None:
-        """All ranks are making the same call at the same point, or every rank raises."""
+    def agree(self, call: Call, micro_steps: int, global_steps: int, tag: Optional[str] = None,
+              behind_compute: bool = False) -> None:
+        """All ranks are making the same call at the same point, or every rank raises.
+
+        ``behind_compute``: verified before the engine's next collective instead of at once (see
+        [Note: the backward's check runs behind its compute])."""
         world = self.comm.world
         if not world.is_distributed:
             return
+        self.verify()  # the previous call's, when it launched no collective
         issued = sum(c.calls for c in self.comm.counters.values())
         mine = torch.tensor([int(call), micro_steps, global_steps, issued, tag_digest(tag),
                              self.comm.ledger.sequence_digest()], dtype=torch.int64)
         rows = torch.empty(world.world_size * mine.numel(), dtype=torch.int64)
-        self.own.all_gather(rows, mine, "consistency_check")
-        table = rows.view(world.world_size, -1).tolist()
-        if all(row == table[0] for row in table):
+        self._in_flight = (self.own.all_gather_rows(rows, mine, "consistency_check", async_op=True), rows)
+        if behind_compute:
+            self.comm.ledger.gate.hold(self.verify)
+        else:
+            self.verify()
+
+    def verify(self) -> None:
+        """Wait for the check in flight, if any; raise :class:`DivergenceError` if the ranks' rows differ."""
+        if self._in_flight is None:
             return
-        raise DivergenceError(_describe(table, world.rank))
+        pending, rows = self._in_flight
+        self._in_flight = None
+        self.comm.ledger.gate.clear()
+        pending.wait()
+        table = rows.view(self.comm.world.world_size, -1).tolist()
+        if any(row != table[0] for row in table):
+            raise DivergenceError(_describe(table, self.comm.world.rank))
 
 
 def _describe(table: list[list[int]], me: int) -> str:

@@ -21,7 +21,6 @@ node (or the reverse).  Every rank creates every group, in the same order, as ``
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import os
 import socket
 from dataclasses import dataclass
@@ -30,8 +29,8 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from .collectives import Collectives
-from .world import World
+from .collectives import Collectives, CommLedger
+from .world import World, new_side_group
 
 
 def node_id() -> str:
@@ -107,7 +106,7 @@ class ShardGroups:
 
 
 def _new_group(world: World, ranks: list[int]) -> Optional[dist.ProcessGroup]:
-    return dist.new_group(ranks=ranks, timeout=datetime.timedelta(seconds=world.timeout_s))
+    return new_side_group(world, ranks)
 
 
 def _blocks(comm: Collectives, topology: Topology, size: int, across: bool) -> tuple[Collectives, Optional[Collectives]]:
@@ -144,10 +143,11 @@ def build_shard_groups(comm: Collectives, topology: Topology, mics_shard_size: i
     if gathers_in_passes and comm.world.is_distributed:
         size = groups.shard.world.world_size
         groups.grads, _ = _blocks(comm, topology, size, across=False)
-        rounds = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=comm.world.timeout_s))
-        # counted apart: the rounds are bookkeeping, not ZeRO's traffic
+        rounds = new_side_group(comm.world, backend="gloo")
+        # counted apart: the rounds are bookkeeping, not ZeRO's traffic; launched behind the engine's gate
+        # (see [Note: the backward's check runs behind its compute] in distributed/consistency.py)
         groups.rounds = Collectives(dataclasses.replace(comm.world, group=rounds, device=torch.device("cpu"),
-                                                        backend="gloo"))
+                                                        backend="gloo"), CommLedger(comm.ledger.gate))
     return groups
 
 

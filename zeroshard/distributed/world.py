@@ -15,7 +15,7 @@ import sys
 import types
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,12 +31,16 @@ class World:
     world_size: int
     local_rank: int
     device: torch.device
-    backend: str  # "gloo", "nccl" or "none" for a lone process without a process group
+    #: the backend of the world's collectives on ``device`` ("gloo", "nccl"), "none" for a lone process
+    backend: str
     #: None: the default (whole-world) group, without holding a reference to it (see [Note: a clean exit])
     group: Optional[dist.ProcessGroup] = None
     timeout_s: float = DEFAULT_TIMEOUT_S
     #: whether the group's ranks are on more than one node (its collectives then cross the network)
     spans_nodes: bool = False
+    #: a world over part of the job (one pipeline stage's data-parallel ranks): the global ranks of
+    #: every such part, this one among them (see [Note: side groups of a partial world])
+    parts: tuple[tuple[int, ...], ...] = ()
 
     @property
     def is_distributed(self) -> bool:
@@ -47,13 +51,86 @@ class World:
         return self.rank == 0
 
 
+def new_side_group(world: World, ranks: Optional[Sequence[int]] = None,
+                   backend: Optional[str] = None) -> Optional[dist.ProcessGroup]:
+    """[Note: side groups of a partial world]
+    ``dist.new_group`` must be entered by every rank of the job, in the same order, with the same ranks,
+    members or not.  A world over part of the job (each pipeline stage trains over its own
+    data-parallel ranks) creates its side groups while the other parts create theirs at the same point
+    of their own engines' construction, so each part's group is created by every rank, part after part,
+    and a rank keeps its own part's.  ``ranks`` are the world's own numbering (None: all of them).
+    """
+    timeout = datetime.timedelta(seconds=world.timeout_s)
+    if not world.parts:
+        return dist.new_group(ranks=None if ranks is None else list(ranks), backend=backend, timeout=timeout)
+    me, mine = dist.get_rank(), None
+    for part in world.parts:
+        members = [part[r] for r in (range(len(part)) if ranks is None else ranks)]
+        group = dist.new_group(ranks=members, backend=backend, timeout=timeout)
+        if me in members:
+            mine = group
+    return mine
+
+
 def _launched_by_torchrun() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+class LocalRankError(RuntimeError):
+    """``LOCAL_RANK`` names a CUDA device this host does not have (more processes per node than GPUs)."""
+
+
+def _device_backends(backend_config: str) -> dict[str, str]:
+    """``"cpu:gloo,cuda:nccl"`` -> ``{"cpu": "gloo", "cuda": "nccl"}``; a single name -> ``{}``."""
+    pairs = [part.split(":", 1) for part in backend_config.lower().replace(" ", "").split(",") if part]
+    return {pair[0]: pair[1] for pair in pairs if len(pair) == 2}
+
+
+def runs_cuda_collectives(backend_config: str) -> bool:
+    """Whether a process group of this backend configuration (``dist.get_backend_config()``: ``"nccl"``,
+    ``"cuda:nccl"``, ``"cpu:gloo,cuda:nccl"``, ...) runs its CUDA collectives on a device backend (not
+    gloo, which would stage them through host memory)."""
+    named = _device_backends(backend_config)
+    if not named:
+        return backend_config.lower() == "nccl"
+    return named.get("cuda", "gloo") != "gloo"
+
+
+def choose_device(backend_config: str, cuda_available: bool, device_count: int, local_rank: int) -> torch.device:
+    """[Note: which device a rank trains on]
+    A rank trains on ``cuda:LOCAL_RANK`` whenever CUDA is available and its process group can run
+    collectives on CUDA tensors with a device backend: a group whose backend is NCCL, and also one that
+    maps CUDA to NCCL among others, as ``init_process_group()`` without a backend does
+    (``cpu:gloo,cuda:nccl``, or ``cuda:nccl`` on a GPU host); deciding by the backend's name alone
+    would train such a job silently on the CPU of a GPU host.  A gloo group (``init_process_group("gloo")``
+    maps CUDA to gloo too, which stages every collective through host memory) trains on the CPU, as
+    its user asked.  A ``LOCAL_RANK`` beyond the host's devices is refused here, with what to do,
+    rather than by CUDA's "invalid device ordinal" at the first tensor.  ``backend_config`` is
+    ``"none"`` for a lone process without a process group: it trains on the GPU when there is one.
+    """
+    wants_cuda = cuda_available and (backend_config == "none" or runs_cuda_collectives(backend_config))
+    if not wants_cuda:
+        return torch.device("cpu")
+    check_local_rank(local_rank, device_count)
+    return torch.device("cuda", local_rank)
+
+
+def check_local_rank(local_rank: int, device_count: int) -> None:
+    """Refuse a ``LOCAL_RANK`` that names no CUDA device of this host (see [Note: which device a rank
+    trains on])."""
+    if not 0 <= local_rank < device_count:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        shown = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+        raise LocalRankError(
+            f"LOCAL_RANK {local_rank} but this host has {device_count} CUDA device(s){shown}: launch at most "
+            f"{device_count} process(es) per node (torchrun --nproc-per-node {device_count}), or set "
+            f"CUDA_VISIBLE_DEVICES so that every local rank has a device of its own")
 
 
 def _pick_backend() -> tuple[str, torch.device]:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available() and dist.is_nccl_available():
+        check_local_rank(local_rank, torch.cuda.device_count())
         torch.cuda.set_device(local_rank)
         return "nccl", torch.device("cuda", local_rank)
     return "gloo", torch.device("cpu")
@@ -145,11 +222,22 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
         chosen, _ = _pick_backend()
         dist.init_process_group(backend=backend or chosen, init_method="env://",
                                 timeout=datetime.timedelta(seconds=timeout_s))
+    cuda, count = torch.cuda.is_available(), torch.cuda.device_count()
     if not dist.is_initialized():
-        device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        device = choose_device("none", cuda, count, local_rank)
         return World(0, 1, 0, device, "none", None, timeout_s)
-    used = dist.get_backend()
-    device = torch.device("cuda", local_rank) if used == "nccl" else torch.device("cpu")
+    config = dist.get_backend_config()
+    device = choose_device(config, cuda, count, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    return World(dist.get_rank(), dist.get_world_size(), local_rank, device, used, None, timeout_s)
+    return World(dist.get_rank(), dist.get_world_size(), local_rank, device, backend_for(config, device), None,
+                 timeout_s)
+
+
+def backend_for(backend_config: str, device: torch.device) -> str:
+    """The backend that runs a group's collectives on ``device``'s tensors: ``"cuda:nccl"`` or
+    ``"cpu:gloo,cuda:nccl"`` on ``cuda`` is ``"nccl"``, on ``cpu`` ``"gloo"``; a single name is itself."""
+    named = _device_backends(backend_config)
+    if not named:
+        return backend_config.lower()
+    return named.get(device.type, next(iter(named.values())))

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..checkpoint import load_checkpoint
 from ..checkpoint.background import BackgroundSaves
-from ..checkpoint.format import FileWriting, write_state_dict
+from ..checkpoint.format import FileWriting, checked_directory, write_state_dict
 from ..checkpoint.interface import CheckpointParts
 from ..checkpoint.rotation import prune
 from ..checkpoint.save import capture, write
@@ -117,6 +117,7 @@ class EngineCheckpointer:
     def save(self, save_dir: Union[str, Path], tag: Any, client_state: Any, save_latest: bool,
              exclude_frozen: bool, async_save: Optional[bool], then: Optional[Callable[[], None]] = None) -> Path:
         """``Engine.save_checkpoint``; ``then`` runs once the checkpoint is published."""
+        save_dir = checked_directory(save_dir, "save_checkpoint", "save_dir")
         writer = self.settings.checkpoint.writer
         background = writer.decoupled if async_save is None else bool(async_save)
         self.saves.wait()  # the previous asynchronous save is published (or its error raised) first
@@ -154,6 +155,7 @@ class EngineCheckpointer:
              ) -> tuple[Optional[Path], Any]:
         """``Engine.load_checkpoint`` (the RNG rule: [Note: who owns the random number generators on
         resume] in engine/engine.py)."""
+        load_dir = checked_directory(load_dir, "load_checkpoint", "load_dir")
         restore_rng = self.attached().data_loader is not None if load_rng_state is None else load_rng_state
         self.saves.wait()  # a load reads what is published: an asynchronous save in flight finishes first
         self._agree_on(Call.LOAD, None if tag is None else str(tag))

@@ -39,12 +39,14 @@ class DistributedLoader:
     """A DataLoader over a :class:`ResumableSampler`, with ``state_dict()`` / ``load_state_dict()``."""
 
     def __init__(self, dataset: Dataset, micro_batch_size: int, world: World,
-                 collate_fn: Optional[Callable[..., Any]] = None, seed: int = 0) -> None:
+                 collate_fn: Optional[Callable[..., Any]] = None, seed: int = 0, drop_last: bool = False) -> None:
         self.micro_batch_size = micro_batch_size
+        # ``drop_last`` (config ``dataloader_drop_last``): only full micro batches of distinct samples;
+        # else every sample, each rank's share padded by repeats and its last micro batch possibly short
         self.sampler = ResumableSampler(dataset, num_replicas=world.world_size, rank=world.rank,
-                                        shuffle=True, seed=seed, drop_last=True)
+                                        shuffle=True, seed=seed, drop_last=drop_last)
         self.loader = DataLoader(dataset, batch_size=micro_batch_size, sampler=self.sampler,
-                                 collate_fn=collate_fn, drop_last=True,
+                                 collate_fn=collate_fn, drop_last=drop_last,
                                  generator=torch.Generator().manual_seed(seed))  # see the Note
         self.epoch = 0
         self.consumed = 0  # batches handed out in the current epoch
@@ -74,5 +76,6 @@ class DistributedLoader:
 
 
 def build_loader(dataset: Dataset, micro_batch_size: int, world: World,
-                 collate_fn: Optional[Callable[..., Any]] = None, seed: int = 0) -> DistributedLoader:
-    return DistributedLoader(dataset, micro_batch_size, world, collate_fn, seed)
+                 collate_fn: Optional[Callable[..., Any]] = None, seed: int = 0,
+                 drop_last: bool = False) -> DistributedLoader:
+    return DistributedLoader(dataset, micro_batch_size, world, collate_fn, seed, drop_last)

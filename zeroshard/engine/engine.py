@@ -40,15 +40,18 @@ from ..logging import log_rank
 from .metrics import MetricsWriter, PhaseTimers, device_peak_bytes, host_peak_bytes
 from ..planning import model_state_bytes
 from ..host.host_allocator import HostMemoryPolicy
+from ..host.page_memory import HostPageMemory
 from ..optim import build_scheduler, clip_coefficient, from_config, from_user, global_grad_norm
 from ..optim.param_groups import TrainableParams, collect_trainable
 from ..offload import OffloadIOError
 from ..optim.nonfinite import NonFiniteGradientError, first_nonfinite_parameter, ranks_with_nonfinite_loss
 from ..optim.updaters import build_updater
 from ..offload.policy import OffloadPolicies
+from ..sharding.buffer_memory import BufferMemory, DeviceMemory
 from ..sharding.storage import HOMES, InitialValues, ParameterStorage
 from ..precision import LossScaler, PrecisionPolicy
 from .counters import TrainingCounters
+from .placement import defer_to_device
 from ..checkpoint.background import BackgroundSaves, wait_for_copies
 from ..checkpoint.interface import CheckpointParts
 from ..sharding import STRATEGIES
@@ -146,10 +149,16 @@ class Engine:
         """
         _refuse_a_wrapped_model(model)
         replaced, from_init = _adopt_init_parameters(model, config, world)
+        if config.stage == 3:
+            # never the whole model on the device (see [Note: stage 3 moves parameters to the device as
+            # their buckets fill] in engine/placement.py)
+            from_init.update(defer_to_device(
+                (p for p in model.parameters() if id(p) not in from_init), world.device,
+                lambda values: self.comm.broadcast(values, 0, "init_params")))
         self.module = model.to(world.device)
         self.config = config
         self.counters = TrainingCounters()
-        self._decide_policies(config)
+        self._decide_policies(config, world.device)
         self._build_groups(world)
         trainable = collect_trainable(model, model_parameters,
                                       optimizer if isinstance(optimizer, Optimizer) else None, replaced)
@@ -164,9 +173,9 @@ class Engine:
         self._take_over()
 
     # ------------------------------------------------------------------ construction steps
-    def _decide_policies(self, config: ZeroshardConfig) -> None:
+    def _decide_policies(self, config: ZeroshardConfig, device: torch.device) -> None:
         """What the config decides, once: host memory, activation checkpointing, precision, loss
-        scale and where state lives."""
+        scale, where state lives, and where buffers kept for the run put their memory between uses."""
         self.host_memory = HostMemoryPolicy(config.host_memory_release, config.host_memory_trim).apply()
         # this engine's own settings while its forward runs (see [Note: whose settings a region uses] in
         # activations/checkpointing.py)
@@ -176,6 +185,11 @@ class Engine:
         self.precision = PrecisionPolicy.from_config(config)
         self.loss_scaler = LossScaler.from_config(config)
         self.offload = OffloadPolicies.from_config(config.zero_optimization)
+        # given to the storage, the stage and its pools, which never ask the device again (see [Note: one
+        # buffer memory per engine] in sharding/buffer_memory.py)
+        self.buffer_memory: BufferMemory = (
+            HostPageMemory() if config.zero_optimization.host_page_reuse and HostPageMemory.serves(device)
+            else DeviceMemory())
 
     def _build_groups(self, world: World) -> None:
         """The world (which ranks share a node), its collectives, the consistency check, the group of
@@ -195,7 +209,9 @@ class Engine:
         """Start every rank from rank 0's parameters and buffers, as DistributedDataParallel does."""
         with torch.no_grad():
             for p in self.module.parameters():
-                if id(p) not in from_init:  # built under Init: identical on every rank
+                # built under Init (identical on every rank), or moved at stage 3 as its bucket fills,
+                # which broadcasts it then
+                if id(p) not in from_init:
                     self.comm.broadcast(p.data, 0, "init_params")
             for b in self.module.buffers():
                 self.comm.broadcast(b.data, 0, "init_buffers")
@@ -206,7 +222,7 @@ class Engine:
         self.strategy = STRATEGIES[self.config.stage].build(
             self.module, trainable.params, trainable.names, trainable.group_of, self.shard_groups,
             self.config.zero_optimization, self.precision, self.offload, InitialValues(from_init),
-            [(name_of[id(p)], p) for p in trainable.frozen])
+            [(name_of[id(p)], p) for p in trainable.frozen], buffer_memory=self.buffer_memory)
         self.storage = self.strategy.storage
         self.storage.read_chunks_elsewhere_while(self.saves.copying)  # an asynchronous save's copy
 
@@ -217,7 +233,7 @@ class Engine:
         self.frozen_params = [p for p in frozen if HOMES.home_of(p) is None]
         with torch.no_grad():
             for p in self.frozen_params:
-                if id(p) in from_init:  # built under Init and kept whole: gathered now, in model order
+                if id(p) in from_init:  # built under Init, or moved at stage 3: its values now, in order
                     p.data = from_init[id(p)]().clone()
         self._convert_rest_of_model()
 
@@ -287,12 +303,15 @@ class Engine:
         # API misuse checks: step() needs a backward() before it; one backward() per boundary
         self._backwards_since_step = 0
         self._boundary_backward_done = False
-        self._nonfinite_loss_seen = False  # a micro step since the last step had a NaN/inf loss
+        # a micro step since the last step had a NaN/inf loss: a device flag, read on a skipped step only
+        self._nonfinite_loss: Optional[torch.Tensor] = None
         self._consecutive_skips = 0  # non-finite steps in a row (see optim/nonfinite.py)
         # set_gradient_accumulation_boundary(): a caller (Accelerate) that decides the boundary itself
         self._boundary_override: Optional[bool] = None
         self._grad_norm: Optional[float] = None
-        self._last_loss: Optional[float] = None
+        #: the last micro step's loss, on the device until a log or metric reads it (see [Note: one host
+        #: read per optimizer step])
+        self._last_loss: Optional[torch.Tensor] = None
 
     def _start_metrics(self) -> None:
         """The first metrics window, the phase timers and the JSONL / TensorBoard / CSV writer (rank 0)."""
@@ -415,9 +434,12 @@ class Engine:
         """Backpropagate ``loss / gradient_accumulation_steps`` (times the fp16 loss scale) and reduce
         gradients as the stage says.  ``scale_wrt_gas=False``: the caller already divided the loss."""
         started = time.perf_counter()
-        self._agree.agree(Call.BACKWARD, self.micro_steps, self.global_steps)  # first: ranks may disagree
+        # first: ranks may disagree; verified before the backward's first collective (see [Note: the
+        # backward's check runs behind its compute] in distributed/consistency.py)
+        self._agree.agree(Call.BACKWARD, self.micro_steps, self.global_steps, behind_compute=True)
         at_boundary = self.is_gradient_accumulation_boundary()
         if at_boundary and self._boundary_backward_done:
+            self._agree.verify()  # ranks that diverged: every rank raises that instead
             raise EngineUsageError("backward() called twice at a gradient accumulation boundary without step() "
                                    "in between: call engine.step() after each backward()")
         self._boundary_backward_done = at_boundary
@@ -432,8 +454,10 @@ class Engine:
         self.strategy.expect_gradients(scaled)
         scaled.backward(retain_graph=retain_graph)
         self.strategy.finish_backward()
-        self._last_loss = float(loss.detach())
-        self._nonfinite_loss_seen |= not math.isfinite(self._last_loss)
+        self._last_loss = loss.detach()
+        nonfinite = torch.isfinite(self._last_loss).logical_not_().any()
+        seen = self._nonfinite_loss
+        self._nonfinite_loss = nonfinite if seen is None else seen.logical_or_(nonfinite)
         self._timers.add("backward", started)
         return scaled
 
@@ -463,6 +487,20 @@ class Engine:
             self._log_progress()
 
     def _optimizer_step(self) -> None:
+        """[Note: one host read per optimizer step]
+        On a GPU every read of a device value on the host (``float()``, ``.item()``, ``bool()``, a
+        blocking copy to the CPU) waits until the GPU has run everything queued before it, and the GPU
+        then idles while the host queues the next work.  Between two optimizer steps the engine reads
+        one value: the global gradient norm, once it is summed over ranks, because whether the step is
+        taken at all (a non-finite norm skips it on every rank, see [Note: non-finite gradients] in
+        optim/nonfinite.py) decides what the host does next, and torch's optimizers (but the fused
+        ones) cannot skip a step on a device flag.  The clipping coefficient and the norm that
+        ``get_global_grad_norm()`` returns come with that read.  Everything else stays on the device:
+        each bucket's norm (see [Note: the norm stays on the device] in optim/clipping.py), the loss of
+        every micro step (read when a log line, ``metrics_record()`` or the user asks for it) and the
+        flag of a non-finite loss (read on a skipped step only).  tests/distributed/test_parity.py
+        counts the host reads of steady-state steps at every stage.
+        """
         # an asynchronous save copies what this step changes (see [Note: asynchronous saves] in
         # checkpoint/background.py)
         wait_for_copies()
@@ -471,7 +509,8 @@ class Engine:
         grads = [self.strategy.owned_grad(b) for b in self.strategy.layout.buckets]  # on the device
         shard_comm = self.strategy.comm  # the shard group: replicas (MiCS) hold the same averaged shard
         sharded = self.strategy.traits.grads_are_sharded and shard_comm.world.is_distributed
-        scaled_norm = global_grad_norm(grads, shard_comm if sharded else None)
+        # the step's one read of a device value on the host (see [Note: one host read per optimizer step])
+        scaled_norm = float(self._model_grad_norm(grads, shard_comm if sharded else None))
         scale = self.loss_scaler.scale
         self._grad_norm = scaled_norm / scale
         overflow = not math.isfinite(scaled_norm)  # the norm is summed over ranks: every rank sees it
@@ -480,7 +519,7 @@ class Engine:
             self._skip_step(grads)  # see [Note: non-finite gradients] in optim/nonfinite.py
             return
         self._consecutive_skips = 0
-        self._nonfinite_loss_seen = False
+        self._nonfinite_loss = None
         self.loss_scaler.update(overflow=False, step=self.global_steps + 1)
         clip = clip_coefficient(self._grad_norm, self.config.gradient_clipping)
         # fp32: the gradient buffers, clipped in place; masters: fp32 copies (on the host under
@@ -492,6 +531,11 @@ class Engine:
         self.strategy.zero_grad()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
+
+    def _model_grad_norm(self, grads: list[torch.Tensor], comm: Optional[Collectives]) -> torch.Tensor:
+        """The norm of the whole model's gradients (``comm``: summed over the shards); a pipeline stage's
+        engine adds the other stages' (pipeline/stage_engine.py)."""
+        return global_grad_norm(grads, comm, self.world.device)
 
     def _skip_step(self, grads: list[torch.Tensor]) -> None:
         """A non-finite gradient norm: parameters, optimizer state and LR schedule stay as they are."""
@@ -506,8 +550,8 @@ class Engine:
             return
         self.skipped_steps += 1
         self._consecutive_skips += 1
-        ranks = ranks_with_nonfinite_loss(self.comm, self._nonfinite_loss_seen)
-        self._nonfinite_loss_seen = False
+        ranks = ranks_with_nonfinite_loss(self.comm, self._nonfinite_loss is not None and bool(self._nonfinite_loss))
+        self._nonfinite_loss = None
         source = f"non-finite loss on rank(s) {ranks}" if ranks else "every rank's loss was finite: it arose in backward"
         if self._consecutive_skips >= self.config.max_consecutive_skips:
             name = first_nonfinite_parameter(self.strategy.comm, self.strategy.layout.buckets, grads, self.param_names)
@@ -584,8 +628,10 @@ class Engine:
         if not self._closed:
             self.saves.close()
             self._release(hand_back=True)
-            self._agree.close()
-            self.shard_groups.close()
+            try:
+                self._agree.close()  # raises if the last check in flight finds the ranks diverged
+            finally:
+                self.shard_groups.close()
 
     def _release(self, hand_back: bool) -> None:
         if self._closed:
@@ -597,6 +643,7 @@ class Engine:
             self.storage.detach_parameters()
         self.updater.close()
         self.storage.close()
+        self.buffer_memory.drop_all()  # parked pages go back to the system
         _ENGINE_OF.pop(self.module, None)
 
     def zero_grad(self) -> None:
@@ -655,7 +702,7 @@ class Engine:
         self.zero_grad()
         self._backwards_since_step = 0
         self._boundary_backward_done = False
-        self._nonfinite_loss_seen = False
+        self._nonfinite_loss = None
 
     def checkpoint_parts(self) -> CheckpointParts:
         """The engine's stateful parts, as a checkpoint saves and restores them (checkpoint/interface.py)."""
@@ -712,7 +759,8 @@ class Engine:
         comm_bytes = self.comm.total_bytes_sent()
         comm_seconds = sum(c.seconds for c in self.comm.counters.values())
         record: dict[str, Any] = {
-            "step": self.global_steps, "loss": self._last_loss, "lr": self.get_lr()[0],
+            "step": self.global_steps, "loss": None if self._last_loss is None else float(self._last_loss),
+            "lr": self.get_lr()[0],
             "grad_norm": self._grad_norm, "samples_per_s": steps * self.train_batch_size() / elapsed,
             "tokens_per_s": tokens_per_s, "tflops": 6 * self.strategy.layout.numel * tokens_per_s / 1e12,
             "comm_mib": (comm_bytes - self._window_comm[0]) / 2**20, "comm_s": comm_seconds - self._window_comm[1],

@@ -4,13 +4,20 @@ A gather reads a shard straight into the full buffer's own slot (through a stagi
 device is a GPU); an update writes the rounded values back from a staging buffer.  ``buffer_count``
 staging buffers of ``buffer_size`` elements bound the writes in flight.  Reads and writes share one
 I/O thread in submission order, so a gather always reads the last update.
+
+[Note: staging buffers between a GPU and the swap files]
+Where CUDA is available the staging buffers are page-locked and the copies between them and the GPU
+do not wait (``non_blocking``): a copy to the device is queued on the stream and the buffer is not
+reused until a CUDA event recorded after it has passed; a copy from the device is waited for by the
+I/O thread, before it writes the buffer, not by the training thread.  A pageable copy would stop the
+training thread until the GPU has run everything queued before it, at every shard read or written.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -36,7 +43,10 @@ class ParamSwap(SwapSpace):
         preflight_nvme(comm, nvme_path, config_key, sum(shard_numels.values()) * size, buffer_count * staging * size)
         super().__init__(nvme_path, comm.world.rank, "params")
         self.buffer_count = buffer_count
-        self._free = [torch.empty(staging, dtype=dtype) for _ in range(buffer_count)]
+        pinned = torch.cuda.is_available()  # see [Note: staging buffers between a GPU and the swap files]
+        #: free staging buffers, each with the event after which no copy to the device reads it (or None)
+        self._free: list[tuple[torch.Tensor, Optional[Any]]] = [
+            (torch.empty(staging, dtype=dtype, pin_memory=pinned), None) for _ in range(buffer_count)]
         self._writes: deque[tuple[Future[None], torch.Tensor]] = deque()
         self.files: dict[int, SwapFile] = {i: self.file(f"b{i}.shard", n * size) for i, n in shard_numels.items()}
 
@@ -48,32 +58,50 @@ class ParamSwap(SwapSpace):
             if into.device.type == "cpu":
                 self.io.read(self.files[bucket], into).result()
                 return
-            while not self._free:
-                self._finish_oldest_write()
-            staging = self._free.pop()
+            staging = self._take()
+            copied = None
             try:
                 self.io.read(self.files[bucket], staging[: into.numel()]).result()
-                into.copy_(staging[: into.numel()])
+                asynchronous = staging.is_pinned() and into.is_cuda
+                into.copy_(staging[: into.numel()], non_blocking=asynchronous)
+                if asynchronous:  # the buffer is reused once the copy has run
+                    copied = torch.cuda.Event()
+                    copied.record()
             finally:
-                self._free.append(staging)
+                self._free.append((staging, copied))
         except OffloadIOError as err:
             self.record(err)
             into.zero_()
 
     def write(self, bucket: int, start: int, values: torch.Tensor) -> None:
         """Queue a write of ``values`` at element ``start`` of the shard, rounded to the shard dtype."""
-        while not self._free:  # bounded staging: wait for the oldest write
+        staging = self._take()[: values.numel()]
+        ready = None
+        if values.is_cuda and staging.is_pinned():  # the I/O thread waits for the copy, not this one
+            staging.copy_(values, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            ready = copied.synchronize
+        else:
+            staging.copy_(values)
+        self._writes.append((self.io.write(self.files[bucket], staging, start * staging.element_size(), ready),
+                             staging))
+
+    def _take(self) -> torch.Tensor:
+        """A free staging buffer (bounded: waits for the oldest write), no copy to the device still reading it."""
+        while not self._free:
             self._finish_oldest_write()
-        staging = self._free.pop()[: values.numel()]
-        staging.copy_(values)
-        self._writes.append((self.io.write(self.files[bucket], staging, start * staging.element_size()), staging))
+        staging, copied = self._free.pop()
+        if copied is not None:
+            copied.synchronize()
+        return staging
 
     def _finish_oldest_write(self) -> None:
         future, staging = self._writes.popleft()
         try:
             self.wait(future)
         finally:
-            self._free.append(staging._base if staging._base is not None else staging)
+            self._free.append((staging._base if staging._base is not None else staging, None))
 
     def flush(self) -> None:
         """Wait for every write (a failure is recorded)."""

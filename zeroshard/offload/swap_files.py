@@ -129,12 +129,18 @@ class SwapIO:
     def read(self, file: SwapFile, into: torch.Tensor, offset: int = 0) -> "Future[None]":
         return self._timed(lambda: file.read_into(into, offset), into, writing=False)
 
-    def write(self, file: SwapFile, tensor: torch.Tensor, offset: int = 0) -> "Future[None]":
-        return self._timed(lambda: file.write(tensor, offset), tensor, writing=True)
+    def write(self, file: SwapFile, tensor: torch.Tensor, offset: int = 0,
+              ready: Optional[Callable[[], None]] = None) -> "Future[None]":
+        """Queue a write of ``tensor``; ``ready``: waited for on the thread first (a copy into
+        ``tensor`` still running on a GPU stream)."""
+        return self._timed(lambda: file.write(tensor, offset), tensor, writing=True, ready=ready)
 
-    def _timed(self, io: Callable[[], None], tensor: torch.Tensor, writing: bool) -> "Future[None]":
+    def _timed(self, io: Callable[[], None], tensor: torch.Tensor, writing: bool,
+               ready: Optional[Callable[[], None]] = None) -> "Future[None]":
         """Queue ``io`` on the thread, adding its seconds and bytes to the throughput counters."""
         def run() -> None:
+            if ready is not None:
+                ready()
             started = time.perf_counter()
             io()
             seconds, nbytes = time.perf_counter() - started, tensor.numel() * tensor.element_size()

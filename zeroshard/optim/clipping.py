@@ -3,11 +3,18 @@
 The norm must be the one ``torch.nn.utils.clip_grad_norm_`` would give on the full, unsharded
 gradients, identical on every rank: each rank sums the squares of the gradient chunks it owns, the
 sums are added across ranks (one scalar all-reduce), and every rank takes the same square root.
+
+[Note: the norm stays on the device]
+Each bucket's norm is a device tensor, and the squares are summed on the device in float64, in bucket
+order, into one tensor that is all-reduced once: reading a bucket's norm on the host (``float()``)
+would make the host wait for the GPU at every bucket, so that nothing is queued ahead of the GPU while
+it computes the next.  The engine reads the finished norm once per optimizer step (see [Note: one
+host read per optimizer step] in engine/engine.py).  The arithmetic is the one of a host sum of
+doubles: each bucket's fp32 norm widened to float64 and squared, added one bucket after another.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence
 
 import torch
@@ -15,13 +22,18 @@ import torch
 from ..distributed.collectives import Collectives
 
 
-def global_grad_norm(grads: Sequence[torch.Tensor], comm: Optional[Collectives]) -> float:
-    """L2 norm of all gradients; ``comm`` sums the squares across ranks when grads are sharded."""
-    local = 0.0
+def global_grad_norm(grads: Sequence[torch.Tensor], comm: Optional[Collectives],
+                     device: Optional[torch.device] = None) -> torch.Tensor:
+    """L2 norm of all gradients, a float64 tensor of one element on the gradients' device (``device``
+    when there are none); ``comm`` sums the squares across ranks when grads are sharded."""
+    where = grads[0].device if grads else device if device is not None else torch.device("cpu")
+    total = torch.zeros(1, dtype=torch.float64, device=where)
     for g in grads:  # in fp32 whatever the gradient dtype: a 16-bit norm would round, or overflow
-        local += float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 if g.numel() else 0.0
-    total = comm.all_reduce_scalar(local, "grad_norm") if comm is not None else local
-    return math.sqrt(total)
+        if g.numel():
+            total.add_(torch.linalg.vector_norm(g, dtype=torch.float32).double().square())
+    if comm is not None:
+        comm.all_reduce(total, "grad_norm")
+    return total.sqrt_()
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:

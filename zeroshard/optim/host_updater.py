@@ -1,9 +1,9 @@
 """Host offload (ZeRO-Offload): masters and optimizer state in host memory, stepped in sub-groups.
 
 As each bucket's gradients are averaged at a boundary, its owned chunk is copied to a host fp32
-buffer (asynchronously from a GPU, into page-locked memory with ``pin_memory``) while backward goes
-on; the optimizer then steps the host pieces (at most ``sub_group_size`` elements each, see
-[Note: cutting pieces] in offload/master_swap.py) and publishes each into the parameters.
+buffer (from a GPU asynchronously, into page-locked memory) while backward goes on; the optimizer
+then steps the host pieces (at most ``sub_group_size`` elements each, see [Note: cutting pieces] in
+offload/master_swap.py) and publishes each into the parameters.
 """
 
 from __future__ import annotations
@@ -30,8 +30,11 @@ class HostUpdater(MasterUpdater):
         self.sub_group_size = sub_group_size
         super().__init__(strategy)
         masters = self.master_weights.data
-        # filled as buckets are reduced
-        self.host_grads = torch.zeros(masters.numel(), dtype=torch.float32, pin_memory=masters.is_pinned())
+        # filled as buckets are reduced; page-locked whenever gradients come from a GPU (``pin_memory``
+        # decides for the masters and optimizer state): a pageable target would make every bucket's copy
+        # wait for the GPU, inside backward
+        pinned = masters.is_pinned() or strategy.world.device.type == "cuda"
+        self.host_grads = torch.zeros(masters.numel(), dtype=torch.float32, pin_memory=pinned)
         self._copies: list[torch.cuda.Event] = []
 
     def spans(self, numel: int) -> list[tuple[int, int]]:

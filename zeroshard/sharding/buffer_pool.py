@@ -14,28 +14,25 @@ sharding/sharded_grads.py).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
-from ..host.page_release import can_release_pages, held_bytes, prefer_huge_pages, release_pages
-from ..host.page_reserve import PageReserve
+from .buffer_memory import BufferMemory
 
 
 class BufferPool:
     """Hands out 1D views of fixed-capacity buffers, their values undefined (each user writes every
     element it reads: see [Note: filling a stage-2 bucket] in sharding/sharded_grads.py); grows only
-    when all are in use.  In host memory a buffer's pages are dropped when it is made, so what its
-    users never write (stage 2's own chunks) never becomes resident."""
+    when all are in use.  A buffer comes from ``memory`` holding as little as it can until written (in
+    host memory no page), so what its users never write (stage 2's own chunks) never becomes resident."""
 
-    def __init__(self, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, capacity: int, dtype: torch.dtype, device: torch.device, memory: BufferMemory) -> None:
         self.capacity = capacity
         self.dtype = dtype
         self.device = device
+        self.memory = memory
         self._free: list[torch.Tensor] = []
         self._all: list[torch.Tensor] = []
         self._lent: dict[int, torch.Tensor] = {}  # data_ptr of a lent view -> its buffer
-        self._huge_pages = can_release_pages(torch.empty(0, device=device))  # host memory on Linux
 
     def acquire(self, numel: int) -> torch.Tensor:
         """A view of ``numel`` elements (1D), values undefined; give it back with :meth:`release`."""
@@ -44,10 +41,7 @@ class BufferPool:
         if self._free:
             buffer = self._free.pop()
         else:
-            buffer = torch.empty(self.capacity, dtype=self.dtype, device=self.device)
-            if self._huge_pages:  # host memory: no page is resident until written (the heap may reuse some)
-                release_pages(buffer)
-                prefer_huge_pages(buffer)
+            buffer = self.memory.empty(self.capacity, self.dtype, self.device)
             self._all.append(buffer)
         view = buffer[:numel]
         self._lent[view.data_ptr()] = buffer
@@ -68,41 +62,32 @@ class BufferPool:
 
 
 class KeptBuffers:
-    """One buffer per key, allocated at its first use and kept for the run: :meth:`give_back` drops its
-    pages in host memory on Linux (see the Note), or parks them in the page reserve it was given, whence
-    :meth:`take` moves pages back in; elsewhere it frees the buffer (and :meth:`take` allocates it
-    again).  Stage 3 keeps each bucket's gradient chunk in one ([Note: where gradient chunks live] in
-    sharding/grad_chunks.py)."""
+    """One buffer per key, allocated at its first use and kept for the run: :meth:`give_back` releases
+    its memory to ``memory`` (in host memory its pages are parked, whence :meth:`take` moves pages back
+    in; on a device its storage is freed, and :meth:`take` allocates it again).  Stage 3 keeps each
+    bucket's gradient chunk in one ([Note: where gradient chunks live] in sharding/grad_chunks.py)."""
 
-    def __init__(self, device: torch.device, reserve: Optional[PageReserve] = None) -> None:
+    def __init__(self, device: torch.device, memory: BufferMemory) -> None:
         self.device = device
+        self.memory = memory
         self._buffers: dict[int, torch.Tensor] = {}
-        #: where given-back pages go (in host memory on Linux): stage 3's reserve, whence a buffer
-        #: taken again gets its pages; else a reserve of no capacity, which drops them
-        self._pages = (reserve or PageReserve(0)) if can_release_pages(torch.empty(0, device=device)) else None
 
     def take(self, key: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Buffer ``key`` (1D, ``numel`` elements of ``dtype``); its values are undefined."""
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() != numel or buffer.dtype != dtype:
-            if buffer is not None and self._pages is not None:
-                self._pages.reclaim(buffer)  # freed: nothing of it may stay parked
-            buffer = torch.empty(numel, dtype=dtype, device=self.device)
-            if self._pages is not None:
-                prefer_huge_pages(buffer)
+            if buffer is not None:
+                self.memory.forget(buffer)  # freed: nothing of it may wait for reuse
+            buffer = self.memory.empty(numel, dtype, self.device)
             self._buffers[key] = buffer
-        if self._pages is not None:
-            self._pages.fill(buffer)
+        self.memory.refill(buffer)
         return buffer
 
     def give_back(self, key: int) -> None:
-        """Buffer ``key``'s memory goes back to the system until it is next taken."""
-        if self._pages is not None:
-            if key in self._buffers:
-                self._pages.give(self._buffers[key])
-        else:
-            self._buffers.pop(key, None)
+        """Buffer ``key``'s memory goes until it is next taken."""
+        if key in self._buffers:
+            self.memory.release(self._buffers[key])
 
     def held_bytes(self) -> int:
-        """Memory the buffers hold now, measured: resident whole pages, or the buffers' bytes."""
-        return sum(held_bytes(b) for b in self._buffers.values())
+        """Memory the buffers hold now, measured."""
+        return sum(self.memory.held_bytes(b) for b in self._buffers.values())

@@ -13,8 +13,8 @@ from typing import Callable, Collection, Optional, Sequence
 import torch
 
 from ..distributed.collectives import Collectives
-from ..host.page_reserve import PageReserve
 from ..offload.policy import SwapFailure
+from .buffer_memory import BufferMemory
 from .layout import BucketLayout, FlatLayout
 from .master_weights import MasterWeights
 from .storage import HOMES, ParamHome
@@ -50,8 +50,8 @@ class FlatParameters:
     """Owns the padded flat buffer and the views the model's parameters now point into."""
 
     def __init__(self, layout: FlatLayout, params: Sequence[torch.nn.Parameter], comm: Collectives,
-                 dtype: Optional[torch.dtype] = None, masters: Optional[MasterWeights] = None,
-                 job_comm: Optional[Collectives] = None) -> None:
+                 buffer_memory: BufferMemory, dtype: Optional[torch.dtype] = None,
+                 masters: Optional[MasterWeights] = None, job_comm: Optional[Collectives] = None) -> None:
         first = params[0]
         check_uniform(params)
         self.params = list(params)
@@ -61,7 +61,8 @@ class FlatParameters:
         self.dtype = dtype or first.dtype
         self.device = first.device
         self.masters = masters
-        self.page_reserve: Optional[PageReserve] = None  # stages 0-2 release no pages between uses
+        #: the flat buffer is never released; the strategy's bucket pools take their buffers from here
+        self.buffer_memory = buffer_memory
         #: waits until these buckets' values are current (None: all), set by a strategy whose post-step
         #: gather runs into the next forward (see [Note: the parameter gather
         #: runs into the next forward] in sharding/strategy.py)

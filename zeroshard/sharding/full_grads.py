@@ -56,7 +56,7 @@ class FullGradientStrategy(ShardingStrategy):
         self._divides_in_place = self.precision.grad_accum == self.precision.comm
         largest = max(b.padded_numel for b in self.layout.buckets)
         #: buckets converted to the communication dtype while in flight (only when it differs)
-        self.cast_pool = BufferPool(largest, self.precision.comm, self.storage.device)
+        self.cast_pool = BufferPool(largest, self.precision.comm, self.storage.device, self.storage.buffer_memory)
         self._cast: dict[int, torch.Tensor] = {}
 
     def communicates_now(self) -> bool:

@@ -22,8 +22,8 @@ from typing import Collection, Optional, Sequence
 
 import torch
 
-from ..host.page_reserve import PageReserve
 from ..precision import PrecisionPolicy
+from .buffer_memory import BufferMemory
 from .buffer_pool import KeptBuffers
 from .layout import BucketLayout, ParamSlot
 
@@ -211,7 +211,7 @@ class KeptChunkBuffers(ReducedInBucket):
     """[Note: where gradient chunks live]
     At stage 3 each bucket's chunk has a buffer of its own, kept for the run, whose pages go when the
     optimizer has stepped the bucket and come back at its first reduction of the next step
-    (``KeptBuffers``; in host memory they are parked in stage 3's page reserve, whence the next
+    (``KeptBuffers``; in host memory they are parked in the engine's page reserve, whence the next
     gathers take them: [Note: released pages move to the next gather] in host/page_reserve.py).  Stage
     3 is the memory-first stage: from the step to the next backward, through the forward where the
     gathered units add to the activations, its gradient chunks hold no memory, and a buffer whose
@@ -221,10 +221,10 @@ class KeptChunkBuffers(ReducedInBucket):
     """
 
     def __init__(self, precision: PrecisionPolicy, divisor: int, rank: int, device: torch.device,
-                 reserve: Optional[PageReserve]) -> None:
+                 memory: BufferMemory) -> None:
         super().__init__(precision, divisor, rank, device)
-        #: one buffer per bucket; ``reserve``: stage 3's page reserve (see the Note)
-        self.buffers = KeptBuffers(device, reserve)
+        #: one buffer per bucket, whose memory comes and goes through the engine's ``memory`` (see the Note)
+        self.buffers = KeptBuffers(device, memory)
 
     def _new_chunk(self, bucket: BucketLayout) -> torch.Tensor:
         return self.buffers.take(bucket.index, bucket.shard_numel, self.dtype)

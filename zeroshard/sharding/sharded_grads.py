@@ -43,7 +43,8 @@ class ShardedGradientStrategy(ShardingStrategy):
         self.grad_chunks = grad_chunks
         self._buffers: dict[int, torch.Tensor] = {}  # bucket index -> full bucket being filled or in flight
         largest = max(b.padded_numel for b in self.layout.buckets)
-        self._bucket_pool = BufferPool(largest, self.precision.comm, self.storage.device)  # filled, then reduced
+        self._bucket_pool = BufferPool(largest, self.precision.comm, self.storage.device,
+                                       self.storage.buffer_memory)  # filled, then reduced
 
     def communicates_now(self) -> bool:
         """Every micro step (see [Note: stage-2 accumulation])."""

@@ -21,8 +21,8 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..distributed.collectives import Collectives
-from ..host.page_reserve import PageReserve
 from ..offload.policy import SwapFailure
+from .buffer_memory import BufferMemory
 from .layout import BucketLayout, FlatLayout
 from .master_weights import MasterWeights
 
@@ -37,8 +37,9 @@ class ParameterStorage(Protocol):
     dtype: torch.dtype  # the compute dtype of the parameters
     device: torch.device  # the training device
     masters: Optional[MasterWeights]  # fp32 masters of the owned chunks, if any
-    #: stage 3 in host memory on Linux: where released pages wait for the next buffer (else None)
-    page_reserve: Optional[PageReserve]
+    #: how buffers kept for the run give back their memory and get it again, chosen once by the engine
+    #: ([Note: one buffer memory per engine] in sharding/buffer_memory.py)
+    buffer_memory: BufferMemory
 
     @property
     def full(self) -> list[torch.Tensor]:

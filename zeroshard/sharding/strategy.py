@@ -32,6 +32,7 @@ from ..distributed.topology import ShardGroups
 from ..distributed.world import World
 from ..offload.policy import OffloadPolicies, OffloadPolicy
 from ..precision import PrecisionPolicy
+from .buffer_memory import BufferMemory
 from .flat_params import FlatParameters
 from .layout import BUCKETS_PER_MODEL, capped_bucket_numel, BucketLayout, FlatLayout, ParamSlot, plan_buckets
 from .master_weights import MasterWeights, owned_spans
@@ -57,6 +58,24 @@ class BucketProgress:
     def complete(self, bucket: BucketLayout) -> bool:
         """Every parameter of ``bucket`` has its gradient, or is known to get none."""
         return len(self.arrived) + len(self.absent - self.arrived) >= len(bucket.slots)
+
+
+@dataclass
+class ReplicaSum:
+    """A bucket's sum across MiCS replicas in flight; ``wait()`` also writes a sum taken in the
+    communication dtype back into the chunk (see [Note: the replicas' sums run behind backward])."""
+
+    pending: PendingCollective
+    sent: torch.Tensor
+    owned: torch.Tensor
+
+    def is_completed(self) -> bool:
+        return self.pending.is_completed()
+
+    def wait(self) -> None:
+        self.pending.wait()
+        if self.sent is not self.owned:
+            self.owned.copy_(self.sent)
 
 
 @dataclass(frozen=True)
@@ -117,6 +136,8 @@ class ShardingStrategy(ABC):
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
         #: buckets reduced whose replicas and listeners have not been told yet (see ``_retire``)
         self._reduced_later: list[BucketLayout] = []
+        #: MiCS: buckets whose sum across replicas is in flight, in order, before their listeners hear
+        self._replica_sums: list[tuple[BucketLayout, Optional[ReplicaSum]]] = []
         #: parameter all-gathers in flight after a step, by bucket index, in launch order
         self._gathers: list[tuple[int, PendingCollective]] = []
         self._gather_numel = 0
@@ -195,10 +216,24 @@ class ShardingStrategy(ABC):
                         self._after_reduction()
 
     def _after_reduction(self) -> None:
-        """Sum the reduced buckets' chunks with their replicas (MiCS) and tell the listeners, in order."""
+        """Launch the sums of the reduced buckets' chunks with their replicas (MiCS) and tell the
+        listeners, in order, of the buckets whose sum is done (see [Note: the replicas' sums run behind
+        backward])."""
         reduced, self._reduced_later = self._reduced_later, []
         for bucket in reduced:
-            self.reduce_across_replicas(bucket)
+            self._replica_sums.append((bucket, self.reduce_across_replicas(bucket)))
+        self._tell_listeners(wait=False)
+
+    def _tell_listeners(self, wait: bool) -> None:
+        """Tell the listeners of each bucket whose sum across replicas is done, in order; ``wait``: of
+        every bucket, waiting for the sums."""
+        while self._replica_sums:
+            bucket, summed = self._replica_sums[0]
+            if summed is not None:
+                if not wait and not summed.is_completed():
+                    return
+                summed.wait()
+            self._replica_sums.pop(0)
             for listener in self._reduced_listeners:
                 listener(bucket)
 
@@ -216,19 +251,25 @@ class ShardingStrategy(ABC):
             self._launch_in_order(only_complete=False)
             self._retire(keep_in_flight=0)
             self._after_reduction()
+            self._tell_listeners(wait=True)
         self._progress = [BucketProgress() for _ in self.layout.buckets]
         self._next_launch = 0
 
-    def reduce_across_replicas(self, bucket: BucketLayout) -> None:
-        """MiCS: sum this rank's averaged shard of ``bucket`` with the ranks that hold the same shard in
-        the other shard groups, once per optimizer step (in the communication dtype)."""
+    def reduce_across_replicas(self, bucket: BucketLayout) -> Optional["ReplicaSum"]:
+        """MiCS: launch the sum of this rank's averaged shard of ``bucket`` with the ranks that hold the
+        same shard in the other shard groups, once per optimizer step (in the communication dtype).
+
+        [Note: the replicas' sums run behind backward]
+        Each bucket's sum across replicas is launched as soon as its chunk is reduced and waited for
+        only when its listeners need it: as backward goes on when it has finished, at the latest at
+        the end of backward.  Waiting at once would hold backward up at every bucket: on a GPU the
+        compute stream would wait for each sum before computing the next gradients, on gloo the host.
+        The listeners (the host optimizer's copy of the gradient) hear of the buckets in order."""
         if self.replicas is None:
-            return
+            return None
         owned = self.owned_grad(bucket)
         sent = owned if owned.dtype == self.precision.comm else owned.to(self.precision.comm)
-        self.replicas.all_reduce(sent, f"grad_replicas{bucket.index}")
-        if sent is not owned:
-            owned.copy_(sent)
+        return ReplicaSum(self.replicas.all_reduce(sent, f"grad_replicas{bucket.index}", async_op=True), sent, owned)
 
     def add_reduced_listener(self, listener: Callable[[BucketLayout], None]) -> None:
         """Call ``listener(bucket)`` once each bucket's gradients are averaged at a boundary (the host
@@ -240,16 +281,18 @@ class ShardingStrategy(ABC):
     def build(cls, model: nn.Module, params: Sequence[nn.Parameter], names: Sequence[str],
               group_of: Sequence[int], groups: ShardGroups, zero: ZeroConfig,
               precision: PrecisionPolicy = PrecisionPolicy(), offload: OffloadPolicies = OffloadPolicies(),
-              initial: InitialValues = InitialValues(), frozen: Sequence[tuple[str, nn.Parameter]] = ()
-              ) -> "ShardingStrategy":
+              initial: InitialValues = InitialValues(), frozen: Sequence[tuple[str, nn.Parameter]] = (),
+              *, buffer_memory: BufferMemory) -> "ShardingStrategy":
         """Lay out the trainable parameters and take them over (stages 0-2: one flat buffer), sharded
-        over ``groups.shard``; ``frozen`` (name, parameter) pairs stay whole at stages 0-2, as in DDP."""
+        over ``groups.shard``; ``frozen`` (name, parameter) pairs stay whole at stages 0-2, as in DDP;
+        ``buffer_memory``: the engine's (see [Note: one buffer memory per engine] in
+        sharding/buffer_memory.py)."""
         comm = groups.shard
         bucket_numel = capped_bucket_numel(zero.reduce_bucket_size, sum(p.numel() for p in params),
                                            cls.traits.buckets_per_model)
         layout = plan_buckets(params, names, group_of, bucket_numel, comm.world.world_size)
         masters = cls.make_masters(layout, comm.world, precision, offload, params[0].device, comm)
-        storage = FlatParameters(layout, params, comm, precision.compute, masters, groups.job)
+        storage = FlatParameters(layout, params, comm, buffer_memory, precision.compute, masters, groups.job)
         strategy = cls(storage, params, groups, zero, precision)
         strategy.hook_model(model)
         return strategy

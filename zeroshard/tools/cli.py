@@ -1,6 +1,7 @@
 """The ``zeroshard`` command.
 
     zeroshard demo [--stage 3] [--nproc 2] [--steps 300] [--precision fp32] [--config ds.json] [--lora]
+    zeroshard selftest [--device cpu|cuda] [--nproc N] [--size 125m] [--steps K] [--json out.json]
     zeroshard consolidate CKPT_DIR OUT [--dtype fp32|bf16|fp16] [--tag TAG]
     zeroshard ckpt-info CKPT_DIR [--tag TAG]
     zeroshard estimate --params 7e9 --gpus-per-node 8 [--gpu-memory 80] [--micro-batch 1 --seq-len 4096 ...]
@@ -19,14 +20,37 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING, Optional, Sequence
 
+from .selftest.command import add_parser as add_selftest_parser
+
 if TYPE_CHECKING:
     from ..config import ZeroshardConfig
     from ..planning import Cluster, EstimateRequest
 
 
+def _demo_nproc(requested: Optional[int], cuda_devices: int) -> int:
+    """The demo's ranks: as asked, else 2, or on a GPU host one per GPU up to 2; more ranks than GPUs is
+    refused here rather than by CUDA's "invalid device ordinal" in a rank."""
+    if requested is None:
+        return min(2, cuda_devices) if cuda_devices else 2
+    if requested < 1:
+        raise SystemExit(f"zeroshard demo: --nproc {requested}: give at least 1")
+    if cuda_devices and requested > cuda_devices:
+        raise SystemExit(f"zeroshard demo: --nproc {requested} but this host has {cuda_devices} CUDA device(s) and "
+                         f"each rank trains on a GPU of its own: --nproc {cuda_devices} or fewer (or hide the GPUs "
+                         f"with CUDA_VISIBLE_DEVICES= to train on the CPU)")
+    return requested
+
+
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def _demo(args: argparse.Namespace) -> int:
+    nproc = _demo_nproc(args.nproc, _cuda_devices())
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={args.nproc}", "-m", "zeroshard.tools.demo.train",
+               f"--nproc_per_node={nproc}", "-m", "zeroshard.tools.demo.train",
                "--stage", str(args.stage), "--steps", str(args.steps), "--precision", args.precision]
     if args.config:
         command += ["--config", args.config]
@@ -266,9 +290,10 @@ def _torchrun(argv: Sequence[str]) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zeroshard", description="ZeRO sharded data-parallel training")
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="train a byte-level GPT on the Python stdlib with N CPU processes")
+    demo = commands.add_parser("demo", help="train a byte-level GPT on the Python stdlib with N processes (CPU, or "
+                                                "one per GPU)")
     demo.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3], help="ZeRO stage (default 3)")
-    demo.add_argument("--nproc", type=int, default=2, help="processes (default 2)")
+    demo.add_argument("--nproc", type=int, help="processes (default 2; on a GPU host one per GPU, at most 2)")
     demo.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
     demo.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
                       help="training precision of the built-in config (default fp32; bf16/fp16 keep fp32 masters)")
@@ -278,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="fine-tune OUT/model.safetensors of an earlier run with LoRA adapters (frozen base "
                            "sharded at stage 3); results in OUT/lora")
     demo.set_defaults(run=_demo)
+    add_selftest_parser(commands)
     cons = commands.add_parser("consolidate", help="write a checkpoint's full weights as one safetensors file "
                                                    "(no process group, bounded memory)")
     cons.add_argument("checkpoint", help="a checkpoint directory, or a save_dir with a 'latest' file")

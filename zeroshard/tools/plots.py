@@ -3,6 +3,8 @@
 - :func:`plot_metrics`: loss, throughput and memory over steps, from a metrics JSONL file.
 - :func:`plot_estimate`: stacked bars of parameters, gradients, optimizer state, activations and buffers
   per ZeRO stage, from ``zeroshard estimate``.
+- :func:`plot_selftest`: ``zeroshard selftest``'s checks: each correctness case against its bound,
+  tokens/s and host reads per step by implementation, and collective bandwidth by message size.
 """
 
 from __future__ import annotations
@@ -59,6 +61,49 @@ def plot_estimate(estimates: Sequence[Any], out: str | Path, title: str = "") ->
         ax.text(i, total, f"{total:.4g}", ha="center", va="bottom")
     ax.set(ylabel="GB per rank (decimal)", title=title or "per-rank memory by ZeRO stage")
     ax.legend()
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return Path(out)
+
+
+def plot_selftest(results: dict[str, Any], out: str | Path) -> Path:
+    """Four panels from ``zeroshard selftest --json``'s results (tools/selftest/verdict.py's ``judge``)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8))
+    cases = results.get("correctness") or []
+    bounds = results.get("bounds", {})
+    ratios, colors = [], []
+    for c in cases:
+        bound = bounds.get("fp32_rel" if c["precision"] == "fp32" else "bf16_deviation", 1.0)
+        worst = max(v for v in (c.get("vs_one_process"), c.get("vs_ddp")) if v is not None)
+        ratios.append(max(worst / bound, 1e-6))
+        colors.append("tab:green" if c.get("passed") else "tab:red")
+    labels = [f"{c['stage']}/{c['precision']}/{c['accumulation']}" for c in cases]
+    axes[0, 0].bar(labels, ratios, color=colors)
+    axes[0, 0].axhline(1.0, color="black", lw=0.8)
+    axes[0, 0].set(title="correctness: difference / bound (stage/precision/accumulation)", yscale="log")
+    axes[0, 0].tick_params(axis="x", rotation=60, labelsize=7)
+    records = [r for r in results.get("throughput") or [] if "tokens_per_s" in r]
+    names = [r["implementation"] for r in records]
+    axes[0, 1].bar(names, [r["tokens_per_s"] for r in records], color="tab:green")
+    axes[0, 1].set(title=f"throughput (tokens/s, all ranks; {results.get('size')}, {results.get('precision')})")
+    axes[1, 0].bar(names, [r["host_reads_per_step"] for r in records], label="host reads")
+    if any(r.get("device_syncs_per_step") is not None for r in records):
+        axes[1, 0].plot(names, [r.get("device_syncs_per_step") or 0 for r in records], "o", color="tab:red",
+                        label="device syncs (CUDA)")
+    axes[1, 0].set(title="host syncs per steady-state step")
+    axes[1, 0].legend()
+    rows = results.get("bandwidth") or []
+    for scope, op in sorted({(r["scope"], r["op"]) for r in rows}):
+        mine = [r for r in rows if (r["scope"], r["op"]) == (scope, op)]
+        axes[1, 1].plot([r["bytes"] / 2**20 for r in mine], [r["busbw_gb_s"] for r in mine], marker="o",
+                        label=f"{op} ({scope}, {mine[0]['ranks']} ranks)")
+    axes[1, 1].set(title="collective bus bandwidth (GB/s)", xlabel="MiB", xscale="log")
+    if rows:
+        sizes = sorted({r["bytes"] / 2**20 for r in rows})
+        axes[1, 1].set_xticks(sizes, [f"{s:.3g}" for s in sizes])
+        axes[1, 1].legend()
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)

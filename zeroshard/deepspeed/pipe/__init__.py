@@ -1,5 +1,6 @@
-"""``zeroshard.deepspeed.pipe`` (DeepSpeed's ``deepspeed.pipe``): pipeline parallelism is refused, with the reason."""
+"""``zeroshard.deepspeed.pipe`` (DeepSpeed's ``deepspeed.pipe``): pipeline parallelism, each stage trained
+with ZeRO over its data-parallel ranks (zeroshard/pipeline/, docs/PIPELINE.md)."""
 
-from ..refused import LayerSpec, PipelineModule, TiedLayerSpec
+from ...pipeline import LayerSpec, PipeDataParallelTopology, PipelineModule, TiedLayerSpec
 
-__all__ = ["PipelineModule", "LayerSpec", "TiedLayerSpec"]
+__all__ = ["PipelineModule", "LayerSpec", "TiedLayerSpec", "PipeDataParallelTopology"]

@@ -1,5 +1,8 @@
 """``zeroshard.utils`` (DeepSpeed's ``deepspeed.utils``): the logger, ``RepeatingLoader``, ``log_dist``,
-``set_random_seed`` and ``zero_to_fp32``."""
+``set_random_seed``, ``zero_to_fp32``, the tensor-fragment functions (``safe_get_full_fp32_param``, ...)
+and the ZeRO-3 leaf-module marks (``set_z3_leaf_modules``, ...).  As in DeepSpeed, the attribute
+``z3_leaf_module`` is the function; the module of that name is ``sys.modules``' (``import
+deepspeed.utils.z3_leaf_module``)."""
 
 from __future__ import annotations
 
@@ -7,12 +10,28 @@ import logging
 import random
 from typing import Any, Iterable, Iterator, Optional
 
-import torch
+# ``torch`` in this package is its submodule utils/torch.py, as in DeepSpeed
+import torch as _torch
 
 from ...logging import current_rank, logger
-from . import zero_to_fp32
+from . import tensor_fragment, torch, zero_to_fp32
+from .tensor_fragment import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
+                              safe_get_local_fp32_param, safe_get_local_grad, safe_get_local_optimizer_state,
+                              safe_set_full_fp32_param, safe_set_full_grad, safe_set_full_optimizer_state,
+                              safe_set_local_fp32_param, safe_set_local_grad, safe_set_local_optimizer_state,
+                              safe_update_full_grad_vectorized)
+from .z3_leaf_module import (get_z3_leaf_modules, set_z3_leaf_module, set_z3_leaf_modules,
+                             set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix, unset_z3_leaf_modules,
+                             z3_leaf_module, z3_leaf_parameter)
 
-__all__ = ["logger", "log_dist", "RepeatingLoader", "set_random_seed", "zero_to_fp32"]
+__all__ = ["logger", "log_dist", "RepeatingLoader", "set_random_seed", "zero_to_fp32", "tensor_fragment",
+           "safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_optimizer_state",
+           "safe_set_full_optimizer_state", "safe_get_full_grad", "safe_set_full_grad",
+           "safe_update_full_grad_vectorized", "safe_get_local_fp32_param", "safe_set_local_fp32_param",
+           "safe_get_local_optimizer_state", "safe_set_local_optimizer_state", "safe_get_local_grad",
+           "safe_set_local_grad", "z3_leaf_module", "set_z3_leaf_modules", "unset_z3_leaf_modules",
+           "get_z3_leaf_modules", "z3_leaf_parameter", "set_z3_leaf_module", "set_z3_leaf_modules_by_name",
+           "set_z3_leaf_modules_by_suffix"]
 
 
 def log_dist(message: str, ranks: Optional[Iterable[int]] = None, level: int = logging.INFO) -> None:
@@ -50,4 +69,4 @@ def set_random_seed(seed: int) -> None:
         numpy.random.seed(seed)
     except ImportError:
         pass
-    torch.manual_seed(seed)
+    _torch.manual_seed(seed)

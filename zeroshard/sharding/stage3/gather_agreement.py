@@ -17,10 +17,13 @@ runs on another group.  A unit gathered for another rank's sake is released at o
 has a unit gathered already still takes part in the all-gather (:meth:`ShardedParameters.join_gather`).
 
 Ranks whose modules run alike ask for the same units in the same rounds, so the rounds cost one small
-host-side all-gather per unit that prefetch did not bring in time (prefetch happens inside rounds
-only).  Gradient reduce-scatters run on a group of their own (``ShardGroups.grads``), so that a rank
-reducing a bucket while another gathers never pairs the two; their order is the bucket order on
-every rank ([Note: launching buckets in order] in sharding/strategy.py).  Two more rules keep a rank from
+host-side all-gather per unit that prefetch did not bring in time, and one per use of a unit whose
+successor in the recorded order is not on its way yet (prefetch happens inside rounds only, and the
+next unit is always prefetched: [Note: the next unit is always prefetched] in
+sharding/stage3/gather_scheduler.py).  Gradient reduce-scatters run on a group of their own
+(``ShardGroups.grads``), so that a rank reducing a bucket while another gathers never pairs the two;
+their order is the bucket order on every rank ([Note: launching buckets in order] in
+sharding/strategy.py).  Two more rules keep a rank from
 waiting on another that waits for it in a round: parameters that the backward graph does not reach
 count as arrived from its start (:func:`parameters_reached`, as DDP's ``find_unused_parameters``),
 so a rank that skipped a module reduces its bucket when the others do; and until every rank's
@@ -56,7 +59,7 @@ class GatherAgreement:
         mine = torch.full((ROW_WIDTH,), _NOTHING, dtype=torch.int64)
         mine[: len(row)] = torch.tensor(list(row)[:ROW_WIDTH], dtype=torch.int64)
         table = torch.empty(world.world_size * ROW_WIDTH, dtype=torch.int64)
-        self.comm.all_gather(table, mine, "gather_agreement")
+        self.comm.all_gather_rows(table, mine, "gather_agreement")
         self.rounds += 1
         return table.view(world.world_size, ROW_WIDTH).tolist()
 

@@ -5,7 +5,8 @@
 - It is released after its module's forward, and after backward has produced all its gradients,
   unless the recorded execution order says it is needed again soon (``stage3_max_reuse_distance``).
 - Each use looks ahead in the order recorded on an earlier pass and starts the all-gathers of the next
-  units (``stage3_prefetch_bucket_size`` elements at most, ``stage3_max_live_parameters`` in all).
+  units (the next one whatever its size, more up to ``stage3_prefetch_bucket_size`` elements,
+  ``stage3_max_live_parameters`` in all; see [Note: the next unit is always prefetched]).
 
 [Note: recorded order and divergence]
 The order is recorded per mode (train/eval, grad enabled or not), from one ``engine.forward`` to the
@@ -126,11 +127,25 @@ class GatherScheduler:
         if self.storage.state[index] is GatherState.SHARDED:
             wanted = [index, *self._prefetch_candidates()[:ROW_WIDTH - 1]]
             self._gather_agreed(self.agreement.request(wanted), keep=set(wanted))
+        else:  # gathered ahead: a round of prefetches only when the next unit is not on its way yet
+            coming = self._prefetch_candidates()
+            if coming and coming[0] == self._next_in_order():
+                wanted = coming[:ROW_WIDTH - 1]
+                self._gather_agreed(self.agreement.request(wanted), keep=set(wanted))
         self.storage.wait(index)
         self.storage.lend_chunk(index)
 
     def _prefetch_candidates(self) -> list[int]:
-        """The units the recorded order says come next, within the prefetch budgets."""
+        """The units the recorded order says come next, within the prefetch budgets.
+
+        [Note: the next unit is always prefetched]
+        ``stage3_prefetch_bucket_size`` bounds how far ahead gathers run, not which unit may be
+        prefetched: the next unit is prefetched whatever its size (a transformer block of a 7B model
+        is some 2e8 elements, four times DeepSpeed's default budget of 5e7), else a model whose units
+        are larger than the budget would never overlap a gather with compute; the budget then limits
+        the units after it.  ``stage3_max_live_parameters`` bounds them all, the next one included, and
+        a budget of 0 turns prefetching off.
+        """
         budget = self.zero.stage3_prefetch_bucket_size
         trace = self.recorded.get(self._key)
         position = len(self.current)
@@ -142,12 +157,20 @@ class GatherScheduler:
             if self.storage.state[index] is not GatherState.SHARDED or index in chosen:
                 continue
             numel = self._numel[index]
-            if numel > budget or live + numel > self.zero.stage3_max_live_parameters:
+            if (chosen and numel > budget) or live + numel > self.zero.stage3_max_live_parameters:
                 break
             chosen.append(index)
             budget -= numel
             live += numel
         return chosen
+
+    def _next_in_order(self) -> Optional[int]:
+        """The unit the recorded order uses next, while this pass follows it."""
+        trace = self.recorded.get(self._key)
+        position = len(self.current)
+        if trace is None or position >= len(trace) or trace[:position] != self.current:
+            return None
+        return trace[position]
 
     # ------------------------------------------------------------------ agreed gathers
     def _gather_agreed(self, units: list[int], keep: set[int]) -> None:

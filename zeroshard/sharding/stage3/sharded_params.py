@@ -4,11 +4,12 @@
 Autograd saves parameters for backward (a Linear saves its weight).  Dropping our reference to a
 gathered buffer would free nothing, and replacing ``param.data`` would leave autograd with a stale
 tensor.  Instead every parameter is, once and for all, a view into its bucket's full buffer, and
-releasing a bucket gives its memory back while the *storage* object stays: in host memory on Linux
-its pages are dropped (``madvise``, see [Note: releasing a gathered unit's pages] in
-host/page_release.py), elsewhere the storage shrinks to zero bytes (``untyped_storage().resize_(0)``)
-and gathering re-grows it.  Either way every view (the parameter, autograd's saved copies) keeps its
-shape, and gathering all-gathers into the same storage, so those views see the right values again.
+releasing a bucket gives its memory back while the *storage* object stays, as the engine's buffer
+memory does it ([Note: one buffer memory per engine] in sharding/buffer_memory.py): in host memory on
+Linux its pages go (``madvise``, see [Note: releasing a gathered unit's pages] in host/page_release.py),
+elsewhere the storage shrinks to zero bytes (``untyped_storage().resize_(0)``) and gathering re-grows
+it.  Either way every view (the parameter, autograd's saved copies) keeps its shape, and gathering
+all-gathers into the same storage, so those views see the right values again.
 A released parameter still reports its full ``.shape``; reading its values outside forward raises a clear
 error (see [Note: reading a sharded parameter outside forward] in sharding/stage3/placeholder.py).
 
@@ -29,10 +30,11 @@ reserve.  Whatever reads or writes the chunks as a whole first takes every lent 
 (saves, loads, pretrained weights); writes to one chunk (:meth:`commit_full`, the updater's pieces,
 :meth:`shard_view`) take that chunk back.  Nothing is lent while something outside training reads the
 chunks (an asynchronous save's copy, :meth:`read_chunks_elsewhere_while`), nor for chunks offloaded to
-host memory or NVMe (``offload_param``), nor for persistent buckets, nor where pages cannot be dropped
-(device memory).  Moving the chunk's pages instead of filling the slot from elsewhere leaves a forward
-with next to no page faults to take (measured in benchmarks/RESULTS.md, section "What faulting released
-pages back in costs", paragraph "Stage 3's pages moved, not faulted").
+host memory or NVMe (``offload_param``), nor for persistent buckets, nor where the buffer memory does
+not release pages (``BufferMemory.releases_pages``: device memory).  Moving the chunk's pages instead of
+filling the slot from elsewhere leaves a forward with next to no page faults to take (measured in
+benchmarks/RESULTS.md, section "What faulting released pages back in costs", paragraph "Stage 3's pages
+moved, not faulted").
 """
 
 from __future__ import annotations
@@ -45,9 +47,9 @@ from torch import nn
 
 from ...distributed.collectives import Collectives, PendingCollective
 from ...host.libc import PAGE
-from ...host.page_release import can_release_pages, held_bytes, prefer_huge_pages, release_pages, whole_pages_of
-from ...host.page_reserve import PageReserve
+from ...host.page_release import whole_pages_of
 from ...offload.policy import NoOffload, OffloadPolicy, Place, SwapFailure
+from ..buffer_memory import BufferMemory
 from ..flat_params import bucket_values
 from ..layout import BucketLayout, FlatLayout
 from ..master_weights import MasterWeights
@@ -74,7 +76,7 @@ class ShardedParameters:
     """This rank's chunks of all buckets (``shard``) plus one full buffer per bucket, gathered on demand."""
 
     def __init__(self, layout: FlatLayout, params: Sequence[nn.Parameter], comm: Collectives,
-                 model: nn.Module, persistent: frozenset[int] = frozenset(),
+                 model: nn.Module, buffer_memory: BufferMemory, persistent: frozenset[int] = frozenset(),
                  dtype: Optional[torch.dtype] = None, masters: Optional[MasterWeights] = None,
                  offload: OffloadPolicy = NoOffload(), initial: InitialValues = InitialValues(),
                  secondary: Optional[Collectives] = None, job_comm: Optional[Collectives] = None) -> None:
@@ -102,21 +104,19 @@ class ShardedParameters:
         self._secondary: dict[int, torch.Tensor] = {}  # allocated once, reused after every step
         self._secondary_valid: set[int] = set()
         self._primary_pending: set[int] = set()
-        #: host memory on Linux: a released buffer keeps its storage and drops its pages (see
-        #: [Note: releasing a gathered unit's pages] in host/page_release.py); elsewhere it is freed
-        self._drops_pages = can_release_pages(torch.empty(0, device=self.device))
+        #: how a released full buffer gives back its memory and a gather gets it again (chosen once by
+        #: the engine: [Note: one buffer memory per engine] in sharding/buffer_memory.py)
+        self.buffer_memory = buffer_memory
         #: buckets whose own chunk lives only in the full buffer's slot (see [Note: a gathered unit
         #: borrows this rank's chunk]); and what says the chunks are being read outside training
         self._lent: set[int] = set()
         self._read_elsewhere: Callable[[], bool] = _never
-        if self._drops_pages:  # a lent chunk's pages fault back in at its release: 2 MiB at a time
-            prefer_huge_pages(self.store.device_shard)
-        #: where released pages wait for the next buffer filled (see [Note: released pages move to the
-        #: next gather] in host/page_reserve.py): at most what one forward's gathers need beyond the
-        #: chunks its units borrow
-        self.page_reserve: Optional[PageReserve] = PageReserve(
-            sum(b.padded_numel - b.shard_numel for b in layout.buckets if b.index not in persistent)
-            * self.dtype.itemsize) if self._drops_pages else None
+        buffer_memory.keep_for_run(self.store.device_shard)  # a lent chunk's memory comes back at its release
+        # released memory waits for the next buffer filled (see [Note: released pages move to the next
+        # gather] in host/page_reserve.py): at most what one forward's gathers need beyond the chunks
+        # its units borrow
+        buffer_memory.park_up_to(sum(b.padded_numel - b.shard_numel for b in layout.buckets
+                                     if b.index not in persistent) * self.dtype.itemsize)
 
         with torch.no_grad():
             for bucket in layout.buckets:
@@ -133,8 +133,7 @@ class ShardedParameters:
                     HOMES.add(self._placeholders[slot.index], home)
                 start, end = bucket.shard_range(self.rank)
                 self.store.write(bucket, 0, full[start:end])
-                if self._drops_pages:
-                    prefer_huge_pages(full)
+                buffer_memory.keep_for_run(full)
                 self.full.append(full)
                 self.state.append(GatherState.GATHERED)
                 if bucket.index not in persistent:
@@ -205,9 +204,6 @@ class ShardedParameters:
         if self.state[index] is GatherState.SHARDED:
             bucket = self.layout.buckets[index]
             full = self.full[index]
-            needed = (int(full.storage_offset()) + bucket.padded_numel) * full.element_size()
-            if full.untyped_storage().nbytes() < needed:  # freed (see the Note above), not only its pages
-                full.untyped_storage().resize_(needed)
             kept = self._secondary.get(index) if index in self._secondary_valid else None
             group = self.secondary if kept is not None else None
             lent = self._fill(index, lend=group is None)
@@ -246,28 +242,26 @@ class ShardedParameters:
             self.comm.all_gather(scratch, self.full[index][start:end], f"{label}.joined")
 
     def _fill(self, index: int, lend: bool) -> Optional[torch.Tensor]:
-        """Pages for bucket ``index``'s full buffer, about to be gathered: from the page reserve, except
-        that where the chunk can be lent (``lend`` and :meth:`_may_lend`) the store's own pages move
-        under the slot instead; then the slot is returned (the chunk, lent) for the gather to send from."""
-        reserve = self.page_reserve
-        if reserve is None:
-            return None
-        full = self.full[index]
-        pages = self._slot_pages(index)
-        if not (lend and pages and self._may_lend(index)):
-            reserve.fill(full)
+        """Memory for bucket ``index``'s full buffer, about to be gathered (in host memory, pages from
+        the reserve), except that where the chunk can be lent (``lend`` and :meth:`_may_lend`) the
+        store's own pages move under the slot instead; then the slot is returned (the chunk, lent) for
+        the gather to send from."""
+        memory, full = self.buffer_memory, self.full[index]
+        pages = self._slot_pages(index) if lend and self._may_lend(index) else None
+        if pages is None:
+            memory.refill(full)
             return None
         bucket = self.layout.buckets[index]
         start, end = bucket.shard_range(self.rank)
         own, slot = self.store.view(bucket), full[start:end]
         assert own is not None
         first, last = pages
-        reserve.fill(full[:first])
-        reserve.fill(full[last:])
-        if reserve.hand_over(own, slot):  # the slot's whole pages: [first, last)
+        memory.refill(full[:first])
+        memory.refill(full[last:])
+        if memory.hand_over(own, slot):  # the slot's whole pages: [first, last)
             self._lent.add(index)
             return slot
-        reserve.fill(full[first:last])
+        memory.refill(full[first:last])
         return None
 
     def _slot_pages(self, index: int) -> Optional[tuple[int, int]]:
@@ -348,7 +342,7 @@ class ShardedParameters:
 
     def _may_lend(self, index: int) -> bool:
         """Whether bucket ``index``'s chunk may be lent to its full buffer now (see the Note above)."""
-        return (index not in self._lent and index not in self.persistent and self._drops_pages
+        return (index not in self._lent and index not in self.persistent and self.buffer_memory.releases_pages
                 and self.store.where[index] is Place.DEVICE  # offloaded: the chunk is elsewhere anyway
                 and not self._read_elsewhere())
 
@@ -363,7 +357,7 @@ class ShardedParameters:
         # dropped, not parked: the forward's gathers have all been launched by now (prefetch), so
         # parked pages would wait through the forward's peak (see [Note: released pages move to the
         # next gather] in host/page_reserve.py)
-        release_pages(own)
+        self.buffer_memory.drop(own)
         self._lent.add(index)
 
     def take_back_chunk(self, index: int) -> None:
@@ -378,10 +372,10 @@ class ShardedParameters:
         self._lent.discard(index)
 
     def _refill_store(self, bucket: BucketLayout) -> None:
-        """A lent chunk's place in the store is about to be written: pages for it, from the reserve."""
+        """A lent chunk's place in the store is about to be written: memory for it (pages from the reserve)."""
         own = self.store.view(bucket)
-        if bucket.index in self._lent and self.page_reserve is not None and own is not None:
-            self.page_reserve.fill(own)
+        if bucket.index in self._lent and own is not None:
+            self.buffer_memory.refill(own)
 
     def take_back_chunks(self) -> None:
         """Every lent chunk back in the store: before anything reads or writes the chunks as a whole."""
@@ -398,22 +392,18 @@ class ShardedParameters:
         if index in self.persistent or index in self._pins or self.state[index] is GatherState.SHARDED:
             return
         self.wait(index)
-        full, reserve = self.full[index], self.page_reserve
+        full, memory = self.full[index], self.buffer_memory
         bucket = self.layout.buckets[index]
         start, end = bucket.shard_range(self.rank)
         own = self.store.view(bucket)
-        pages = self._slot_pages(index) if index in self._lent and reserve is not None else None
-        if (reserve is not None and own is not None and pages
-                and reserve.hand_over(full[start:end], own)):  # the chunk's pages go home
+        pages = self._slot_pages(index) if index in self._lent else None  # lent: its pages can move
+        if own is not None and pages and memory.hand_over(full[start:end], own):  # the chunk's pages go home
             self._lent.discard(index)
-            reserve.give(full[:pages[0]])  # the rest, the partial pages at the slot's ends included
-            reserve.give(full[pages[1]:])
-        elif reserve is not None:
-            self.take_back_chunk(index)
-            reserve.give(full)
+            memory.release(full[:pages[0]])  # the rest, the partial pages at the slot's ends included
+            memory.release(full[pages[1]:])
         else:
             self.take_back_chunk(index)
-            self.full[index].untyped_storage().resize_(0)
+            memory.release(full)
         self._show(index, gathered=False)
         self.state[index] = GatherState.SHARDED
 
@@ -453,19 +443,19 @@ class ShardedParameters:
                     self.params[slot.index].data = self._views[slot.index].clone()
                     self._show_param(slot.index, self.params[slot.index])
                 self._pins.pop(bucket.index, None)
+                self.buffer_memory.forget(self.full[bucket.index])  # freed for good: nothing of it may stay parked
                 self.full[bucket.index].untyped_storage().resize_(0)
                 self.state[bucket.index] = GatherState.SHARDED
         HOMES.forget([*self.params, *self._placeholders.values()])
 
     def close(self) -> None:
+        """The store's files and threads; what the buffer memory parks is the engine's to drop."""
         self.store.close()
-        if self.page_reserve is not None:
-            self.page_reserve.drop_all()
 
     def held_bytes(self, index: int) -> int:
         """Memory bucket ``index``'s full buffer holds now, measured: its resident pages where releasing
-        drops pages (whole pages: the partial page at either end is not counted), else its storage."""
-        return held_bytes(self.full[index])
+        gives back pages (whole pages: the partial page at either end is not counted), else its storage."""
+        return self.buffer_memory.held_bytes(self.full[index])
 
     def gathered_bytes(self) -> int:
         """Bytes of the non-persistent full buffers gathered (or being gathered) now: 0 between steps.

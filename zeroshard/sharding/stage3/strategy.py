@@ -22,6 +22,7 @@ from ...offload.policy import OffloadPolicies, Place
 from ...precision import PrecisionPolicy
 from .gather_agreement import GatherAgreement, parameters_reached
 from .gather_scheduler import GatherScheduler
+from ..buffer_memory import BufferMemory
 from ..grad_chunks import KeptChunkBuffers
 from ..layout import BucketLayout
 from .sharded_params import ShardedParameters
@@ -51,10 +52,10 @@ class Stage3(ShardedGradientStrategy):
                  precision: PrecisionPolicy = PrecisionPolicy()) -> None:
         # the gradient reduce-scatters on a group of their own, apart from the gathers
         grad_groups = dataclasses.replace(groups, shard=groups.grads or groups.shard)
-        # each bucket's chunk in a buffer of its own whose pages go at the step, to the page reserve
-        # (see [Note: where gradient chunks live] in sharding/grad_chunks.py)
+        # each bucket's chunk in a buffer of its own whose memory goes at the step, through the storage's
+        # buffer memory (see [Note: where gradient chunks live] in sharding/grad_chunks.py)
         chunks = KeptChunkBuffers(precision, grad_groups.data_parallel_size, grad_groups.shard.world.rank,
-                                  storage.device, storage.page_reserve)
+                                  storage.device, storage.buffer_memory)
         super().__init__(storage, params, grad_groups, zero, precision, chunks)
         self.plan = plan
         agreement = GatherAgreement(groups.rounds) if groups.rounds is not None else None
@@ -66,14 +67,15 @@ class Stage3(ShardedGradientStrategy):
     def build(cls, model: nn.Module, params: Sequence[nn.Parameter], names: Sequence[str],
               group_of: Sequence[int], groups: ShardGroups, zero: ZeroConfig,
               precision: PrecisionPolicy = PrecisionPolicy(), offload: OffloadPolicies = OffloadPolicies(),
-              initial: InitialValues = InitialValues(), frozen: Sequence[tuple[str, nn.Parameter]] = ()) -> "Stage3":
+              initial: InitialValues = InitialValues(), frozen: Sequence[tuple[str, nn.Parameter]] = (),
+              *, buffer_memory: BufferMemory) -> "Stage3":
         """Stage 3's units over sharded storage; frozen parameters above the persistence threshold
         are sharded too (see [Note: frozen parameters at stage 3] in sharding/stage3/units.py)."""
         comm = groups.shard
         plan = plan_units(model, params, names, group_of, zero.stage3_param_persistence_threshold,
                           zero.reduce_bucket_size, comm.world.world_size, frozen)
         masters = cls.make_masters(plan.layout.trainable(), comm.world, precision, offload, params[0].device, comm)
-        storage = ShardedParameters(plan.layout, plan.params, comm, model, plan.persistent_buckets,
+        storage = ShardedParameters(plan.layout, plan.params, comm, model, buffer_memory, plan.persistent_buckets,
                                     precision.compute, masters, offload.params, initial, groups.secondary,
                                     groups.job)
         return cls(storage, params, groups, zero, plan, model, precision)
@@ -151,11 +153,10 @@ class Stage3(ShardedGradientStrategy):
         self.storage.drop_secondary()
 
     def extra_memory(self) -> dict[str, Any]:
-        reserve = self.storage.page_reserve
         out = {"persistent_params": self.storage.persistent_bytes(),
                "gathered_params": self.storage.gathered_bytes(),
-               # released pages waiting for the next gather (see host/page_reserve.py)
-               "parked_pages": reserve.nbytes if reserve is not None else 0}
+               # released pages waiting for the next gather (see host/page_reserve.py; none on a device)
+               "parked_pages": self.storage.buffer_memory.parked_bytes}
         if self.storage.secondary is not None:
             out["secondary_params"] = self.storage.secondary_bytes()
         return out

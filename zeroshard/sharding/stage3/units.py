@@ -10,6 +10,17 @@ submodule's weight directly (``F.linear(x, self.embed.weight)``), a module calle
 tied between the embedding and the head.  A parameter reachable from two different units (shared
 between blocks) is moved to the root unit, so it is always gathered whenever either block runs.
 
+[Note: leaf modules]
+A module marked as a *leaf* (DeepSpeed's ``set_z3_leaf_modules``, before ``initialize()``) is one unit
+with everything below it: gathered whole by its own forward pre-hook, its submodules given no unit of
+their own.  The case it is for is a layer whose forward runs a data-dependent subset of its children
+(a mixture of experts): without the mark each child is a unit, gathered only by the ranks whose data
+reach it, and the ranks then agree on each such gather in rounds (see [Note: ranks agree on every
+gather] in sharding/stage3/gather_agreement.py); with it, every rank runs the layer and gathers the
+same one unit for it, whichever children its data reach.  A leaf must be a module whose forward runs (not a
+bare ``ModuleList``).  The marks are held weakly here, by module identity, never as attributes of the
+user's modules.
+
 Parameters with at most ``stage3_param_persistence_threshold`` elements (biases, norms) are
 *persistent*: kept whole on every rank, gradients reduce-scattered and the parameter refreshed by an
 all-gather after the step, exactly as at stage 2.  They never pay a gather latency in forward.
@@ -41,6 +52,23 @@ FROZEN_GROUP = -1
 # Parameters a module's forward uses although another module owns them (DeepSpeed's
 # ``register_external_parameter``): module -> those parameters.
 _EXTERNAL: "weakref.WeakKeyDictionary[nn.Module, list[nn.Parameter]]" = weakref.WeakKeyDictionary()
+
+
+# Modules marked as leaves (see [Note: leaf modules]).
+_LEAVES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def mark_leaf(module: nn.Module, leaf: bool = True) -> None:
+    """Mark ``module`` as a leaf unit (``leaf=False``: remove the mark); see [Note: leaf modules]."""
+    if leaf:
+        _LEAVES.add(module)
+    else:
+        _LEAVES.discard(module)
+
+
+def is_leaf(module: nn.Module) -> bool:
+    """Whether ``module`` is marked as a leaf unit."""
+    return module in _LEAVES
 
 
 def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
@@ -89,17 +117,22 @@ class Stage3Plan:
 
 
 def _block_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The elements of the outermost ModuleLists / Sequentials, in registration order."""
+    """The elements of the outermost ModuleLists / Sequentials and the outermost leaf modules (see
+    [Note: leaf modules]), in registration order."""
     blocks: list[tuple[str, nn.Module]] = []
 
     def visit(prefix: str, module: nn.Module) -> None:
         for name, child in module.named_children():
             path = f"{prefix}.{name}" if prefix else name
-            if isinstance(child, (nn.ModuleList, nn.Sequential)) and child is not model:
+            if is_leaf(child):
+                blocks.append((path, child))
+            elif isinstance(child, (nn.ModuleList, nn.Sequential)) and child is not model:
                 blocks.extend((f"{path}.{n}", m) for n, m in child.named_children())
             else:
                 visit(path, child)
 
+    if is_leaf(model):  # the whole model is one unit: the root
+        return []
     if isinstance(model, (nn.ModuleList, nn.Sequential)):
         return [(name, child) for name, child in model.named_children()]
     visit("", model)

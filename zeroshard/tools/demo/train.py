@@ -73,8 +73,9 @@ def parse_args() -> argparse.Namespace:
 @torch.no_grad()
 def held_out_loss(engine: zeroshard.Engine, data: ByteWindows) -> float:
     engine.eval()
-    xs = torch.stack([data[i][0] for i in range(len(data) - 32, len(data))])
-    ys = torch.stack([data[i][1] for i in range(len(data) - 32, len(data))])
+    device = engine.world.device
+    xs = torch.stack([data[i][0] for i in range(len(data) - 32, len(data))]).to(device)
+    ys = torch.stack([data[i][1] for i in range(len(data) - 32, len(data))]).to(device)
     loss = float(engine(xs, ys))
     engine.train()
     return loss
@@ -110,6 +111,7 @@ def main() -> None:
         except StopIteration:  # the loader moves to the next epoch (a new shuffle) by itself
             batches = iter(loader)
             continue
+        x, y = x.to(engine.world.device), y.to(engine.world.device)  # the loader's batches are on the CPU
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()
@@ -144,8 +146,9 @@ def main() -> None:
     engine.eval()
     with zeroshard.GatheredParameters(list(model.parameters())):  # every rank: it gathers at stage 3
         if engine.world.is_main:
-            prompt = torch.tensor([list(b"def ")])
-            sample = model.generate(prompt, 120, generator=torch.Generator().manual_seed(0))
+            device = engine.world.device  # the prompt and the sampler's generator where the model is
+            prompt = torch.tensor([list(b"def ")], device=device)
+            sample = model.generate(prompt, 120, generator=torch.Generator(device).manual_seed(0))
             print("---- sample ----\n" + bytes(sample[0].tolist()).decode("utf-8", "replace") + "\n----------------")
 
 

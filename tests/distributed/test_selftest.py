@@ -1,0 +1,139 @@
+"""`zeroshard selftest`: two CPU ranks under torchrun pass every check and say so in the JSON; a result
+over a bound fails the run (exit status 1) and names the check; the ranks' device counts are checked
+before anything launches."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from zeroshard.tools import cli
+from zeroshard.tools.selftest import command
+from zeroshard.tools.selftest.verdict import Bounds, judge
+
+STAGES, PRECISIONS, ACCUMULATIONS = range(4), ("fp32", "bf16"), (1, 2)
+
+
+def selftest(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zeroshard.tools.cli", "selftest", *args], capture_output=True,
+                          text=True, timeout=400, env=env)
+
+
+@pytest.mark.slow  # extended: runs in CI (see conftest.py); about 40 s on 2 cores
+def test_selftest_passes_on_two_cpu_ranks(tmp_path: Path) -> None:
+    out = tmp_path / "selftest.json"
+    proc = selftest("--device", "cpu", "--nproc", "2", "--steps", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "verdict: PASS" in proc.stdout and out.with_suffix(".png").is_file()
+    results = json.loads(out.read_text())
+    assert results["passed"] and results["failures"] == [] and results["environment"]["world_size"] == 2
+    cases = results["correctness"]
+    assert sorted((c["stage"], c["precision"], c["accumulation"]) for c in cases) == \
+        sorted((s, p, a) for s in STAGES for p in PRECISIONS for a in ACCUMULATIONS)
+    for c in cases:
+        assert c["passed"] and c["vs_one_process"] is not None and c["vs_ddp"] is not None, c
+        assert c["model_states_sum"] == pytest.approx(c["formula_sum"], rel=1e-9), c
+    zero = [r for r in results["throughput"] if r["implementation"].startswith("stage")]
+    assert [r["stage"] for r in zero] == [0, 1, 2, 3] and all(r["passed"] for r in zero)
+    assert {r["implementation"] for r in results["throughput"]} >= {"ddp", "fsdp2"}
+    assert all(r["tokens_per_s"] > 0 and r["host_reads_per_step"] >= 0 for r in results["throughput"])
+    assert {(r["scope"], r["op"]) for r in results["bandwidth"]} == {("world", "all_gather"),
+                                                                      ("world", "reduce_scatter")}
+
+
+def passing_results() -> dict[str, Any]:
+    """What rank 0 writes, cut to what the verdict reads."""
+    cases = [{"stage": s, "precision": p, "accumulation": a, "steps": 20,
+              "metric": "max_rel_diff" if p == "fp32" else "deviation",
+              "vs_one_process": 3e-6 if p == "fp32" else 0.03, "vs_ddp": 2e-6 if p == "fp32" else 0.03,
+              "loss_diff": 3e-4, "model_states_sum": 1000.0, "formula_sum": 1000.0, "num_params": 10}
+             for s in STAGES for p in PRECISIONS for a in ACCUMULATIONS]
+    zero = [{"implementation": f"stage {s}", "stage": s, "tokens_per_s": 1.0, "step_s": 1.0,
+             "host_reads_per_step": 1.0, "device_syncs_per_step": None, "device_peak_bytes": None,
+             "model_states_rank0": 500.0, "model_states_sum": 1000.0, "formula": 500.0, "formula_sum": 1000.0,
+             "device_estimate": None} for s in STAGES]
+    return {"environment": {"world_size": 2, "device": "cpu"}, "size": "tiny", "size_params": 10,
+            "precision": "fp32", "steps": 1, "warmup": 1, "correctness": cases, "throughput": zero, "bandwidth": []}
+
+
+def test_the_verdict_fails_each_check_over_its_bound() -> None:
+    good = passing_results()
+    assert judge(good)[1] == []
+    assert len(judge(good, Bounds(fp32_rel=1e-7))[1]) == 16  # 8 fp32 cases x 2 references
+    broken = copy.deepcopy(good)
+    broken["correctness"][3]["loss_diff"] = float("nan")  # stage 0 bf16 accumulation 2
+    broken["throughput"][2]["model_states_sum"] = 1001.0
+    broken["throughput"][3].update(device_peak_bytes=10 * 2**30, device_estimate=2**30)
+    judged, failures = judge(broken)
+    assert failures == ["stage 0 bf16 accumulation 2: loss difference nan exceeds 0.002",
+                        "stage 2 (tiny): model states 1,001 bytes summed over the ranks, the formula says 1,000",
+                        "stage 3: device peak 10,240 MiB is over the bound 2,048 MiB (estimate 1,024 MiB)"]
+    assert not judged["passed"] and not judged["correctness"][3]["passed"] and judged["correctness"][2]["passed"]
+    assert judge({**good, "correctness": []})[1] == ["correctness: no case ran"]
+
+
+@pytest.mark.parametrize("bound_broken, status", [(False, 0), (True, 1)])
+def test_the_exit_status_follows_the_verdict(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: Any,
+                                             bound_broken: bool, status: int) -> None:
+    results = passing_results()
+    if bound_broken:
+        results["correctness"][0]["vs_one_process"] = 2e-5
+    monkeypatch.setattr(command, "launch", lambda run, extra: (0, results))
+    out = tmp_path / "st.json"
+    assert cli.main(["selftest", "--device", "cpu", "--json", str(out)]) == status
+    assert json.loads(out.read_text())["passed"] is not bound_broken
+    printed = capsys.readouterr().out
+    assert ("verdict: PASS" in printed) is not bound_broken
+    assert ("stage 0 fp32 accumulation 1: max_rel_diff 2e-05 against one process exceeds 1e-05" in printed) \
+        is bound_broken
+
+
+def test_ranks_beyond_the_gpus_are_refused_before_launching() -> None:
+    args = cli.build_parser().parse_args(["selftest", "--nproc", "3"])
+    with pytest.raises(SystemExit, match="has 2 CUDA device"):
+        command.resolve(args, cuda_devices=2)
+    assert command.resolve(cli.build_parser().parse_args(["selftest"]), cuda_devices=2)["nproc"] == 2
+    cpu = command.resolve(cli.build_parser().parse_args(["selftest", "--size", "300m"]), cuda_devices=0)
+    assert (cpu["device"], cpu["nproc"], cpu["size"]) == ("cpu", 2, "350m")
+    assert cli._demo_nproc(None, cuda_devices=1) == 1 and cli._demo_nproc(None, cuda_devices=0) == 2
+    with pytest.raises(SystemExit, match="--nproc 1 or fewer"):
+        cli._demo_nproc(2, cuda_devices=1)
+
+
+def test_host_reads_are_counted_where_they_happen_and_the_patches_undone() -> None:
+    import torch
+
+    from zeroshard.tools.selftest.syncs import SyncCounter
+
+    t = torch.ones(3)
+    with SyncCounter(torch.device("cpu")) as counter:
+        t.sum().item(), float(t[0]), bool(t[1]), t.tolist(), int(t[2])
+    assert counter.reads == 5 and counter.device_syncs is None
+    [(site, reads)] = counter.sites.items()  # all five on the line above
+    assert site.startswith(f"{__file__}:") and reads == 5
+    assert not {"item", "__float__", "__bool__", "tolist", "__int__"} & set(torch.Tensor.__dict__)
+    t[0].item()
+    assert counter.reads == 5
+
+
+@pytest.mark.cuda
+def test_selftest_and_demo_on_cuda(tmp_path: Path) -> None:
+    from conftest import cuda_env
+
+    out = tmp_path / "selftest.json"
+    proc = selftest("--device", "cuda", "--nproc", "1", "--size", "tiny", "--json", str(out), env=cuda_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads(out.read_text())
+    assert results["environment"]["device"] == "cuda" and results["passed"]
+    assert all(r.get("device_syncs_per_step") is not None for r in results["throughput"] if "tokens_per_s" in r)
+    demo = subprocess.run([sys.executable, "-m", "zeroshard.tools.cli", "demo", "--nproc", "1", "--steps", "5",
+                           "--out", str(tmp_path / "demo")], capture_output=True, text=True, timeout=300,
+                          env=cuda_env())
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    assert "---- sample ----" in demo.stdout

@@ -1,0 +1,69 @@
+"""The pipeline's pure parts (schedules, partitions, headers) and a one-stage pipeline in one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zeroshard
+from zeroshard.pipe import LayerSpec, PipelineModule
+from zeroshard.pipeline import GPipe, OneFOneB, PartitionMethodError, PipelineUsageError, TooFewLayersError
+from zeroshard.pipeline.p2p import decode_header, encode_header
+from zeroshard.pipeline.partition import partition
+from zeroshard.pipeline.schedule import Backward, Forward
+
+
+@pytest.mark.parametrize("schedule", [OneFOneB(), GPipe()])
+def test_schedules_run_every_pass_once_in_micro_batch_order(schedule) -> None:
+    for p in (1, 2, 4):
+        for m in (1, 3, 8):
+            for s in range(p):
+                actions = schedule.actions(s, p, m)
+                assert [a.micro_batch for a in actions if isinstance(a, Forward)] == list(range(m))
+                assert [a.micro_batch for a in actions if isinstance(a, Backward)] == list(range(m))
+                for i in range(m):  # a micro-batch's backward comes after its forward
+                    assert actions.index(Forward(i)) < actions.index(Backward(i))
+
+
+def test_one_f_one_b_holds_at_most_the_stages_after_it() -> None:
+    p, m = 4, 8
+    for s in range(p):
+        live, peak = 0, 0
+        for action in OneFOneB().actions(s, p, m):
+            live += 1 if isinstance(action, Forward) else -1
+            peak = max(peak, live)
+        assert peak == p - s
+    assert OneFOneB.bubble_fraction(4, 8) == pytest.approx(3 / 11)
+
+
+def test_partitions() -> None:
+    layers = [LayerSpec(nn.Linear, 4, 4), torch.tanh, LayerSpec(nn.Linear, 4, 8), LayerSpec(nn.Linear, 8, 2)]
+    assert partition(layers, 2, "parameters") == [0, 1, 4]  # 20 | 0 + 40 + 18: ties go to the earliest cut
+    assert partition(layers, 4, "uniform") == [0, 1, 2, 3, 4]
+    assert partition(layers, 2, "type:linear")[0] == 0
+    with pytest.raises(TooFewLayersError):
+        partition(layers, 5, "uniform")
+    with pytest.raises(PartitionMethodError):
+        partition(layers, 2, "best")
+
+
+def test_header_round_trip() -> None:
+    values = (torch.zeros(2, 3, requires_grad=True), torch.ones(5, dtype=torch.int64))
+    assert decode_header(encode_header(values)) == [(torch.float32, True, (2, 3)), (torch.int64, False, (5,))]
+
+
+def test_one_stage_pipeline_trains_in_one_process() -> None:
+    torch.manual_seed(0)
+    module = PipelineModule([LayerSpec(nn.Linear, 4, 4), torch.tanh, LayerSpec(nn.Linear, 4, 1)], num_stages=1,
+                            loss_fn=nn.functional.mse_loss)
+    engine, _, _, _ = zeroshard.initialize(model=module, config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    batches = [(torch.randn(2, 4), torch.randn(2, 1)) for _ in range(2)]
+    first = float(engine.train_batch(iter(batches)))
+    second = float(engine.train_batch(iter(batches)))
+    assert second < first
+    with pytest.raises(PipelineUsageError):
+        engine(torch.zeros(2, 4))
+    engine.close()

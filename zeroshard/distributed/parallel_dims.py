@@ -1,0 +1,141 @@
+"""Every parallel axis of a job in one object: the sizes, where a rank sits on each axis, and the
+process groups of each axis, built once.
+
+[Note: the order of the axes]
+Ranks are numbered with the pipeline axis outermost and the data axis innermost, as DeepSpeed's
+``PipeDataParallelTopology`` numbers them: stage ``s`` holds ranks ``s*dp .. s*dp+dp-1``.  A stage's
+data-parallel group carries ZeRO's traffic (gathers and reduce-scatters every step), so its ranks are
+consecutive and share a node whenever ``dp`` divides the ranks per node; the pipeline axis carries one
+activation and one gradient per micro-batch and stage, and is the one that crosses nodes.  Tensor and
+expert parallelism, when they come, are axes inside the data axis here (their traffic is heavier
+still), with a size field and a group each.
+
+Every rank creates every group of every axis, in the same order (``dist.new_group`` asks for that),
+and a rank keeps its own.  The data-parallel world an inner engine trains over records every stage's
+ranks (``World.parts``), so that the groups the engine creates for itself follow the same rule (see
+[Note: side groups of a partial world] in distributed/world.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch.distributed as dist
+
+from .collectives import Collectives
+from .world import World, release_at_exit
+
+
+class StagesDoNotDivideError(ValueError):
+    """The number of pipeline stages does not divide the number of ranks."""
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The size of each parallel axis: ``pp`` pipeline stages x ``dp`` data-parallel ranks per stage."""
+
+    pp: int
+    dp: int
+
+    def __post_init__(self) -> None:
+        if self.pp < 1 or self.dp < 1:
+            raise ValueError(f"parallel sizes must be >= 1, got pp={self.pp}, dp={self.dp}")
+
+    @classmethod
+    def for_world(cls, world_size: int, pp: int) -> "ParallelDims":
+        """``pp`` stages over ``world_size`` ranks, the rest data parallel; refused unless ``pp`` divides it."""
+        if pp < 1 or world_size % pp:
+            raise StagesDoNotDivideError(
+                f"num_stages={pp} does not divide the world size {world_size}: the ranks are split into "
+                f"num_stages pipeline stages of equal data-parallel size; choose a divisor of {world_size}")
+        return cls(pp, world_size // pp)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp
+
+    def rank_of(self, stage: int, data: int) -> int:
+        """The global rank at pipeline ``stage`` and data-parallel index ``data`` (see [Note: the order of the axes])."""
+        return stage * self.dp + data
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """``(stage, data)`` of a global rank."""
+        return divmod(rank, self.dp)
+
+    def stage_ranks(self, stage: int) -> tuple[int, ...]:
+        """The data-parallel group of ``stage``."""
+        return tuple(self.rank_of(stage, d) for d in range(self.dp))
+
+    def pipeline_ranks(self, data: int) -> tuple[int, ...]:
+        """The pipeline (every stage, in order) of data-parallel index ``data``."""
+        return tuple(self.rank_of(s, data) for s in range(self.pp))
+
+
+def _own_of(rank_lists: Sequence[Sequence[int]], mine: int, timeout_s: float) -> Optional[dist.ProcessGroup]:
+    """Create a group for each list of ranks, in order; the one at index ``mine`` (-1: none) is returned."""
+    own = None
+    for index, ranks in enumerate(rank_lists):
+        group = dist.new_group(ranks=list(ranks), timeout=datetime.timedelta(seconds=timeout_s))
+        if index == mine:
+            own = group
+    return own
+
+
+class ParallelGroups:
+    """This rank's place on every axis and the groups it communicates over.
+
+    - ``data_world``: the stage's data-parallel ranks, the world its ZeRO engine trains over;
+    - ``pipe``: the stages of this rank's pipeline, for the collectives over the whole model (the
+      gradient norm, the loss);
+    - ``p2p``: the same ranks again, for the activations and gradients between neighbouring stages,
+      a group of its own so that they never queue behind a collective;
+    - :meth:`subpipeline`: a group of some stages of this pipeline (a tied weight's stages).
+    """
+
+    def __init__(self, dims: ParallelDims, world: World) -> None:
+        if dims.world_size != world.world_size:
+            raise StagesDoNotDivideError(f"{dims} covers {dims.world_size} ranks, the world has {world.world_size}")
+        self.dims = dims
+        self.world = world
+        self.stage, self.data = dims.coords(world.rank)
+        parts = tuple(dims.stage_ranks(s) for s in range(dims.pp))
+        timeout = world.timeout_s
+        split = dims.pp > 1 and dims.dp > 1  # one stage: the data-parallel world is the default group
+        data_group = _own_of(parts, self.stage, timeout) if split else None
+        self.data_world = dataclasses.replace(world, rank=self.data, world_size=dims.dp, group=data_group,
+                                              parts=parts if split else ())
+        pipelines = [dims.pipeline_ranks(d) for d in range(dims.dp)] if dims.pp > 1 and dims.dp > 1 else []
+        pipe_group = _own_of(pipelines, self.data, timeout)  # None: one pipeline, the default group
+        self.pipe = Collectives(dataclasses.replace(world, rank=self.stage, world_size=dims.pp, group=pipe_group))
+        #: the group of point-to-point messages between stages (None: no neighbours)
+        self.p2p = _own_of([dims.pipeline_ranks(d) for d in range(dims.dp)] if dims.pp > 1 else [], self.data,
+                           timeout)
+        self._subgroups: dict[tuple[int, ...], Optional[dist.ProcessGroup]] = {}
+        release_at_exit(self.release)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.dims.pp - 1
+
+    def subpipeline(self, stages: Sequence[int]) -> Optional[dist.ProcessGroup]:
+        """A group of ``stages`` (ascending) of this rank's pipeline, created once for every pipeline;
+        None unless this rank is in it.  Every rank asks for the same stages in the same order."""
+        key = tuple(stages)
+        if key not in self._subgroups:
+            lists = [[self.dims.rank_of(s, d) for s in key] for d in range(self.dims.dp)]
+            self._subgroups[key] = _own_of(lists, self.data if self.stage in key else -1, self.world.timeout_s)
+        return self._subgroups[key]
+
+    def release(self) -> None:
+        """Drop the references to the groups (at exit, before the process groups are destroyed)."""
+        self.pipe.world = dataclasses.replace(self.pipe.world, group=None)
+        self.p2p = None
+        self.data_world = dataclasses.replace(self.data_world, group=None)
+        self._subgroups.clear()

@@ -1,0 +1,196 @@
+"""The pipeline engine: one stage's ZeRO engine, driven a batch at a time by a schedule.
+
+[Note: ZeRO inside a pipeline stage]
+Each stage is an ordinary zeroshard :class:`~zeroshard.engine.engine.Engine` over its own
+data-parallel ranks (distributed/parallel_dims.py), at any ZeRO stage; the pipeline engine is that
+engine with a batch-level driver on top.  Every micro-batch's backward goes through the engine's
+``backward()`` and ``step()``, so the engine's own accumulation does what ZeRO needs: gradients are
+reduced over the data-parallel group once, in the backward of the batch's last micro-batch, and the
+optimizer steps once, right after it.  Two things are the pipeline's: the gradient norm is summed
+over the stages before clipping (the engine's norm is its stage's; tied weights are counted on their
+owner only, see [Note: tied weights across stages] in pipeline/tied.py), and the loss of each
+micro-batch exists on the last stage only, so an earlier stage backpropagates the gradient it
+receives (pipeline/executor.py).  At ZeRO stage 3 the engine gathers a stage's parameters for each
+forward and again for each backward, micro-batch by micro-batch, and releases them after each:
+parameters are not kept gathered across the micro-batches of a batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional
+
+import torch
+
+from ..config import ZeroshardConfig
+from ..distributed.collectives import Collectives
+from ..distributed.consistency import EngineUsageError
+from ..engine.engine import Engine, SchedulerSpec
+from ..sharding.stage3.gathered import GatheredParameters
+from .checks import pipeline_config
+from .executor import BatchRun, batches_from
+from .module import PipelineModule
+from .p2p import StageLink
+from .schedule import SCHEDULES, ForwardOnly, PipeSchedule
+
+
+class PipelineUsageError(EngineUsageError):
+    """A data-parallel call (``forward``/``backward``/``step``) on a pipeline engine, which trains a batch
+    at a time (``train_batch``), or a feature pipelining does not have yet."""
+
+
+class PipelineEngine(Engine):
+    """Trains a :class:`PipelineModule`: ``train_batch()`` and ``eval_batch()``, DeepSpeed's names."""
+
+    def __init__(self, module: PipelineModule, config: ZeroshardConfig, model_parameters: Any = None,
+                 optimizer: Any = None, lr_scheduler: SchedulerSpec = None) -> None:
+        config = pipeline_config(config, module)
+        self.pipeline_groups = module.groups
+        super().__init__(module, config, module.groups.data_world, model_parameters, optimizer, lr_scheduler)
+        groups = module.groups
+        self.pipe: Collectives = groups.pipe
+        self.num_stages = groups.dims.pp
+        self.stage_id = groups.stage
+        self.schedule: PipeSchedule = SCHEDULES[config.pipeline.schedule]
+        self.link = StageLink(groups.p2p, groups.stage, groups.dims.pp, self.world.device)
+        self.data_iterator: Optional[Iterator[Any]] = None
+
+    # ------------------------------------------------------------------ where this rank is
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.num_stages - 1
+
+    def set_dataiterator(self, iterator: Iterator[Any]) -> None:
+        """The iterator of ``(inputs, labels)`` micro-batches the first and last stages read."""
+        self.data_iterator = iterator
+
+    # ------------------------------------------------------------------ refused data-parallel calls
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise PipelineUsageError("a pipeline engine runs whole batches: call engine.train_batch(data_iter) (or "
+                                 "eval_batch) instead of engine(inputs) / forward()")
+
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True, retain_graph: bool = False) -> torch.Tensor:
+        raise PipelineUsageError("a pipeline engine runs whole batches: call engine.train_batch(data_iter) instead "
+                                 "of backward()")
+
+    def step(self) -> None:
+        raise PipelineUsageError("a pipeline engine runs whole batches: call engine.train_batch(data_iter) instead "
+                                 "of step()")
+
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        raise PipelineUsageError("checkpoints of a pipelined model are not supported yet (docs/PIPELINE.md)")
+
+    def load_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        raise PipelineUsageError("checkpoints of a pipelined model are not supported yet (docs/PIPELINE.md)")
+
+    # ------------------------------------------------------------------ the stage's passes (executor.StagePasses)
+    def stage_forward(self, inputs: Any) -> Any:
+        return super().forward(inputs)
+
+    def stage_backward(self, loss: torch.Tensor, scale_wrt_gas: bool) -> None:
+        super().backward(loss, scale_wrt_gas=scale_wrt_gas)
+
+    def stage_step(self) -> None:
+        super().step()
+
+    def _model_grad_norm(self, grads: list[torch.Tensor], comm: Optional[Collectives]) -> torch.Tensor:
+        """The stage's norm, summed in squares over the stages of the pipeline (see [Note: ZeRO inside a
+        pipeline stage])."""
+        norm = super()._model_grad_norm(grads, comm)
+        if self.num_stages == 1:
+            return norm
+        squared = norm.square()
+        self.pipe.all_reduce(squared, "pipeline_grad_norm")
+        return squared.sqrt_()
+
+    # ------------------------------------------------------------------ batches
+    def _module(self) -> PipelineModule:
+        assert isinstance(self.module, PipelineModule)
+        return self.module
+
+    def _iterator(self, data_iter: Optional[Iterator[Any]]) -> Optional[Iterator[Any]]:
+        if data_iter is not None:
+            self.data_iterator = data_iter
+        if self.data_iterator is None and self.data_loader is not None:
+            self.data_iterator = iter(_Repeating(self.data_loader))
+        return self.data_iterator
+
+    def train_batch(self, data_iter: Optional[Iterator[Any]] = None) -> torch.Tensor:
+        """Train one batch of ``gradient_accumulation_steps`` micro-batches; returns its mean loss (over
+        micro-batches and data-parallel ranks) on every rank."""
+        module = self._module()
+        self.module.train()
+        micro = self.gradient_accumulation_steps()
+        run = BatchRun(self, self.link, module.tied, micro, batches_from(self._iterator(data_iter)),
+                       module.loss_fn, training=True)
+        result = run.run(self.schedule.actions(self.stage_id, self.num_stages, micro))
+        module.tied.broadcast_from_owners(self._full_values)
+        losses = torch.stack(result.losses).mean() if result.losses else None
+        return self._share_loss(losses, shape=())
+
+    def eval_batch(self, data_iter: Iterator[Any], return_logits: bool = False, compute_loss: bool = True,
+                   reduce_output: Optional[str] = "avg", bcast_loss: bool = True,
+                   num_micro_batches: Optional[int] = None) -> Any:
+        """Evaluate ``num_micro_batches`` (default: the accumulation steps) micro-batches without
+        gradients.  The loss is averaged over micro-batches (``reduce_output="avg"``; None: one per
+        micro-batch) and data-parallel ranks, and given to every stage (``bcast_loss``; otherwise the
+        last stage alone has it).  ``return_logits``: also the last stage's outputs, one per
+        micro-batch (None on the other stages)."""
+        if reduce_output not in ("avg", None):
+            raise ValueError(f"eval_batch(reduce_output={reduce_output!r}): use 'avg' or None")
+        module = self._module()
+        micro = num_micro_batches or self.gradient_accumulation_steps()
+        was_training = module.training
+        module.eval()
+        try:
+            with torch.no_grad():
+                run = BatchRun(self, self.link, None, micro, batches_from(data_iter), module.loss_fn,
+                               training=False, compute_loss=compute_loss, keep_outputs=return_logits)
+                result = run.run(ForwardOnly().actions(self.stage_id, self.num_stages, micro))
+        finally:
+            module.train(was_training)
+        loss: Any = None
+        if compute_loss:
+            local = None
+            if result.losses:
+                stacked = torch.stack(result.losses)
+                local = stacked.mean() if reduce_output == "avg" else stacked
+            shape: tuple[int, ...] = () if reduce_output == "avg" else (micro,)
+            loss = self._share_loss(local, shape) if bcast_loss else self._dp_mean(local)
+        logits = result.outputs if self.is_last_stage() else None
+        if return_logits:
+            return loss, logits
+        return loss
+
+    def _dp_mean(self, value: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if value is None or not self.world.is_distributed:
+            return value
+        summed = value.detach().float().clone()
+        self.comm.all_reduce(summed, "pipeline_loss")
+        return summed / self.world.world_size
+
+    def _share_loss(self, value: Optional[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+        """The last stage's loss, averaged over its data-parallel ranks, on every stage."""
+        mean = self._dp_mean(value) if self.is_last_stage() else None
+        out = mean.float().reshape(shape) if mean is not None else torch.zeros(shape, device=self.world.device)
+        if self.num_stages > 1:
+            out = out.contiguous()
+            self.pipe.broadcast(out, self.num_stages - 1, "pipeline_loss")
+        return out
+
+    def _full_values(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """A parameter's full values on its stage (a gather at ZeRO stage 3: every data-parallel rank calls it)."""
+        with GatheredParameters([param]):
+            return param.data.detach().clone()
+
+
+class _Repeating:
+    """A loader started over each time it ends (the pipeline reads micro-batches across epochs)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            yield from self.loader

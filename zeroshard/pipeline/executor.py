@@ -1,0 +1,158 @@
+"""Run one batch's passes on this stage: receive, compute, send, in the order the schedule gives.
+
+The executor knows nothing of ZeRO: it calls the stage engine's forward, backward and step through
+:class:`StagePasses`, and the tied weights' exchanges at the points [Note: tied weights across stages]
+in pipeline/tied.py names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional, Protocol
+
+import torch
+
+from .p2p import StageLink, as_tensors
+from .schedule import Action, Backward, Forward
+from .tied import TiedWeights
+
+
+class NoDataError(RuntimeError):
+    """The first or last stage was asked for a micro-batch without a data iterator, or the iterator ran out."""
+
+
+class StagePasses(Protocol):
+    """What the executor asks of the stage's engine."""
+
+    def stage_forward(self, inputs: Any) -> Any: ...
+
+    def stage_backward(self, loss: torch.Tensor, scale_wrt_gas: bool) -> None: ...
+
+    def stage_step(self) -> None: ...
+
+
+@dataclass
+class _InFlight:
+    """What a micro-batch leaves on the stage between its forward and its backward."""
+
+    inputs: tuple[torch.Tensor, ...] = ()
+    outputs: tuple[torch.Tensor, ...] = ()
+    loss: Optional[torch.Tensor] = None
+
+
+@dataclass
+class BatchResult:
+    """The last stage's losses (detached) and, if kept, outputs, one per micro-batch."""
+
+    losses: list[torch.Tensor] = field(default_factory=list)
+    outputs: list[Any] = field(default_factory=list)
+
+
+class BatchRun:
+    """One batch on one stage."""
+
+    def __init__(self, passes: StagePasses, link: StageLink, tied: Optional[TiedWeights], micro_batches: int,
+                 next_batch: Callable[[], Any], loss_fn: Optional[Callable[..., Any]], training: bool,
+                 compute_loss: bool = True, keep_outputs: bool = False) -> None:
+        self.passes, self.link, self.tied = passes, link, tied
+        self.micro_batches = micro_batches
+        self.next_batch = next_batch
+        self.loss_fn = loss_fn
+        self.training, self.compute_loss, self.keep_outputs = training, compute_loss, keep_outputs
+        self.first = link.stage == 0
+        self.last = link.stage == link.num_stages - 1
+        self._in_flight: dict[int, _InFlight] = {}
+        self.result = BatchResult()
+
+    def run(self, actions: list[Action]) -> BatchResult:
+        try:
+            for action in actions:
+                if isinstance(action, Forward):
+                    self._forward(action.micro_batch)
+                elif isinstance(action, Backward):
+                    self._backward(action.micro_batch)
+        finally:
+            self.link.wait_sends()
+        return self.result
+
+    def _forward(self, index: int) -> None:
+        batch = self.next_batch() if self.first or self.last else None
+        if self.first:
+            inputs: Any = _inputs_of(batch)
+            kept: tuple[torch.Tensor, ...] = ()
+        else:
+            kept = self.link.recv_forward(self.training)
+            inputs = kept[0] if len(kept) == 1 else kept
+        outputs = self.passes.stage_forward(inputs)
+        flight = _InFlight(inputs=kept)
+        if self.last:
+            if self.compute_loss:
+                loss = self.loss_fn(outputs, _labels_of(batch)) if self.loss_fn is not None else outputs
+                flight.loss = loss
+                self.result.losses.append(loss.detach())
+            if self.keep_outputs:
+                self.result.outputs.append(_detached(outputs))
+        else:
+            flight.outputs = as_tensors(outputs, f"stage {self.link.stage}'s output")
+            self.link.send_forward(flight.outputs)
+        if self.training:
+            self._in_flight[index] = flight
+
+    def _backward(self, index: int) -> None:
+        flight = self._in_flight.pop(index)
+        final = index == self.micro_batches - 1
+        if final and self.tied is not None:
+            self.tied.before_last_backward()
+        if self.last:
+            assert flight.loss is not None
+            self.passes.stage_backward(flight.loss, True)
+        else:
+            grads = self.link.recv_backward(flight.outputs)
+            terms = [(o * g).sum() for o, g in zip(flight.outputs, grads) if g is not None]
+            if not terms:
+                raise RuntimeError(f"stage {self.link.stage}'s output needs no gradient: nothing to backpropagate")
+            # the vector-Jacobian product as the backward of one scalar; the loss was already divided
+            # by the accumulation steps on the last stage
+            self.passes.stage_backward(torch.stack(terms).sum(), False)
+        if not self.first:
+            self.link.send_backward(flight.inputs)
+        if final and self.tied is not None:
+            self.tied.after_last_backward()  # before the step, whose norm waits for every stage
+        self.passes.stage_step()
+
+
+def _pair(batch: Any) -> tuple[Any, Any]:
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise NoDataError(f"a micro-batch must be (inputs, labels), got {type(batch).__name__}")
+
+
+def _inputs_of(batch: Any) -> Any:
+    return _pair(batch)[0]
+
+
+def _labels_of(batch: Any) -> Any:
+    return _pair(batch)[1]
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, tuple):
+        return tuple(_detached(v) for v in value)
+    return value
+
+
+def batches_from(iterator: Optional[Iterator[Any]]) -> Callable[[], Any]:
+    """``next(iterator)``, with a named error when there is none or it is exhausted."""
+    def next_batch() -> Any:
+        if iterator is None:
+            raise NoDataError("the first and last pipeline stages read the micro-batches: pass data_iter= to "
+                              "train_batch()/eval_batch(), call set_dataiterator(), or initialize(training_data=...)")
+        try:
+            return next(iterator)
+        except StopIteration:
+            raise NoDataError("the data iterator ran out in the middle of a batch: it must yield "
+                              "gradient_accumulation_steps micro-batches per batch (wrap a loader in "
+                              "RepeatingLoader to cycle it)") from None
+    return next_batch

@@ -1,0 +1,114 @@
+"""Weights shared by several pipeline stages (``TiedLayerSpec``): one value, one gradient, one update.
+
+[Note: tied weights across stages]
+A tied weight is a parameter of the first stage that uses it, its owner, trained there by that
+stage's ZeRO engine like any other parameter; every later stage that uses it holds a full copy, a
+plain tensor its engine never sees.  Each copy accumulates its gradient over the batch's
+micro-batches.  The owner must add those sums to its own gradient before its engine reduces the
+gradients over the data-parallel group, which it does during the backward of its last micro-batch;
+the copies' stages finish their last backward before the owner starts its own (their backward feeds
+it), so each of them all-reduces its sum with the owner's stage right after its last backward, and
+the owner joins that all-reduce right before its last backward and adds the result to the gradient
+as it arrives (a hook on the parameter).  After the optimizer step the owner's new values are
+broadcast to the copies.  The ranks enter these collectives key by key in one order, so none waits
+on a rank that waits on it.  Only the owner's engine holds the weight: the global gradient norm
+counts it once and its optimizer state exists once.  A copy is full-size on its stage whatever the
+ZeRO stage: it is not sharded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..distributed.parallel_dims import ParallelGroups
+
+
+@dataclass
+class TiedWeight:
+    """One key: the stages that use it (ascending), and on this rank's stage its module and copy."""
+
+    key: str
+    stages: tuple[int, ...]
+    attr: str
+    shape: torch.Size
+    #: the module built for the key on this stage (None: this stage does not use the key)
+    module: Optional[nn.Module] = None
+    #: a later stage's copy of the weight, a leaf tensor outside the engine (None on the owner)
+    copy: Optional[torch.Tensor] = None
+
+    @property
+    def owner(self) -> int:
+        return self.stages[0]
+
+
+class TiedWeights:
+    """Every tied key of a pipeline, kept as [Note: tied weights across stages] says."""
+
+    def __init__(self, groups: ParallelGroups, ties: list[TiedWeight]) -> None:
+        self.groups = groups
+        self.ties = sorted(ties, key=lambda t: t.key)
+        for tie in self.ties:  # every rank creates every key's group, in key order
+            if len(tie.stages) > 1:
+                groups.subpipeline(tie.stages)
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+
+    def _shared_here(self) -> list[TiedWeight]:
+        """The keys this stage shares with another stage."""
+        return [t for t in self.ties if len(t.stages) > 1 and self.groups.stage in t.stages]
+
+    def _group(self, tie: TiedWeight) -> Optional[dist.ProcessGroup]:
+        return self.groups.subpipeline(tie.stages)
+
+    def detach_copies(self) -> None:
+        """On the later stages, replace each tied parameter by a plain leaf tensor (the copy)."""
+        for tie in self._shared_here():
+            if tie.owner != self.groups.stage and tie.module is not None:
+                param = getattr(tie.module, tie.attr)
+                delattr(tie.module, tie.attr)
+                tie.copy = param.detach().clone().requires_grad_(True)
+                setattr(tie.module, tie.attr, tie.copy)
+
+    def broadcast_from_owners(self, read_owner: Callable[[nn.Parameter], torch.Tensor]) -> None:
+        """The owner's values into every copy (``read_owner``: the parameter's full values on the owner)."""
+        for tie in self._shared_here():
+            if tie.owner == self.groups.stage:
+                assert tie.module is not None
+                values = read_owner(getattr(tie.module, tie.attr)).detach().float().contiguous()
+            else:
+                assert tie.copy is not None
+                values = torch.empty(tie.shape, dtype=torch.float32, device=tie.copy.device)
+            dist.broadcast(values, group_src=0, group=self._group(tie))
+            if tie.copy is not None:
+                with torch.no_grad():
+                    tie.copy.copy_(values)
+
+    def before_last_backward(self) -> None:
+        """Owner: receive the copies' gradient sums and add them to the coming backward's gradient."""
+        for tie in self._shared_here():
+            if tie.owner != self.groups.stage:
+                continue
+            assert tie.module is not None
+            param = getattr(tie.module, tie.attr)
+            summed = torch.zeros(tie.shape, dtype=torch.float32, device=self.groups.world.device)
+            dist.all_reduce(summed, group=self._group(tie))
+            self._hooks.append(param.register_hook(lambda grad, extra=summed: grad + extra.to(grad.dtype)))
+
+    def after_last_backward(self) -> None:
+        """Owner: drop the hooks; later stages: send each copy's gradient sum to the owner, then clear it."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        for tie in self._shared_here():
+            if tie.owner == self.groups.stage:
+                continue
+            assert tie.copy is not None
+            grad = tie.copy.grad
+            summed = grad.detach().float().contiguous() if grad is not None else torch.zeros(
+                tie.shape, dtype=torch.float32, device=tie.copy.device)
+            dist.all_reduce(summed, group=self._group(tie))
+            tie.copy.grad = None
