@@ -12,7 +12,7 @@ from zeroshard.tools.testing import CaseFailures, case, run_world
 from zs_common import make_model, rank_micro_batches, zero_config
 
 
-def diverge(engine, rank: int, world: int, what: str, tmp: str) -> None:
+def diverge(engine, rank: int, world: int, what: str, tmp: str) -> "str | None":
     """Three steps and the saves of ``what``, in which one rank leaves out or changes one call."""
     for step in range(3):
         (x, y), = rank_micro_batches(step, rank, world, 2, 1)
@@ -30,15 +30,21 @@ def diverge(engine, rank: int, world: int, what: str, tmp: str) -> None:
         engine.save_checkpoint(tmp, tag="both")
     if what == "different_tags":
         engine.save_checkpoint(tmp, tag=f"rank{rank}")
+    if what == "different_tags_warn":  # DeepSpeed's default: saved whole under rank 0's tag, and loadable
+        saved = engine.save_checkpoint(tmp, tag=f"rank{rank}")
+        path, _ = engine.load_checkpoint(tmp)
+        return f"saved at {saved.name}, loaded {path.name if path else None}"
+    return None
 
 
 def diverging(rank: int, world: int, stage: int, what: str, tmp: str) -> str:
     """The error ``what`` raises on this rank; the engine is closed after a named error, which every rank
     raises before any collective of the divergent call, so the next engine starts from a clean world."""
-    engine, *_ = zeroshard.initialize(model=make_model(), config={**zero_config(stage, 2, 1), "collective_timeout": 20})
+    validation = "Warn" if what == "different_tags_warn" else "FAIL"  # any case, as DeepSpeed reads it
+    engine, *_ = zeroshard.initialize(model=make_model(), config={**zero_config(stage, 2, 1), "collective_timeout": 20,
+                                                                  "checkpoint": {"tag_validation": validation}})
     try:
-        diverge(engine, rank, world, what, tmp)
-        message = "no error"
+        message = diverge(engine, rank, world, what, tmp) or "no error"
     except DivergenceError as err:
         message = str(err)
     engine.close()
@@ -46,7 +52,7 @@ def diverging(rank: int, world: int, stage: int, what: str, tmp: str) -> str:
 
 
 DIVERGENCES = [(1, "skip_backward"), (3, "skip_backward"), (1, "skip_step"), (3, "skip_step"),
-               (2, "save_on_one_rank"), (3, "different_tags")]
+               (2, "save_on_one_rank"), (3, "different_tags"), (2, "different_tags_warn")]
 
 
 def divergence_worker(rank: int, world: int, cases: list[tuple[int, str]], tmp: str) -> dict[tuple[int, str], str]:
@@ -68,6 +74,8 @@ def test_divergence_is_a_named_error_on_every_rank(tmp_path) -> None:
             if what in ("different_tags", "save_on_one_rank"):  # the first save names a different tag on each rank
                 assert all(m.startswith("ranks named different checkpoints") and m.endswith("nothing was saved")
                            for m in messages), messages
+            elif what == "different_tags_warn":
+                assert messages == ["saved at rank0, loaded rank0"] * 2, messages
             else:
                 assert all(m.startswith("ranks diverged") for m in messages), messages
     failures.raise_any()

@@ -92,7 +92,7 @@ def micro_batch(step: int, micro: int, rank: int, kind: str) -> tuple[torch.Tens
     if kind == "experts" and rank == 1:
         x = x // 4 * 4 + 1  # every token of rank 1 to expert 1
     if kind == "leaf":
-        x = x // 2 * 2 + rank  # rank 0's tokens all to expert 0, rank 1's to expert 1
+        x = x // 2 * 2 + rank % 2  # even ranks' tokens all to expert 0, odd ranks' to expert 1
     if kind in ("heads", "layerdrop"):
         x[0] = rank  # heads: rank 0 uses head 0 only, rank 1 head 1 only; layerdrop: rank 0 drops none
     return x, y

@@ -232,3 +232,12 @@ def test_hybrid_sharding_keys_are_checked_with_the_fix() -> None:
         zero(stage=3, zero_hpz_partition_size=2, offload_optimizer={"device": "cpu"}))
     assert "'checkpoint.use_node_local_storage' is not supported with" in err(
         {**zero(stage=3, mics_shard_size=2), "checkpoint": {"use_node_local_storage": True}})
+
+
+def test_tag_validation_reads_deepspeeds_modes_in_any_case() -> None:
+    for written, read in (("WARN", "Warn"), ("fail", "Fail"), ("Ignore", "Ignore")):
+        assert load_config({"train_batch_size": 1, "checkpoint": {"tag_validation": written}}
+                           ).checkpoint.tag_validation == read
+    assert load_config({"train_batch_size": 1}).checkpoint.tag_validation == "Warn"
+    with pytest.raises(ConfigError, match="tag_validation"):
+        load_config({"train_batch_size": 1, "checkpoint": {"tag_validation": "foobar"}})

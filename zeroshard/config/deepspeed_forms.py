@@ -62,6 +62,10 @@ def normalize(raw: Mapping[str, Any]) -> dict[str, Any]:
         out["zero_optimization"] = _block(dict(zero), "zero_optimization")
     if isinstance(out.get("fp16"), Mapping):
         out["fp16"] = _block(dict(out["fp16"]), "fp16")
+    checkpoint = out.get("checkpoint")
+    if isinstance(checkpoint, Mapping) and isinstance(checkpoint.get("tag_validation"), str):
+        # DeepSpeed reads the mode in any case ("WARN", "warn")
+        out["checkpoint"] = {**checkpoint, "tag_validation": checkpoint["tag_validation"].capitalize()}
     for name, reason in FEATURE_BLOCKS.items():
         block = out.get(name)
         if isinstance(block, Mapping):

@@ -366,6 +366,11 @@ class CheckpointConfig:
         "`latest` there. Such a checkpoint loads with the same world size, ranks per node, stage and buckets, each "
         "rank reading only its node's files; to reshard or consolidate it, copy every node's files into one "
         "directory. Stages 1-3.")
+    tag_validation: Literal["Ignore", "Warn", "Fail"] = key(
+        "Warn", "What `save_checkpoint` does when ranks pass different tags (any case, as DeepSpeed): `Fail` raises "
+        "`DivergenceError` on every rank before anything is written; `Warn` logs the tags on every rank and saves "
+        "under rank 0's tag; `Ignore` saves under rank 0's tag silently. Either way the ranks' files land in one "
+        "directory, so the checkpoint stays whole.")
     save_dir: Optional[str] = key(
         None, "zeroshard's own key: the directory of periodic saves (`save_interval`) and of `auto_resume`.")
     save_interval: int = key(

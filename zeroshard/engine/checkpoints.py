@@ -122,7 +122,12 @@ class EngineCheckpointer:
         background = writer.decoupled if async_save is None else bool(async_save)
         self.saves.wait()  # the previous asynchronous save is published (or its error raised) first
         tag_name = f"global_step{self.parts.counters.global_steps}" if tag is None else str(tag)
-        self._agree_on(Call.SAVE, f"{tag_name} ({'in the background' if background else 'synchronously'})")
+        how = "in the background" if background else "synchronously"
+        if self.settings.checkpoint.tag_validation == "Fail":
+            self._agree_on(Call.SAVE, f"{tag_name} ({how})")
+        else:
+            self._agree_on(Call.SAVE, how)
+            tag_name = self._common_tag(tag_name)
         request = capture(self.checkpoint_parts(), save_dir, tag_name, client_state, save_latest,
                           node_local=self.settings.checkpoint.use_node_local_storage, exclude_frozen=exclude_frozen,
                           buffers=self.saves.buffers if background else None,
@@ -135,6 +140,19 @@ class EngineCheckpointer:
         if then is not None:
             then()
         return request.final
+
+    def _common_tag(self, tag_name: str) -> str:
+        """``checkpoint.tag_validation`` Warn / Ignore: every rank saves under rank 0's tag, so that the
+        ranks' files make one checkpoint; Warn says so on every rank when the tags differ."""
+        if not self.world.is_distributed:
+            return tag_name
+        tags = self.comm.all_gather_json(tag_name, "checkpoint_tag")
+        if len(set(tags)) > 1 and self.settings.checkpoint.tag_validation == "Warn":
+            logging.getLogger("zeroshard").warning(
+                "save_checkpoint: the ranks passed different tags (%s); every rank saves under rank 0's %r "
+                "(checkpoint.tag_validation \"Warn\"; \"Fail\" makes this an error)",
+                ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags)), tags[0])
+        return str(tags[0])
 
     def save_periodically(self) -> None:
         """``checkpoint.save_interval``: every rank saves at the same step, then rank 0 prunes once the

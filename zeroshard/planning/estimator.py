@@ -100,7 +100,10 @@ def buffer_bytes(req: EstimateRequest, stage: int) -> float:
     # sharding/grad_chunks.py)
     written = (req.world_size - 1) / req.world_size if stage == 2 else 1.0
     buckets = 2 * bucket * grad_bytes * written if stage >= 2 else 0.0
-    prefetch = min(req.prefetch_bucket_size, req.num_params) * grad_bytes if stage == 3 else 0.0
+    # stage 3 always prefetches the next unit, whatever its size ([Note: the next unit is always
+    # prefetched] in sharding/stage3/gather_scheduler.py): a layer's share where the depth is known
+    unit = req.num_params / req.shape.layers if req.shape.layers else 0.0
+    prefetch = min(max(req.prefetch_bucket_size, unit), req.num_params) * grad_bytes if stage == 3 else 0.0
     return buckets + prefetch
 
 
