@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -9,13 +10,17 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from .config import ZeroshardConfig, load_config, resolve_batch_sizes
+from .config import ConfigError, ZeroshardConfig, load_config, resolve_batch_sizes
 from .engine.data import DistributedLoader, build_loader
-from .distributed.world import init_distributed
+from .distributed.launch_env import DEFAULT_PORT
+from .distributed.model_parallel import check_mpu, model_parallel_worlds
+from .distributed.world import World, init_distributed
 from .checkpoint.format import LATEST
 from .engine.engine import Engine, SchedulerSpec
+from .engine.tensor_parallel import TensorParallelEngine
 from .logging import log_rank
 from .pipeline import PipelineConfigError, PipelineEngine, PipelineModule, PipelineUsageError
+from .pipeline.module import PipelineMPU
 
 
 def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: Any = None,
@@ -31,8 +36,12 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     (``config_params``, and ``args.deepspeed_config`` from :func:`add_config_arguments`, are
     DeepSpeed's other spellings).  ``optimizer`` and ``lr_scheduler`` may be objects or callables;
     ``training_data`` gives back a distributed loader at the micro batch size.  Joins the process
-    group (torchrun's env://) if nobody has yet (``dist_init_required=False``: one must exist).
-    ``mpu`` and ``mesh_param`` must be None: zeroshard has no model or sequence parallelism.
+    group if nobody has yet, as :func:`zeroshard.init_distributed` does (torchrun's, mpirun's or srun's
+    launch; ``distributed_port`` is the master's port when ``MASTER_PORT`` is unset);
+    ``dist_init_required=False``: one must exist.
+    ``mpu``: the model splits its own layers across tensor-parallel ranks (Megatron's); each rank's
+    part is trained with ZeRO over its data-parallel group (docs/DEEPSPEED_AND_HUGGING_FACE.md,
+    "Tensor parallelism through mpu").  ``mesh_param`` must be None: zeroshard has no sequence parallelism.
     A :class:`~zeroshard.pipeline.PipelineModule` model gets a pipeline engine (docs/PIPELINE.md).
 
     ``resume_from`` (zeroshard's): a checkpoint directory whose ``latest`` checkpoint is loaded, RNG
@@ -42,34 +51,46 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     """
     if model is None:
         raise ValueError("initialize() needs model=")
-    if (mpu is not None and not isinstance(model, PipelineModule)) or mesh_param is not None:
-        raise ValueError("initialize(mpu=/mesh_param=): zeroshard is data parallel only; pass None")
-    if dist_init_required is False and not torch.distributed.is_initialized():
-        raise RuntimeError("initialize(dist_init_required=False) but no process group exists")
-    del distributed_port  # the rendezvous is torchrun's (MASTER_PORT)
+    if mesh_param is not None:
+        raise ValueError("initialize(mesh_param=): zeroshard has no sequence parallelism; pass None")
+    if mpu is not None and not isinstance(model, PipelineModule):
+        check_mpu(mpu)  # before anything else: a wrong object is named at once
     source = _config_source(config, config_params, args)
     parsed: ZeroshardConfig = load_config(source)
-    world = init_distributed(timeout_s=parsed.collective_timeout)
+    # the launch as zeroshard.init_distributed() reads it; a group created before (by it or the user) is kept
+    world = init_distributed(timeout_s=parsed.collective_timeout, port=int(distributed_port or DEFAULT_PORT),
+                             must_exist=dist_init_required is False)
+    if parsed.collectives_in_a_world_of_one:
+        world = _issuing_collectives_at_one(world)
     if not isinstance(model, PipelineModule) and (parsed.pipeline.stages or 1) > 1:
         raise PipelineConfigError(f"'pipeline.stages' = {parsed.pipeline.stages} needs the model as a "
                                   f"zeroshard.pipe.PipelineModule (docs/PIPELINE.md)")
     if isinstance(model, PipelineModule):
+        if mpu is not None and not (isinstance(mpu, PipelineMPU) and mpu.describes(model)):
+            raise PipelineConfigError("initialize(mpu=...) with a PipelineModule: only the module's own "
+                                      "model.mpu(); a pipeline of tensor-parallel stages is not supported yet")
         if resume_from is not None:
-            raise PipelineUsageError("initialize(resume_from=...): checkpoints of a pipelined model are not "
-                                     "supported yet (docs/PIPELINE.md)")
+            raise PipelineUsageError("initialize(resume_from=...) with a pipelined model: call "
+                                     "engine.load_checkpoint(dir) after initialize() (resuming inside "
+                                     "initialize, periodic saves and auto_resume are not supported with "
+                                     "pipelining yet; docs/PIPELINE.md)")
         return _initialize_pipeline(model, parsed, model_parameters, optimizer, lr_scheduler, training_data,
                                     collate_fn)
+    worlds = model_parallel_worlds(mpu, world) if mpu is not None else None
+    if worlds is not None:
+        world = worlds.data_world  # batch sizes and the loader are per data-parallel rank
     parsed = resolve_batch_sizes(parsed, world.world_size)
     if parsed.seed is not None:
         torch.manual_seed(parsed.seed)
-    engine = Engine(model, parsed, world, model_parameters, optimizer, lr_scheduler)
+    engine = Engine(model, parsed, world, model_parameters, optimizer, lr_scheduler) if worlds is None \
+        else TensorParallelEngine(model, parsed, worlds, mpu, model_parameters, optimizer, lr_scheduler)
     loader = None
     if training_data is not None:
         loader = build_loader(training_data, engine.train_micro_batch_size_per_gpu(), world, collate_fn,
                               seed=parsed.seed or 0, drop_last=parsed.dataloader_drop_last)
         engine.data_loader = loader
     resume_dir = _resume_dir(resume_from, parsed)
-    if resume_dir is not None and (resume_dir / LATEST).is_file():
+    if resume_dir is not None and (_own_checkpoints(engine, resume_dir) / LATEST).is_file():
         path, _ = engine.load_checkpoint(resume_dir, load_rng_state=True)
         log_rank(f"resumed from {path} at step {engine.global_steps}")
     return engine, engine.optimizer, loader, engine.lr_scheduler
@@ -90,6 +111,19 @@ def _initialize_pipeline(model: "PipelineModule", config: ZeroshardConfig, model
                               seed=config.seed or 0, drop_last=config.dataloader_drop_last)
         engine.data_loader = loader
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _own_checkpoints(engine: Engine, directory: Path) -> Path:
+    """Where this rank's checkpoints are in ``directory``: a tensor-parallel rank's part of it."""
+    return engine.part_of(directory) if isinstance(engine, TensorParallelEngine) else directory
+
+
+def _issuing_collectives_at_one(world: World) -> World:
+    """``collectives_in_a_world_of_one``: needs a process group to issue them on."""
+    if world.backend == "none":
+        raise ConfigError("'collectives_in_a_world_of_one' needs a process group: launch with torchrun "
+                          "(--nproc-per-node 1) or call torch.distributed.init_process_group first")
+    return dataclasses.replace(world, collectives_at_one=True)
 
 
 def _resume_dir(resume_from: Union[str, Path, None], config: ZeroshardConfig) -> Optional[Path]:

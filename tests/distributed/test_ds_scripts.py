@@ -125,6 +125,26 @@ def test_an_unmodified_import_deepspeed_script_under_zeroshard_run_as_deepspeed(
     assert json.loads(out.read_text())["losses"] == native_runs[3]["losses"][:6]
 
 
+PIPE_SCRIPT = Path(__file__).parent / "ds_scripts" / "train_pipe_ds_style.py"
+
+
+def test_a_deepspeed_pipeline_script_trains_under_zeroshard_run_as_deepspeed(tmp_path) -> None:
+    """DeepSpeed's pipeline example's shape (PipelineModule of LayerSpecs, initialize(training_data=...),
+    train_batch() without an iterator), unmodified, at world 4: 2 stages x 2 data-parallel ranks."""
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000,
+                               "optimizer": {"type": "Adam", "params": {"lr": 5e-3}}}))
+    out = tmp_path / "out.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "zeroshard.tools.cli", "run", "--as-deepspeed", "--num_gpus", "4",
+                           "--master_port", str(free_port()), str(PIPE_SCRIPT), "--deepspeed", "--deepspeed_config",
+                           str(cfg), "--out", str(out), "--steps", "12"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    losses = json.loads(out.read_text())["losses"]
+    assert len(losses) == 12 and sum(losses[-3:]) / 3 < 0.6 * sum(losses[:3]) / 3, losses
+
+
 def test_run_refuses_several_nodes_by_deepspeed_flags() -> None:
     proc = subprocess.run([sys.executable, "-m", "zeroshard.tools.cli", "run", "--num_nodes", "2", "x.py"],
                           capture_output=True, text=True)

@@ -27,8 +27,12 @@ STAGE3_VARIANTS = {
     "no_prefetch": {"stage3_param_persistence_threshold": 20, "stage3_prefetch_bucket_size": 0,
                     "stage3_max_reuse_distance": 0},
 }
+#: top-level config keys of a variant: at world 1, every collective issued over the one rank, as a
+#: one-GPU check of the communication path does
+TOP_LEVEL_VARIANTS = {"at_one": {"collectives_in_a_world_of_one": True}}
 #: (stage, variant) run at every world size; the communication variants run at world 3 (extended)
 DEFAULT_CASES = [(0, ""), (1, ""), (2, ""), (3, "prefetch"), (3, "no_prefetch")]
+AT_ONE_CASES = [(0, "at_one"), (1, "at_one"), (2, "at_one"), (3, "at_one")]
 VARIANT_CASES = [(stage, variant) for stage in (1, 2, 3) for variant in sorted(VARIANTS)]
 
 
@@ -41,7 +45,9 @@ def parity_worker(rank: int, world: int, cases: list[tuple[int, str]]) -> dict:
                 ours = clone(ref)
                 ref_norms = train_ddp(ref, rank, world, STEPS, micro, accum)
                 engine, norms = train_zero(ours, rank, world, STEPS, micro, accum, stage,
+                                           top=TOP_LEVEL_VARIANTS.get(variant),
                                            **{**STAGE3_VARIANTS, **VARIANTS}.get(variant, {}))
+                issued = sum(c.seconds for c in engine.comm.counters.values())  # time only launches take
                 with zeroshard.GatheredParameters(list(ours.parameters())):
                     diff = max_rel_diff(ours, ref)
                 with host_reads() as reads:  # one more step, after the comparison
@@ -49,7 +55,7 @@ def parity_worker(rank: int, world: int, cases: list[tuple[int, str]]) -> dict:
                         engine.backward(engine(x, y))
                         engine.step()
                 engine.close()
-                out[(stage, variant, micro, accum)] = (diff, ref_norms, norms, dict(reads))
+                out[(stage, variant, micro, accum)] = (diff, ref_norms, norms, dict(reads), issued)
     return out
 
 
@@ -57,7 +63,7 @@ def check(results: list[dict], world: int, cases: list[tuple[int, str]]) -> None
     failures = CaseFailures()
     for rank, rank_result in enumerate(results):
         assert len(rank_result) == 2 * len(cases), f"rank {rank} ran {len(rank_result)} of {2 * len(cases)} cases"
-        for (stage, variant, micro, accum), (diff, ref_norms, norms, reads) in sorted(rank_result.items()):
+        for (stage, variant, micro, accum), (diff, ref_norms, norms, reads, issued) in sorted(rank_result.items()):
             with failures.case(stage=stage, variant=variant or "default", world=world, rank=rank, micro=micro,
                                accum=accum):
                 assert diff <= 1e-5, f"max relative difference {diff:.2e}"
@@ -67,12 +73,15 @@ def check(results: list[dict], world: int, cases: list[tuple[int, str]]) -> None
                 # a steady-state optimizer step of `accum` micro steps reads one device value on the
                 # host (see [Note: one host read per optimizer step] in zeroshard/engine/engine.py)
                 assert reads == {"engine/engine.py:_optimizer_step": 1}, f"host reads in one step: {reads}"
+                # a world of one issues nothing, unless told to issue what a larger world would
+                assert (issued > 0) == (world > 1 or variant == "at_one"), f"{issued:.2e} s in collectives"
     failures.raise_any()
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_every_stage_matches_ddp_adamw(world: int) -> None:
-    check(run_world(parity_worker, world, args=(DEFAULT_CASES,), timeout=600), world, DEFAULT_CASES)
+    cases = DEFAULT_CASES + (AT_ONE_CASES if world == 1 else [])
+    check(run_world(parity_worker, world, args=(cases,), timeout=600), world, cases)
 
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)

@@ -1,21 +1,24 @@
 """Pipeline parallelism with ZeRO: ``train_batch`` against one process training the same layers.
 
 One world of 4 ranks runs every case: pipeline 2 x data 2 at ZeRO stages 0-3 with each schedule,
-pipeline 4 x data 1, evaluation, and the refused inputs.  The model has a tied embedding (first and
+pipeline 4 x data 1, evaluation, checkpoints saved at one split and resumed at others (and read as one
+``nn.Sequential``), and the refused inputs.  The model has a tied embedding (first and
 last stage), tuples of tensors of two dtypes between stages, and a sequence length that changes from
 one micro-batch to the next.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 import zeroshard
+from zeroshard.checkpoint.consolidate import consolidate, full_state_dict
 from zeroshard.pipe import LayerSpec, PipelineModule, TiedLayerSpec
-from zeroshard.pipeline import (PipelineBatchSizeError, PipelineUsageError, StagesDoNotDivideError,
+from zeroshard.pipeline import (PipelineBatchSizeError, PipelineConfigError, PipelineUsageError, StagesDoNotDivideError,
                                 TooFewLayersError)
 from zeroshard.tools.testing import check_family, run_family
 
@@ -48,13 +51,22 @@ def logits(embedding: nn.Module, x: torch.Tensor) -> Any:
 
 
 def loss_fn(out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(out.reshape(-1, V), labels.reshape(-1))
+    """Cross-entropy in fp32 whatever the logits' dtype (a bf16 loss would carry 8 bits)."""
+    return nn.functional.cross_entropy(out.float().reshape(-1, V), labels.reshape(-1))
 
 
-def specs() -> list[Any]:
-    return [TiedLayerSpec("embed", nn.Embedding, V, D), Positions(), LayerSpec(Block, D), LayerSpec(Block, D),
+class SmallEmbedding(nn.Embedding):
+    """An embedding initialized small (std 0.1), as language models initialize theirs: logits of the
+    size bf16 carries to about 1e-3, as the mixed-precision bounds assume."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.1)
+
+
+def specs(embedding: type = nn.Embedding) -> list[Any]:
+    return [TiedLayerSpec("embed", embedding, V, D), Positions(), LayerSpec(Block, D), LayerSpec(Block, D),
             LayerSpec(Block, D), drop_positions, LayerSpec(nn.LayerNorm, D),
-            TiedLayerSpec("embed", nn.Embedding, V, D, forward_fn=logits)]
+            TiedLayerSpec("embed", embedding, V, D, forward_fn=logits)]
 
 
 def micro_batch(step: int, j: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,11 +79,11 @@ def micro_batch(step: int, j: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
 class Reference:
     """The same layers in one process (each built from the seed the pipeline uses), AdamW, accumulation."""
 
-    def __init__(self) -> None:
+    def __init__(self, lr: float = LR, embedding: type = nn.Embedding) -> None:
         self.calls: list[Any] = []
         self.modules: dict[int, nn.Module] = {}
         embed = None
-        for index, spec in enumerate(specs()):
+        for index, spec in enumerate(specs(embedding)):
             if isinstance(spec, TiedLayerSpec):
                 if embed is None:
                     torch.manual_seed(1234 + index)
@@ -87,18 +99,18 @@ class Reference:
                 self.calls.append(spec)
         params = [p for m in self.modules.values() for p in m.parameters()]
         self.params = params
-        self.optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=WD)
+        self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=WD)
 
     def forward(self, x: Any) -> Any:
         for call in self.calls:
             x = call(x)
         return x
 
-    def train_step(self, step: int, dp: int) -> float:
+    def train_step(self, step: int, dp: int, batch: Any = None) -> float:
         total = 0.0
         for j in range(ACCUM):
             for d in range(dp):
-                x, y = micro_batch(step, j, d)
+                x, y = (batch or micro_batch)(step, j, d)
                 loss = loss_fn(self.forward(x), y)
                 (loss / (ACCUM * dp)).backward()
                 total += float(loss.detach()) / (ACCUM * dp)
@@ -120,11 +132,11 @@ def config(stage: int, schedule: str, dp: int, **more: Any) -> dict[str, Any]:
             "zero_optimization": {"stage": stage}, "pipeline": {"schedule": schedule}, **more}
 
 
-def build(pp: int, stage: int, schedule: str) -> tuple[Any, PipelineModule]:
-    module = PipelineModule(specs(), num_stages=pp, loss_fn=loss_fn, seed_layers=True,
+def build(pp: int, stage: int, schedule: str, embedding: type = nn.Embedding, **more: Any) -> tuple[Any, PipelineModule]:
+    module = PipelineModule(specs(embedding), num_stages=pp, loss_fn=loss_fn, seed_layers=True,
                             partition_method="uniform" if pp == 4 else "parameters")
     engine, _, _, _ = zeroshard.initialize(model=module, model_parameters=module.parameters(),
-                                           config=config(stage, schedule, 4 // pp))
+                                           config=config(stage, schedule, 4 // pp, **more))
     return engine, module
 
 
@@ -190,11 +202,17 @@ def refusals_worker(rank: int, world: int) -> list[str]:
     for attempt in (lambda: PipelineModule(specs(), num_stages=3),
                     lambda: PipelineModule(specs()[:3], num_stages=4),
                     lambda: zeroshard.initialize(model=PipelineModule(specs(), num_stages=2, loss_fn=loss_fn),
-                                                 config={**config(0, "1f1b", 2), "train_batch_size": 7})):
+                                                 config={**config(0, "1f1b", 2), "train_batch_size": 7}),
+                    # an mpu other than the module's own would be ignored: refused
+                    lambda: zeroshard.initialize(model=PipelineModule(specs(), num_stages=2, loss_fn=loss_fn),
+                                                 mpu=PipelineModule(specs(), num_stages=2).mpu(),
+                                                 config=config(0, "1f1b", 2))):
         try:
             attempt()
-        except (StagesDoNotDivideError, TooFewLayersError, PipelineBatchSizeError) as error:
+        except (StagesDoNotDivideError, TooFewLayersError, PipelineBatchSizeError, PipelineConfigError) as error:
             raised.append(type(error).__name__)
+    own = PipelineModule(specs(), num_stages=2, loss_fn=loss_fn)  # its own mpu, as DeepSpeed scripts pass it
+    zeroshard.initialize(model=own, mpu=own.mpu(), config=config(0, "1f1b", 2))[0].close()
     engine, _ = build(2, 0, "1f1b")
     for call in (lambda: engine(torch.zeros(1)), lambda: engine.backward(torch.zeros(())), engine.step):
         try:
@@ -207,18 +225,195 @@ def refusals_worker(rank: int, world: int) -> list[str]:
 
 def check_refusals(by_rank: list[list[str]]) -> None:
     for raised in by_rank:
-        assert raised == ["StagesDoNotDivideError", "TooFewLayersError", "PipelineBatchSizeError"] + \
-            ["PipelineUsageError"] * 3, raised
+        assert raised == ["StagesDoNotDivideError", "TooFewLayersError", "PipelineBatchSizeError",
+                          "PipelineConfigError"] + ["PipelineUsageError"] * 3, raised
 
 
-WORKERS = {"train": train_worker, "refusals": refusals_worker}
-CHECKS = {"train": check_train, "refusals": check_refusals}
+class Head(nn.Module):
+    """The tied output layer of the one-process model: it uses the embedding without holding it."""
+
+    def __init__(self, embedding: nn.Module) -> None:
+        super().__init__()
+        self.use = [embedding]
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return logits(self.use[0], x)
 
 
-def test_pipeline_matches_one_process() -> None:
+class DropPositions(nn.Module):
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return drop_positions(inputs)
+
+
+def sequential() -> nn.Sequential:
+    """The pipelined layers as one ``nn.Sequential``, whose keys a pipeline checkpoint is saved under."""
+    embed = nn.Embedding(V, D)
+    return nn.Sequential(embed, Positions(), Block(D), Block(D), Block(D), DropPositions(), nn.LayerNorm(D),
+                         Head(embed))
+
+
+#: where the checkpoint saved at pipeline 2 x data 2, ZeRO-1 is resumed: (pipeline depth, ZeRO stage); the
+#: first is the saving run's own split, whose arithmetic is the uninterrupted run's (bitwise)
+RESUMES = ((2, 1), (4, 3), (2, 2))
+
+
+def resume_worker(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Save after 3 steps, train 2 more; resume the saved checkpoint at each of ``RESUMES`` for those 2."""
+    engine, _ = build(2, 1, "1f1b")
+    reference = Reference()
+    for step in range(3):
+        engine.train_batch(data(step, rank % 2))
+        reference.train_step(step, 2)
+    engine.save_checkpoint(root, "step3")
+    straight = [float(engine.train_batch(data(step, rank % 2))) for step in (3, 4)]
+    engine.save_checkpoint(root, "straight")
+    engine.close()
+    resumed = {}
+    for pp, stage in RESUMES:
+        dp = 4 // pp
+        engine, _ = build(pp, stage, "1f1b" if pp == 2 else "gpipe", gradient_accumulation_steps=ACCUM * 2 // dp,
+                          train_batch_size=MICRO * ACCUM * 2)
+        engine.load_checkpoint(root, "step3")
+        # the same samples per step: data-parallel rank d of the saving run read data(step, d)
+        batches = [lambda step: data(step, rank % 2)] if dp == 2 else [
+            lambda step: iter([micro_batch(step, j, d) for j in range(ACCUM) for d in range(2)])]
+        resumed[f"pp{pp}_z{stage}"] = [float(engine.train_batch(batches[0](step))) for step in (3, 4)]
+        engine.save_checkpoint(root, f"pp{pp}_z{stage}")
+        engine.close()
+    saved = reference_state(reference)
+    x, y = micro_batch(9, 0, 0)
+    with torch.no_grad():
+        reference_loss = float(loss_fn(reference.forward(x), y))
+    return {"straight": straight, "resumed": resumed, "reference": saved,
+            "reference_loss": reference_loss}
+
+
+def check_resume(by_rank: list[dict[str, Any]], root: str) -> None:
+    bitwise = f"pp{RESUMES[0][0]}_z{RESUMES[0][1]}"
+    for rank, out in enumerate(by_rank):
+        for name, losses in out["resumed"].items():
+            bound = 0.0 if name == bitwise else 1e-6
+            assert max(abs(a - b) for a, b in zip(losses, out["straight"])) <= bound, (rank, name, losses, out["straight"])
+    straight = full_state_dict(root, "straight")
+    for pp, stage in RESUMES:
+        resumed = full_state_dict(root, f"pp{pp}_z{stage}")
+        assert resumed.keys() == straight.keys()
+        for key, value in straight.items():
+            bound = 0.0 if f"pp{pp}_z{stage}" == bitwise else 1e-6
+            assert float((resumed[key] - value).abs().max()) <= bound, (pp, stage, key)
+    # the checkpoint is the state of one nn.Sequential of the layers, trained as the reference was
+    model = sequential()
+    model.load_state_dict(full_state_dict(root, "step3"), strict=True)
+    out = by_rank[0]
+    for key, value in model.state_dict().items():
+        assert relative(value, out["reference"][key]) <= 1e-5, key
+    x, y = micro_batch(9, 0, 0)
+    with torch.no_grad():
+        assert abs(float(loss_fn(model(x), y)) - out["reference_loss"]) <= 1e-5
+    from safetensors.torch import load_file
+
+    target = consolidate(root, Path(root) / "consolidated.safetensors", tag="step3")  # `zeroshard consolidate`
+    model.load_state_dict(load_file(str(target)), strict=True)
+    with torch.no_grad():
+        assert abs(float(loss_fn(model(x), y)) - out["reference_loss"]) <= 1e-5
+
+
+class Samples(torch.utils.data.Dataset):
+    """Token sequences that remember which indices were read."""
+
+    def __init__(self) -> None:
+        self.data = torch.randint(0, V, (48, 6), generator=torch.Generator().manual_seed(7))
+        self.read: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.read.append(int(index))
+        return self.data[index, :-1], self.data[index, 1:]
+
+
+def loader_worker(rank: int, world: int) -> dict[str, Any]:
+    """``initialize(training_data=...)``: ``train_batch()`` reads the loader, sampled over data-parallel ranks."""
+    dataset = Samples()
+    module = PipelineModule(specs(), num_stages=2, loss_fn=loss_fn, seed_layers=True)
+    engine, _, _, _ = zeroshard.initialize(model=module, model_parameters=module.parameters(),
+                                           config=config(1, "1f1b", 2), training_data=dataset)
+    losses = [float(engine.train_batch()) for _ in range(2)]
+    engine.close()
+    # the samples each data-parallel rank's loader draws (the loader's seed is the config's, 0)
+    orders = [list(torch.utils.data.DistributedSampler(dataset, num_replicas=2, rank=d, seed=0)) for d in range(2)]
+
+    def batch(step: int, j: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = (step * ACCUM + j) * MICRO
+        rows = dataset.data[orders[d][start: start + MICRO]]
+        return rows[:, :-1], rows[:, 1:]
+
+    reference = Reference()
+    return {"losses": losses, "expected": [reference.train_step(step, 2, batch) for step in range(2)],
+            "read": dataset.read}
+
+
+def check_loader(by_rank: list[dict[str, Any]]) -> None:
+    for rank, out in enumerate(by_rank):
+        for got, want in zip(out["losses"], out["expected"]):
+            assert abs(got - want) <= 1e-5 * abs(want), (rank, out["losses"], out["expected"])
+    # ranks 0, 1 are stage 0 of data-parallel ranks 0, 1; ranks 2, 3 stage 1 of the same
+    assert by_rank[0]["read"] == by_rank[2]["read"] and by_rank[1]["read"] == by_rank[3]["read"]
+    assert len(by_rank[0]["read"]) == 2 * ACCUM * MICRO and not set(by_rank[0]["read"]) & set(by_rank[1]["read"])
+
+
+#: the bounds of tests/distributed/test_mixed_precision.py (its [Note: the stated tolerances]): each step's
+#: loss within LOSS_TOL of fp32's, the weights' distance from fp32's within DEVIATION_TOL of how far
+#: training moved them, at that test's learning rate
+LOSS_TOL, DEVIATION_TOL, MIXED_LR = 2e-3, 0.06, 1e-3
+
+
+def reference_state(reference: Reference) -> dict[str, torch.Tensor]:
+    return {f"{i}.{name}": p.detach().clone() for i, m in reference.modules.items() for name, p in m.named_parameters()}
+
+
+def bf16_worker(rank: int, world: int, root: str, pp: int, stage: int) -> dict[str, Any]:
+    """Train in bf16 (activations and gradients travel in bf16), save, and report the fp32 reference."""
+    engine, module = build(pp, stage, "1f1b", SmallEmbedding, bf16={"enabled": True},
+                           optimizer={"type": "AdamW", "params": {"lr": MIXED_LR, "weight_decay": WD}})
+    dp = 4 // pp
+    reference = Reference(MIXED_LR, SmallEmbedding)
+    initial = reference_state(reference)
+    losses, expected = [], []
+    for step in range(STEPS):
+        losses.append(float(engine.train_batch(data(step, rank % dp))))
+        expected.append(reference.train_step(step, dp))
+    copy = module.tied.ties[0].copy
+    copy_dtype = str(copy.dtype) if copy is not None else None
+    engine.save_checkpoint(root, "bf16")  # the fp32 masters
+    engine.close()
+    return {"losses": losses, "expected": expected, "copy_dtype": copy_dtype, "initial": initial,
+            "reference": reference_state(reference)}
+
+
+def check_bf16(by_rank: list[dict[str, Any]], root: str, pp: int, stage: int) -> None:
+    for rank, out in enumerate(by_rank):
+        assert max(abs(a - b) for a, b in zip(out["losses"], out["expected"])) <= LOSS_TOL, (rank, out["losses"])
+        if rank // (4 // pp) == pp - 1:  # the last stage holds a copy of the tied embedding, in bf16
+            assert out["copy_dtype"] == "torch.bfloat16", out["copy_dtype"]
+    masters, out = full_state_dict(root, "bf16"), by_rank[0]
+    distance = sum(float((masters[k] - out["reference"][k]).square().sum()) for k in masters) ** 0.5
+    moved = sum(float((out["reference"][k] - out["initial"][k]).square().sum()) for k in masters) ** 0.5
+    assert distance <= DEVIATION_TOL * moved, (distance, moved)
+
+
+WORKERS = {"train": train_worker, "refusals": refusals_worker, "resume": resume_worker, "bf16": bf16_worker,
+           "loader": loader_worker}
+CHECKS = {"train": check_train, "refusals": check_refusals, "resume": check_resume, "bf16": check_bf16,
+          "loader": check_loader}
+
+
+def test_pipeline_matches_one_process(tmp_path: Path) -> None:
     cases: list[tuple[str, dict[str, Any]]] = [
         ("train", {"pp": 2, "stage": stage, "schedule": schedule})
         for stage in (0, 1, 2, 3) for schedule in ("1f1b", "gpipe")]
     cases += [("train", {"pp": 4, "stage": 1, "schedule": "1f1b"}), ("train", {"pp": 4, "stage": 3, "schedule": "gpipe"}),
-              ("refusals", {})]
+              ("resume", {"root": str(tmp_path / "resume")}),
+              ("bf16", {"root": str(tmp_path / "bf16"), "pp": 2, "stage": 2}), ("loader", {}), ("refusals", {})]
     check_family(cases, run_family(4, cases, WORKERS), CHECKS, world=4)

@@ -74,8 +74,10 @@ def train_ddp(model: nn.Module, rank: int, world: int, steps: int, micro: int, a
 
 
 def train_zero(model: nn.Module, rank: int, world: int, steps: int, micro: int, accum: int, stage: int,
-               **zero: Any):
-    engine, _, _, _ = zeroshard.initialize(model=model, config=zero_config(stage, micro, accum, **zero))
+               top: dict | None = None, **zero: Any):
+    """``top``: top-level config keys beside ``zero_config``'s; ``zero``: zero_optimization keys."""
+    engine, _, _, _ = zeroshard.initialize(model=model, config={**zero_config(stage, micro, accum, **zero),
+                                                                **(top or {})})
     norms = []
     for step in range(steps):
         for x, y in rank_micro_batches(step, rank, world, micro, accum):

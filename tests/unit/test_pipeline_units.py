@@ -67,3 +67,18 @@ def test_one_stage_pipeline_trains_in_one_process() -> None:
     with pytest.raises(PipelineUsageError):
         engine(torch.zeros(2, 4))
     engine.close()
+
+
+def test_fp16_is_refused_with_its_reason_and_async_saves_are_refused() -> None:
+    from zeroshard.pipeline import PipelineConfigError
+
+    layers = [LayerSpec(nn.Linear, 4, 4), LayerSpec(nn.Linear, 4, 1)]
+    base = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    with pytest.raises(PipelineConfigError, match="loss scaling"):
+        zeroshard.initialize(model=PipelineModule(layers, num_stages=1, loss_fn=nn.functional.mse_loss),
+                             config={**base, "fp16": {"enabled": True}})
+    engine, _, _, _ = zeroshard.initialize(model=PipelineModule(layers, num_stages=1, loss_fn=nn.functional.mse_loss),
+                                           config=base)
+    with pytest.raises(PipelineUsageError, match="synchronously"):
+        engine.save_checkpoint("unused", async_save=True)
+    engine.close()

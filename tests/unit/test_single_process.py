@@ -271,3 +271,51 @@ def test_tensorboard_gets_every_metric_record(tmp_path) -> None:
         scalars = events.Scalars(key)
         assert [s.step for s in scalars] == [1, 2, 3], key
         assert [s.value for s in scalars] == pytest.approx([r[key] for r in records], rel=1e-6), key  # float32
+
+
+def test_stage3_parameters_answer_deepspeeds_attributes() -> None:
+    """DeepSpeed's ds_* attributes on what a stage-3 module shows: a released parameter's placeholder
+    answers them from the storage before, during and after a gather; the gathered parameter itself is a
+    plain full tensor without them; a parameter built under Init answers them too."""
+    from zeroshard.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    shapes = [p.shape for p in model.parameters()]
+    engine, _, _, _ = zeroshard.initialize(model=model, config={
+        "train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    shown = list(model.parameters())
+    assert all(isinstance(p, ShardedParameterPlaceholder) for p in shown)
+    assert len({p.ds_id for p in shown}) == len(shown)
+    for p, shape in zip(shown, shapes):
+        assert p.ds_status is ZeroParamStatus.NOT_AVAILABLE and not p.ds_persist
+        assert p.ds_shape == shape and p.ds_numel == shape.numel()
+        assert p.ds_tensor.shape == (shape.numel(),)  # a world of one owns every element
+
+    linear = next(m for m in model.modules() if isinstance(m, nn.Linear))
+    placeholder = linear.weight
+    seen = []
+
+    def during_forward(module, args):
+        seen.append((placeholder.ds_status, hasattr(module.weight, "ds_id"), module.weight.numel()))
+
+    handle = linear.register_forward_pre_hook(during_forward)
+    engine.backward(engine(*batch(0)))
+    handle.remove()
+    assert seen and seen[0] == (ZeroParamStatus.AVAILABLE, False, placeholder.ds_numel)
+
+    with zeroshard.GatheredParameters([placeholder]):
+        assert placeholder.ds_status is ZeroParamStatus.AVAILABLE
+        torch.testing.assert_close(placeholder.ds_tensor, linear.weight.detach().reshape(-1))
+    assert linear.weight is placeholder and placeholder.ds_status is ZeroParamStatus.NOT_AVAILABLE
+    engine.close()
+
+    with zeroshard.Init():
+        built = nn.Linear(3, 5)
+    assert built.weight.ds_shape == (5, 3) and built.weight.ds_numel == 15
+    assert built.weight.ds_tensor.numel() == 15 and built.weight.ds_id != built.bias.ds_id
+    assert built.weight.ds_status is ZeroParamStatus.NOT_AVAILABLE
+    with zeroshard.GatheredParameters([built.weight]):
+        assert built.weight.ds_status is ZeroParamStatus.AVAILABLE
+    assert not hasattr(built.weight.data, "ds_id")  # a view is not a parameter

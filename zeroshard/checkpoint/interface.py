@@ -84,6 +84,23 @@ class OptimizerGroups(Stateful, Protocol):
     def class_name(self) -> str: ...
 
 
+@dataclass(frozen=True)
+class PartOfJob:
+    """Where one part's state goes in a checkpoint of a job that trains its model in parts, each part
+    over a group of ranks of its own (the stages of a pipeline): see [Note: a checkpoint of a job in
+    parts] in checkpoint/job.py.  The parts' shards and module then carry the job's names."""
+
+    #: which part this rank trains, of how many
+    part: int
+    parts: int
+    #: the job rank of the part's first rank: the part's chunk ``c`` is saved in ``rank_file(rank_base + c)``
+    rank_base: int
+    #: this rank writes its part's frozen parameters and buffers
+    leader: bool
+    #: every trainable parameter name of the job (what a strict load may find beyond this part's)
+    job_param_names: frozenset[str]
+
+
 @dataclass
 class CheckpointParts:
     """Everything a checkpoint saves and restores, part by part."""
@@ -101,3 +118,5 @@ class CheckpointParts:
     agree_on: Callable[[str], None]
     lr_scheduler: Optional[Stateful] = None
     loader: Optional[Stateful] = None
+    #: set when ``world`` and ``comm`` are the whole job's and these parts hold one part of its model
+    job: Optional[PartOfJob] = None

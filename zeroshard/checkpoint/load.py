@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 
 from ..sharding.layout import BucketLayout
-from .format import EXTRA_FILE, MANIFEST, CheckpointError, published_dir, rank_file, resolve_tag  # resolve_tag: public here
+from .format import MANIFEST, CheckpointError, published_dir, rank_file, resolve_tag  # resolve_tag: public here
 from .interface import CheckpointParts
 from .reader import CheckpointReader
 
@@ -41,7 +41,8 @@ def _check_model(parts: CheckpointParts, reader: CheckpointReader, strict: bool)
     theirs = {name: reader.shape(name) for name in reader.param_names()}
     wrong = [f"{n} (checkpoint {theirs[n]}, model {ours[n]})" for n in ours if n in theirs and theirs[n] != ours[n]]
     missing = [n for n in ours if n not in theirs]
-    unexpected = [n for n in theirs if n not in ours]
+    elsewhere = parts.job.job_param_names if parts.job is not None else frozenset()  # other parts' names
+    unexpected = [n for n in theirs if n not in ours and n not in elsewhere]
     problems = []
     if wrong:
         problems.append("shape mismatch: " + ", ".join(wrong))
@@ -70,8 +71,8 @@ def check_manifest(directory: Path, data: Any) -> None:
         if not isinstance(bucket, dict) or not all(isinstance(bucket.get(k), int)
                                                    for k in ("index", "chunk_numel", "num_chunks")):
             raise CheckpointError(f"{path}: a bucket entry lacks index/chunk_numel/num_chunks")
-    chunks = max((b["num_chunks"] for b in data["buckets"]), default=0)
-    unlisted = [rank_file(r) for r in range(max(chunks, 1)) if rank_file(r) not in data["files"]]
+    needed = {0} | {int(b.get("rank_base", 0)) + c for b in data["buckets"] for c in range(b["num_chunks"])}
+    unlisted = [rank_file(r) for r in sorted(needed) if rank_file(r) not in data["files"]]
     if unlisted:
         raise CheckpointError(f"{path}: does not list {', '.join(unlisted)} (its size and checksum are unknown, "
                               f"so it cannot be verified)")
@@ -119,12 +120,13 @@ def files_to_read(parts: CheckpointParts, reader: CheckpointReader) -> set[str]:
     state) and the frozen parameters and buffers.  A rank never checksums files it does not read, so
     verification costs each rank about its own share of the checkpoint, not all of it."""
     known = set(reader.param_names())
-    files = {reader.home_file(), EXTRA_FILE, rank_file(parts.world.rank)}
+    files = {reader.home_file(), rank_file(parts.world.rank), *reader.extra_files()}
     for bucket, (chunk_numel, _) in zip(parts.shards.layout.buckets, parts.shards.chunk_layout()):
         start = bucket.chunk_start(chunk_numel, parts.shards.rank)
         # the ranges _fill reads, walked without reading (the callback answers None: nothing copied)
         bucket.fill_chunk(start, torch.empty(chunk_numel, device="meta"), lambda slot, lo, hi: files.update(
-            reader.files_holding(slot.name, lo, hi)) if slot.name in known else None)
+            reader.files_holding(slot.name, lo, hi) | {reader.scalar_file(reader.bucket_of(slot.name))})
+            if slot.name in known else None)
     return files & set(reader.data["files"])
 
 

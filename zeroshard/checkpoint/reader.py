@@ -25,19 +25,23 @@ class CheckpointReader:
             validate(self.directory, self.manifest.data)
         storage = self.manifest.data.get("storage") or {}
         self._home = rank_file(0)
+        self._home_rank = 0
+        self._node_local = bool(storage.get("node_local"))
         only = None
         if storage.get("node_local") and rank is not None:
             per_node = int(storage["ranks_per_node"])
             node = rank // per_node
             only = {rank_file(r) for r in range(node * per_node, (node + 1) * per_node)} | {EXTRA_FILE}
-            self._home = rank_file(rank)
+            self._home, self._home_rank = rank_file(rank), rank
         elif rank is not None and rank_file(rank) in self.manifest.data["files"] and all(
                 rank < b["num_chunks"] for b in self.manifest.buckets):
-            self._home = rank_file(rank)  # it holds a chunk of every bucket, with the same scalar state
+            self._home, self._home_rank = rank_file(rank), rank  # a chunk of every bucket, the same scalar state
         if verify:
             self.manifest.verify_files(only)
         self._place: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
+        self._bucket: dict[int, dict[str, Any]] = {}
         for bucket in self.manifest.buckets:
+            self._bucket[int(bucket["index"])] = bucket
             for slot in bucket["params"]:
                 self._place[slot["name"]] = (bucket, slot)
         self._files: dict[str, SafetensorsFile] = {}
@@ -75,8 +79,8 @@ class CheckpointReader:
             self._files[file] = handle
         return handle
 
-    def _chunk_slice(self, key: str, bucket: int, chunk: int, start: int, end: int) -> torch.Tensor:
-        file = rank_file(chunk)
+    def _chunk_slice(self, key: str, bucket: int, file_rank: int, start: int, end: int) -> torch.Tensor:
+        file = rank_file(file_rank)
         name = f"{key}.b{bucket}"
         handle = self._open(file)
         if name not in handle:
@@ -84,20 +88,22 @@ class CheckpointReader:
         return handle.read_flat(name, start, end)
 
     def _pieces(self, name: str, start: int, end: Optional[int]) -> list[tuple[int, int, int, int]]:
-        """Where elements ``[start, end)`` of parameter ``name`` were saved: (bucket, chunk, first, last)
-        of each saved chunk that holds some of them, in order."""
+        """Where elements ``[start, end)`` of parameter ``name`` were saved: (bucket, rank of the file,
+        first, last) of each saved chunk that holds some of them, in order (a bucket's chunk ``c`` is in
+        the file of rank ``rank_base + c``: [Note: a checkpoint of a job in parts] in checkpoint/job.py)."""
         if name not in self._place:
             raise CheckpointError(f"{self.directory}: has no parameter {name!r}")
         bucket, slot = self._place[name]
         end = slot["numel"] if end is None else end
         chunk_numel = bucket["chunk_numel"]
+        base = int(bucket.get("rank_base", 0))
         pieces = []
         position = slot["offset"] + start
         stop = slot["offset"] + end
         while position < stop:
             chunk, inner = divmod(position, chunk_numel)
             take = min(stop - position, chunk_numel - inner)
-            pieces.append((bucket["index"], chunk, inner, inner + take))
+            pieces.append((bucket["index"], base + chunk, inner, inner + take))
             position += take
         return pieces
 
@@ -121,9 +127,18 @@ class CheckpointReader:
         """Parameter ``name``'s whole ``key``, in its shape."""
         return self.read(name, key).view(self.shape(name))
 
+    def scalar_file(self, bucket: int) -> str:
+        """The file a bucket's scalar optimizer state is read from: the home file when it holds a chunk
+        of the bucket, else the file of the bucket's first chunk."""
+        entry = self._bucket[bucket]
+        base = int(entry.get("rank_base", 0))
+        if self._node_local or base <= self._home_rank < base + int(entry["num_chunks"]):
+            return self._home
+        return rank_file(base)
+
     def scalar_state(self, bucket: int) -> dict[str, torch.Tensor]:
-        """Per-bucket scalar optimizer state (such as Adam's ``step``) as rank 0 saved it."""
-        handle = self._open(self._home)
+        """Per-bucket scalar optimizer state (such as Adam's ``step``) as its first chunk's rank saved it."""
+        handle = self._open(self.scalar_file(bucket))
         prefix, suffix = "optim_scalar.", f".b{bucket}"
         return {k[len(prefix):-len(suffix)]: handle.get_tensor(k) for k in handle.keys()
                 if k.startswith(prefix) and k.endswith(suffix)}
@@ -137,9 +152,14 @@ class CheckpointReader:
         handle = self._open(rank_file(rank))
         return handle.get_tensor(name) if name in handle else None
 
+    def extra_files(self) -> list[str]:
+        """The files of frozen parameters and module buffers (one per part of a job in parts)."""
+        return [f for f in self.manifest.data.get("extra_files", [EXTRA_FILE]) if f in self.manifest.data["files"]]
+
     def extra(self) -> dict[str, torch.Tensor]:
         """Frozen parameters and module buffers, by state-dict name."""
-        if EXTRA_FILE not in self.manifest.data["files"]:
-            return {}
-        handle = self._open(EXTRA_FILE)
-        return {k: handle.get_tensor(k) for k in handle.keys()}
+        out: dict[str, torch.Tensor] = {}
+        for file in self.extra_files():
+            handle = self._open(file)
+            out.update({k: handle.get_tensor(k) for k in handle.keys()})
+        return out

@@ -24,6 +24,7 @@ from ..version import __version__
 from .format import (replaced_dir, EXTRA_FILE, FORMAT_NAME, FORMAT_VERSION, LATEST, MANIFEST, CheckpointError, rank_file,
                      FileWriting, SafetensorsWriter, write_json_atomic, write_text_atomic)
 from .interface import CheckpointParts
+from .job import extra_file, merged_manifest
 from .pacing import StepPacing
 
 #: room reserved for a rank file's header (see [Note: the header goes last] in checkpoint/format.py):
@@ -139,6 +140,7 @@ def _manifest(parts: CheckpointParts, tag: str, client_state: Any, files: dict[s
             "padded_numel": bucket.padded_numel, "chunk_numel": chunk_numel, "num_chunks": chunks,
             "params": [{"name": s.name, "offset": s.offset, "numel": s.numel, "shape": list(s.shape)}
                        for s in bucket.slots],
+            **({"rank_base": parts.job.rank_base} if parts.job is not None else {}),
         })
     scheduler = parts.lr_scheduler.state_dict() if parts.lr_scheduler is not None else None
     return {
@@ -173,7 +175,7 @@ class SaveRequest:
     root: Path
     tag: str
     rank: int
-    leader: bool  # who writes the frozen parameters and buffers and publishes (per node when node-local)
+    leader: bool  # who publishes (per node when node-local)
     node_local: bool
     save_latest: bool
     tensors: Iterable[tuple[str, torch.Tensor]]
@@ -181,6 +183,8 @@ class SaveRequest:
     manifest: Optional[dict[str, Any]]  # rank 0: everything but the file list
     writing: FileWriting = FileWriting()
     stage_into: Optional[StagingBuffers] = None
+    #: the file this rank writes the frozen parameters and buffers into (None: it writes none)
+    extra_file: Optional[str] = None
 
     @property
     def staging(self) -> Path:
@@ -216,16 +220,22 @@ def capture(parts: CheckpointParts, save_dir: str | Path, tag: str, client_state
         staging.mkdir()
     barrier(parts, "checkpoint_start")
     model = parts.module.describe()
-    # every rank: stage 3 gathers its frozen buckets; the leader keeps them (copies)
-    extra = parts.module.extra_tensors(set(model["trainable_of"]), keep=leader, exclude_frozen=exclude_frozen)
+    job = parts.job
+    keeps_extra = leader if job is None else job.leader
+    # every rank: stage 3 gathers its frozen buckets; the leader (of each part) keeps them (copies)
+    extra = parts.module.extra_tensors(set(model["trainable_of"]), keep=keeps_extra, exclude_frozen=exclude_frozen)
     manifest = None
-    if rank == 0:  # a JSON round trip: the values as they are now, whatever the script changes later
+    if rank == 0 or (job is not None and job.leader):  # a JSON round trip: the values as they are now
         manifest = json.loads(json.dumps(_manifest(parts, tag, client_state, {}, model)))
-        if node_local:
-            manifest["storage"] = {"node_local": True,
-                                   "ranks_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", parts.world.world_size))}
+    if job is not None:  # see [Note: a checkpoint of a job in parts] in checkpoint/job.py
+        fragments = parts.comm.all_gather_json(manifest if job.leader else None, "checkpoint_parts")
+        manifest = merged_manifest(fragments, model["class"]) if rank == 0 else None
+    if manifest is not None and node_local:
+        manifest["storage"] = {"node_local": True,
+                               "ranks_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", parts.world.world_size))}
     request = SaveRequest(root, tag, rank, leader, node_local, save_latest, rank_tensors(parts, buffers is None),
-                          extra, manifest, writing, stage_into=buffers)
+                          extra, manifest, writing, stage_into=buffers,
+                          extra_file=(extra_file(job.part) if job is not None else EXTRA_FILE) if keeps_extra else None)
     if not copy_later:
         request.stage()
     return request
@@ -270,7 +280,7 @@ def write(request: SaveRequest, comm: Collectives, copy_failed: Optional[Excepti
     staging = request.staging
     files: dict[str, Any] = {}
     problem = None if copy_failed is None else f"its state could not be copied ({_describe(copy_failed, staging)})"
-    extra = list(request.extra.items()) if request.leader else []
+    extra = list(request.extra.items()) if request.extra_file is not None else []
     try:
         if problem is None:
             if pacing is not None:
@@ -279,7 +289,9 @@ def write(request: SaveRequest, comm: Collectives, copy_failed: Optional[Excepti
             files[rank_file(request.rank)] = _write_file(staging / rank_file(request.rank), request.tensors,
                                                          request.writing, pacing)
             if extra:
-                files[EXTRA_FILE] = _write_file(staging / EXTRA_FILE, extra, request.writing, pacing)
+                name = request.extra_file
+                assert name is not None
+                files[name] = _write_file(staging / name, extra, request.writing, pacing)
     except Exception as err:  # noqa: BLE001 - every rank must hear of it, or the others wait forever
         problem = _describe(err, staging)
     reports = comm.all_gather_json({"files": files, "problem": problem}, "checkpoint_files")

@@ -11,6 +11,7 @@ where an unsupported feature that is switched on is refused with the reason.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Mapping
 
 from .errors import ConfigError
@@ -24,7 +25,7 @@ DEFAULTS_THAT_MATCH: dict[str, dict[str, Any]] = {
         "cpu_offload": False, "cpu_offload_param": False, "cpu_offload_use_pin_memory": False,
         "ignore_unused_parameters": True, "zero_quantized_weights": False,
         "zero_quantized_nontrainable_weights": False, "zero_quantized_gradients": False,
-        "use_multi_rank_bucket_allreduce": True,
+        "use_multi_rank_bucket_allreduce": True, "stage3_use_all_reduce_for_fetch_params": False,
     },
     "fp16": {"auto_cast": False, "fp16_master_weights_and_grads": False},
 }
@@ -45,6 +46,15 @@ FEATURE_BLOCKS: dict[str, str] = {
     "curriculum_learning": "curriculum learning is the script's data pipeline",
     "eigenvalue": "there is no eigenvalue computation",
     "progressive_layer_drop": "progressive layer drop is not supported",
+}
+
+#: DeepSpeed keys of :data:`DEFAULTS_THAT_MATCH` that, set to anything but the default, ask for
+#: something zeroshard does not do: refused with this reason (by block, as there).
+REFUSED_OTHERWISE: dict[str, dict[str, str]] = {
+    "zero_optimization": {
+        "stage3_use_all_reduce_for_fetch_params": "stage 3 fetches parameters with all-gathers only; the "
+                                                  "all-reduce fetch is not implemented",
+    },
 }
 
 _ALIASES = {("", "bfloat16"): "bf16",
@@ -87,4 +97,9 @@ def _block(block: dict[str, Any], path: str) -> dict[str, Any]:
     for name, default in DEFAULTS_THAT_MATCH.get(path, {}).items():
         if name in block and block[name] == default and type(block[name]) is type(default):
             del block[name]
+    for name, reason in REFUSED_OTHERWISE.get(path, {}).items():
+        if name in block:
+            default = DEFAULTS_THAT_MATCH[path][name]
+            raise ConfigError(f"{path + '.' + name!r} = {json.dumps(block[name])} is not supported: {reason}; set "
+                              f"it to {json.dumps(default)} or remove it")
     return block

@@ -59,7 +59,8 @@ class OptimizerConfig:
         "false).")
     params: dict = key(
         {}, "Keyword arguments of the optimizer, checked per type. Adam/AdamW: `lr`, `betas`, `eps`, "
-        "`weight_decay`, `amsgrad` (`adam_w_mode` for Adam); SGD: `lr`, `momentum`, `dampening`, `weight_decay`, "
+        "`weight_decay`, `amsgrad` (`adam_w_mode` for Adam; `torch_adam` accepted with either value: the update is "
+        "always torch's); SGD: `lr`, `momentum`, `dampening`, `weight_decay`, "
         "`nesterov`.", default_text="torch's")
 
 
@@ -424,6 +425,11 @@ class ZeroshardConfig:
     zero_force_ds_cpu_optimizer: bool = key(
         True, "Accepted with either value: under CPU offload zeroshard steps the given torch optimizer on the host "
               "(Adam/AdamW with torch's fused CPU kernel).")
+    collectives_in_a_world_of_one: bool = key(
+        False, "zeroshard's own key: a world of one with a process group (torchrun with one process) issues every "
+        "collective a larger world would, each over its one rank, instead of skipping them: a check of the "
+        "communication path on one GPU, where NCCL cannot run two ranks on one device (`zeroshard selftest "
+        "--nproc 1` sets it). Refused without a process group.")
     dataloader_drop_last: bool = key(
         False, "The loader `initialize(training_data=...)` returns: false (as DeepSpeed) hands out every sample, "
         "each rank's share padded by repeating samples to an equal count, the last micro batch possibly smaller; "
@@ -498,6 +504,7 @@ NOT_SUPPORTED_YET: dict[str, tuple[str, ...]] = {
         "round_robin_gradients",
         "load_from_fp32_weights", "elastic_checkpoint", "cpu_offload", "ignore_unused_parameters",
         "zero_quantized_weights", "zero_quantized_gradients", "use_multi_rank_bucket_allreduce",
+        "stage3_use_all_reduce_for_fetch_params",
     ),
     "fp16": ("auto_cast", "fp16_master_weights_and_grads"),
     "bf16": ("immediate_grad_update",),

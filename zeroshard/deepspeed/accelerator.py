@@ -14,6 +14,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from ..distributed.launch_env import local_world_size
 from ..engine.metrics import host_peak_bytes, proc_bytes
 
 __all__ = ["get_accelerator", "is_current_accelerator_supported", "SUPPORTED_ACCELERATOR_LIST", "CPUAccelerator",
@@ -100,13 +101,10 @@ class CPUAccelerator:
         return True
 
     def device_count(self) -> int:
-        """CPU "devices" on this node, as DeepSpeed counts them: ``LOCAL_SIZE`` (set by DeepSpeed's and
-        MPI launchers), else torchrun's ``LOCAL_WORLD_SIZE``, else the NUMA nodes that have cores, else 1."""
-        for name in ("LOCAL_SIZE", "LOCAL_WORLD_SIZE"):
-            count = int(os.environ.get(name, "0") or 0)
-            if count > 0:
-                return count
-        return max(1, _numa_nodes_with_cores())
+        """CPU "devices" on this node, as DeepSpeed counts them: the processes on this node, as whichever
+        launcher said (DeepSpeed's ``LOCAL_SIZE``, torchrun's ``LOCAL_WORLD_SIZE``, OpenMPI's, MPICH's or
+        SLURM's; distributed/launch_env.py), else the NUMA nodes that have cores, else 1."""
+        return local_world_size(os.environ) or max(1, _numa_nodes_with_cores())
 
     def manual_seed(self, seed: int) -> None:
         torch.manual_seed(seed)

@@ -1,6 +1,7 @@
 """``deepspeed.comm``: the process-group calls DeepSpeed scripts make, on torch.distributed.
 
-``init_distributed`` joins torchrun's process group through zeroshard's own
+``init_distributed`` joins the job's process group, however it was launched (torchrun, mpirun, srun,
+``tcp://``/``file://``), through zeroshard's own
 :func:`~zeroshard.distributed.world.init_distributed` (gloo on CPU, NCCL on CUDA); the collectives
 are torch.distributed's, on the default group, for user code (zeroshard's engine issues its own
 through its labelled, byte-counting layer).
@@ -15,6 +16,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from ..distributed.launch_env import DEFAULT_PORT
 from ..distributed.world import DEFAULT_TIMEOUT_S, World
 from ..distributed.world import init_distributed as _join
 
@@ -26,26 +28,25 @@ __all__ = ["init_distributed", "is_initialized", "get_rank", "get_world_size", "
 
 
 def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: bool = True,
-                     distributed_port: int = 29500, verbose: bool = True,
+                     distributed_port: int = DEFAULT_PORT, verbose: bool = True,
                      timeout: Optional[datetime.timedelta] = None, init_method: Optional[str] = None,
                      dist_init_required: Optional[bool] = None, config: Any = None, rank: int = -1,
                      world_size: int = -1) -> World:
     """Join the job's process group (DeepSpeed's signature; returns zeroshard's :class:`World`).
 
-    Launch is torchrun's (``env://``); ``dist_backend`` picks gloo/nccl, ``timeout`` bounds every
-    collective.  MPI discovery is not done (``auto_mpi_discovery`` only matters without torchrun's
-    variables, and zeroshard then trains as a world of one).  ``init_method``/``rank``/``world_size``
-    other than torchrun's environment are refused: the rendezvous is torchrun's.
+    However the job was launched: torchrun's variables; without them (``auto_mpi_discovery``) mpirun's
+    (OpenMPI, MPICH, Intel MPI) or srun's, with ``distributed_port`` as the master's port when
+    ``MASTER_PORT`` is unset; or ``init_method`` (``env://``, ``tcp://host:port``, ``file:///path``) with
+    ``rank`` and ``world_size``, all handed to torch's ``init_process_group``.  ``dist_backend`` picks
+    gloo/nccl, ``timeout`` bounds every collective.  ``dist_init_required=False``: a process group must
+    already exist.  A rank without a world size, or either contradicting the launcher's, raises
+    :class:`~zeroshard.distributed.launch_env.LaunchError`.  ``verbose`` and ``config`` change nothing.
     """
-    if init_method not in (None, "env://") or rank not in (-1, int(os.environ.get("RANK", rank))) \
-            or world_size not in (-1, int(os.environ.get("WORLD_SIZE", world_size))):
-        raise ValueError("zeroshard.init_distributed joins torchrun's env:// rendezvous; launch with torchrun "
-                         "(or `zeroshard run`) instead of passing init_method/rank/world_size")
-    if dist_init_required is False and not dist.is_initialized():
-        raise RuntimeError("init_distributed(dist_init_required=False) but no process group exists")
-    del auto_mpi_discovery, distributed_port, verbose, config
+    del verbose, config
     seconds = timeout.total_seconds() if timeout is not None else DEFAULT_TIMEOUT_S
-    return _join(backend=dist_backend, timeout_s=seconds)
+    return _join(backend=dist_backend, timeout_s=seconds, init_method=init_method, rank=rank, world_size=world_size,
+                 discover_launcher=auto_mpi_discovery, port=distributed_port,
+                 must_exist=dist_init_required is False)
 
 
 def is_initialized() -> bool:
@@ -61,6 +62,7 @@ def get_world_size(group: Any = None) -> int:
 
 
 def get_local_rank() -> int:
+    """torchrun's ``LOCAL_RANK`` (which ``init_distributed`` also sets under mpirun and srun)."""
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 

@@ -325,8 +325,9 @@ class Collectives:
     @property
     def _rings(self) -> bool:
         """Whether reduce-scatters and all-gathers run as rings of messages (gloo: see [Note: gloo's
-        collectives as rings] in distributed/ring.py); NCCL's own are the ring, in place."""
-        return self.world.is_distributed and self.world.backend == "gloo"
+        collectives as rings] in distributed/ring.py); NCCL's own are the ring, in place.  A world of
+        one that issues its collectives (``collectives_at_one``) has no neighbour: gloo's own then."""
+        return self.world.world_size > 1 and self.world.backend == "gloo"
 
     def broadcast(self, tensor: torch.Tensor, src: int, label: str) -> None:
         """Copy rank ``src``'s ``tensor`` into every rank's."""

@@ -7,8 +7,9 @@ Ranks are numbered with the pipeline axis outermost and the data axis innermost,
 data-parallel group carries ZeRO's traffic (gathers and reduce-scatters every step), so its ranks are
 consecutive and share a node whenever ``dp`` divides the ranks per node; the pipeline axis carries one
 activation and one gradient per micro-batch and stage, and is the one that crosses nodes.  Tensor and
-expert parallelism, when they come, are axes inside the data axis here (their traffic is heavier
-still), with a size field and a group each.
+expert parallelism are axes inside the data axis here (their traffic is heavier still): the tensor
+axis (``tp``, Megatron's layers split across ranks) is the innermost, so a rank is numbered
+``(stage*dp + data)*tp + tensor``, Megatron's own order.
 
 Every rank creates every group of every axis, in the same order (``dist.new_group`` asks for that),
 and a rank keeps its own.  The data-parallel world an inner engine trains over records every stage's
@@ -35,14 +36,16 @@ class StagesDoNotDivideError(ValueError):
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """The size of each parallel axis: ``pp`` pipeline stages x ``dp`` data-parallel ranks per stage."""
+    """The size of each parallel axis: ``pp`` pipeline stages x ``dp`` data-parallel ranks per stage x
+    ``tp`` tensor-parallel ranks per data-parallel rank."""
 
     pp: int
     dp: int
+    tp: int = 1
 
     def __post_init__(self) -> None:
-        if self.pp < 1 or self.dp < 1:
-            raise ValueError(f"parallel sizes must be >= 1, got pp={self.pp}, dp={self.dp}")
+        if self.pp < 1 or self.dp < 1 or self.tp < 1:
+            raise ValueError(f"parallel sizes must be >= 1, got pp={self.pp}, dp={self.dp}, tp={self.tp}")
 
     @classmethod
     def for_world(cls, world_size: int, pp: int) -> "ParallelDims":
@@ -55,15 +58,25 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp
+        return self.pp * self.dp * self.tp
 
-    def rank_of(self, stage: int, data: int) -> int:
-        """The global rank at pipeline ``stage`` and data-parallel index ``data`` (see [Note: the order of the axes])."""
-        return stage * self.dp + data
+    def rank_of(self, stage: int, data: int, tensor: int = 0) -> int:
+        """The global rank at pipeline ``stage``, data-parallel index ``data`` and tensor-parallel index
+        ``tensor`` (see [Note: the order of the axes])."""
+        return (stage * self.dp + data) * self.tp + tensor
 
     def coords(self, rank: int) -> tuple[int, int]:
         """``(stage, data)`` of a global rank."""
-        return divmod(rank, self.dp)
+        return divmod(rank // self.tp, self.dp)
+
+    def tensor_index(self, rank: int) -> int:
+        """Where a global rank sits on the tensor axis."""
+        return rank % self.tp
+
+    def data_parallel_ranks(self, stage: int, tensor: int) -> tuple[int, ...]:
+        """The ranks that hold the same shard of the model at ``stage`` and ``tensor`` and train it on
+        different data: the data-parallel group ZeRO shards over."""
+        return tuple(self.rank_of(stage, d, tensor) for d in range(self.dp))
 
     def stage_ranks(self, stage: int) -> tuple[int, ...]:
         """The data-parallel group of ``stage``."""
@@ -98,6 +111,8 @@ class ParallelGroups:
     def __init__(self, dims: ParallelDims, world: World) -> None:
         if dims.world_size != world.world_size:
             raise StagesDoNotDivideError(f"{dims} covers {dims.world_size} ranks, the world has {world.world_size}")
+        if dims.tp != 1:
+            raise ValueError(f"{dims}: a pipeline of tensor-parallel stages is not supported")
         self.dims = dims
         self.world = world
         self.stage, self.data = dims.coords(world.rank)

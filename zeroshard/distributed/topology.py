@@ -98,7 +98,10 @@ class ShardGroups:
 
     def close(self) -> None:
         """Destroy the side groups (``engine.close()``)."""
-        groups = [c.world.group for c in self._side()]
+        # never the job's own group: an engine over a group it was given (a pipeline stage's, an mpu's
+        # data-parallel group) shards over that group itself, which its owner destroys
+        job = self.job.world.group
+        groups = [c.world.group for c in self._side() if c.world.group is not job]
         self.release()
         if dist.is_initialized():
             for group in groups:

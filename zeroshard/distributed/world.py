@@ -1,8 +1,9 @@
 """Who we are in the job: rank, world size, device and process group, in one object that is passed around.
 
 zeroshard never keeps process groups in globals of its own: the engine builds one :class:`World` and
-hands it to every part that communicates.  Launching is torchrun's job (``env://``); a single process
-started without torchrun gets a world of size 1 with no process group at all.
+hands it to every part that communicates.  The ranks meet through torch's own rendezvous, however the
+job was launched (torchrun, mpirun, srun, or ``tcp://`` / ``file://`` with explicit ranks); a single
+process started by none of them gets a world of size 1 with no process group at all.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+from .launch_env import DEFAULT_PORT, discover
+from .rendezvous import check_joined, plan
 
 DEFAULT_TIMEOUT_S = 1800.0
 
@@ -41,10 +45,14 @@ class World:
     #: a world over part of the job (one pipeline stage's data-parallel ranks): the global ranks of
     #: every such part, this one among them (see [Note: side groups of a partial world])
     parts: tuple[tuple[int, ...], ...] = ()
+    #: a world of one that issues its collectives as a larger world would (config
+    #: ``collectives_in_a_world_of_one``; only with a process group)
+    collectives_at_one: bool = False
 
     @property
     def is_distributed(self) -> bool:
-        return self.world_size > 1
+        """Whether collectives are issued: more than one rank, or a world of one told to."""
+        return self.world_size > 1 or self.collectives_at_one
 
     @property
     def is_main(self) -> bool:
@@ -70,10 +78,6 @@ def new_side_group(world: World, ranks: Optional[Sequence[int]] = None,
         if me in members:
             mine = group
     return mine
-
-
-def _launched_by_torchrun() -> bool:
-    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
 class LocalRankError(RuntimeError):
@@ -206,22 +210,40 @@ def _warn_if_restarts_share_a_store() -> None:
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and torchrun --standalone (one node) / --rdzv-backend c10d")
 
 
-def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> World:
+def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, *,
+                     init_method: Optional[str] = None, rank: int = -1, world_size: int = -1,
+                     discover_launcher: bool = True, port: int = DEFAULT_PORT, must_exist: bool = False) -> World:
     """Join (or create) the default process group and describe it.
 
-    - Already initialised (by the user or an earlier call): reuse it.
-    - Started by torchrun (``RANK``/``WORLD_SIZE`` set): ``init_process_group`` with ``env://``,
-      NCCL when CUDA is available, gloo otherwise; ``backend`` overrides the choice.
+    - Already initialised (by the user or an earlier call): reuse it (a ``rank``/``world_size`` that
+      contradicts it is refused).
+    - Started by a launcher (torchrun; with ``discover_launcher``, also mpirun or srun: see
+      [Note: launchers in torchrun's names] in distributed/launch_env.py), or given ``init_method``
+      (``env://``, ``tcp://host:port``, ``file:///path``) or ``rank``/``world_size``: torch's
+      ``init_process_group`` with them (see [Note: every launch meets through torch] in
+      distributed/rendezvous.py), NCCL when CUDA is available, gloo otherwise; ``backend`` overrides
+      the choice.  ``port``: the master's port when the launcher gives none.
     - A lone process: a world of size 1 without a process group (no collectives are ever issued).
 
     ``timeout_s`` bounds every collective, so a desynchronised job fails instead of hanging.
+    ``must_exist`` (DeepSpeed's ``dist_init_required=False``): the group must already exist.
     """
+    if must_exist and not dist.is_initialized():
+        raise RuntimeError("dist_init_required=False but no process group exists: create it first "
+                           "(init_distributed()), or pass dist_init_required=None")
+    launch = discover(os.environ, port, mpi=discover_launcher)
+    if launch is not None and launch.launcher != "torchrun":
+        os.environ.update(launch.variables())
+    if dist.is_initialized():
+        check_joined(rank, world_size, dist.get_rank(), dist.get_world_size())
+    else:
+        meeting = plan(init_method, rank, world_size, launch)
+        if meeting is not None:
+            _warn_if_restarts_share_a_store()
+            chosen, _ = _pick_backend()
+            dist.init_process_group(backend=backend or chosen, init_method=meeting.init_method, rank=meeting.rank,
+                                    world_size=meeting.world_size, timeout=datetime.timedelta(seconds=timeout_s))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if not dist.is_initialized() and _launched_by_torchrun():
-        _warn_if_restarts_share_a_store()
-        chosen, _ = _pick_backend()
-        dist.init_process_group(backend=backend or chosen, init_method="env://",
-                                timeout=datetime.timedelta(seconds=timeout_s))
     cuda, count = torch.cuda.is_available(), torch.cuda.device_count()
     if not dist.is_initialized():
         device = choose_device("none", cuda, count, local_rank)

@@ -33,11 +33,17 @@ def from_config(type_name: str, params: dict, groups: Sequence[dict]) -> Optimiz
 
     DeepSpeed's ``Adam`` applies decoupled weight decay unless ``adam_w_mode`` is false, so it maps to
     ``torch.optim.AdamW``; with ``adam_w_mode: false`` it maps to ``torch.optim.Adam``.
+
+    [Note: one Adam whatever torch_adam says]
+    DeepSpeed's ``torch_adam`` picks torch's Adam (true) or its own fused kernel (false), two
+    implementations of one update rule.  zeroshard always steps torch's (fused where torch offers it),
+    so both values describe what happens here and both are accepted; the key is not passed on.
     """
     full = resolve(params, OPTIMIZER_PARAMS[type_name], f"optimizer.params ({type_name})")
     if type_name == "SGD":
         return torch.optim.SGD(groups, **full, **_foreach_kwargs())
     adam_w = full.pop("adam_w_mode", True)
+    full.pop("torch_adam", None)
     full["betas"] = tuple(full["betas"])
     cls = torch.optim.AdamW if (type_name == "AdamW" or adam_w) else torch.optim.Adam
     return cls(groups, **full, **_adam_kwargs())

@@ -17,7 +17,8 @@ parameters are not kept gathered across the micro-batches of a batch.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional
+from pathlib import Path
+from typing import Any, Iterator, Optional, Union
 
 import torch
 
@@ -26,6 +27,8 @@ from ..distributed.collectives import Collectives
 from ..distributed.consistency import EngineUsageError
 from ..engine.engine import Engine, SchedulerSpec
 from ..sharding.stage3.gathered import GatheredParameters
+from ..checkpoint.interface import CheckpointParts
+from .checkpoint import job_parts, load_pipeline, save_pipeline
 from .checks import pipeline_config
 from .executor import BatchRun, batches_from
 from .module import PipelineModule
@@ -48,11 +51,17 @@ class PipelineEngine(Engine):
         super().__init__(module, config, module.groups.data_world, model_parameters, optimizer, lr_scheduler)
         groups = module.groups
         self.pipe: Collectives = groups.pipe
+        self.job_comm = Collectives(groups.world)  # every rank of the job (checkpoints)
         self.num_stages = groups.dims.pp
         self.stage_id = groups.stage
         self.schedule: PipeSchedule = SCHEDULES[config.pipeline.schedule]
         self.link = StageLink(groups.p2p, groups.stage, groups.dims.pp, self.world.device)
         self.data_iterator: Optional[Iterator[Any]] = None
+        #: the iterator over ``initialize(training_data=...)``'s loader, once train_batch() made it
+        self.loader_iterator: Optional[Iterator[Any]] = None
+        if self.precision.mixed:  # see [Note: tied copies under mixed precision] in pipeline/tied.py
+            module.tied.use_compute_dtype(self.precision.compute)
+            module.tied.broadcast_from_owners(self._full_values)
 
     # ------------------------------------------------------------------ where this rank is
     def is_first_stage(self) -> bool:
@@ -78,11 +87,35 @@ class PipelineEngine(Engine):
         raise PipelineUsageError("a pipeline engine runs whole batches: call engine.train_batch(data_iter) instead "
                                  "of step()")
 
-    def save_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
-        raise PipelineUsageError("checkpoints of a pipelined model are not supported yet (docs/PIPELINE.md)")
+    # ------------------------------------------------------------------ checkpoints (pipeline/checkpoint.py)
+    def save_checkpoint(self, save_dir: Union[str, Path], tag: Any = None, client_state: Any = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False,
+                        async_save: Optional[bool] = None) -> Path:
+        """One checkpoint of the whole pipeline, keyed by the layers' global names (every rank calls it);
+        it loads at any pipeline depth, data-parallel degree and ZeRO stage.  Written synchronously."""
+        if async_save:
+            raise PipelineUsageError("save_checkpoint(async_save=True): a pipelined model's checkpoints are "
+                                     "written synchronously (docs/PIPELINE.md)")
+        tag_name = f"global_step{self.global_steps}" if tag is None else str(tag)
+        return save_pipeline(self._job_parts(), self.config.checkpoint, save_dir, tag_name, client_state, save_latest,
+                             exclude_frozen_parameters)
 
-    def load_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
-        raise PipelineUsageError("checkpoints of a pipelined model are not supported yet (docs/PIPELINE.md)")
+    def load_checkpoint(self, load_dir: Union[str, Path], tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, load_rng_state: Optional[bool] = None,
+                        ) -> tuple[Optional[Path], Any]:
+        """Load a checkpoint saved by a pipeline of any split; returns ``(path, client_state)``."""
+        restore_rng = self.data_loader is not None if load_rng_state is None else load_rng_state
+        loaded = load_pipeline(self._job_parts(), load_dir, tag, load_module_strict, load_optimizer_states,
+                               load_lr_scheduler_states, load_module_only, restore_rng)
+        self._resume_at_boundary()
+        self._module().tied.broadcast_from_owners(self._full_values)
+        if self.data_iterator is not None and self.data_iterator is self.loader_iterator:
+            self.data_iterator = None  # the next batch starts where the loaded loader position says
+        return loaded
+
+    def _job_parts(self) -> CheckpointParts:
+        return job_parts(self.checkpoint_parts(), self._module(), self.param_names, self.job_comm)
 
     # ------------------------------------------------------------------ the stage's passes (executor.StagePasses)
     def stage_forward(self, inputs: Any) -> Any:
@@ -113,7 +146,8 @@ class PipelineEngine(Engine):
         if data_iter is not None:
             self.data_iterator = data_iter
         if self.data_iterator is None and self.data_loader is not None:
-            self.data_iterator = iter(_Repeating(self.data_loader))
+            # the loader samples over the data-parallel ranks: every stage of one reads the same samples
+            self.data_iterator = self.loader_iterator = iter(_Repeating(self.data_loader))
         return self.data_iterator
 
     def train_batch(self, data_iter: Optional[Iterator[Any]] = None) -> torch.Tensor:

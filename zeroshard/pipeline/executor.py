@@ -89,7 +89,7 @@ class BatchRun:
             if self.compute_loss:
                 loss = self.loss_fn(outputs, _labels_of(batch)) if self.loss_fn is not None else outputs
                 flight.loss = loss
-                self.result.losses.append(loss.detach())
+                self.result.losses.append(loss.detach().float())  # a 16-bit loss is averaged in fp32
             if self.keep_outputs:
                 self.result.outputs.append(_detached(outputs))
         else:

@@ -41,6 +41,10 @@ class PipelineMPU:
     def __init__(self, groups: ParallelGroups) -> None:
         self._groups = groups
 
+    def describes(self, module: "PipelineModule") -> bool:
+        """Whether this is ``module``'s own unit (what ``initialize(mpu=module.mpu())`` passes)."""
+        return self._groups is module.groups
+
     def get_pipe_parallel_rank(self) -> int:
         return self._groups.stage
 
@@ -108,6 +112,8 @@ class PipelineModule(nn.Module):
         self.tied_modules = nn.ModuleDict()
         self._calls: list[Callable[[Any], Any]] = []
         self._tied_specs: dict[str, TiedLayerSpec] = {}
+        self._layer_index: list[int] = []  # the global index of each module in self.layers
+        self._tied_index: dict[str, int] = {}  # each tied key's first global index on this stage
         for index in range(start, stop):
             self._calls.append(self._build_layer(index, self.layer_specs[index]))
         self.to(world.device)
@@ -121,6 +127,7 @@ class PipelineModule(nn.Module):
                 self._seed(index)
                 self.tied_modules[spec.key] = spec.build()
                 self._tied_specs[spec.key] = spec
+                self._tied_index[spec.key] = index
             module = self.tied_modules[spec.key]
             forward_fn = spec.forward_fn
             return (lambda x: forward_fn(module, x)) if forward_fn is not None else module
@@ -128,9 +135,11 @@ class PipelineModule(nn.Module):
             self._seed(index)
             built = spec.build()
             self.layers.append(built)
+            self._layer_index.append(index)
             return built
         if isinstance(spec, nn.Module):
             self.layers.append(spec)
+            self._layer_index.append(index)
             return spec
         if callable(spec):
             return spec
@@ -195,6 +204,19 @@ class PipelineModule(nn.Module):
 
     def num_pipeline_stages(self) -> int:
         return self.num_stages
+
+    def global_name(self, name: str) -> str:
+        """A state-dict key of this stage (``layers.<j>.<rest>``, ``tied_modules.<key>.<rest>``) as the
+        key the layer has in one ``nn.Sequential`` of every layer: ``<global index>.<rest>``.  A tied
+        module is named by its first layer on this stage, which on its owner is its first layer of all
+        (the name a checkpoint keeps the tied weight under, once)."""
+        head, _, rest = name.partition(".")
+        which, _, tail = rest.partition(".")
+        if head == "layers":
+            return f"{self._layer_index[int(which)]}.{tail}"
+        if head == "tied_modules":
+            return f"{self._tied_index[which]}.{tail}"
+        raise KeyError(f"{name!r} is not a key of a PipelineModule's layers")
 
     def stage_layers(self) -> tuple[int, int]:
         """The indices ``[start, stop)`` of the layers this stage holds."""

@@ -14,6 +14,13 @@ broadcast to the copies.  The ranks enter these collectives key by key in one or
 on a rank that waits on it.  Only the owner's engine holds the weight: the global gradient norm
 counts it once and its optimizer state exists once.  A copy is full-size on its stage whatever the
 ZeRO stage: it is not sharded.
+
+[Note: tied copies under mixed precision]
+With bf16 the owner's engine keeps the fp32 master and computes with the 16-bit parameter; each copy
+is kept in that compute dtype, so a later stage computes with exactly the owner's 16-bit values (the
+broadcast sends them).  A copy's gradient is summed over the micro-batches in fp32, as the engine
+sums its own parameters' gradients, not in 16 bits: each micro-batch's gradient is moved into an fp32
+sum as soon as autograd has accumulated it.
 """
 
 from __future__ import annotations
@@ -40,6 +47,9 @@ class TiedWeight:
     module: Optional[nn.Module] = None
     #: a later stage's copy of the weight, a leaf tensor outside the engine (None on the owner)
     copy: Optional[torch.Tensor] = None
+    #: a 16-bit copy's gradient summed over the batch's micro-batches, in fp32 (see [Note: tied copies
+    #: under mixed precision])
+    grad_sum: Optional[torch.Tensor] = None
 
     @property
     def owner(self) -> int:
@@ -72,6 +82,23 @@ class TiedWeights:
                 delattr(tie.module, tie.attr)
                 tie.copy = param.detach().clone().requires_grad_(True)
                 setattr(tie.module, tie.attr, tie.copy)
+
+    def use_compute_dtype(self, dtype: torch.dtype) -> None:
+        """Keep every copy in ``dtype`` (mixed precision; see [Note: tied copies under mixed precision])."""
+        for tie in self._shared_here():
+            if tie.copy is None or tie.copy.dtype == dtype:
+                continue
+            assert tie.module is not None
+            tie.copy = tie.copy.detach().to(dtype).requires_grad_(True)
+            setattr(tie.module, tie.attr, tie.copy)
+            tie.copy.register_post_accumulate_grad_hook(lambda copy, tie=tie: self._sum_in_fp32(tie, copy))
+
+    @staticmethod
+    def _sum_in_fp32(tie: TiedWeight, copy: torch.Tensor) -> None:
+        assert copy.grad is not None
+        grad = copy.grad.float()
+        tie.grad_sum = grad if tie.grad_sum is None else tie.grad_sum.add_(grad)
+        copy.grad = None
 
     def broadcast_from_owners(self, read_owner: Callable[[nn.Parameter], torch.Tensor]) -> None:
         """The owner's values into every copy (``read_owner``: the parameter's full values on the owner)."""
@@ -107,8 +134,9 @@ class TiedWeights:
             if tie.owner == self.groups.stage:
                 continue
             assert tie.copy is not None
-            grad = tie.copy.grad
+            grad = tie.grad_sum if tie.grad_sum is not None else tie.copy.grad
             summed = grad.detach().float().contiguous() if grad is not None else torch.zeros(
                 tie.shape, dtype=torch.float32, device=tie.copy.device)
             dist.all_reduce(summed, group=self._group(tie))
             tie.copy.grad = None
+            tie.grad_sum = None

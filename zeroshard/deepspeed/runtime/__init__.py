@@ -1,5 +1,5 @@
 """``zeroshard.deepspeed.runtime`` (DeepSpeed's ``deepspeed.runtime``): the module paths DeepSpeed code imports from."""
 
-from . import engine, lr_schedules, utils, zero
+from . import config, config_utils, engine, lr_schedules, precision_config, utils, zero
 
-__all__ = ["engine", "lr_schedules", "utils", "zero"]
+__all__ = ["config", "config_utils", "engine", "lr_schedules", "precision_config", "utils", "zero"]

@@ -32,6 +32,7 @@ sharding/stage3/placeholder.py).
 from __future__ import annotations
 
 from enum import Enum
+import itertools
 from typing import Any, Optional, Sequence, cast
 
 import torch
@@ -39,7 +40,11 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ...distributed.collectives import Collectives
+from .param_status import ZeroParamStatus
 from .placeholder import DEVICE_GETTER, IS_META_GETTER, METADATA_FUNCTIONS, ShardedParameterError
+
+#: ``ds_id`` of the parameters built under Init, in the order they are built
+_NEXT_ID = itertools.count()
 
 #: ``requires_grad_`` and ``p.requires_grad = ...`` (a model frozen under Init, as LoRA code does) change
 #: the parameter itself, not its values
@@ -147,6 +152,7 @@ class InitShardedParameter(nn.Parameter):
     #: a view's parameter and the view operations that lead from it to the view (None: a parameter)
     _zeroshard_root: Optional["InitShardedParameter"] = None
     _zeroshard_views: tuple[tuple[Any, tuple, dict], ...] = ()
+    _zeroshard_id: int = -1
 
     def __new__(cls, data: torch.Tensor, requires_grad: bool = True) -> "InitShardedParameter":
         return cast("InitShardedParameter", torch.Tensor._make_subclass(cls, data, requires_grad))
@@ -161,8 +167,41 @@ class InitShardedParameter(nn.Parameter):
         sharded.__dict__.update(param.__dict__)  # flags loaders set on it (transformers' _is_hf_initialized)
         sharded._zeroshard_comm = comm
         sharded._zeroshard_shard = torch.empty(0, dtype=param.dtype, device=device or comm.world.device)
+        sharded._zeroshard_id = next(_NEXT_ID)
         sharded.keep_own(param.detach())
         return sharded
+
+    # ------------------------------------------------------------------ DeepSpeed's ZeRO-3 attributes
+    # ([Note: DeepSpeed's parameter attributes on zeroshard's own types] in sharding/stage3/param_status.py);
+    # a view of a parameter has none, as a view of a DeepSpeed parameter has none
+    def _own(self, name: str) -> "InitShardedParameter":
+        if self._zeroshard_root is not None:
+            raise AttributeError(f"{name}: a view of a parameter built under zeroshard.Init is not a parameter")
+        return self
+
+    @property
+    def ds_id(self) -> int:
+        """Unique in the process, in the order the parameters were built."""
+        return self._own("ds_id")._zeroshard_id
+
+    @property
+    def ds_numel(self) -> int:
+        return self._own("ds_numel").numel()
+
+    @property
+    def ds_shape(self) -> torch.Size:
+        return self._own("ds_shape").shape
+
+    @property
+    def ds_status(self) -> ZeroParamStatus:
+        """AVAILABLE inside ``GatheredParameters``, else NOT_AVAILABLE."""
+        own = self._own("ds_status")
+        return ZeroParamStatus.NOT_AVAILABLE if own._zeroshard_full is None else ZeroParamStatus.AVAILABLE
+
+    @property
+    def ds_tensor(self) -> torch.Tensor:
+        """This rank's chunk of the padded flat parameter (1D)."""
+        return self._own("ds_tensor")._zeroshard_shard
 
     # ------------------------------------------------------------------ the parameter behind a view
     def root(self) -> "InitShardedParameter":

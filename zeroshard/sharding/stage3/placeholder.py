@@ -21,7 +21,10 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-#: placeholder -> the name and compute device of the parameter it stands for
+from ..storage import HOMES
+from .param_status import PartitionedStorage, ZeroParamStatus
+
+#: placeholder -> the name, compute device and index (in its storage) of the parameter it stands for
 _SHOWN_AS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 _METADATA_PROPERTIES = ("shape", "dtype", "requires_grad", "ndim", "is_leaf", "grad", "grad_fn", "layout", "itemsize",
@@ -55,11 +58,49 @@ class ShardedParameterPlaceholder(nn.Parameter):
     """A released stage-3 parameter, as its module shows it outside forward."""
 
     @staticmethod
-    def create(real: nn.Parameter, name: str = "a parameter") -> "ShardedParameterPlaceholder":
+    def create(real: nn.Parameter, name: str = "a parameter", index: int = -1) -> "ShardedParameterPlaceholder":
         meta = torch.empty(real.shape, dtype=real.dtype, device="meta")
         holder = ShardedParameterPlaceholder(meta, requires_grad=real.requires_grad)
-        _SHOWN_AS[holder] = (name, real.device)
+        _SHOWN_AS[holder] = (name, real.device, index)
         return holder
+
+    # DeepSpeed's ZeRO-3 attributes ([Note: DeepSpeed's parameter attributes on zeroshard's own types] in
+    # sharding/stage3/param_status.py)
+    @property
+    def ds_id(self) -> int:
+        """The parameter's index in its engine's parameter list (unique within the engine)."""
+        return int(_SHOWN_AS[self][2])
+
+    @property
+    def ds_numel(self) -> int:
+        return self.numel()
+
+    @property
+    def ds_shape(self) -> torch.Size:
+        return self.shape
+
+    @property
+    def ds_persist(self) -> bool:
+        """False: a parameter kept whole on every rank (``stage3_param_persistence_threshold``) is never
+        released, so its module never shows a placeholder."""
+        return False
+
+    @property
+    def ds_status(self) -> ZeroParamStatus:
+        storage, bucket = self._storage()
+        return storage.partition_status(bucket)
+
+    @property
+    def ds_tensor(self) -> torch.Tensor:
+        """This rank's elements of the parameter, 1D (a view of its chunk: writes land in the shard)."""
+        storage, bucket = self._storage()
+        return storage.own_part(bucket, self.ds_id)
+
+    def _storage(self) -> tuple[PartitionedStorage, int]:
+        home = HOMES.home_of(self)
+        if home is None:
+            raise AttributeError(f"{_SHOWN_AS[self][0]!r} is no longer held by a zeroshard engine (it was closed)")
+        return cast(PartitionedStorage, home.storage), home.bucket
 
     def __new__(cls, data: torch.Tensor, requires_grad: bool = True) -> "ShardedParameterPlaceholder":
         return cast("ShardedParameterPlaceholder", torch.Tensor._make_subclass(cls, data, requires_grad))

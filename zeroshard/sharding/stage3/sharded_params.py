@@ -54,6 +54,7 @@ from ..flat_params import bucket_values
 from ..layout import BucketLayout, FlatLayout
 from ..master_weights import MasterWeights
 from .shard_store import ShardStore
+from .param_status import ZeroParamStatus
 from .placeholder import ShardedParameterPlaceholder
 from ..storage import HOMES, InitialValues, ParamHome
 
@@ -128,7 +129,8 @@ class ShardedParameters:
                     params[slot.index].data = view
                     home = ParamHome(self, bucket.index, slot.name, self.device)
                     self._views[slot.index] = view
-                    self._placeholders[slot.index] = ShardedParameterPlaceholder.create(params[slot.index], slot.name)
+                    self._placeholders[slot.index] = ShardedParameterPlaceholder.create(params[slot.index], slot.name,
+                                                                                        slot.index)
                     HOMES.add(params[slot.index], home)
                     HOMES.add(self._placeholders[slot.index], home)
                 start, end = bucket.shard_range(self.rank)
@@ -197,6 +199,22 @@ class ShardedParameters:
 
     def bucket_view(self, bucket: BucketLayout) -> torch.Tensor:
         return self.full[bucket.index]
+
+    # ------------------------------------------------------------------ DeepSpeed's view of a parameter
+    def partition_status(self, bucket: int) -> ZeroParamStatus:
+        """Bucket ``bucket``'s state under DeepSpeed's names (the placeholders' ``ds_status``)."""
+        return {GatherState.SHARDED: ZeroParamStatus.NOT_AVAILABLE, GatherState.GATHERING: ZeroParamStatus.INFLIGHT,
+                GatherState.GATHERED: ZeroParamStatus.AVAILABLE}[self.state[bucket]]
+
+    def own_part(self, bucket: int, index: int) -> torch.Tensor:
+        """This rank's elements of parameter ``index`` of bucket ``bucket`` (a view of its chunk; the
+        placeholders' ``ds_tensor``)."""
+        layout = self.layout.buckets[bucket]
+        slot = next(s for s in layout.slots if s.index == index)
+        start, end = layout.shard_range(self.rank)
+        lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, end)
+        chunk = self.shard_view(layout, self.rank)
+        return chunk[lo - start: max(hi, lo) - start]
 
     # ------------------------------------------------------------------ gather / release
     def gather(self, index: int, label: str, async_op: bool = False) -> None:

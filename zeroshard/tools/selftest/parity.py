@@ -130,6 +130,8 @@ def config(stage: int, precision: str, accumulation: int) -> dict[str, Any]:
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000, "allgather_bucket_size": 5000,
                               "stage3_param_persistence_threshold": 20},
+        # one rank (one GPU) still issues every collective it checks, each over itself
+        "collectives_in_a_world_of_one": True,
     }
     if precision != "fp32":
         cfg[precision] = {"enabled": True}

@@ -93,7 +93,9 @@ def _zeroshard_config(stage: int, preset: Preset, precision: str) -> dict[str, A
     cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": preset.micro_batch, "steps_per_print": 10**9,
                            "optimizer": {"type": "AdamW", "params": {"lr": ADAMW["lr"],
                                                                      "weight_decay": ADAMW["weight_decay"]}},
-                           "zero_optimization": {"stage": stage}}
+                           "zero_optimization": {"stage": stage},
+                           # one rank still runs the communication path it checks
+                           "collectives_in_a_world_of_one": True}
     if precision != "fp32":
         cfg[precision] = {"enabled": True}
     return cfg

@@ -11,7 +11,6 @@ that uses them.
 
 from __future__ import annotations
 
-from enum import Enum
 import sys
 from typing import Any, Callable, Optional
 
@@ -22,6 +21,7 @@ from torch import nn
 from ...accelerator import get_accelerator
 from ....sharding.stage3.gathered import GatheredParameters
 from ....sharding.stage3.init_context import Init as _Init
+from ....sharding.stage3.param_status import ZeroParamStatus
 from ....sharding.stage3.units import register_external_parameter, unregister_external_parameter
 
 __all__ = ["Init", "GatheredParameters", "ZeroParamStatus", "register_external_parameter",
@@ -52,14 +52,6 @@ def zero_wrapper_for_fp_tensor_constructor(fn: Callable[..., torch.Tensor], targ
         return tensor
 
     return wrapped
-
-
-class ZeroParamStatus(Enum):
-    """Whether a stage-3 parameter's full values are present (DeepSpeed's names)."""
-
-    AVAILABLE = 1  # gathered
-    NOT_AVAILABLE = 2  # only this rank's shard exists
-    INFLIGHT = 3  # all-gather in flight
 
 
 class Init(_Init):

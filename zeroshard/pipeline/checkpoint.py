@@ -1,0 +1,68 @@
+"""Checkpoints of a pipelined model: one checkpoint of the whole job, keyed by the layers' global names.
+
+[Note: a pipeline checkpoint loads at any split]
+Each stage's engine saves its shard of its own layers' parameters and optimizer state, under the names
+the layers have in one ``nn.Sequential`` of every layer (``<global layer index>.<parameter>``, a tied
+weight once, under its owner's first layer; ``PipelineModule.global_name``), into one checkpoint with
+one manifest ([Note: a checkpoint of a job in parts] in checkpoint/job.py).  Nothing in it depends on
+the split: a load at another pipeline depth, data-parallel degree or ZeRO stage reads, by name, the
+layers its stage holds now, and ``zeroshard consolidate`` gives the weights of that ``nn.Sequential``.
+After a load each tied copy is refreshed from its owner, as after every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+from ..checkpoint.format import CheckpointError, FileWriting, checked_directory
+from ..checkpoint.interface import CheckpointParts, PartOfJob
+from ..checkpoint.job import JobNamedModule, JobNamedShards
+from ..checkpoint.load import load_checkpoint
+from ..checkpoint.save import save_checkpoint
+from ..config.schema import CheckpointConfig
+from ..distributed.collectives import Collectives
+from .module import PipelineModule
+
+
+def job_parts(parts: CheckpointParts, module: PipelineModule, param_names: Sequence[str],
+              job_comm: Collectives) -> CheckpointParts:
+    """A stage engine's ``parts`` under the job's names, over the whole job's ranks (``job_comm``);
+    every rank calls it."""
+    groups = module.groups
+    names = [module.global_name(n) for n in param_names]
+    plans = job_comm.all_gather_json(
+        {"stage": groups.stage, "buckets": len(parts.shards.layout.buckets), "names": names},
+        "pipeline_checkpoint_plan")
+    buckets_of = {plan["stage"]: plan["buckets"] for plan in plans}
+    base = sum(buckets_of[stage] for stage in range(groups.stage))
+    job = PartOfJob(groups.stage, groups.dims.pp, groups.dims.rank_of(groups.stage, 0), groups.data == 0,
+                    frozenset(name for plan in plans for name in plan["names"]))
+    return dataclasses.replace(parts, world=groups.world, comm=job_comm,
+                               shards=JobNamedShards(parts.shards, module.global_name, base),
+                               module=JobNamedModule(parts.module, module.global_name), job=job)
+
+
+def save_pipeline(parts: CheckpointParts, settings: CheckpointConfig, save_dir: Union[str, Path], tag_name: str,
+                  client_state: Any, save_latest: bool, exclude_frozen: bool) -> Path:
+    """``save_checkpoint`` of a pipeline engine (``parts``: :func:`job_parts`): every rank of the job
+    writes, rank 0 publishes, under rank 0's tag."""
+    save_dir = checked_directory(save_dir, "save_checkpoint", "save_dir")
+    tags = parts.comm.all_gather_json(tag_name, "checkpoint_tag")
+    if len(set(tags)) > 1 and settings.tag_validation == "Fail":
+        raise CheckpointError(f"save_checkpoint: the ranks passed different tags ({sorted(set(tags))}); "
+                              f"nothing was saved (checkpoint.tag_validation \"Fail\")")
+    writer = settings.writer
+    return save_checkpoint(parts, save_dir, str(tags[0]), client_state, save_latest, exclude_frozen=exclude_frozen,
+                           writing=FileWriting(writer.io_buffer_size, direct=writer.type == "fast"))
+
+
+def load_pipeline(parts: CheckpointParts, load_dir: Union[str, Path], tag: Any, strict: bool,
+                  load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool,
+                  restore_rng: bool) -> tuple[Optional[Path], Any]:
+    """``load_checkpoint`` of a pipeline engine (``parts``: :func:`job_parts`), from a checkpoint saved
+    at any split (see the Note); the engine then refreshes its tied copies."""
+    load_dir = checked_directory(load_dir, "load_checkpoint", "load_dir")
+    return load_checkpoint(parts, load_dir, None if tag is None else str(tag), strict, load_optimizer_states,
+                           load_lr_scheduler_states, load_module_only, restore_rng)
