@@ -63,3 +63,27 @@ class ScientificNotationEncoder(json.JSONEncoder):
         if isinstance(value, (list, tuple)):
             return "[" + ", ".join(self._render(v, depth + 1) for v in value) + "]"
         return json.dumps(self.default(value))
+
+
+class BlockView:
+    """A read-only view of one parsed config block (``_block``) under DeepSpeed's class names: made from
+    keyword arguments through zeroshard's loader by a subclass, or from a parsed block by :meth:`of`."""
+
+    __slots__ = ("_block",)
+    _block: Any
+
+    def __init__(self, block: Any) -> None:
+        object.__setattr__(self, "_block", block)
+
+    @classmethod
+    def of(cls, block: Any) -> Any:
+        """The view of an already parsed block."""
+        view = cls.__new__(cls)
+        BlockView.__init__(view, block)
+        return view
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"{type(self).__name__} is a read-only view of the parsed config; {name!r} cannot be set")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._block})"

@@ -9,28 +9,22 @@ from typing import Any, Mapping
 from ...config.deepspeed_forms import DEFAULTS_THAT_MATCH
 from ...config.loader import load_config
 from ...config.schema import BF16Config, FP16Config
+from .config_utils import BlockView
 
 __all__ = ["DeepSpeedFP16Config", "DeepSpeedBF16Config", "get_float16_config", "get_bfloat16_config"]
 
 
-class DeepSpeedFP16Config:
+class DeepSpeedFP16Config(BlockView):
     """``fp16`` under DeepSpeed's names: ``DeepSpeedFP16Config(enabled=True, loss_scale=0, ...)`` parses the
     keys as the config loader does (a ``ConfigError`` for a bad one); every attribute reads the parsed
     block.  DeepSpeed's keys zeroshard drops as defaults (``auto_cast``, ``fp16_master_weights_and_grads``)
     answer those defaults."""
 
-    __slots__ = ("_block",)
+    __slots__ = ()
     _block: FP16Config
 
     def __init__(self, **fields: Any) -> None:
-        object.__setattr__(self, "_block", load_config({"fp16": fields}).fp16)
-
-    @classmethod
-    def of(cls, block: FP16Config) -> "DeepSpeedFP16Config":
-        """The view of an already parsed block."""
-        view = cls.__new__(cls)
-        object.__setattr__(view, "_block", block)
-        return view
+        super().__init__(load_config({"fp16": fields}).fp16)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -38,9 +32,6 @@ class DeepSpeedFP16Config:
         if name in DEFAULTS_THAT_MATCH["fp16"]:
             return DEFAULTS_THAT_MATCH["fp16"][name]
         return getattr(self._block, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"DeepSpeedFP16Config is a read-only view of the parsed config; {name!r} cannot be set")
 
     def initial_dynamic_scale(self) -> int:
         """The scale dynamic loss scaling starts from (always ``2**initial_scale_power``: [Note: one set of
@@ -54,16 +45,13 @@ class DeepSpeedFP16Config:
                 "delayed_shift": block.hysteresis, "consecutive_hysteresis": block.consecutive_hysteresis,
                 "min_scale": block.min_loss_scale}
 
-    def __repr__(self) -> str:
-        return f"DeepSpeedFP16Config({self._block})"
 
-
-class DeepSpeedBF16Config:
+class DeepSpeedBF16Config(BlockView):
     """``bf16`` under DeepSpeed's names (``enabled``).  DeepSpeed's other bf16 keys answer what zeroshard
     does: no immediate gradient update, fp32 masters, gradients and optimizer state, and a step with a
     non-finite gradient skipped (``check_grad_overflow``: ``max_consecutive_skips``)."""
 
-    __slots__ = ("_block",)
+    __slots__ = ()
     _block: BF16Config
     immediate_grad_update = False
     check_grad_overflow = True
@@ -71,24 +59,11 @@ class DeepSpeedBF16Config:
     bf16_optimizer_states = False
 
     def __init__(self, **fields: Any) -> None:
-        object.__setattr__(self, "_block", load_config({"bf16": fields}).bf16)
-
-    @classmethod
-    def of(cls, block: BF16Config) -> "DeepSpeedBF16Config":
-        """The view of an already parsed block."""
-        view = cls.__new__(cls)
-        object.__setattr__(view, "_block", block)
-        return view
+        super().__init__(load_config({"bf16": fields}).bf16)
 
     @property
     def enabled(self) -> bool:
         return self._block.enabled
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"DeepSpeedBF16Config is a read-only view of the parsed config; {name!r} cannot be set")
-
-    def __repr__(self) -> str:
-        return f"DeepSpeedBF16Config({self._block})"
 
 
 def get_float16_config(param_dict: Mapping[str, Any]) -> DeepSpeedFP16Config:

@@ -10,6 +10,7 @@ from typing import Any, Optional
 from ....config.deepspeed_forms import DEFAULTS_THAT_MATCH
 from ....config.loader import load_config
 from ....config.schema import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
+from ..config_utils import BlockView
 
 __all__ = ["DeepSpeedZeroConfig", "ZeroStageEnum"]
 
@@ -34,26 +35,19 @@ _RENAMED = {"prefetch_bucket_size": "stage3_prefetch_bucket_size",
 _DEFAULTS = {name.removeprefix("stage3_"): value for name, value in DEFAULTS_THAT_MATCH["zero_optimization"].items()}
 
 
-class DeepSpeedZeroConfig:
+class DeepSpeedZeroConfig(BlockView):
     """``zero_optimization`` under DeepSpeed's names.  ``DeepSpeedZeroConfig(stage=3, prefetch_bucket_size=...)``
     parses the fields (DeepSpeed's names or the JSON keys) as the config loader does; every attribute reads
     the parsed block.  ``offload_param`` / ``offload_optimizer`` are None when nothing is offloaded, as
     DeepSpeed leaves them without the block, else zeroshard's block (``device``, ``nvme_path``,
     ``pin_memory``, ``buffer_count``, ...)."""
 
-    __slots__ = ("_block",)
+    __slots__ = ()
     _block: ZeroConfig
 
     def __init__(self, **fields: Any) -> None:
         raw = {_RENAMED.get(name, name): value for name, value in fields.items()}
-        object.__setattr__(self, "_block", load_config({"zero_optimization": raw}).zero_optimization)
-
-    @classmethod
-    def of(cls, block: ZeroConfig) -> "DeepSpeedZeroConfig":
-        """The view of an already parsed block."""
-        view = cls.__new__(cls)
-        object.__setattr__(view, "_block", block)
-        return view
+        super().__init__(load_config({"zero_optimization": raw}).zero_optimization)
 
     @property
     def stage(self) -> ZeroStageEnum:
@@ -76,8 +70,3 @@ class DeepSpeedZeroConfig:
             return _DEFAULTS[name]
         return getattr(self._block, _RENAMED.get(name, name))
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"DeepSpeedZeroConfig is a read-only view of the parsed config; {name!r} cannot be set")
-
-    def __repr__(self) -> str:
-        return f"DeepSpeedZeroConfig({self._block})"
