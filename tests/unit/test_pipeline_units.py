@@ -69,6 +69,27 @@ def test_one_stage_pipeline_trains_in_one_process() -> None:
     engine.close()
 
 
+@pytest.mark.parametrize("checkpointable, recomputed", [(None, 2), (["Linear"], 2), (["ReLU"], 1), ([], 0)])
+def test_activation_checkpointing_recomputes_the_runs_it_may(checkpointable, recomputed) -> None:
+    """``activation_checkpoint_interval`` 1: each layer is a run; ``checkpointable_layers`` names the classes
+    that may be recomputed (without it, the runs that hold parameters)."""
+    runs = []
+
+    def counting_checkpoint(function, *args):
+        runs.append(function)
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+
+    torch.manual_seed(0)
+    module = PipelineModule([LayerSpec(nn.Linear, 4, 4), LayerSpec(nn.ReLU), LayerSpec(nn.Linear, 4, 1)],
+                            num_stages=1, loss_fn=nn.functional.mse_loss, activation_checkpoint_interval=1,
+                            activation_checkpoint_func=counting_checkpoint, checkpointable_layers=checkpointable)
+    plain = nn.Sequential(*[layer for layer in module.layers])
+    x = torch.randn(2, 4)
+    out = module(x)
+    assert len(runs) == recomputed
+    assert torch.equal(out, plain(x))
+
+
 def test_fp16_is_refused_with_its_reason_and_async_saves_are_refused() -> None:
     from zeroshard.pipeline import PipelineConfigError
 

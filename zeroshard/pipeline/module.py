@@ -114,8 +114,12 @@ class PipelineModule(nn.Module):
         self._tied_specs: dict[str, TiedLayerSpec] = {}
         self._layer_index: list[int] = []  # the global index of each module in self.layers
         self._tied_index: dict[str, int] = {}  # each tied key's first global index on this stage
+        self._owners: list[Any] = []  # what each call runs: a module, or a plain callable
         for index in range(start, stop):
-            self._calls.append(self._build_layer(index, self.layer_specs[index]))
+            spec = self.layer_specs[index]
+            self._calls.append(self._build_layer(index, spec))
+            self._owners.append(self.tied_modules[spec.key] if isinstance(spec, TiedLayerSpec)
+                                else self.layers[-1] if isinstance(spec, LayerSpec) else spec)
         self.to(world.device)
         self.tied = TiedWeights(self.groups, self._ties(world.device))
         self.tied.detach_copies()
@@ -180,8 +184,20 @@ class PipelineModule(nn.Module):
             return x
         for start in range(0, len(self._calls), interval):
             calls = self._calls[start:start + interval]
-            x = self._checkpointed(calls, x)
+            if self._checkpointable(self._owners[start:start + interval]):
+                x = self._checkpointed(calls, x)
+            else:
+                for call in calls:
+                    x = call(x)
         return x
+
+    def _checkpointable(self, owners: list[Any]) -> bool:
+        """Whether a run of layers is recomputed in backward: with ``checkpointable_layers``, when every
+        layer's class is named there; else when some layer has parameters (recomputing a run of
+        parameter-free functions saves little and costs its compute again), as DeepSpeed decides."""
+        if self.checkpointable_layers is not None:
+            return all(type(owner).__name__ in self.checkpointable_layers for owner in owners)
+        return any(isinstance(owner, nn.Module) and any(True for _ in owner.parameters()) for owner in owners)
 
     def _checkpointed(self, calls: list[Callable[[Any], Any]], x: Any) -> Any:
         """One checkpointed run of layers: its activations are recomputed in backward."""
