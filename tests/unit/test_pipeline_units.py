@@ -64,6 +64,11 @@ def test_one_stage_pipeline_trains_in_one_process() -> None:
     first = float(engine.train_batch(iter(batches)))
     second = float(engine.train_batch(iter(batches)))
     assert second < first
+    seen = []
+    engine.set_batch_fn(lambda batch: seen.append(batch) or (batch[0], batch[1] * 0))  # DeepSpeed's batch_fn
+    zero_target = float(engine.eval_batch(iter(batches)))
+    assert len(seen) == 2 and zero_target == pytest.approx(
+        float(sum(nn.functional.mse_loss(module(x), torch.zeros(2, 1)) for x, _ in batches)) / 2)
     with pytest.raises(PipelineUsageError):
         engine(torch.zeros(2, 4))
     engine.close()

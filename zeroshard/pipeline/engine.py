@@ -18,7 +18,7 @@ parameters are not kept gathered across the micro-batches of a batch.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 
@@ -57,6 +57,8 @@ class PipelineEngine(Engine):
         self.schedule: PipeSchedule = SCHEDULES[config.pipeline.schedule]
         self.link = StageLink(groups.p2p, groups.stage, groups.dims.pp, self.world.device)
         self.data_iterator: Optional[Iterator[Any]] = None
+        #: applied to every micro-batch read (``set_batch_fn``)
+        self.batch_fn: Optional[Callable[[Any], Any]] = None
         #: the iterator over ``initialize(training_data=...)``'s loader, once train_batch() made it
         self.loader_iterator: Optional[Iterator[Any]] = None
         if self.precision.mixed:  # see [Note: tied copies under mixed precision] in pipeline/tied.py
@@ -73,6 +75,11 @@ class PipelineEngine(Engine):
     def set_dataiterator(self, iterator: Iterator[Any]) -> None:
         """The iterator of ``(inputs, labels)`` micro-batches the first and last stages read."""
         self.data_iterator = iterator
+
+    def set_batch_fn(self, fn: Callable[[Any], Any]) -> None:
+        """Every micro-batch read from the iterator goes through ``fn`` first (it returns
+        ``(inputs, labels)``), as DeepSpeed's pipeline engine does."""
+        self.batch_fn = fn
 
     # ------------------------------------------------------------------ refused data-parallel calls
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -156,7 +163,7 @@ class PipelineEngine(Engine):
         module = self._module()
         self.module.train()
         micro = self.gradient_accumulation_steps()
-        run = BatchRun(self, self.link, module.tied, micro, batches_from(self._iterator(data_iter)),
+        run = BatchRun(self, self.link, module.tied, micro, batches_from(self._iterator(data_iter), self.batch_fn),
                        module.loss_fn, training=True)
         result = run.run(self.schedule.actions(self.stage_id, self.num_stages, micro))
         module.tied.broadcast_from_owners(self._full_values)
@@ -179,7 +186,7 @@ class PipelineEngine(Engine):
         module.eval()
         try:
             with torch.no_grad():
-                run = BatchRun(self, self.link, None, micro, batches_from(data_iter), module.loss_fn,
+                run = BatchRun(self, self.link, None, micro, batches_from(data_iter, self.batch_fn), module.loss_fn,
                                training=False, compute_loss=compute_loss, keep_outputs=return_logits)
                 result = run.run(ForwardOnly().actions(self.stage_id, self.num_stages, micro))
         finally:

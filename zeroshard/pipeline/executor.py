@@ -143,16 +143,23 @@ def _detached(value: Any) -> Any:
     return value
 
 
-def batches_from(iterator: Optional[Iterator[Any]]) -> Callable[[], Any]:
-    """``next(iterator)``, with a named error when there is none or it is exhausted."""
+def batches_from(iterator: Optional[Iterator[Any]],
+                 batch_fn: Optional[Callable[[Any], Any]] = None) -> Callable[[], Any]:
+    """``next(iterator)`` (through ``batch_fn``, the engine's ``set_batch_fn``), with a named error when
+    there is none or it is exhausted."""
     def next_batch() -> Any:
-        if iterator is None:
-            raise NoDataError("the first and last pipeline stages read the micro-batches: pass data_iter= to "
-                              "train_batch()/eval_batch(), call set_dataiterator(), or initialize(training_data=...)")
-        try:
-            return next(iterator)
-        except StopIteration:
-            raise NoDataError("the data iterator ran out in the middle of a batch: it must yield "
-                              "gradient_accumulation_steps micro-batches per batch (wrap a loader in "
-                              "RepeatingLoader to cycle it)") from None
+        batch = _next(iterator)
+        return batch_fn(batch) if batch_fn is not None else batch
     return next_batch
+
+
+def _next(iterator: Optional[Iterator[Any]]) -> Any:
+    if iterator is None:
+        raise NoDataError("the first and last pipeline stages read the micro-batches: pass data_iter= to "
+                          "train_batch()/eval_batch(), call set_dataiterator(), or initialize(training_data=...)")
+    try:
+        return next(iterator)
+    except StopIteration:
+        raise NoDataError("the data iterator ran out in the middle of a batch: it must yield "
+                          "gradient_accumulation_steps micro-batches per batch (wrap a loader in "
+                          "RepeatingLoader to cycle it)") from None
