@@ -171,8 +171,9 @@ def test_utils_moe_runtime_and_refusals() -> None:
         deepspeed.pipe.PipelineModule(layers=[nn.Linear(2, 2)])
     from zeroshard.moe.layer import MoE
 
+    MoE(hidden_size=4, expert=nn.Linear(4, 4))  # expert-parallel size 1: every expert on every rank
     with pytest.raises(NotImplementedError, match="expert parallelism"):
-        MoE(hidden_size=4, expert=nn.Linear(4, 4))
+        MoE(hidden_size=4, expert=nn.Linear(4, 4), num_experts=2, ep_size=2)
     with pytest.raises(ValueError, match="mpu"):
         deepspeed.zero.Init(mpu=object())
 

@@ -7,7 +7,7 @@ nothing.
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import NoReturn
 
 
 class NotSupportedByZeroshard(NotImplementedError):
@@ -16,18 +16,3 @@ class NotSupportedByZeroshard(NotImplementedError):
 
 def refuse(feature: str, reason: str, instead: str) -> NoReturn:
     raise NotSupportedByZeroshard(f"{feature} is not supported by zeroshard: {reason}. {instead}")
-
-
-class _Refused:
-    feature = ""
-    reason = ""
-    instead = ""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        refuse(self.feature, self.reason, self.instead)
-
-
-class MoE(_Refused):
-    feature = "deepspeed.moe.layer.MoE (mixture-of-experts layers, expert parallelism)"
-    reason = "zeroshard has no expert parallelism"
-    instead = "Use a dense layer, or an MoE layer written in plain PyTorch (its experts are then data parallel)."

@@ -1,1 +1,2 @@
-"""``zeroshard.deepspeed.moe`` (DeepSpeed's ``deepspeed.moe``): only what dense models touch (zeroshard has no MoE layers)."""
+"""``zeroshard.deepspeed.moe`` (DeepSpeed's ``deepspeed.moe``): the MoE layer with expert-parallel size 1
+(``layer.MoE``, from zeroshard/experts/) and the optimizer-group helpers (``utils``)."""

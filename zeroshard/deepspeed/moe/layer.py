@@ -1,5 +1,5 @@
-"""``zeroshard.deepspeed.moe.layer.MoE``: refused with the reason (zeroshard has no expert parallelism)."""
+"""``zeroshard.deepspeed.moe.layer.MoE`` (DeepSpeed's ``deepspeed.moe.layer.MoE``): see experts/layer.py."""
 
-from ..refused import MoE
+from ...experts.layer import MoE
 
 __all__ = ["MoE"]
