@@ -184,14 +184,9 @@ def build_engine(impl: str, model: GPT, micro: int, bf16: bool) -> tuple[Step, C
 def build_torch(impl: str, model: GPT, bf16: bool) -> tuple[Step, Callable[[], dict[str, float]]]:
     """DDP or FSDP2 with torch's fused AdamW."""
     if impl == "fsdp2":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from zeroshard.tools.selftest.throughput import fsdp2_per_block
 
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 \
-            else MixedPrecisionPolicy()
-        for block in model.blocks:
-            fully_shard(block, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
-        wrapped: torch.nn.Module = model
+        wrapped: torch.nn.Module = fsdp2_per_block(model, bf16)
     else:
         from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -51,18 +51,24 @@ def _model(preset: Preset, device: torch.device) -> GPT:
         return GPT(preset.model)
 
 
+def fsdp2_per_block(model: GPT, bf16: bool) -> GPT:
+    """FSDP2 as its users wrap a GPT: ``fully_shard`` on each block and on the root (bf16: its
+    mixed-precision policy, parameters and reductions in bf16)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 \
+        else MixedPrecisionPolicy()
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
 def _torch_step(name: str, model: GPT, world: World, precision: str) -> Step:
     """Plain PyTorch or DDP (autocast for bf16), or FSDP2 (its mixed-precision policy for bf16)."""
     bf16 = precision == "bf16"
     if name == "fsdp2":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 \
-            else MixedPrecisionPolicy()
-        for block in model.blocks:
-            fully_shard(block, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
-        wrapped: torch.nn.Module = model
+        wrapped: torch.nn.Module = fsdp2_per_block(model, bf16)
     elif name == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
