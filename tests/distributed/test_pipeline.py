@@ -2,9 +2,10 @@
 
 One world of 4 ranks runs every case: pipeline 2 x data 2 at ZeRO stages 0-3 with each schedule,
 pipeline 4 x data 1, evaluation, checkpoints saved at one split and resumed at others (and read as one
-``nn.Sequential``), and the refused inputs.  The model has a tied embedding (first and
-last stage), tuples of tensors of two dtypes between stages, and a sequence length that changes from
-one micro-batch to the next.
+``nn.Sequential``), periodic saves, bf16, fp16 (against zeroshard's own engine in one process) and an
+overflow on one rank that every rank skips, CPU offload, and the refused inputs.  The model has a tied
+embedding (first and last stage), tuples of tensors of two dtypes between stages, and a sequence length
+that changes from one micro-batch to the next.
 """
 
 from __future__ import annotations
@@ -145,6 +146,7 @@ def data(step: int, d: int) -> Any:
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
@@ -169,8 +171,16 @@ def stage_param_errors(module: PipelineModule, reference: Reference) -> list[flo
     return errors
 
 
-def train_worker(rank: int, world: int, pp: int, stage: int, schedule: str) -> dict[str, Any]:
-    engine, module = build(pp, stage, schedule)
+#: ``offload`` of a train case: the zero_optimization keys that put the stage's optimizer (and at stage 3
+#: its parameters) on the CPU
+OFFLOADS: dict[str, dict[str, Any]] = {
+    "optimizer": {"offload_optimizer": {"device": "cpu"}},
+    "param": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}
+
+
+def train_worker(rank: int, world: int, pp: int, stage: int, schedule: str, offload: str = "") -> dict[str, Any]:
+    more = {"zero_optimization": {"stage": stage, **OFFLOADS[offload]}} if offload else {}
+    engine, module = build(pp, stage, schedule, **more)
     dp = 4 // pp
     data_rank = rank % dp
     reference = Reference()
@@ -188,7 +198,7 @@ def train_worker(rank: int, world: int, pp: int, stage: int, schedule: str) -> d
             "eval": eval_loss, "eval_expected": reference.eval_loss(STEPS, dp)}
 
 
-def check_train(by_rank: list[dict[str, Any]], pp: int, stage: int, schedule: str) -> None:
+def check_train(by_rank: list[dict[str, Any]], pp: int, stage: int, schedule: str, offload: str = "") -> None:
     for rank, out in enumerate(by_rank):
         for got, want in zip(out["losses"], out["expected"]):
             assert abs(got - want) <= 1e-5 * abs(want), (rank, out["losses"], out["expected"])
@@ -403,10 +413,159 @@ def check_bf16(by_rank: list[dict[str, Any]], root: str, pp: int, stage: int) ->
     assert distance <= DEVIATION_TOL * moved, (distance, moved)
 
 
+#: fp16 against zeroshard's own engine in one process with the same fp16 config (see ``fp16_worker``): the
+#: same loss scale after every step on every rank, each step's loss within FP16_LOSS_TOL, each parameter
+#: (16-bit values) within FP16_PARAM_TOL relative.  The two differ by fp16 rounding alone: the
+#: data-parallel average instead of one process's accumulation, and a tied weight's copy summed apart
+#: from its owner; measured: losses at most 4.8e-6 apart, parameters 3.6e-4 (about a third of fp16's
+#: 2^-10 spacing); the bounds are about four and three times that.  A second application of the loss
+#: scale fails them (losses 1.4e-3 apart, parameters 3e-2, and the scales differ).  The config starts at a
+#: scale of 2^8 and doubles it every 2 clean steps, so a few steps change it
+FP16_LOSS_TOL, FP16_PARAM_TOL = 2e-5, 1e-3
+FP16 = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 1}
+
+
+def lone_engine(model: nn.Module, cfg: dict[str, Any]) -> Any:
+    """zeroshard's own engine over ``model`` in this process alone (a world of one inside the job)."""
+    from zeroshard.config import load_config, resolve_batch_sizes
+    from zeroshard.distributed.world import World
+    from zeroshard.engine.engine import Engine
+
+    return Engine(model, resolve_batch_sizes(load_config(cfg), 1), World(0, 1, 0, torch.device("cpu"), "none"))
+
+
+def reference_sequential(reference: Reference) -> nn.Sequential:
+    """The reference's layers (the pipeline's initial weights) as one ``nn.Sequential``."""
+    m = reference.modules
+    return nn.Sequential(m[0], Positions(), m[2], m[3], m[4], DropPositions(), m[6], Head(m[0]))
+
+
+def fp16_worker(rank: int, world: int, pp: int, stage: int) -> dict[str, Any]:
+    """fp16 pipeline steps, and the same layers trained by one process's engine with the same fp16 config,
+    the data-parallel ranks' micro-batches accumulated."""
+    optimizer = {"type": "AdamW", "params": {"lr": MIXED_LR, "weight_decay": WD}}
+    engine, module = build(pp, stage, "1f1b", SmallEmbedding, fp16=FP16, optimizer=optimizer)
+    dp = 4 // pp
+    reference = Reference(MIXED_LR, SmallEmbedding)
+    lone = lone_engine(reference_sequential(reference),
+                       {**config(0, "1f1b", 1, fp16=FP16, optimizer=optimizer), "pipeline": {},
+                        "gradient_accumulation_steps": ACCUM * dp, "train_batch_size": MICRO * ACCUM * dp})
+    losses, expected, scales, expected_scales = [], [], [], []
+    for step in range(STEPS):
+        losses.append(float(engine.train_batch(data(step, rank % dp))))
+        scales.append(engine.loss_scaler.scale)
+        total = 0.0
+        for j in range(ACCUM):
+            for d in range(dp):
+                x, y = micro_batch(step, j, d)
+                loss = loss_fn(lone(x), y)
+                lone.backward(loss)
+                lone.step()
+                total += float(loss) / (ACCUM * dp)
+        expected.append(total)
+        expected_scales.append(lone.loss_scaler.scale)
+    skipped = (engine.skipped_steps, lone.skipped_steps)
+    lone.close()  # hands the reference's layers back with the weights it trained
+    errors = stage_param_errors(module, reference)
+    engine.close()
+    return {"losses": losses, "expected": expected, "scales": scales, "expected_scales": expected_scales,
+            "skipped": skipped, "errors": errors}
+
+
+def check_fp16(by_rank: list[dict[str, Any]], pp: int, stage: int) -> None:
+    for rank, out in enumerate(by_rank):
+        assert out["scales"] == out["expected_scales"], (rank, out["scales"], out["expected_scales"])
+        assert out["skipped"][0] == out["skipped"][1], (rank, out["skipped"])
+        assert max(abs(a - b) for a, b in zip(out["losses"], out["expected"])) <= FP16_LOSS_TOL, (rank, out)
+        assert out["errors"] and max(out["errors"]) <= FP16_PARAM_TOL, (rank, out["errors"])
+    assert len({tuple(out["scales"]) for out in by_rank}) == 1
+
+
+#: the step whose gradients overflow on one rank of the last stage, in ``overflow_worker``
+OVERFLOW_STEP = 2
+
+
+def stage_values(engine: Any, module: PipelineModule) -> list[torch.Tensor]:
+    """The stage's full parameters, its fp32 masters (mixed precision: this rank's shard) and its copy of
+    the tied embedding: everything a skipped step leaves untouched on this rank."""
+    params = [p for p in module.parameters()]
+    with zeroshard.GatheredParameters(params):
+        values = [p.detach().clone() for p in params]
+    if engine.strategy.masters is not None:
+        values.append(engine.strategy.masters.data.clone())
+    copy = module.tied.ties[0].copy
+    return values + ([copy.detach().clone()] if copy is not None else [])
+
+
+def overflow_worker(rank: int, world: int, stage: int) -> dict[str, Any]:
+    """fp16 with an inf in one gradient of the last stage's data-parallel rank 0 at ``OVERFLOW_STEP``
+    only: every rank of both stages must skip that step, and only that one."""
+    engine, module = build(2, stage, "1f1b", SmallEmbedding, fp16=FP16,
+                           optimizer={"type": "AdamW", "params": {"lr": MIXED_LR, "weight_decay": WD}})
+    at = {"step": -1}
+    if rank == 2:  # pipeline stage 1, data-parallel rank 0
+        next(iter(module.parameters())).register_hook(
+            lambda grad: grad * float("inf") if at["step"] == OVERFLOW_STEP else grad)
+    scales, untouched, losses = [], None, []
+    for step in range(4):
+        at["step"] = step
+        before = stage_values(engine, module) if step == OVERFLOW_STEP else None
+        losses.append(float(engine.train_batch(data(step, rank % 2))))
+        scales.append(engine.loss_scaler.scale)
+        if before is not None:
+            untouched = all(torch.equal(a, b) for a, b in zip(before, stage_values(engine, module)))
+    result = {"scales": scales, "skipped": engine.skipped_steps, "untouched": untouched, "losses": losses,
+              "overflow": engine.optimizer.overflow}
+    engine.close()
+    return result
+
+
+def check_overflow(by_rank: list[dict[str, Any]], stage: int) -> None:
+    for rank, out in enumerate(by_rank):
+        assert out["skipped"] == 1 and out["untouched"], (rank, out)
+        assert out["scales"] == by_rank[0]["scales"], (rank, out["scales"], by_rank[0]["scales"])
+        assert out["losses"] == by_rank[0]["losses"] and all(abs(x) < 10 for x in out["losses"]), (rank, out)
+    scales = by_rank[0]["scales"]  # halved at the overflow (hysteresis 1), doubled every 2 clean steps
+    assert scales[OVERFLOW_STEP] == scales[OVERFLOW_STEP - 1] / 2, scales
+
+
+def periodic_worker(rank: int, world: int, root: str) -> dict[str, Any]:
+    """``checkpoint.save_interval`` 2 and ``keep_last`` 1 over 5 steps; a fresh engine resumes the last
+    periodic save (``latest``) for the fifth step."""
+    periodic = {"save_dir": root, "save_interval": 2, "keep_last": 1}
+    engine, module = build(2, 1, "1f1b", checkpoint=periodic)
+    straight, listings = [], []
+    for step in range(5):
+        straight.append(float(engine.train_batch(data(step, rank % 2))))
+        listings.append(sorted(p.name for p in Path(root).iterdir()) if rank == 0 and Path(root).is_dir() else [])
+    final = stage_values(engine, module)
+    engine.close()
+    engine, module = build(2, 1, "1f1b", checkpoint=periodic)
+    path, _ = engine.load_checkpoint(root)
+    resumed = float(engine.train_batch(data(4, rank % 2)))
+    same = all(torch.equal(a, b) for a, b in zip(final, stage_values(engine, module)))
+    result = {"straight": straight, "resumed": resumed, "same": same, "listings": listings,
+              "loaded": Path(str(path)).name, "steps": engine.global_steps}
+    engine.close()
+    return result
+
+
+def check_periodic(by_rank: list[dict[str, Any]], root: str) -> None:
+    for rank, out in enumerate(by_rank):
+        assert out["loaded"] == "global_step4" and out["steps"] == 5, (rank, out)
+        assert out["resumed"] == out["straight"][4] and out["same"], (rank, out)  # bitwise
+    # each rank 0 listing after steps 1-5: every stage in one checkpoint per save, the older pruned
+    assert by_rank[0]["listings"] == [[], ["global_step2", "latest"], ["global_step2", "latest"],
+                                      ["global_step4", "latest"], ["global_step4", "latest"]], by_rank[0]["listings"]
+    assert (Path(root) / "latest").read_text().strip() == "global_step4"
+    saved = full_state_dict(root, "global_step4")
+    assert saved.keys() == sequential().state_dict().keys()  # the layers of both stages
+
+
 WORKERS = {"train": train_worker, "refusals": refusals_worker, "resume": resume_worker, "bf16": bf16_worker,
-           "loader": loader_worker}
+           "loader": loader_worker, "fp16": fp16_worker, "overflow": overflow_worker, "periodic": periodic_worker}
 CHECKS = {"train": check_train, "refusals": check_refusals, "resume": check_resume, "bf16": check_bf16,
-          "loader": check_loader}
+          "loader": check_loader, "fp16": check_fp16, "overflow": check_overflow, "periodic": check_periodic}
 
 
 def test_pipeline_matches_one_process(tmp_path: Path) -> None:
@@ -416,4 +575,11 @@ def test_pipeline_matches_one_process(tmp_path: Path) -> None:
     cases += [("train", {"pp": 4, "stage": 1, "schedule": "1f1b"}), ("train", {"pp": 4, "stage": 3, "schedule": "gpipe"}),
               ("resume", {"root": str(tmp_path / "resume")}),
               ("bf16", {"root": str(tmp_path / "bf16"), "pp": 2, "stage": 2}), ("loader", {}), ("refusals", {})]
+    # fp16 at pipeline 2 x data 2 (ZeRO 0-2) and 4 x 1 (ZeRO 3), an overflow on one rank, CPU offload
+    cases += [("fp16", {"pp": 2, "stage": stage}) for stage in (0, 1, 2)]
+    cases += [("fp16", {"pp": 4, "stage": 3}), ("overflow", {"stage": 3}), ("overflow", {"stage": 0}),
+              ("train", {"pp": 2, "stage": 2, "schedule": "1f1b", "offload": "optimizer"}),
+              ("train", {"pp": 4, "stage": 1, "schedule": "gpipe", "offload": "optimizer"}),
+              ("train", {"pp": 2, "stage": 3, "schedule": "gpipe", "offload": "param"}),
+              ("periodic", {"root": str(tmp_path / "periodic")})]
     check_family(cases, run_family(4, cases, WORKERS), CHECKS, world=4)

@@ -95,16 +95,21 @@ def test_activation_checkpointing_recomputes_the_runs_it_may(checkpointable, rec
     assert torch.equal(out, plain(x))
 
 
-def test_fp16_is_refused_with_its_reason_and_async_saves_are_refused() -> None:
+def test_fp16_trains_and_nvme_offload_and_async_saves_are_refused(tmp_path) -> None:
     from zeroshard.pipeline import PipelineConfigError
 
     layers = [LayerSpec(nn.Linear, 4, 4), LayerSpec(nn.Linear, 4, 1)]
     base = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
-    with pytest.raises(PipelineConfigError, match="loss scaling"):
+    nvme = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}
+    with pytest.raises(PipelineConfigError, match="nvme"):
         zeroshard.initialize(model=PipelineModule(layers, num_stages=1, loss_fn=nn.functional.mse_loss),
-                             config={**base, "fp16": {"enabled": True}})
+                             config={**base, "zero_optimization": nvme})
+    torch.manual_seed(0)
     engine, _, _, _ = zeroshard.initialize(model=PipelineModule(layers, num_stages=1, loss_fn=nn.functional.mse_loss),
-                                           config=base)
+                                           config={**base, "fp16": {"enabled": True, "initial_scale_power": 4}})
+    batches = [(torch.randn(2, 4), torch.randn(2, 1))]
+    losses = [float(engine.train_batch(iter(batches))) for _ in range(2)]
+    assert engine.loss_scaler.scale == 16 and engine.skipped_steps == 0 and losses[1] < losses[0]
     with pytest.raises(PipelineUsageError, match="synchronously"):
         engine.save_checkpoint("unused", async_save=True)
     engine.close()

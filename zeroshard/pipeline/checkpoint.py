@@ -20,9 +20,11 @@ from ..checkpoint.format import CheckpointError, FileWriting, checked_directory
 from ..checkpoint.interface import CheckpointParts, PartOfJob
 from ..checkpoint.job import JobNamedModule, JobNamedShards
 from ..checkpoint.load import load_checkpoint
+from ..checkpoint.rotation import prune
 from ..checkpoint.save import save_checkpoint
 from ..config.schema import CheckpointConfig
 from ..distributed.collectives import Collectives
+from ..engine.checkpoints import EngineCheckpointer
 from .module import PipelineModule
 
 
@@ -66,3 +68,29 @@ def load_pipeline(parts: CheckpointParts, load_dir: Union[str, Path], tag: Any, 
     load_dir = checked_directory(load_dir, "load_checkpoint", "load_dir")
     return load_checkpoint(parts, load_dir, None if tag is None else str(tag), strict, load_optimizer_states,
                            load_lr_scheduler_states, load_module_only, restore_rng)
+
+
+class StageCheckpointer(EngineCheckpointer):
+    """A stage engine's checkpointer: a periodic save is the whole pipeline's, made after the batch
+    (``PipelineEngine._save_periodically``), never one stage's, so the stage engine's ``step()``, which
+    runs in the middle of the batch, saves nothing."""
+
+    @classmethod
+    def of(cls, checkpointer: EngineCheckpointer) -> "StageCheckpointer":
+        c = checkpointer
+        return cls(c.parts, c.world, c.comm, c.agree, c.saves, c.settings, c.attached, c.resume_at_boundary)
+
+    def save_periodically(self) -> None:
+        """Nothing: see the class."""
+
+
+def periodic_save_due(settings: CheckpointConfig, global_steps: int) -> bool:
+    """Whether ``checkpoint.save_interval`` asks for a save after optimizer step ``global_steps``."""
+    return bool(settings.save_dir and settings.save_interval and global_steps % settings.save_interval == 0)
+
+
+def prune_periodic(settings: CheckpointConfig, publisher: bool) -> None:
+    """After a periodic save is published: the job's rank 0 keeps the newest ``checkpoint.keep_last``
+    (see [Note: pruning never loses the checkpoint to resume from] in checkpoint/rotation.py)."""
+    if settings.keep_last and publisher and settings.save_dir:
+        prune(Path(settings.save_dir), settings.keep_last)

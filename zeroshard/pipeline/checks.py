@@ -38,17 +38,14 @@ def check_pipeline_config(config: ZeroshardConfig, module: PipelineModule) -> No
         if given is not None and given != value:
             raise PipelineConfigError(f"'pipeline.{name}' = {given!r} but the PipelineModule was built with {value!r}: "
                                       f"the module's arguments decide the split; remove the key or make them agree")
-    if config.fp16.enabled:
-        raise PipelineConfigError("'fp16.enabled' is not supported with pipeline parallelism yet: fp16's loss "
-                                  "scaling would have every stage agree on each overflow and skip the step together; "
-                                  "use bf16 (no loss scale), or train without a PipelineModule")
     zero = config.zero_optimization
     refused = {
-        "zero_optimization.offload_optimizer": zero.offload_optimizer.device != "none",
-        "zero_optimization.offload_param": zero.offload_param.device != "none",
+        # a swap failure stops the failing stage's ranks only (engine._raise_swap_failures agrees over the
+        # stage's data-parallel group), and the other stages would wait for them
+        "zero_optimization.offload_optimizer.device: nvme (cpu is supported)": zero.offload_optimizer.device == "nvme",
+        "zero_optimization.offload_param.device: nvme (cpu is supported)": zero.offload_param.device == "nvme",
         "zero_optimization.mics_shard_size": zero.mics_shard_size > 0,
         "zero_optimization.zero_hpz_partition_size": zero.zero_hpz_partition_size > 1,
-        "checkpoint.save_interval": config.checkpoint.save_interval > 0,
         "checkpoint.auto_resume": config.checkpoint.auto_resume,
         "checkpoint.writer.decoupled": config.checkpoint.writer.decoupled,
         "checkpoint.use_node_local_storage": config.checkpoint.use_node_local_storage,

@@ -13,6 +13,18 @@ micro-batch exists on the last stage only, so an earlier stage backpropagates th
 receives (pipeline/executor.py).  At ZeRO stage 3 the engine gathers a stage's parameters for each
 forward and again for each backward, micro-batch by micro-batch, and releases them after each:
 parameters are not kept gathered across the micro-batches of a batch.
+
+[Note: the loss scale along a pipeline]
+Under fp16 the loss is multiplied by the loss scale once, on the last stage, by its engine's
+``backward()`` (with the division by the accumulation steps), so every gradient that travels back
+already carries the scale.  An earlier stage's backward starts from those gradients: the scalar it
+hands its engine (the vector-Jacobian product as one sum) goes through :class:`_ReceivedGradients`,
+whose gradient is 1 whatever the engine multiplies it by, so the scale is not applied a second
+time.  Each stage's engine keeps its own loss scaler, and they stay equal: whether a step overflows
+is read from the gradient norm, which is summed over the stages (``_model_grad_norm``) as well as over
+the stage's data-parallel ranks, so an inf or NaN on any rank of any stage makes every rank of the
+job skip the same step and lower its scale the same way.  The losses ``train_batch`` returns are the
+loss function's own, never scaled.
 """
 
 from __future__ import annotations
@@ -28,7 +40,7 @@ from ..distributed.consistency import EngineUsageError
 from ..engine.engine import Engine, SchedulerSpec
 from ..sharding.stage3.gathered import GatheredParameters
 from ..checkpoint.interface import CheckpointParts
-from .checkpoint import job_parts, load_pipeline, save_pipeline
+from .checkpoint import StageCheckpointer, job_parts, load_pipeline, periodic_save_due, prune_periodic, save_pipeline
 from .checks import pipeline_config
 from .executor import BatchRun, batches_from
 from .module import PipelineModule
@@ -121,6 +133,20 @@ class PipelineEngine(Engine):
             self.data_iterator = None  # the next batch starts where the loaded loader position says
         return loaded
 
+    def _build_parts(self) -> None:
+        super()._build_parts()
+        self.checkpointer = StageCheckpointer.of(self.checkpointer)  # periodic saves: _save_periodically
+
+    def _save_periodically(self) -> None:
+        """``checkpoint.save_interval``: the whole pipeline's checkpoint ``global_step<N>`` in
+        ``checkpoint.save_dir``, every rank of the job at the same step, after the batch (its tied
+        copies refreshed, every message sent); then the oldest beyond ``keep_last`` are pruned."""
+        settings = self.config.checkpoint
+        if periodic_save_due(settings, self.global_steps):
+            assert settings.save_dir is not None
+            self.save_checkpoint(settings.save_dir)
+            prune_periodic(settings, self.job_comm.world.is_main)
+
     def _job_parts(self) -> CheckpointParts:
         return job_parts(self.checkpoint_parts(), self._module(), self.param_names, self.job_comm)
 
@@ -128,8 +154,11 @@ class PipelineEngine(Engine):
     def stage_forward(self, inputs: Any) -> Any:
         return super().forward(inputs)
 
-    def stage_backward(self, loss: torch.Tensor, scale_wrt_gas: bool) -> None:
-        super().backward(loss, scale_wrt_gas=scale_wrt_gas)
+    def stage_backward(self, value: torch.Tensor, is_loss: bool) -> None:
+        if is_loss:
+            super().backward(value)
+        else:  # see [Note: the loss scale along a pipeline]
+            super().backward(_ReceivedGradients.apply(value), scale_wrt_gas=False)
 
     def stage_step(self) -> None:
         super().step()
@@ -168,7 +197,9 @@ class PipelineEngine(Engine):
         result = run.run(self.schedule.actions(self.stage_id, self.num_stages, micro))
         module.tied.broadcast_from_owners(self._full_values)
         losses = torch.stack(result.losses).mean() if result.losses else None
-        return self._share_loss(losses, shape=())
+        loss = self._share_loss(losses, shape=())
+        self._save_periodically()
+        return loss
 
     def eval_batch(self, data_iter: Iterator[Any], return_logits: bool = False, compute_loss: bool = True,
                    reduce_output: Optional[str] = "avg", bcast_loss: bool = True,
@@ -224,6 +255,20 @@ class PipelineEngine(Engine):
         """A parameter's full values on its stage (a gather at ZeRO stage 3: every data-parallel rank calls it)."""
         with GatheredParameters([param]):
             return param.data.detach().clone()
+
+
+class _ReceivedGradients(torch.autograd.Function):
+    """The scalar an earlier stage backpropagates, in fp32; its gradient is 1, whatever the engine's
+    ``backward()`` multiplies it by (see [Note: the loss scale along a pipeline])."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor) -> torch.Tensor:
+        ctx.dtype = value.dtype
+        return value.detach().float()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return torch.ones((), dtype=ctx.dtype, device=grad.device)
 
 
 class _Repeating:

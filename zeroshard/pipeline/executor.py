@@ -26,7 +26,10 @@ class StagePasses(Protocol):
 
     def stage_forward(self, inputs: Any) -> Any: ...
 
-    def stage_backward(self, loss: torch.Tensor, scale_wrt_gas: bool) -> None: ...
+    def stage_backward(self, value: torch.Tensor, is_loss: bool) -> None:
+        """Backpropagate the last stage's loss (``is_loss``), or on an earlier stage the scalar whose
+        backward is the vector-Jacobian product with the gradients received, which already carry the
+        division by the accumulation steps and the loss scale."""
 
     def stage_step(self) -> None: ...
 
@@ -112,7 +115,7 @@ class BatchRun:
             if not terms:
                 raise RuntimeError(f"stage {self.link.stage}'s output needs no gradient: nothing to backpropagate")
             # the vector-Jacobian product as the backward of one scalar; the loss was already divided
-            # by the accumulation steps on the last stage
+            # by the accumulation steps and multiplied by the loss scale on the last stage
             self.passes.stage_backward(torch.stack(terms).sum(), False)
         if not self.first:
             self.link.send_backward(flight.inputs)
