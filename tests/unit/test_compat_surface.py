@@ -172,8 +172,12 @@ def test_utils_moe_runtime_and_refusals() -> None:
     from zeroshard.moe.layer import MoE
 
     MoE(hidden_size=4, expert=nn.Linear(4, 4))  # expert-parallel size 1: every expert on every rank
-    with pytest.raises(NotImplementedError, match="expert parallelism"):
-        MoE(hidden_size=4, expert=nn.Linear(4, 4), num_experts=2, ep_size=2)
+    with pytest.raises(ValueError, match="positive divisor of num_experts"):
+        MoE(hidden_size=4, expert=nn.Linear(4, 4), num_experts=3, ep_size=2)
+    spread = MoE(hidden_size=4, expert=nn.Linear(4, 4), num_experts=2, ep_size=2)  # one expert per rank
+    assert spread.num_local_experts == 1
+    with pytest.raises(ValueError, match="expert-parallel group, which zeroshard.initialize"):
+        spread(torch.zeros(3, 4))  # its groups come from initialize()
     with pytest.raises(ValueError, match="mpu"):
         deepspeed.zero.Init(mpu=object())
 

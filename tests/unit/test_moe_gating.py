@@ -82,8 +82,8 @@ def test_residual_moe_mixes_a_dense_expert() -> None:
     assert not is_moe_param(moe.mlp.weight) and not is_moe_param(moe.coefficient.weight)
 
 
-@pytest.mark.parametrize("option", [{"ep_size": 2}, {"use_tutel": True}, {"enable_expert_tensor_parallelism": True}])
-def test_expert_parallel_options_are_refused(option: dict) -> None:
+@pytest.mark.parametrize("option", [{"use_tutel": True}, {"enable_expert_tensor_parallelism": True}])
+def test_unsupported_moe_options_are_refused(option: dict) -> None:
     with pytest.raises(MoENotSupported, match="not supported by zeroshard"):
         MoE(4, nn.Linear(4, 4), num_experts=2, **option)
 

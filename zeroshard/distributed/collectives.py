@@ -56,6 +56,7 @@ class CommKind(str, Enum):
     REDUCE_SCATTER = "reduce_scatter"
     ALL_GATHER = "all_gather"
     BROADCAST = "broadcast"
+    ALL_TO_ALL = "all_to_all"
 
 
 @dataclass
@@ -305,6 +306,16 @@ class Collectives:
         return self._run(CommKind.ALL_GATHER, label, counter,
                          lambda: _all_gather_1d(full, shard, group=self.world.group, async_op=True),
                          async_op, full)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, label: str) -> None:
+        """Rank r's ``output`` gets chunk r of every rank's ``input``, in rank order (equal chunks along
+        the first dimension); each rank keeps its own chunk, so it sends (N-1)/N of ``input``."""
+        counter = self._account(CommKind.ALL_TO_ALL, _nbytes(input), 1, label)
+        if not self.world.is_distributed:
+            output.copy_(input)
+        self._run(CommKind.ALL_TO_ALL, label, counter,
+                  lambda: dist.all_to_all_single(output, input, group=self.world.group, async_op=True), False,
+                  input)
 
     def all_gather_rows(self, full: torch.Tensor, row: torch.Tensor, label: str,
                         async_op: bool = False) -> PendingCollective:

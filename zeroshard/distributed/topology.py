@@ -82,13 +82,20 @@ class ShardGroups:
     #: sharding/stage3/gather_agreement.py)
     grads: Optional[Collectives] = None
     rounds: Optional[Collectives] = None
+    #: expert parallelism (see [Note: experts sharded over the ranks that hold them] in
+    #: experts/groups.py): the ranks that exchange tokens (``expert_parallel``, blocks of consecutive
+    #: ranks) and the ranks holding the same experts, which experts' buckets are sharded over
+    #: (``expert_data``, the same position in every block)
+    expert_parallel: Optional[Collectives] = None
+    expert_data: Optional[Collectives] = None
 
     @property
     def data_parallel_size(self) -> int:
         return self.job.world.world_size
 
     def _side(self) -> list[Collectives]:
-        return [c for c in (self.shard, self.replicas, self.secondary, self.grads, self.rounds)
+        return [c for c in (self.shard, self.replicas, self.secondary, self.grads, self.rounds,
+                            self.expert_parallel, self.expert_data)
                 if c is not None and c.world.group is not None]
 
     def release(self) -> None:
@@ -138,11 +145,15 @@ def _blocks(comm: Collectives, topology: Topology, size: int, across: bool) -> t
 
 
 def build_shard_groups(comm: Collectives, topology: Topology, mics_shard_size: int,
-                       hpz_partition_size: int, gathers_in_passes: bool = False) -> ShardGroups:
+                       hpz_partition_size: int, gathers_in_passes: bool = False,
+                       expert_parallel_size: int = 1) -> ShardGroups:
     """The engine's :class:`ShardGroups` for the config's ``mics_shard_size`` (-1: off) and
     ``zero_hpz_partition_size`` (1: off); a size that does not divide the world is refused.
-    ``gathers_in_passes`` (stage 3): with the groups its gather rounds need."""
+    ``gathers_in_passes`` (stage 3): with the groups its gather rounds need; ``expert_parallel_size``
+    (the model's MoE layers' ``ep_size``): with the expert groups."""
     groups = _sharding_groups(comm, topology, mics_shard_size, hpz_partition_size)
+    if expert_parallel_size > 1:
+        groups.expert_parallel, groups.expert_data = _blocks(comm, topology, expert_parallel_size, across=True)
     if gathers_in_passes and comm.world.is_distributed:
         size = groups.shard.world.world_size
         groups.grads, _ = _blocks(comm, topology, size, across=False)

@@ -42,6 +42,10 @@ from ..planning import model_state_bytes
 from ..host.host_allocator import HostMemoryPolicy
 from ..host.page_memory import HostPageMemory
 from ..optim import build_scheduler, clip_coefficient, from_config, from_user, global_grad_norm
+from ..optim.clipping import ExpertsNorm
+from ..experts.groups import ExpertParallelError, check_expert_parallel_size
+from ..experts.layer import bind_expert_groups, expert_parallel_size
+from ..experts.registry import is_expert_param
 from ..optim.param_groups import TrainableParams, collect_trainable
 from ..offload import OffloadIOError
 from ..optim.nonfinite import NonFiniteGradientError, first_nonfinite_parameter, ranks_with_nonfinite_loss
@@ -201,17 +205,37 @@ class Engine:
         self._agree = ConsistencyCheck(self.comm)
         self.saves = BackgroundSaves(self.world)  # asynchronous checkpoint saves
         zero = self.config.zero_optimization
+        self.expert_parallel_size = self._expert_parallel_size(world)
         self.shard_groups = build_shard_groups(self.comm, self.topology, zero.mics_shard_size,
                                                zero.zero_hpz_partition_size,
-                                               STRATEGIES[self.config.stage].traits.gathers_in_passes)
+                                               STRATEGIES[self.config.stage].traits.gathers_in_passes,
+                                               self.expert_parallel_size)
+        bind_expert_groups(self.module, self.shard_groups.expert_parallel, self.comm)
+
+    def _expert_parallel_size(self, world: World) -> int:
+        """The model's MoE layers' ``ep_size``, checked against the job (see [Note: experts sharded over
+        the ranks that hold them] in experts/groups.py)."""
+        ep_size = expert_parallel_size(self.module)
+        check_expert_parallel_size(ep_size, world.world_size, self.config.stage)
+        zero = self.config.zero_optimization
+        if ep_size > 1 and (zero.mics_shard_size > 0 or zero.zero_hpz_partition_size > 1 or world.parts):
+            raise ExpertParallelError(
+                f"MoE(ep_size={ep_size}) with MiCS / hpZ groups, pipeline or tensor parallelism is not "
+                f"supported yet: expert parallelism runs over a plain data-parallel world")
+        return ep_size
 
     def _sync_initial_state(self, from_init: FromInit) -> None:
         """Start every rank from rank 0's parameters and buffers, as DistributedDataParallel does."""
+        experts = self.shard_groups.expert_data
         with torch.no_grad():
             for p in self.module.parameters():
                 # built under Init (identical on every rank), or moved at stage 3 as its bucket fills,
                 # which broadcasts it then
-                if id(p) not in from_init:
+                if id(p) in from_init:
+                    continue
+                if experts is not None and is_expert_param(p):  # from the first rank holding the same experts
+                    experts.broadcast(p.data, 0, "init_experts")
+                else:
                     self.comm.broadcast(p.data, 0, "init_params")
             for b in self.module.buffers():
                 self.comm.broadcast(b.data, 0, "init_buffers")
@@ -219,10 +243,16 @@ class Engine:
     def _build_storage_and_strategy(self, trainable: TrainableParams, from_init: FromInit) -> None:
         """The stage's strategy, which lays the parameters out in its storage and takes them over."""
         name_of = {id(p): n for n, p in self.module.named_parameters()}
+        experts = [i for i, p in enumerate(trainable.params) if is_expert_param(p)] \
+            if self.shard_groups.expert_data is not None else []
         self.strategy = STRATEGIES[self.config.stage].build(
             self.module, trainable.params, trainable.names, trainable.group_of, self.shard_groups,
             self.config.zero_optimization, self.precision, self.offload, InitialValues(from_init),
-            [(name_of[id(p)], p) for p in trainable.frozen], buffer_memory=self.buffer_memory)
+            [(name_of[id(p)], p) for p in trainable.frozen], buffer_memory=self.buffer_memory, experts=experts)
+        #: stage 0 with expert parallelism: the experts' part of the norm is summed over their group
+        self._experts_norm = ExpertsNorm(frozenset(b.index for b in self.strategy.layout.buckets if b.experts),
+                                         self.shard_groups.expert_parallel) \
+            if self.shard_groups.expert_parallel is not None else None
         self.storage = self.strategy.storage
         self.storage.read_chunks_elsewhere_while(self.saves.copying)  # an asynchronous save's copy
 
@@ -535,7 +565,7 @@ class Engine:
     def _model_grad_norm(self, grads: list[torch.Tensor], comm: Optional[Collectives]) -> torch.Tensor:
         """The norm of the whole model's gradients (``comm``: summed over the shards); a pipeline stage's
         engine adds the other stages' (pipeline/stage_engine.py)."""
-        return global_grad_norm(grads, comm, self.world.device)
+        return global_grad_norm(grads, comm, self.world.device, self._experts_norm)
 
     def _skip_step(self, grads: list[torch.Tensor]) -> None:
         """A non-finite gradient norm: parameters, optimizer state and LR schedule stay as they are."""
@@ -554,7 +584,8 @@ class Engine:
         self._nonfinite_loss = None
         source = f"non-finite loss on rank(s) {ranks}" if ranks else "every rank's loss was finite: it arose in backward"
         if self._consecutive_skips >= self.config.max_consecutive_skips:
-            name = first_nonfinite_parameter(self.strategy.comm, self.strategy.layout.buckets, grads, self.param_names)
+            name = first_nonfinite_parameter(self.strategy.comm, self.strategy.ranks, self.strategy.layout.buckets,
+                                             grads, self.param_names)
             raise NonFiniteGradientError(
                 f"{self._consecutive_skips} optimizer steps in a row (up to step {step}) had non-finite "
                 f"gradients ({source}; first parameter with a non-finite gradient: {name!r}); training "
@@ -666,7 +697,13 @@ class Engine:
         the state is copied (the next optimizer step waits for that), written and published in the
         background (see [Note: asynchronous saves] in checkpoint/background.py).
         """
+        self._refuse_expert_parallel_checkpoints("save_checkpoint")
         return self.checkpointer.save(save_dir, tag, client_state, save_latest, exclude_frozen_parameters, async_save)
+
+    def _refuse_expert_parallel_checkpoints(self, call: str) -> None:
+        if self.expert_parallel_size > 1:
+            raise ExpertParallelError(f"{call}() with MoE(ep_size={self.expert_parallel_size}) is not supported "
+                                      f"yet: each rank holds other experts under the same names")
 
     def wait_for_checkpoint(self) -> Optional[Path]:
         """Block until the asynchronous save in flight is published; returns its directory (None when
@@ -688,6 +725,7 @@ class Engine:
 
         The engine resumes at a step boundary, with its own accumulation (see :meth:`_resume_at_boundary`).
         """
+        self._refuse_expert_parallel_checkpoints("load_checkpoint")
         return self.checkpointer.load(load_dir, tag, load_module_strict, load_optimizer_states,
                                       load_lr_scheduler_states, load_module_only, load_rng_state)
 
@@ -719,6 +757,7 @@ class Engine:
         when ``stage3_gather_16bit_weights_on_model_save`` is true; otherwise nothing is written and a
         warning says so, as DeepSpeed does.  ``exclude_frozen_parameters`` leaves frozen ones out.
         """
+        self._refuse_expert_parallel_checkpoints("save_16bit_model")
         return self.checkpointer.save_16bit_model(save_dir, save_filename, dtype, exclude_frozen_parameters)
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:

@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 NOISY_GATE_POLICIES = (None, "Jitter", "RSample")
+
+#: a capacity -> the one every rank exchanging tokens uses
+Agree = Callable[[int], int]
 JITTER_EPSILON = 1e-2
 
 
@@ -86,8 +89,10 @@ def _keep_random(mask: Tensor, capacity: int) -> tuple[Tensor, Tensor]:
 
 
 def top1_routing(logits: Tensor, capacity_factor: float, min_capacity: int, used_token: Optional[Tensor] = None,
-                 noisy_logits: Optional[Tensor] = None, drop_tokens: bool = True, use_rts: bool = True) -> Routing:
-    """Each token to its most probable expert (chosen on ``noisy_logits`` where given)."""
+                 noisy_logits: Optional[Tensor] = None, drop_tokens: bool = True, use_rts: bool = True,
+                 agree: Optional[Agree] = None) -> Routing:
+    """Each token to its most probable expert (chosen on ``noisy_logits`` where given); ``agree``: the
+    capacity the ranks exchanging tokens take, when no token is dropped."""
     gates = F.softmax(logits, dim=1)
     tokens, experts = gates.shape
     choice = torch.argmax(noisy_logits if noisy_logits is not None else gates, dim=1)
@@ -99,6 +104,7 @@ def top1_routing(logits: Tensor, capacity_factor: float, min_capacity: int, used
         capacity = capacity_for(tokens, experts, capacity_factor, min_capacity)
     else:
         capacity = max(min(int(exp_counts.max()), tokens), 1)
+        capacity = agree(capacity) if agree is not None else capacity
     l_aux = _load_loss(gates, mask)
     kept, slots = _keep_random(mask, capacity) if use_rts else _keep_first(mask, capacity)
     combine = _place(gates * kept.to(gates.dtype), slots, capacity)
@@ -106,8 +112,10 @@ def top1_routing(logits: Tensor, capacity_factor: float, min_capacity: int, used
 
 
 def top2_routing(logits: Tensor, capacity_factor: float, min_capacity: int, used_token: Optional[Tensor] = None,
-                 drop_tokens: bool = True, second_expert_sampling: bool = True) -> Routing:
-    """Each token to its two most probable experts (the second sampled with gumbel noise when asked)."""
+                 drop_tokens: bool = True, second_expert_sampling: bool = True,
+                 agree: Optional[Agree] = None) -> Routing:
+    """Each token to its two most probable experts (the second sampled with gumbel noise when asked);
+    ``agree`` as for :func:`top1_routing`."""
     gates = F.softmax(logits, dim=1)
     tokens, experts = gates.shape
     first = F.one_hot(torch.argmax(gates, dim=1), num_classes=experts)
@@ -123,6 +131,7 @@ def top2_routing(logits: Tensor, capacity_factor: float, min_capacity: int, used
         capacity = capacity_for(tokens, experts, 2 * capacity_factor, min_capacity)
     else:
         capacity = max(int(exp_counts.max()), 1)
+        capacity = agree(capacity) if agree is not None else capacity
     # second choices queue behind every first choice of their expert, dropped or not
     kept1, slots1 = _keep_first(first, capacity)
     kept2, slots2 = _keep_first(second, capacity, offset=first.sum(dim=0, keepdim=True))
@@ -152,8 +161,8 @@ class TopKGate(nn.Module):
         self.min_capacity, self.noisy_gate_policy = min_capacity, noisy_gate_policy
         self.drop_tokens, self.use_rts, self.top2_2nd_expert_sampling = drop_tokens, use_rts, top2_2nd_expert_sampling
 
-    def forward(self, tokens: Tensor, used_token: Optional[Tensor] = None) -> Routing:
-        """``tokens``: [s, model_dim]."""
+    def forward(self, tokens: Tensor, used_token: Optional[Tensor] = None, agree: Optional[Agree] = None) -> Routing:
+        """``tokens``: [s, model_dim]; ``agree``: see :func:`top1_routing`."""
         x = tokens.float()
         if self.noisy_gate_policy == "Jitter" and self.training:
             x = x * torch.empty_like(x).uniform_(1.0 - JITTER_EPSILON, 1.0 + JITTER_EPSILON)
@@ -161,6 +170,7 @@ class TopKGate(nn.Module):
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
         if self.k == 1:
             noisy = logits + gumbel_noise(logits) if self.noisy_gate_policy == "RSample" and self.training else None
-            return top1_routing(logits, factor, self.min_capacity, used_token, noisy, self.drop_tokens, self.use_rts)
+            return top1_routing(logits, factor, self.min_capacity, used_token, noisy, self.drop_tokens, self.use_rts,
+                                agree)
         return top2_routing(logits, factor, self.min_capacity, used_token, self.drop_tokens,
-                            self.top2_2nd_expert_sampling)
+                            self.top2_2nd_expert_sampling, agree)

@@ -15,6 +15,7 @@ doubles: each bucket's fp32 norm widened to float64 and squared, added one bucke
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -22,15 +23,32 @@ import torch
 from ..distributed.collectives import Collectives
 
 
+@dataclass(frozen=True)
+class ExpertsNorm:
+    """Expert parallelism where each rank holds whole gradients (stage 0): a rank holds only its own
+    experts' gradients, so the squares of the expert buckets (``buckets``, by index) are summed over
+    the ranks that exchange tokens (``comm``), which hold the other experts."""
+
+    buckets: frozenset[int]
+    comm: Collectives
+
+
 def global_grad_norm(grads: Sequence[torch.Tensor], comm: Optional[Collectives],
-                     device: Optional[torch.device] = None) -> torch.Tensor:
-    """L2 norm of all gradients, a float64 tensor of one element on the gradients' device (``device``
-    when there are none); ``comm`` sums the squares across ranks when grads are sharded."""
+                     device: Optional[torch.device] = None, experts: Optional[ExpertsNorm] = None) -> torch.Tensor:
+    """L2 norm of all gradients (one per bucket, in bucket order), a float64 tensor of one element on
+    the gradients' device (``device`` when there are none); ``comm`` sums the squares across ranks
+    when grads are sharded, ``experts`` the experts' squares when they are not."""
     where = grads[0].device if grads else device if device is not None else torch.device("cpu")
     total = torch.zeros(1, dtype=torch.float64, device=where)
-    for g in grads:  # in fp32 whatever the gradient dtype: a 16-bit norm would round, or overflow
+    spread = torch.zeros(1, dtype=torch.float64, device=where)  # experts held on other ranks too
+    apart = experts if comm is None else None
+    for index, g in enumerate(grads):  # in fp32 whatever the gradient dtype: a 16-bit norm would round, or overflow
         if g.numel():
-            total.add_(torch.linalg.vector_norm(g, dtype=torch.float32).double().square())
+            into = spread if apart is not None and index in apart.buckets else total
+            into.add_(torch.linalg.vector_norm(g, dtype=torch.float32).double().square())
+    if apart is not None:
+        apart.comm.all_reduce(spread, "grad_norm_experts")
+        total.add_(spread)
     if comm is not None:
         comm.all_reduce(total, "grad_norm")
     return total.sqrt_()

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.collectives import Collectives
-from ..sharding.layout import BucketLayout
+from ..sharding.layout import BucketLayout, ShardRanks
 
 
 class NonFiniteGradientError(RuntimeError):
@@ -41,13 +41,13 @@ def ranks_with_nonfinite_loss(comm: Collectives, mine_was: bool) -> list[int]:
     return [r for r, f in enumerate(flags.tolist()) if f]
 
 
-def first_nonfinite_parameter(comm: Collectives, buckets: Sequence[BucketLayout],
+def first_nonfinite_parameter(comm: Collectives, ranks: ShardRanks, buckets: Sequence[BucketLayout],
                               owned_grads: Sequence[torch.Tensor], names: Sequence[str]) -> Optional[str]:
     """The first parameter (in the order of ``names``) with a non-finite element in any rank's owned
-    part of its gradient; ``None`` if there is none now."""
+    part of its gradient (``ranks``: this rank's chunk of each bucket); ``None`` if there is none now."""
     first = len(names)
     for bucket, grad in zip(buckets, owned_grads):
-        start = bucket.chunk_start(grad.numel(), comm.world.rank)
+        start = bucket.chunk_start(grad.numel(), ranks.of(bucket))
         for slot in bucket.slots:
             lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, start + grad.numel())
             if lo < hi and slot.index < first and not bool(torch.isfinite(grad[lo - start: hi - start]).all()):

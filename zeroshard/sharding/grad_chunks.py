@@ -25,17 +25,18 @@ import torch
 from ..precision import PrecisionPolicy
 from .buffer_memory import BufferMemory
 from .buffer_pool import KeptBuffers
-from .layout import BucketLayout, ParamSlot
+from .layout import BucketLayout, ParamSlot, ShardRanks
 
 
 class GradientChunks(ABC):
     """This rank's averaged gradient chunk of every bucket, held from its first reduction of a step to
     the step; ``divisor``: the ranks a gradient is averaged over."""
 
-    def __init__(self, precision: PrecisionPolicy, divisor: int, rank: int, device: torch.device) -> None:
+    def __init__(self, precision: PrecisionPolicy, divisor: int, ranks: ShardRanks, device: torch.device) -> None:
         self.precision = precision
         self.divisor = divisor
-        self.rank = rank
+        #: this rank's chunk of each bucket
+        self.ranks = ranks
         self.device = device
         self.dtype = precision.grad_accum
         #: bucket index -> its chunk, holding the sum of the reductions since the last step
@@ -102,8 +103,8 @@ class InPlaceChunks(GradientChunks):
     backward, it costs about what a born chunk and the bucket buffer's own part it is copied from cost.
     """
 
-    def __init__(self, precision: PrecisionPolicy, divisor: int, rank: int, device: torch.device) -> None:
-        super().__init__(precision, divisor, rank, device)
+    def __init__(self, precision: PrecisionPolicy, divisor: int, ranks: ShardRanks, device: torch.device) -> None:
+        super().__init__(precision, divisor, ranks, device)
         self._kept: dict[int, torch.Tensor] = {}  # bucket index -> its chunk, made at its first use
 
     @staticmethod
@@ -115,7 +116,7 @@ class InPlaceChunks(GradientChunks):
     def store(self, full: torch.Tensor, bucket: BucketLayout, slot: ParamSlot, grad: torch.Tensor,
               first: bool) -> None:
         """The slot's elements outside this rank's chunk go into ``full``, the others into the chunk."""
-        start, end = bucket.shard_range(self.rank)
+        start, end = bucket.shard_range(self.ranks.of(bucket))
         for lo, hi in ((slot.offset, min(slot.offset + slot.numel, start)),
                        (max(slot.offset, end), slot.offset + slot.numel)):
             if lo < hi:
@@ -129,7 +130,7 @@ class InPlaceChunks(GradientChunks):
                                          accumulate=held or not first)
 
     def ready_to_reduce(self, full: torch.Tensor, bucket: BucketLayout, arrived: Collection[int]) -> Optional[torch.Tensor]:
-        start, end = bucket.shard_range(self.rank)
+        start, end = bucket.shard_range(self.ranks.of(bucket))
         chunk = self._new_chunk(bucket)
         bucket.zero_unwritten(full[:start], arrived)
         bucket.zero_unwritten(full[end:], arrived, start=end)
@@ -145,7 +146,7 @@ class InPlaceChunks(GradientChunks):
         """The union of every bucket's elements outside this rank's own chunk."""
         spans = []
         for bucket in buckets:
-            start, end = bucket.shard_range(self.rank)
+            start, end = bucket.shard_range(self.ranks.of(bucket))
             spans += [span for span in ((0, start), (end, bucket.padded_numel)) if span[0] < span[1]]
         spans.sort()
         total, reach = 0, 0
@@ -184,7 +185,7 @@ class ReducedInBucket(GradientChunks):
         return None
 
     def take_reduced(self, full: torch.Tensor, bucket: BucketLayout) -> None:
-        start, end = bucket.shard_range(self.rank)
+        start, end = bucket.shard_range(self.ranks.of(bucket))
         received = full[start:end]  # the reduction was in place (see ShardingStrategy.reduce_to_owner)
         self.precision.after_reduction(received, self.divisor)
         held = self._held.get(bucket.index)
@@ -220,9 +221,9 @@ class KeptChunkBuffers(ReducedInBucket):
     where the chunks are live anyway.
     """
 
-    def __init__(self, precision: PrecisionPolicy, divisor: int, rank: int, device: torch.device,
+    def __init__(self, precision: PrecisionPolicy, divisor: int, ranks: ShardRanks, device: torch.device,
                  memory: BufferMemory) -> None:
-        super().__init__(precision, divisor, rank, device)
+        super().__init__(precision, divisor, ranks, device)
         #: one buffer per bucket, whose memory comes and goes through the engine's ``memory`` (see the Note)
         self.buffers = KeptBuffers(device, memory)
 

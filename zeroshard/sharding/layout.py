@@ -17,7 +17,7 @@ Buckets never span two optimizer parameter groups, so each chunk belongs to exac
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Collection, Iterable, Optional, Sequence
+from typing import Callable, Collection, Hashable, Iterable, Optional, Sequence
 
 import torch
 
@@ -47,6 +47,10 @@ class BucketLayout:
     #: stage 3: a bucket of frozen parameters, sharded and gathered like the others but never reduced
     #: or updated (the strategy and the optimizer see only the trainable buckets, which come first)
     frozen: bool = False
+    #: a bucket of experts' parameters (expert parallelism): sharded over the ranks that hold the same
+    #: experts, ``world_size`` of them (see [Note: experts sharded over the ranks that hold them] in
+    #: experts/groups.py)
+    experts: bool = False
 
     @property
     def shard_numel(self) -> int:
@@ -91,6 +95,18 @@ class BucketLayout:
 
 
 @dataclass(frozen=True)
+class ShardRanks:
+    """This rank's position in the group each bucket is sharded over: among the data-parallel ranks,
+    or, for a bucket of experts, among the ranks that hold the same experts."""
+
+    data: int
+    experts: int = 0
+
+    def of(self, bucket: BucketLayout) -> int:
+        return self.experts if bucket.experts else self.data
+
+
+@dataclass(frozen=True)
 class FlatLayout:
     """The bucket plan for all trainable parameters of one dtype and device."""
 
@@ -121,7 +137,7 @@ class FlatLayout:
         return FlatLayout(kept, self.world_size)
 
 
-def size_runs(indices: Iterable[int], numels: Sequence[int], group_of: Sequence[int],
+def size_runs(indices: Iterable[int], numels: Sequence[int], group_of: Sequence[Hashable],
               bucket_numel: int) -> list[list[int]]:
     """Cut ``indices`` (in the order given) into runs of one optimizer group of about ``bucket_numel``.
 
@@ -149,16 +165,18 @@ class LayoutBuilder:
         self.buckets: list[BucketLayout] = []
         self.offset = 0
 
-    def add(self, indices: Sequence[int], group: int, frozen: bool = False) -> int:
-        """Append a bucket holding ``indices`` (in that order); returns its index."""
+    def add(self, indices: Sequence[int], group: int, frozen: bool = False, experts_world_size: int = 0) -> int:
+        """Append a bucket holding ``indices`` (in that order); returns its index.  ``experts_world_size``:
+        a bucket of experts, sharded over that many ranks."""
         slots, pos = [], 0
         for i in indices:
             p = self.params[i]
             slots.append(ParamSlot(i, self.names[i], pos, p.numel(), tuple(p.shape)))
             pos += p.numel()
-        padded = -(-pos // self.world_size) * self.world_size
+        world_size = experts_world_size or self.world_size
+        padded = -(-pos // world_size) * world_size
         self.buckets.append(BucketLayout(len(self.buckets), group, self.offset, pos, padded, tuple(slots),
-                                         self.world_size, frozen))
+                                         world_size, frozen, experts=experts_world_size > 0))
         self.offset += padded
         return len(self.buckets) - 1
 
@@ -189,9 +207,12 @@ def capped_bucket_numel(configured: int, trainable_numel: int, per_model: int = 
 
 
 def plan_buckets(params: Sequence[torch.Tensor], names: Sequence[str], group_of: Sequence[int],
-                 bucket_numel: int, world_size: int) -> FlatLayout:
-    """Group parameters (in reverse order, see [Note: bucket order]) into buckets of about ``bucket_numel``."""
+                 bucket_numel: int, world_size: int, experts: Collection[int] = (),
+                 experts_world_size: int = 0) -> FlatLayout:
+    """Group parameters (in reverse order, see [Note: bucket order]) into buckets of about ``bucket_numel``;
+    the parameters ``experts`` (indices) into buckets of their own, sharded over ``experts_world_size``."""
     builder = LayoutBuilder(params, names, world_size)
-    for run in size_runs(reversed(range(len(params))), [p.numel() for p in params], group_of, bucket_numel):
-        builder.add(run, group_of[run[0]])
+    kind = [(group_of[i], i in experts) for i in range(len(params))]
+    for run in size_runs(reversed(range(len(params))), [p.numel() for p in params], kind, bucket_numel):
+        builder.add(run, group_of[run[0]], experts_world_size=experts_world_size if run[0] in experts else 0)
     return builder.layout()

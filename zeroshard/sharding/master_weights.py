@@ -13,23 +13,22 @@ import torch
 from typing import Optional
 
 from ..offload.policy import MasterSwap
-from .layout import BucketLayout, FlatLayout
+from .layout import BucketLayout, FlatLayout, ShardRanks
 
 
-def owned_spans(layout: FlatLayout, rank: int, whole_buckets: bool) -> list[tuple[int, int]]:
+def owned_spans(layout: FlatLayout, ranks: ShardRanks, whole_buckets: bool) -> list[tuple[int, int]]:
     """Per bucket, [start, end) of what the rank's optimizer owns, relative to the bucket."""
-    return [(0, b.padded_numel) if whole_buckets else b.shard_range(rank) for b in layout.buckets]
+    return [(0, b.padded_numel) if whole_buckets else b.shard_range(ranks.of(b)) for b in layout.buckets]
 
 
 class MasterWeights:
     """One fp32 buffer holding this rank's owned range of every bucket, one view per bucket; or, under
     NVMe optimizer offload (``spill``), no buffer at all: values go straight to swap files."""
 
-    def __init__(self, layout: FlatLayout, rank: int, whole_buckets: bool, device: torch.device,
+    def __init__(self, layout: FlatLayout, ranks: ShardRanks, whole_buckets: bool, device: torch.device,
                  pin_memory: bool = False, spill: Optional[MasterSwap] = None) -> None:
         self.layout = layout
-        self.rank = rank
-        self._ranges = owned_spans(layout, rank, whole_buckets)
+        self._ranges = owned_spans(layout, ranks, whole_buckets)
         self._offsets: list[int] = []
         total = 0
         for start, end in self._ranges:

@@ -22,7 +22,8 @@ class Stage0(FullGradientStrategy):
         return self.world.world_size
 
     def launch(self, bucket: BucketLayout, async_op: bool) -> PendingCollective:
-        return self.comm.all_reduce(self.ready_to_reduce(bucket), f"grad_bucket{bucket.index}", async_op=async_op)
+        return self.comm_of(bucket).all_reduce(self.ready_to_reduce(bucket), f"grad_bucket{bucket.index}",
+                                               async_op=async_op)
 
     def complete(self, bucket: BucketLayout) -> None:
         cast = self.take_cast(bucket)

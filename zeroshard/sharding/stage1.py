@@ -36,11 +36,11 @@ class Stage1(FullGradientStrategy):
         # its copy in the communication dtype, which is read back into it.
         cast = self.take_cast(bucket)
         if cast is not None:
-            start, end = bucket.shard_range(self.world.rank)
+            start, end = bucket.shard_range(self.ranks.of(bucket))
             self.owned_grad(bucket).copy_(cast[start:end])
             self.cast_pool.release(cast)
         self.precision.after_reduction(self.owned_grad(bucket), self.data_parallel_size)
 
     def owned_grad(self, bucket: BucketLayout) -> torch.Tensor:
-        start, end = bucket.shard_range(self.world.rank)
+        start, end = bucket.shard_range(self.ranks.of(bucket))
         return self.grad_bucket(bucket)[start:end]

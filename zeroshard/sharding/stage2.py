@@ -13,7 +13,7 @@ from .flat_params import FlatParameters
 from .grad_chunks import ChunksPerBucket, GradientChunks, InPlaceChunks
 from .layout import BUCKETS_PER_MODEL
 from .sharded_grads import ShardedGradientStrategy
-from .strategy import StageTraits
+from .strategy import StageTraits, shard_ranks
 
 
 class Stage2(ShardedGradientStrategy):
@@ -41,7 +41,7 @@ class Stage2(ShardedGradientStrategy):
         """Summed in place in chunks kept for the run where the sum can accumulate there; else born
         from each reduced bucket."""
         policy = InPlaceChunks if InPlaceChunks.fits(zero.reduce_scatter, precision) else ChunksPerBucket
-        return policy(precision, groups.data_parallel_size, groups.shard.world.rank, storage.device)
+        return policy(precision, groups.data_parallel_size, shard_ranks(groups), storage.device)
 
     def hook_model(self, model: nn.Module) -> None:
         """With ``overlap_param_gather``, the post-step gather runs on into the next forward ([Note: the

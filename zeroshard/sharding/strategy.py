@@ -34,9 +34,15 @@ from ..offload.policy import OffloadPolicies, OffloadPolicy
 from ..precision import PrecisionPolicy
 from .buffer_memory import BufferMemory
 from .flat_params import FlatParameters
-from .layout import BUCKETS_PER_MODEL, capped_bucket_numel, BucketLayout, FlatLayout, ParamSlot, plan_buckets
+from .layout import BUCKETS_PER_MODEL, capped_bucket_numel, BucketLayout, FlatLayout, ParamSlot, ShardRanks, plan_buckets
 from .master_weights import MasterWeights, owned_spans
 from .storage import InitialValues, ParameterStorage
+
+
+def shard_ranks(groups: ShardGroups) -> ShardRanks:
+    """This rank's place in the group of each kind of bucket (see :class:`ShardRanks`)."""
+    experts = groups.expert_data
+    return ShardRanks(groups.shard.world.rank, experts.world.rank if experts is not None else 0)
 
 
 class BucketState(Enum):
@@ -122,6 +128,10 @@ class ShardingStrategy(ABC):
         #: the shard group's collectives and world: the whole job, or a MiCS group
         self.comm: Collectives = groups.shard
         self.world: World = groups.shard.world
+        #: expert parallelism: the group experts' buckets are sharded over (see ``comm_of``)
+        self.expert_comm: Optional[Collectives] = groups.expert_data
+        #: this rank's chunk of each bucket (``ranks.of(bucket)``)
+        self.ranks: ShardRanks = shard_ranks(groups)
         #: MiCS: the ranks holding this rank's shard in the other groups (see [Note: hybrid sharding
         #: groups] in distributed/topology.py)
         self.replicas: Optional[Collectives] = groups.replicas
@@ -148,6 +158,14 @@ class ShardingStrategy(ABC):
     def stage(self) -> int:
         """The ZeRO stage number."""
         return self.traits.stage
+
+    def comm_of(self, bucket: BucketLayout) -> Collectives:
+        """The group ``bucket`` is sharded over: the shard group, or for experts' buckets the ranks that
+        hold the same experts (see [Note: experts sharded over the ranks that hold them] in experts/groups.py)."""
+        if bucket.experts:
+            assert self.expert_comm is not None
+            return self.expert_comm
+        return self.comm
 
     # ------------------------------------------------------------------ backward
     @abstractmethod
@@ -282,16 +300,18 @@ class ShardingStrategy(ABC):
               group_of: Sequence[int], groups: ShardGroups, zero: ZeroConfig,
               precision: PrecisionPolicy = PrecisionPolicy(), offload: OffloadPolicies = OffloadPolicies(),
               initial: InitialValues = InitialValues(), frozen: Sequence[tuple[str, nn.Parameter]] = (),
-              *, buffer_memory: BufferMemory) -> "ShardingStrategy":
+              *, buffer_memory: BufferMemory, experts: Collection[int] = ()) -> "ShardingStrategy":
         """Lay out the trainable parameters and take them over (stages 0-2: one flat buffer), sharded
         over ``groups.shard``; ``frozen`` (name, parameter) pairs stay whole at stages 0-2, as in DDP;
         ``buffer_memory``: the engine's (see [Note: one buffer memory per engine] in
-        sharding/buffer_memory.py)."""
+        sharding/buffer_memory.py); ``experts``: the indices of experts' parameters (expert
+        parallelism), in buckets of their own over ``groups.expert_data``."""
         comm = groups.shard
         bucket_numel = capped_bucket_numel(zero.reduce_bucket_size, sum(p.numel() for p in params),
                                            cls.traits.buckets_per_model)
-        layout = plan_buckets(params, names, group_of, bucket_numel, comm.world.world_size)
-        masters = cls.make_masters(layout, comm.world, precision, offload, params[0].device, comm)
+        layout = plan_buckets(params, names, group_of, bucket_numel, comm.world.world_size, experts,
+                              groups.expert_data.world.world_size if groups.expert_data is not None else 0)
+        masters = cls.make_masters(layout, shard_ranks(groups), precision, offload, params[0].device, comm)
         storage = FlatParameters(layout, params, comm, buffer_memory, precision.compute, masters, groups.job)
         strategy = cls(storage, params, groups, zero, precision)
         strategy.hook_model(model)
@@ -301,7 +321,7 @@ class ShardingStrategy(ABC):
         """Module hooks this stage needs besides its gradient hooks (none unless a stage says so)."""
 
     @classmethod
-    def make_masters(cls, layout: FlatLayout, world: World, precision: PrecisionPolicy, offload: OffloadPolicies,
+    def make_masters(cls, layout: FlatLayout, ranks: ShardRanks, precision: PrecisionPolicy, offload: OffloadPolicies,
                      device: torch.device, comm: Collectives) -> Optional[MasterWeights]:
         """fp32 master weights over what this stage's optimizer owns: with mixed precision, or whenever
         the optimizer is offloaded (also for fp32 training); where the policy places them (the
@@ -310,9 +330,9 @@ class ShardingStrategy(ABC):
         if not (precision.mixed or policy.needs_masters):
             return None
         whole_buckets = cls.traits.owns_whole_buckets
-        spans = owned_spans(layout, world.rank, whole_buckets)
+        spans = owned_spans(layout, ranks, whole_buckets)
         spill = policy.open_master_swap(spans, offload.sub_group_size, comm)
-        return MasterWeights(layout, world.rank, whole_buckets, policy.masters_device(device),
+        return MasterWeights(layout, ranks, whole_buckets, policy.masters_device(device),
                              policy.pin_memory, spill)
 
     def before_forward(self) -> None:
@@ -367,12 +387,13 @@ class ShardingStrategy(ABC):
         sharding/grad_chunks.py).
         """
         label = f"grad_bucket{bucket.index}"
+        comm = self.comm_of(bucket)
         if not self.zero.reduce_scatter:
             assert own is None, "a chunk kept outside the bucket needs a reduce-scatter"
-            return self.comm.all_reduce(full, label, async_op=async_op)
-        start, end = bucket.shard_range(self.world.rank)
+            return comm.all_reduce(full, label, async_op=async_op)
+        start, end = bucket.shard_range(self.ranks.of(bucket))
         output = full[start:end] if own is None else own
-        return self.comm.reduce_scatter(output, full, label, async_op=async_op, own_input=own)
+        return comm.reduce_scatter(output, full, label, async_op=async_op, own_input=own)
 
     @abstractmethod
     def owned_grad(self, bucket: BucketLayout) -> torch.Tensor:
@@ -409,7 +430,7 @@ class ShardingStrategy(ABC):
 
     def owned_param(self, bucket: BucketLayout) -> torch.Tensor:
         """The part of the parameter storage this rank's optimizer updates, for ``bucket``."""
-        return self.storage.shard_view(bucket, self.world.rank)
+        return self.storage.shard_view(bucket, self.ranks.of(bucket))
 
     def publish_piece(self, bucket: BucketLayout, start: int, values: torch.Tensor) -> None:
         """Write updated master values (fp32, from element ``start`` of the owned chunk) into the owned
@@ -419,7 +440,7 @@ class ShardingStrategy(ABC):
 
     def owned_real(self, bucket: BucketLayout) -> int:
         """Real (non-padding) elements of ``bucket`` that this rank's optimizer updates."""
-        return bucket.real_numel_in_shard(self.world.rank)
+        return bucket.real_numel_in_shard(self.ranks.of(bucket))
 
     def owned_real_numel(self) -> int:
         return sum(self.owned_real(b) for b in self.layout.buckets)
@@ -434,10 +455,10 @@ class ShardingStrategy(ABC):
         """
         if self._gathers and self._gather_numel + bucket.padded_numel > self.zero.allgather_bucket_size:
             self.finish_refresh()
-        own = self.storage.shard_view(bucket, self.world.rank)
+        own = self.storage.shard_view(bucket, self.ranks.of(bucket))
         with torch.no_grad():
-            self._gathers.append((bucket.index, self.comm.all_gather(self.storage.bucket_view(bucket), own,
-                                                                     f"param_bucket{bucket.index}", async_op=True)))
+            self._gathers.append((bucket.index, self.comm_of(bucket).all_gather(
+                self.storage.bucket_view(bucket), own, f"param_bucket{bucket.index}", async_op=True)))
         self._gather_numel += bucket.padded_numel
 
     @property

@@ -11,7 +11,7 @@ Where a parameter is gathered: :meth:`ShardedParameters.gather`, called from :me
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Any, Collection, Optional, Sequence
 
 import torch
 from torch import nn
@@ -28,7 +28,7 @@ from ..layout import BucketLayout
 from .sharded_params import ShardedParameters
 from ..sharded_grads import ShardedGradientStrategy
 from ..storage import InitialValues
-from ..strategy import BucketProgress, StageTraits
+from ..strategy import BucketProgress, StageTraits, shard_ranks
 from .units import Stage3Plan, plan_units
 
 
@@ -54,7 +54,7 @@ class Stage3(ShardedGradientStrategy):
         grad_groups = dataclasses.replace(groups, shard=groups.grads or groups.shard)
         # each bucket's chunk in a buffer of its own whose memory goes at the step, through the storage's
         # buffer memory (see [Note: where gradient chunks live] in sharding/grad_chunks.py)
-        chunks = KeptChunkBuffers(precision, grad_groups.data_parallel_size, grad_groups.shard.world.rank,
+        chunks = KeptChunkBuffers(precision, grad_groups.data_parallel_size, shard_ranks(grad_groups),
                                   storage.device, storage.buffer_memory)
         super().__init__(storage, params, grad_groups, zero, precision, chunks)
         self.plan = plan
@@ -68,13 +68,14 @@ class Stage3(ShardedGradientStrategy):
               group_of: Sequence[int], groups: ShardGroups, zero: ZeroConfig,
               precision: PrecisionPolicy = PrecisionPolicy(), offload: OffloadPolicies = OffloadPolicies(),
               initial: InitialValues = InitialValues(), frozen: Sequence[tuple[str, nn.Parameter]] = (),
-              *, buffer_memory: BufferMemory) -> "Stage3":
+              *, buffer_memory: BufferMemory, experts: Collection[int] = ()) -> "Stage3":
         """Stage 3's units over sharded storage; frozen parameters above the persistence threshold
         are sharded too (see [Note: frozen parameters at stage 3] in sharding/stage3/units.py)."""
+        assert not experts, "expert parallelism at stage 3 is refused when the engine is built"
         comm = groups.shard
         plan = plan_units(model, params, names, group_of, zero.stage3_param_persistence_threshold,
                           zero.reduce_bucket_size, comm.world.world_size, frozen)
-        masters = cls.make_masters(plan.layout.trainable(), comm.world, precision, offload, params[0].device, comm)
+        masters = cls.make_masters(plan.layout.trainable(), shard_ranks(groups), precision, offload, params[0].device, comm)
         storage = ShardedParameters(plan.layout, plan.params, comm, model, buffer_memory, plan.persistent_buckets,
                                     precision.compute, masters, offload.params, initial, groups.secondary,
                                     groups.job)

@@ -1,0 +1,150 @@
+"""Expert parallelism: MoE layers with ``ep_size`` > 1 train like one process holding every expert.
+
+One world of four ranks runs every case: ep 2 x data 2 and ep 4 x data 1, ZeRO stages 0-2, top-1 and
+top-2, with and without token dropping.  The oracle is one process with ``ep_size=1`` (all four experts)
+that routes each rank's batch itself (routing, capacity and l_aux are per rank) and averages the four
+losses (fp32, 1e-5 relative).  Each expert starts from values of its own (set by its global index), so
+an expert mixed up with another is caught.  Beside the values: each rank's ``l_aux`` and ``exp_counts``
+equal the oracle's, every expert bucket's reduction and gather run over the ranks holding the same
+experts only (the collectives' log), and the experts' state is split over those ranks only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import zeroshard
+from zeroshard.experts import MoE
+from zeroshard.experts.groups import ExpertParallelError
+from zeroshard.moe.utils import split_params_into_different_moe_groups_for_optimizer
+from zeroshard.tools.testing import CaseFailures, case, run_world
+
+VOCAB, WIDTH, ROWS, STEPS, LR, AUX, EXPERTS, WORLD = 16, 8, 12, 3, 1e-2, 0.01, 4, 4
+EXPERT_PREFIX = "moe.deepspeed_moe.experts.deepspeed_experts."
+
+# (stage, ep_size, k, drop_tokens)
+CASES = [(0, 2, 2, True), (1, 2, 1, False), (2, 2, 2, False), (2, 4, 1, True), (0, 4, 2, False), (1, 4, 2, True)]
+
+
+class MoEModel(nn.Module):
+    def __init__(self, ep_size: int, k: int, drop_tokens: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.moe = MoE(WIDTH, nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.Tanh(), nn.Linear(2 * WIDTH, WIDTH)),
+                       num_experts=EXPERTS, ep_size=ep_size, k=k, capacity_factor=1.0, min_capacity=2,
+                       use_rts=False, drop_tokens=drop_tokens, top2_2nd_expert_sampling=False)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        out, l_aux, counts = self.moe(h)
+        self.seen = (float(l_aux.detach()), counts.tolist())
+        return nn.functional.cross_entropy(self.head(torch.tanh(h + out)), y) + AUX * l_aux
+
+
+def global_name(local: str, ep_rank: int, local_experts: int) -> str:
+    """An expert parameter's name in the one-process model (its global expert index)."""
+    if not local.startswith(EXPERT_PREFIX):
+        return local
+    index, rest = local[len(EXPERT_PREFIX):].split(".", 1)
+    return f"{EXPERT_PREFIX}{ep_rank * local_experts + int(index)}.{rest}"
+
+
+def reference_model(k: int, drop_tokens: bool) -> MoEModel:
+    torch.manual_seed(0)
+    model = MoEModel(1, k, drop_tokens)
+    with torch.no_grad():
+        for i, expert in enumerate(model.moe.deepspeed_moe.experts.deepspeed_experts):
+            for p in expert.parameters():
+                p.add_(0.1 * (i + 1))  # every expert its own values
+    return model
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randint(0, VOCAB, (ROWS,), generator=g), torch.randint(0, VOCAB, (ROWS,), generator=g)
+
+
+def groups(model: nn.Module) -> list[dict]:
+    return split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(model.parameters()), "name": "dense", "weight_decay": 0.0})
+
+
+def reference(k: int, drop_tokens: bool) -> tuple[dict[str, torch.Tensor], list[list[Any]]]:
+    model = reference_model(k, drop_tokens)
+    opt = torch.optim.AdamW(groups(model), lr=LR, weight_decay=0.0)
+    seen = []
+    for step in range(STEPS):
+        losses = []
+        for r in range(WORLD):
+            losses.append(model(*batch(step, r)))
+            seen.append(model.seen)
+        (sum(losses) / WORLD).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, seen
+
+
+def trained(rank: int, stage: int, ep: int, k: int, drop_tokens: bool) -> dict[str, Any]:
+    local = EXPERTS // ep
+    ep_rank = rank % ep
+    model = MoEModel(ep, k, drop_tokens)
+    start = reference_model(k, drop_tokens).state_dict()
+    model.load_state_dict({name: start[global_name(name, ep_rank, local)] for name in model.state_dict()})
+    engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=groups(model), config={
+        "train_micro_batch_size_per_gpu": ROWS,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 100},
+        "collective_timeout": 60})
+    log = engine.comm.ledger.start_log()
+    seen = []
+    for step in range(STEPS):
+        engine.backward(engine(*batch(step, rank)))
+        seen.append(model.seen)
+        engine.step()
+    experts = {b.index: b.world_size for b in engine.strategy.layout.buckets if b.experts}
+    dense = {b.index: b.world_size for b in engine.strategy.layout.buckets if not b.experts}
+    grads = {(r.label, r.group_size) for r in log if r.label.startswith(("grad_bucket", "param_bucket"))}
+    state = {global_name(n, ep_rank, local): v for n, v in engine.full_state_dict(rank0_only=False).items()}
+    owned = engine.strategy.owned_real_numel()
+    engine.close()
+    return {"state": state, "seen": seen, "experts": experts, "dense": dense, "grads": sorted(grads),
+            "owned": owned}
+
+
+def worker(rank: int, world: int) -> list[dict[str, Any]]:
+    out = []
+    references: dict[tuple[int, bool], Any] = {}
+    for stage, ep, k, drop in CASES:
+        with case(stage=stage, ep=ep, k=k, drop_tokens=drop, rank=rank):
+            if (k, drop) not in references:
+                references[(k, drop)] = reference(k, drop)
+            expected, seen = references[(k, drop)]
+            ours = trained(rank, stage, ep, k, drop)
+            worst = max(float((ours["state"][name] - v).abs().max()) / (float(v.abs().max()) or 1.0)
+                        for name, v in expected.items() if name in ours["state"])
+            out.append({"worst": worst, "seen": ours["seen"], "expected_seen": [seen[s * WORLD + rank] for s in range(STEPS)],
+                        "experts": ours["experts"], "dense": ours["dense"], "grads": ours["grads"],
+                        "owned": ours["owned"]})
+    return out
+
+
+def test_expert_parallel_trains_like_one_process() -> None:
+    by_rank = run_world(worker, WORLD, timeout=600)
+    failures = CaseFailures()
+    for rank, results in enumerate(by_rank):
+        for (stage, ep, k, drop), result in zip(CASES, results):
+            with failures.case(stage=stage, ep=ep, k=k, drop_tokens=drop, rank=rank):
+                assert result["worst"] <= 1e-5, f"off by {result['worst']:.2e}"
+                for (ours_aux, ours_counts), (aux, counts) in zip(result["seen"], result["expected_seen"]):
+                    assert ours_counts == counts and abs(ours_aux - aux) <= 1e-6 * max(1.0, abs(aux))
+                assert result["experts"] and all(size == WORLD // ep for size in result["experts"].values())
+                assert all(size == WORLD for size in result["dense"].values())
+                by_label = dict(result["grads"])
+                for index, size in {**result["experts"], **result["dense"]}.items():
+                    assert by_label.get(f"grad_bucket{index}") == size, (index, result["grads"])
+    failures.raise_any()

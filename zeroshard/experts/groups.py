@@ -1,0 +1,72 @@
+"""Expert parallelism: which ranks exchange tokens, which hold the same experts, and the exchange itself.
+
+[Note: experts sharded over the ranks that hold them]
+With ``ep_size`` P > 1 the ranks of a data-parallel world of N are cut, as DeepSpeed numbers them,
+into blocks of P consecutive ranks (the *expert-parallel* groups): inside a block each rank holds
+``num_experts / P`` experts of every MoE layer, rank e the e-th share, and tokens travel to their
+expert's rank and back by all-to-all.  The ranks at the same position of every block hold the same
+experts (the *expert-data-parallel* groups, N / P ranks).  ZeRO treats the two kinds of parameters
+apart, in buckets of their own: the dense parameters are sharded over all N ranks as usual, each
+expert bucket over its expert-data-parallel group only (``BucketLayout.experts``; the strategy reduces
+and gathers it there, ``ShardingStrategy.comm_of``), so an expert's state is split N / P ways (not at
+all when P = N: each expert then lives on one rank, with all its optimizer state).  Gradients are
+still averaged over all N ranks: an expert's gradient on its rank already sums the contributions of
+the P ranks whose tokens it processed (the all-to-all's backward brings them), the reduction adds the
+N / P groups' sums, and dividing by N gives the gradient of the mean loss, as one process computing
+every rank's batch would.  The gradient norm counts each expert once: at stages 1-3 every rank owns a
+distinct chunk of some expert bucket, and at stage 0 the experts' squares are summed over the
+expert-parallel group (``optim/clipping.py: ExpertsNorm``).  At start-up each expert-data-parallel
+group starts from its first rank's experts, as the data-parallel world starts from rank 0's values.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from ..distributed.collectives import Collectives
+
+
+class ExpertParallelError(ValueError):
+    """An expert-parallel size the job cannot use: not dividing the world or the experts, several sizes
+    in one model, or a feature expert parallelism does not combine with."""
+
+
+def check_expert_parallel_size(ep_size: int, world_size: int, stage: int) -> None:
+    """Refuse, on every rank alike, an ``ep_size`` this job cannot use."""
+    if ep_size <= 1:
+        return
+    if world_size % ep_size:
+        raise ExpertParallelError(f"MoE(ep_size={ep_size}) does not divide the data-parallel world of "
+                                  f"{world_size} ranks: choose an ep_size that divides it")
+    if stage == 3:
+        raise ExpertParallelError(f"MoE(ep_size={ep_size}) at ZeRO stage 3 is not supported yet: use stages "
+                                  f"0-2 with expert parallelism, or ep_size=1 (experts sharded like any "
+                                  f"parameter) at stage 3")
+
+
+class _AllToAll(torch.autograd.Function):
+    """An all-to-all of equal chunks along the first dimension whose backward is the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx: Any, comm: Collectives, label: str, values: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.comm, ctx.label = comm, label
+        values = values.contiguous()  # before empty_like, which would keep a transposed input's strides
+        out = torch.empty_like(values)
+        comm.all_to_all(out, values, label)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, None, Tensor]:  # type: ignore[override]
+        grad = grad.contiguous()
+        out = torch.empty_like(grad)
+        ctx.comm.all_to_all(out, grad, f"{ctx.label}_grad")
+        return None, None, out
+
+
+def exchange(comm: Collectives, values: Tensor, label: str) -> Tensor:
+    """Chunk r of ``values`` (first dimension, ``comm``'s size equal parts) goes to rank r; returns the
+    chunks received, in rank order; differentiable."""
+    return _AllToAll.apply(comm, label, values)
