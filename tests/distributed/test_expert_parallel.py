@@ -7,6 +7,11 @@ losses (fp32, 1e-5 relative).  Each expert starts from values of its own (set by
 an expert mixed up with another is caught.  Beside the values: each rank's ``l_aux`` and ``exp_counts``
 equal the oracle's, every expert bucket's reduction and gather run over the ranks holding the same
 experts only (the collectives' log), and the experts' state is split over those ranks only.
+
+The same world then saves a checkpoint at ep 2 x data 2, ZeRO-2, and loads it at ep 1 x data 4 ZeRO-3,
+ep 4 ZeRO-1 and ep 2 ZeRO-0: the loaded weights equal the saved ones bitwise (under the global names of
+the model with every expert), one more step equals the oracle's, and ``zeroshard consolidate``'s
+weights load into the one-process model.
 """
 
 from __future__ import annotations
@@ -74,11 +79,11 @@ def groups(model: nn.Module) -> list[dict]:
         {"params": list(model.parameters()), "name": "dense", "weight_decay": 0.0})
 
 
-def reference(k: int, drop_tokens: bool) -> tuple[dict[str, torch.Tensor], list[list[Any]]]:
+def reference(k: int, drop_tokens: bool, steps: int = STEPS) -> tuple[dict[str, torch.Tensor], list[list[Any]]]:
     model = reference_model(k, drop_tokens)
     opt = torch.optim.AdamW(groups(model), lr=LR, weight_decay=0.0)
     seen = []
-    for step in range(STEPS):
+    for step in range(steps):
         losses = []
         for r in range(WORLD):
             losses.append(model(*batch(step, r)))
@@ -89,7 +94,7 @@ def reference(k: int, drop_tokens: bool) -> tuple[dict[str, torch.Tensor], list[
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, seen
 
 
-def trained(rank: int, stage: int, ep: int, k: int, drop_tokens: bool) -> dict[str, Any]:
+def engine_for(rank: int, stage: int, ep: int, k: int, drop_tokens: bool) -> tuple[Any, MoEModel]:
     local = EXPERTS // ep
     ep_rank = rank % ep
     model = MoEModel(ep, k, drop_tokens)
@@ -100,6 +105,11 @@ def trained(rank: int, stage: int, ep: int, k: int, drop_tokens: bool) -> dict[s
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 100},
         "collective_timeout": 60})
+    return engine, model
+
+
+def trained(rank: int, stage: int, ep: int, k: int, drop_tokens: bool) -> dict[str, Any]:
+    engine, model = engine_for(rank, stage, ep, k, drop_tokens)
     log = engine.comm.ledger.start_log()
     seen = []
     for step in range(STEPS):
@@ -109,14 +119,53 @@ def trained(rank: int, stage: int, ep: int, k: int, drop_tokens: bool) -> dict[s
     experts = {b.index: b.world_size for b in engine.strategy.layout.buckets if b.experts}
     dense = {b.index: b.world_size for b in engine.strategy.layout.buckets if not b.experts}
     grads = {(r.label, r.group_size) for r in log if r.label.startswith(("grad_bucket", "param_bucket"))}
-    state = {global_name(n, ep_rank, local): v for n, v in engine.full_state_dict(rank0_only=False).items()}
+    state = engine.full_state_dict(rank0_only=False)  # every expert, under its global name
     owned = engine.strategy.owned_real_numel()
     engine.close()
     return {"state": state, "seen": seen, "experts": experts, "dense": dense, "grads": sorted(grads),
             "owned": owned}
 
 
-def worker(rank: int, world: int) -> list[dict[str, Any]]:
+def relative(ours: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
+    assert set(ours) == set(expected), sorted(set(ours) ^ set(expected))
+    return max(float((ours[name] - v).abs().max()) / (float(v.abs().max()) or 1.0) for name, v in expected.items())
+
+
+# saved at (stage, ep); loaded at each of LOADS
+SAVED, LOADS = (2, 2), [(3, 1), (1, 4), (0, 2)]
+
+
+def reshapes(rank: int, directory: str) -> list[dict[str, Any]]:
+    """Save at SAVED, load at each of LOADS (bitwise), step once more (the oracle's next step)."""
+    k, drop = 2, True
+    engine, _ = engine_for(rank, *SAVED, k, drop)
+    for step in range(STEPS):
+        engine.backward(engine(*batch(step, rank)))
+        engine.step()
+    engine.save_checkpoint(directory, tag="ep")
+    saved = engine.full_state_dict(rank0_only=False)
+    engine.close()
+    after, _ = reference(k, drop, STEPS + 1)
+    out = []
+    for stage, ep in LOADS:
+        with case(saved=SAVED, loaded=(stage, ep), rank=rank):
+            engine, _ = engine_for(rank, stage, ep, k, drop)
+            engine.load_checkpoint(directory, tag="ep")
+            loaded = engine.full_state_dict(rank0_only=False)
+            bitwise = all(torch.equal(loaded[n], v) for n, v in saved.items()) and set(loaded) == set(saved)
+            engine.backward(engine(*batch(STEPS, rank)))
+            engine.step()
+            out.append({"bitwise": bitwise, "next": relative(engine.full_state_dict(rank0_only=False), after)})
+            engine.close()
+    if rank == 0:
+        from zeroshard.checkpoint.consolidate import full_state_dict as consolidated
+        plain = MoEModel(1, k, drop)
+        plain.load_state_dict(consolidated(directory, "ep"))  # strict: every expert, no other name
+        out.append({"consolidated": all(torch.equal(v, saved[n]) for n, v in plain.state_dict().items())})
+    return out
+
+
+def worker(rank: int, world: int, directory: str) -> list[dict[str, Any]]:
     out = []
     references: dict[tuple[int, bool], Any] = {}
     for stage, ep, k, drop in CASES:
@@ -130,13 +179,20 @@ def worker(rank: int, world: int) -> list[dict[str, Any]]:
             out.append({"worst": worst, "seen": ours["seen"], "expected_seen": [seen[s * WORLD + rank] for s in range(STEPS)],
                         "experts": ours["experts"], "dense": ours["dense"], "grads": ours["grads"],
                         "owned": ours["owned"]})
-    return out
+    return [out, reshapes(rank, directory)]
 
 
-def test_expert_parallel_trains_like_one_process() -> None:
-    by_rank = run_world(worker, WORLD, timeout=600)
+def test_expert_parallel_trains_like_one_process(tmp_path: Any) -> None:
+    by_rank = run_world(worker, WORLD, args=(str(tmp_path / "ckpt"),), timeout=600)
     failures = CaseFailures()
-    for rank, results in enumerate(by_rank):
+    for rank, (results, loads) in enumerate(by_rank):
+        for (stage, ep), result in zip(LOADS, loads):
+            with failures.case(saved=SAVED, loaded=(stage, ep), rank=rank):
+                assert result["bitwise"], "the loaded weights differ from the saved ones"
+                assert result["next"] <= 1e-5, f"the step after the load is off by {result['next']:.2e}"
+        if rank == 0:
+            with failures.case(consolidated=SAVED):
+                assert loads[-1]["consolidated"], "consolidate's weights differ from the saved ones"
         for (stage, ep, k, drop), result in zip(CASES, results):
             with failures.case(stage=stage, ep=ep, k=k, drop_tokens=drop, rank=rank):
                 assert result["worst"] <= 1e-5, f"off by {result['worst']:.2e}"

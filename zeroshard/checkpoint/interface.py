@@ -45,6 +45,13 @@ class ShardedStateful(Protocol):
     def rank(self) -> int:
         """This rank's position in the group the chunks are sharded over."""
 
+    def rank_of(self, bucket: BucketLayout) -> int:
+        """This rank's chunk of ``bucket`` (its position in the group that bucket is sharded over)."""
+
+    def chunk_ranks(self, bucket: BucketLayout) -> tuple[int, int]:
+        """``(rank_base, rank_stride)``: chunk ``c`` of ``bucket`` is saved by rank ``rank_base + c *
+        rank_stride`` of the group the checkpoint is written by."""
+
     @property
     def writes_chunks(self) -> bool:
         """Whether this rank's file holds its chunks (MiCS: only the first shard group's ranks)."""
@@ -101,6 +108,17 @@ class PartOfJob:
     job_param_names: frozenset[str]
 
 
+@dataclass(frozen=True)
+class SpreadExperts:
+    """Expert parallelism: each expert-parallel rank's experts are saved under their global names, in
+    buckets of their own (see [Note: experts in a checkpoint] in experts/checkpoint.py)."""
+
+    #: this rank holds the first chunk of its experts' buckets: its manifest entries join rank 0's
+    leads: bool
+    #: every parameter name of the job's experts (what a strict load may find beyond this rank's)
+    names: frozenset[str]
+
+
 @dataclass
 class CheckpointParts:
     """Everything a checkpoint saves and restores, part by part."""
@@ -120,3 +138,5 @@ class CheckpointParts:
     loader: Optional[Stateful] = None
     #: set when ``world`` and ``comm`` are the whole job's and these parts hold one part of its model
     job: Optional[PartOfJob] = None
+    #: set when the model's experts are spread over the ranks (expert parallelism)
+    experts: Optional[SpreadExperts] = None

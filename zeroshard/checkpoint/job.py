@@ -51,6 +51,12 @@ class JobNamedShards:
     def rank(self) -> int:
         return self.inner.rank
 
+    def rank_of(self, bucket: BucketLayout) -> int:
+        return self.inner.rank_of(self._local[bucket.index])
+
+    def chunk_ranks(self, bucket: BucketLayout) -> tuple[int, int]:
+        return self.inner.chunk_ranks(self._local[bucket.index])
+
     @property
     def writes_chunks(self) -> bool:
         return self.inner.writes_chunks
@@ -98,6 +104,20 @@ class JobNamedModule:
     def load_extra(self, values: dict[str, torch.Tensor]) -> None:
         local = {self.rename(k): k for k in self.inner.describe()["state_dict_keys"]}
         self.inner.load_extra({local[k]: v for k, v in values.items() if k in local})
+
+
+def with_every_experts_entries(fragments: list[Optional[dict[str, Any]]]) -> dict[str, Any]:
+    """Rank 0's manifest with the buckets and model keys of the other expert-parallel ranks' experts
+    (``fragments``: the manifests of the ranks holding their experts' first chunks, rank 0's first;
+    see [Note: experts in a checkpoint] in experts/checkpoint.py)."""
+    given = [f for f in fragments if f is not None]
+    merged = dict(given[0])
+    buckets = {int(b["index"]): b for f in given for b in f["buckets"]}
+    merged["buckets"] = [buckets[i] for i in sorted(buckets)]
+    keys = list(dict.fromkeys(k for f in given for k in f["model"]["state_dict_keys"]))
+    merged["model"] = {**given[0]["model"], "state_dict_keys": keys,
+                       "trainable_of": {k: v for f in given for k, v in f["model"]["trainable_of"].items()}}
+    return merged
 
 
 def merged_manifest(fragments: list[Optional[dict[str, Any]]], model_class: str) -> dict[str, Any]:

@@ -26,7 +26,7 @@ import torch
 from ..sharding.layout import BucketLayout
 from .format import MANIFEST, CheckpointError, published_dir, rank_file, resolve_tag  # resolve_tag: public here
 from .interface import CheckpointParts
-from .reader import CheckpointReader
+from .reader import CheckpointReader, chunk_saver
 
 #: the manifest's required entries and their JSON types
 _SCHEMA: dict[str, type] = {
@@ -41,7 +41,8 @@ def _check_model(parts: CheckpointParts, reader: CheckpointReader, strict: bool)
     theirs = {name: reader.shape(name) for name in reader.param_names()}
     wrong = [f"{n} (checkpoint {theirs[n]}, model {ours[n]})" for n in ours if n in theirs and theirs[n] != ours[n]]
     missing = [n for n in ours if n not in theirs]
-    elsewhere = parts.job.job_param_names if parts.job is not None else frozenset()  # other parts' names
+    elsewhere = (parts.job.job_param_names if parts.job is not None else frozenset()) | (  # other parts' names
+        parts.experts.names if parts.experts is not None else frozenset())  # other ranks' experts
     unexpected = [n for n in theirs if n not in ours and n not in elsewhere]
     problems = []
     if wrong:
@@ -71,7 +72,7 @@ def check_manifest(directory: Path, data: Any) -> None:
         if not isinstance(bucket, dict) or not all(isinstance(bucket.get(k), int)
                                                    for k in ("index", "chunk_numel", "num_chunks")):
             raise CheckpointError(f"{path}: a bucket entry lacks index/chunk_numel/num_chunks")
-    needed = {0} | {int(b.get("rank_base", 0)) + c for b in data["buckets"] for c in range(b["num_chunks"])}
+    needed = {0} | {chunk_saver(b, c) for b in data["buckets"] for c in range(b["num_chunks"])}
     unlisted = [rank_file(r) for r in sorted(needed) if rank_file(r) not in data["files"]]
     if unlisted:
         raise CheckpointError(f"{path}: does not list {', '.join(unlisted)} (its size and checksum are unknown, "
@@ -122,7 +123,7 @@ def files_to_read(parts: CheckpointParts, reader: CheckpointReader) -> set[str]:
     known = set(reader.param_names())
     files = {reader.home_file(), rank_file(parts.world.rank), *reader.extra_files()}
     for bucket, (chunk_numel, _) in zip(parts.shards.layout.buckets, parts.shards.chunk_layout()):
-        start = bucket.chunk_start(chunk_numel, parts.shards.rank)
+        start = bucket.chunk_start(chunk_numel, parts.shards.rank_of(bucket))
         # the ranges _fill reads, walked without reading (the callback answers None: nothing copied)
         bucket.fill_chunk(start, torch.empty(chunk_numel, device="meta"), lambda slot, lo, hi: files.update(
             reader.files_holding(slot.name, lo, hi) | {reader.scalar_file(reader.bucket_of(slot.name))})
@@ -188,7 +189,7 @@ def _load(parts: CheckpointParts, reader: CheckpointReader, load_optimizer_state
     with torch.no_grad():
         for bucket in shards.layout.buckets:
             values, state, scalars = shards.read_bucket(bucket)
-            start = bucket.chunk_start(values.numel(), parts.shards.rank)
+            start = bucket.chunk_start(values.numel(), parts.shards.rank_of(bucket))
             _fill(reader, bucket, start, values, "param", known)
             if keys:
                 for key in keys:

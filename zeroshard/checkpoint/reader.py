@@ -11,6 +11,14 @@ import torch
 from .format import EXTRA_FILE, CheckpointError, Manifest, SafetensorsFile, rank_file
 
 
+def chunk_saver(bucket: dict[str, Any], chunk: int) -> int:
+    """The rank whose file holds chunk ``chunk`` of a manifest's bucket entry: ``rank_base + chunk *
+    rank_stride`` (a part of a job in parts starts at its first rank, [Note: a checkpoint of a job in
+    parts] in checkpoint/job.py; experts' buckets are held by every ``ep_size``-th rank, [Note: experts
+    in a checkpoint] in experts/checkpoint.py)."""
+    return int(bucket.get("rank_base", 0)) + chunk * int(bucket.get("rank_stride", 1))
+
+
 class CheckpointReader:
     """Random access to a checkpoint's tensors, one slice at a time."""
 
@@ -90,20 +98,19 @@ class CheckpointReader:
     def _pieces(self, name: str, start: int, end: Optional[int]) -> list[tuple[int, int, int, int]]:
         """Where elements ``[start, end)`` of parameter ``name`` were saved: (bucket, rank of the file,
         first, last) of each saved chunk that holds some of them, in order (a bucket's chunk ``c`` is in
-        the file of rank ``rank_base + c``: [Note: a checkpoint of a job in parts] in checkpoint/job.py)."""
+        the file of :func:`chunk_saver`)."""
         if name not in self._place:
             raise CheckpointError(f"{self.directory}: has no parameter {name!r}")
         bucket, slot = self._place[name]
         end = slot["numel"] if end is None else end
         chunk_numel = bucket["chunk_numel"]
-        base = int(bucket.get("rank_base", 0))
         pieces = []
         position = slot["offset"] + start
         stop = slot["offset"] + end
         while position < stop:
             chunk, inner = divmod(position, chunk_numel)
             take = min(stop - position, chunk_numel - inner)
-            pieces.append((bucket["index"], base + chunk, inner, inner + take))
+            pieces.append((bucket["index"], chunk_saver(bucket, chunk), inner, inner + take))
             position += take
         return pieces
 
@@ -131,10 +138,10 @@ class CheckpointReader:
         """The file a bucket's scalar optimizer state is read from: the home file when it holds a chunk
         of the bucket, else the file of the bucket's first chunk."""
         entry = self._bucket[bucket]
-        base = int(entry.get("rank_base", 0))
-        if self._node_local or base <= self._home_rank < base + int(entry["num_chunks"]):
+        savers = {chunk_saver(entry, c) for c in range(int(entry["num_chunks"]))}
+        if self._node_local or self._home_rank in savers:
             return self._home
-        return rank_file(base)
+        return rank_file(chunk_saver(entry, 0))
 
     def scalar_state(self, bucket: int) -> dict[str, torch.Tensor]:
         """Per-bucket scalar optimizer state (such as Adam's ``step``) as its first chunk's rank saved it."""

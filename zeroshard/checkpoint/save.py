@@ -24,7 +24,7 @@ from ..version import __version__
 from .format import (replaced_dir, EXTRA_FILE, FORMAT_NAME, FORMAT_VERSION, LATEST, MANIFEST, CheckpointError, rank_file,
                      FileWriting, SafetensorsWriter, write_json_atomic, write_text_atomic)
 from .interface import CheckpointParts
-from .job import extra_file, merged_manifest
+from .job import extra_file, merged_manifest, with_every_experts_entries
 from .pacing import StepPacing
 
 #: room reserved for a rank file's header (see [Note: the header goes last] in checkpoint/format.py):
@@ -116,7 +116,7 @@ def _bucket_tensors(parts: CheckpointParts, on_host: bool) -> Iterator[tuple[str
         return tensor.to("cpu") if on_host else tensor
 
     for bucket, (_, chunks) in zip(shards.layout.buckets, shards.chunk_layout()):
-        if shards.rank >= chunks or not shards.writes_chunks:
+        if shards.rank_of(bucket) >= chunks or not shards.writes_chunks:
             continue  # stage 0: every rank holds the same bucket, rank 0 writes it; MiCS: the first group
         values, state, scalars = shards.read_bucket(bucket, copy=False)
         yield f"param.b{bucket.index}", placed(values)
@@ -135,12 +135,15 @@ def _manifest(parts: CheckpointParts, tag: str, client_state: Any, files: dict[s
     shards = parts.shards
     buckets = []
     for bucket, (chunk_numel, chunks) in zip(shards.layout.buckets, shards.chunk_layout()):
+        base, stride = shards.chunk_ranks(bucket)
+        base += parts.job.rank_base if parts.job is not None else 0
         buckets.append({
             "index": bucket.index, "group": bucket.group_index, "numel": bucket.numel,
             "padded_numel": bucket.padded_numel, "chunk_numel": chunk_numel, "num_chunks": chunks,
             "params": [{"name": s.name, "offset": s.offset, "numel": s.numel, "shape": list(s.shape)}
                        for s in bucket.slots],
-            **({"rank_base": parts.job.rank_base} if parts.job is not None else {}),
+            **({"rank_base": base} if parts.job is not None or base else {}),
+            **({"rank_stride": stride} if stride != 1 else {}),
         })
     scheduler = parts.lr_scheduler.state_dict() if parts.lr_scheduler is not None else None
     return {
@@ -225,11 +228,16 @@ def capture(parts: CheckpointParts, save_dir: str | Path, tag: str, client_state
     # every rank: stage 3 gathers its frozen buckets; the leader (of each part) keeps them (copies)
     extra = parts.module.extra_tensors(set(model["trainable_of"]), keep=keeps_extra, exclude_frozen=exclude_frozen)
     manifest = None
-    if rank == 0 or (job is not None and job.leader):  # a JSON round trip: the values as they are now
+    experts = parts.experts
+    if rank == 0 or (job is not None and job.leader) or (experts is not None and experts.leads):
+        # a JSON round trip: the values as they are now
         manifest = json.loads(json.dumps(_manifest(parts, tag, client_state, {}, model)))
     if job is not None:  # see [Note: a checkpoint of a job in parts] in checkpoint/job.py
         fragments = parts.comm.all_gather_json(manifest if job.leader else None, "checkpoint_parts")
         manifest = merged_manifest(fragments, model["class"]) if rank == 0 else None
+    if experts is not None:  # see [Note: experts in a checkpoint] in experts/checkpoint.py
+        fragments = parts.comm.all_gather_json(manifest if experts.leads else None, "checkpoint_experts")
+        manifest = with_every_experts_entries(fragments) if rank == 0 else None
     if manifest is not None and node_local:
         manifest["storage"] = {"node_local": True,
                                "ranks_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", parts.world.world_size))}

@@ -28,6 +28,7 @@ from ..logging import log_rank
 from ..checkpoint.module_state import ModuleState
 from ..optim.sharded_state import OptimizerHyperparameters, ShardedState
 from ..checkpoint.rng import RNGState
+from ..experts.checkpoint import ExpertPlacement, expert_parts, with_every_expert
 from ..sharding.storage import HOMES
 
 if TYPE_CHECKING:  # only for the types below; the engine imports this module, not the reverse
@@ -54,6 +55,9 @@ class TrainingParts:
     optimizer: torch.optim.Optimizer
     loss_scaler: "LossScaler"
     counters: "TrainingCounters"
+    #: expert parallelism: which experts this rank holds (see [Note: experts in a checkpoint] in
+    #: experts/checkpoint.py)
+    experts: Optional[ExpertPlacement] = None
 
 
 @dataclass(frozen=True)
@@ -190,11 +194,12 @@ class EngineCheckpointer:
         loader = attached.data_loader if hasattr(attached.data_loader, "state_dict") else None
         strategy.wait_for_buckets(None)  # a save reads, a load writes the parameters: no gather in flight
         storage.take_back_chunks()  # ... and each chunk is in its store
-        return CheckpointParts(
+        checkpoint = CheckpointParts(
             self.world, self.comm, strategy.stage, ShardedState(parts.updater, strategy),
             ModuleState(parts.module, strategy.params, parts.param_names, storage),
             OptimizerHyperparameters(parts.optimizer), parts.counters, parts.loss_scaler, RNGState(),
             lambda identity: self._agree_on(Call.LOAD, identity), attached.lr_scheduler, loader)
+        return checkpoint if parts.experts is None else expert_parts(checkpoint, parts.experts, parts.param_names)
 
     # ------------------------------------------------------------------ full weights
     def save_16bit_model(self, save_dir: Union[str, Path], save_filename: str, dtype: Optional[torch.dtype],
@@ -219,6 +224,12 @@ class EngineCheckpointer:
     def full_state_dict(self, rank0_only: bool) -> dict[str, torch.Tensor]:
         """``Engine.full_state_dict``: gathered one bucket at a time, every rank calling."""
         keep = self.world.rank == 0 or not rank0_only
+        placement = self.parts.experts
+        if placement is not None:  # every rank's experts, gathered under their global names
+            return with_every_expert(self._full_state_dict(True), placement, keep)
+        return self._full_state_dict(keep)
+
+    def _full_state_dict(self, keep: bool) -> dict[str, torch.Tensor]:
         self.parts.strategy.wait_for_buckets(None)
         values: dict[int, torch.Tensor] = {}
         storage = self.parts.strategy.storage

@@ -44,6 +44,7 @@ from ..host.page_memory import HostPageMemory
 from ..optim import build_scheduler, clip_coefficient, from_config, from_user, global_grad_norm
 from ..optim.clipping import ExpertsNorm
 from ..experts.groups import ExpertParallelError, check_expert_parallel_size
+from ..experts.checkpoint import ExpertPlacement
 from ..experts.layer import bind_expert_groups, expert_parallel_size
 from ..experts.registry import is_expert_param
 from ..optim.param_groups import TrainableParams, collect_trainable
@@ -368,8 +369,11 @@ class Engine:
         """
         self.data_loader: Any = None  # set by initialize(training_data=...); checkpoints record its position
         engine = weakref.proxy(self)
+        groups = self.shard_groups
+        experts = ExpertPlacement.of(self.module, groups.expert_parallel, groups.expert_data) \
+            if groups.expert_parallel is not None and groups.expert_data is not None else None
         parts = TrainingParts(self.module, self.param_names, self.strategy, self.updater, self.optimizer,
-                              self.loss_scaler, self.counters)
+                              self.loss_scaler, self.counters, experts)
         self.checkpointer = EngineCheckpointer(
             parts, self.world, self.comm, self._agree, self.saves,
             CheckpointSettings.from_config(self.config, self.precision, self.offload),
@@ -697,13 +701,7 @@ class Engine:
         the state is copied (the next optimizer step waits for that), written and published in the
         background (see [Note: asynchronous saves] in checkpoint/background.py).
         """
-        self._refuse_expert_parallel_checkpoints("save_checkpoint")
         return self.checkpointer.save(save_dir, tag, client_state, save_latest, exclude_frozen_parameters, async_save)
-
-    def _refuse_expert_parallel_checkpoints(self, call: str) -> None:
-        if self.expert_parallel_size > 1:
-            raise ExpertParallelError(f"{call}() with MoE(ep_size={self.expert_parallel_size}) is not supported "
-                                      f"yet: each rank holds other experts under the same names")
 
     def wait_for_checkpoint(self) -> Optional[Path]:
         """Block until the asynchronous save in flight is published; returns its directory (None when
@@ -725,7 +723,6 @@ class Engine:
 
         The engine resumes at a step boundary, with its own accumulation (see :meth:`_resume_at_boundary`).
         """
-        self._refuse_expert_parallel_checkpoints("load_checkpoint")
         return self.checkpointer.load(load_dir, tag, load_module_strict, load_optimizer_states,
                                       load_lr_scheduler_states, load_module_only, load_rng_state)
 
@@ -757,7 +754,6 @@ class Engine:
         when ``stage3_gather_16bit_weights_on_model_save`` is true; otherwise nothing is written and a
         warning says so, as DeepSpeed does.  ``exclude_frozen_parameters`` leaves frozen ones out.
         """
-        self._refuse_expert_parallel_checkpoints("save_16bit_model")
         return self.checkpointer.save_16bit_model(save_dir, save_filename, dtype, exclude_frozen_parameters)
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:

@@ -35,6 +35,14 @@ class ShardedState:
     def rank(self) -> int:
         return self.strategy.world.rank
 
+    def rank_of(self, bucket: BucketLayout) -> int:
+        return self.strategy.ranks.of(bucket)
+
+    def chunk_ranks(self, bucket: BucketLayout) -> tuple[int, int]:
+        """Chunk ``c`` is this engine's rank ``c``: the experts' buckets' are renamed before a save (see
+        [Note: experts in a checkpoint] in experts/checkpoint.py)."""
+        return 0, 1
+
     @property
     def writes_chunks(self) -> bool:
         """Whether this rank's file holds its chunks: under MiCS only the first shard group's ranks
