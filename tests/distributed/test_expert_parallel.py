@@ -1,6 +1,6 @@
 """Expert parallelism: MoE layers with ``ep_size`` > 1 train like one process holding every expert.
 
-One world of four ranks runs every case: ep 2 x data 2 and ep 4 x data 1, ZeRO stages 0-2, top-1 and
+One world of four ranks runs every case: ep 2 x data 2 and ep 4 x data 1, ZeRO stages 0-3, top-1 and
 top-2, with and without token dropping.  The oracle is one process with ``ep_size=1`` (all four experts)
 that routes each rank's batch itself (routing, capacity and l_aux are per rank) and averages the four
 losses (fp32, 1e-5 relative).  Each expert starts from values of its own (set by its global index), so
@@ -32,7 +32,8 @@ VOCAB, WIDTH, ROWS, STEPS, LR, AUX, EXPERTS, WORLD = 16, 8, 12, 3, 1e-2, 0.01, 4
 EXPERT_PREFIX = "moe.deepspeed_moe.experts.deepspeed_experts."
 
 # (stage, ep_size, k, drop_tokens)
-CASES = [(0, 2, 2, True), (1, 2, 1, False), (2, 2, 2, False), (2, 4, 1, True), (0, 4, 2, False), (1, 4, 2, True)]
+CASES = [(0, 2, 2, True), (1, 2, 1, False), (2, 2, 2, False), (3, 2, 2, True), (2, 4, 1, True), (0, 4, 2, False),
+         (1, 4, 2, True), (3, 4, 1, False)]
 
 
 class MoEModel(nn.Module):
@@ -103,7 +104,7 @@ def engine_for(rank: int, stage: int, ep: int, k: int, drop_tokens: bool) -> tup
     engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=groups(model), config={
         "train_micro_batch_size_per_gpu": ROWS,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 100},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 100, "stage3_param_persistence_threshold": 0},
         "collective_timeout": 60})
     return engine, model
 

@@ -1,5 +1,6 @@
 """`zeroshard estimate`, `env` and `run`: the seeds' 7B table to the digit, and every flag."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -143,3 +144,176 @@ def test_a_lora_job_has_gradients_and_optimizer_state_only_for_what_trains() -> 
         assert b.params == a.params  # frozen parameters are held too: sharded at stage 3 only
         assert b.grads == pytest.approx(a.grads * 0.01) and b.optimizer == pytest.approx(a.optimizer * 0.01)
     assert estimate_stage(lora, 3).params == 2 * 7e9 / 8 and estimate_stage(lora, 2).params == 2 * 7e9
+
+
+def test_a_pipeline_stage_holds_its_share_over_its_data_parallel_ranks() -> None:
+    """Ψ/P over N/P ranks; the first stage's activations: min(P, m) micro-batches of ceil(L/P) layers under
+    1F1B, all m under GPipe; bubble (P-1)/(m+P-1); m x b x s x h x 2 bytes each way per boundary."""
+    from zeroshard.planning import model_state_bytes
+    from zeroshard.planning.estimator import (PipelineShape, activation_bytes, estimate_stage, pipeline_p2p_bytes)
+
+    req = EstimateRequest(8e9, 8, pipeline=PipelineShape(2), micro_steps=8)
+    assert [estimate_stage(req, s).model_states for s in range(4)] == [64e9, 28e9, 22e9, 16e9]
+    for stage in range(4):
+        one = model_state_bytes(stage, 4e9, 4, "mixed")
+        e = estimate_stage(req, stage)
+        assert (e.params, e.grads, e.optimizer) == (one.params, one.grads, one.optimizer)
+    shape = ModelShape(hidden=8, layers=4, heads=2)
+    per_layer = 16 * 1 * 8 * (34 + 5 * 2 * 16 / 8)  # 6912 bytes
+    assert per_layer == 6912
+    base = EstimateRequest(8e9, 8, micro_batch=1, seq_len=16, shape=shape, micro_steps=8)
+    one_f_one_b = dataclasses.replace(base, pipeline=PipelineShape(2))
+    assert activation_bytes(base) == 4 * 6912  # no pipeline: one micro-batch of every layer
+    assert activation_bytes(one_f_one_b) == 2 * 2 * 6912 == 27648  # 2 in flight x 2 layers
+    assert activation_bytes(dataclasses.replace(one_f_one_b, micro_steps=1)) == 2 * 6912
+    assert activation_bytes(dataclasses.replace(base, pipeline=PipelineShape(2, "gpipe"))) == 8 * 2 * 6912 == 110592
+    assert activation_bytes(dataclasses.replace(one_f_one_b, checkpointing=True)) == 2 * (2 * 16 * 8) * 2 + 6912
+    five = dataclasses.replace(one_f_one_b, shape=ModelShape(hidden=8, layers=5, heads=2))
+    assert activation_bytes(five) == 2 * 3 * 6912  # the first stage's ceil(5/2) layers
+    assert PipelineShape(4).bubble(8) == 3 / 11 and PipelineShape(2).bubble(1) == 0.5
+    assert PipelineShape(4).in_flight(8) == 4 and PipelineShape(4).in_flight(8, stage_index=3) == 1
+    assert pipeline_p2p_bytes(one_f_one_b) == 2 * 8 * 1 * 16 * 8 * 2 == 4096
+    assert pipeline_p2p_bytes(dataclasses.replace(one_f_one_b, precision="fp32")) == 8192
+    assert pipeline_p2p_bytes(base) is None and pipeline_p2p_bytes(EstimateRequest(8e9, 8, pipeline=PipelineShape(2))) \
+        is None
+
+
+def test_expert_state_is_sharded_over_the_ranks_holding_the_same_experts() -> None:
+    """Ψ = 10000: Ψ_e = 4 experts x 1000 x 2 layers = 8000, Ψ_d = 2000; ep 2 over 4 ranks: a rank holds
+    Ψ_d + Ψ_e/2 = 6000 parameters, the dense state sharded 4 ways, the experts' 2 ways."""
+    from zeroshard.planning.estimator import MoEShape, estimate_stage
+
+    moe = MoEShape(num_experts=4, expert_params=1000, moe_layers=2, ep_size=2)
+    req = EstimateRequest(10000, 4, moe=moe)
+    rows = [estimate_stage(req, s) for s in range(4)]
+    assert [(e.params, e.grads, e.optimizer) for e in rows] == [
+        (12000, 12000, 72000),  # stage 0: 2+2+12 bytes of 6000 parameters
+        (12000, 12000, 12 * 2000 / 4 + 12 * 4000 / 2),  # 6000 + 24000
+        (12000, 2 * 2000 / 4 + 2 * 4000 / 2, 30000),  # 1000 + 4000
+        (5000, 5000, 30000)]
+    # sharded categories hold Ψ_e/N of the experts' state whatever ep is; what ep saves is the whole copies
+    dense = [estimate_stage(dataclasses.replace(req, moe=dataclasses.replace(moe, ep_size=ep)), 2) for ep in (1, 4)]
+    assert [e.optimizer for e in dense] == [30000, 30000] and [e.params for e in dense] == [20000, 2 * (2000 + 2000)]
+    # stage 3 shards the experts' parameters over the ranks holding them too
+    assert [e.total for e in rows] == [96000, 54000, 47000 + rows[2].buffers, 40000 + rows[3].buffers]
+    small = [dataclasses.replace(e, buffers=0.0) for e in rows]
+    assert recommend(small, 45000 / GB / 0.9) == 3 and recommend(small, 50000 / GB / 0.9) == 2
+
+
+def test_the_all_to_all_sends_four_times_its_share_of_the_dispatch_buffer() -> None:
+    """4 x (P-1)/P x E x c x hidden x dtype bytes per MoE layer per micro-batch, c as the gate computes it."""
+    from zeroshard.experts.gating import capacity_for
+    from zeroshard.planning.estimator import MoEShape, all_to_all_bytes
+
+    moe = MoEShape(num_experts=4, expert_params=1000, moe_layers=2, ep_size=2)
+    req = EstimateRequest(10000, 4, micro_batch=2, seq_len=8, shape=ModelShape(hidden=8), moe=moe)
+    assert moe.capacity(16) == 4  # ceil(16 / 4 x 1.0)
+    assert all_to_all_bytes(req) == 4 * 1 * 4 * 4 * 8 * 2 / 2 == 512
+    top2 = dataclasses.replace(moe, topk=2)
+    assert top2.capacity(16) == 8 and all_to_all_bytes(dataclasses.replace(req, moe=top2)) == 1024
+    wide = dataclasses.replace(moe, capacity_factor=1.5)
+    assert wide.capacity(16) == 6 and all_to_all_bytes(dataclasses.replace(req, moe=wide)) == 768
+    assert moe.capacity(4) == 4 and dataclasses.replace(moe, min_capacity=1).capacity(4) == 1  # min_capacity
+    assert all_to_all_bytes(dataclasses.replace(req, precision="fp32")) == 1024
+    ep4 = dataclasses.replace(moe, ep_size=4)
+    assert all_to_all_bytes(dataclasses.replace(req, moe=ep4)) == 4 * 3 * 4 * 4 * 8 * 2 / 4 == 768
+    assert all_to_all_bytes(dataclasses.replace(req, moe=dataclasses.replace(moe, ep_size=1))) == 0
+    assert all_to_all_bytes(dataclasses.replace(req, seq_len=None)) is None
+    for tokens, experts, k, factor in ((16, 4, 1, 1.0), (1000, 8, 2, 1.25), (3, 16, 1, 1.0), (4096, 64, 2, 1.0)):
+        shape = MoEShape(experts, 1, 1, topk=k, capacity_factor=factor)
+        assert shape.capacity(tokens) == capacity_for(tokens, experts, factor * (2 if k == 2 else 1), 4)
+
+
+def test_cli_estimate_with_a_pipeline(tmp_path, capsys) -> None:
+    assert main(["estimate", "--params", "8e9", "--gpus-per-node", "8", "--pp", "2", "--grad-accum", "8",
+                 "--precision", "fp16", "--micro-batch", "1", "--seq-len", "16", "--hidden", "8", "--layers", "4",
+                 "--heads", "2", "--gpu-memory", "40"]) == 0
+    out = capsys.readouterr().out
+    assert ("pipeline: 2 stages x 4 data-parallel ranks, 1f1b, 8 micro-batches per step; a stage holds 4e+09 "
+            "parameters, ZeRO over its 4 ranks; rows: the first stage, activations of 2 micro-batches of 2 layers "
+            "in flight") in out
+    assert "| 0 | 8 | 8 | 48 | 64 | 2.765e-05 |" in out and "| 3 | 2 | 2 | 12 | 16 | 2.765e-05 |" in out
+    assert "pipeline bubble: (P-1)/(m+P-1) = 11.1% of each step idle (2 stages, 8 micro-batches)" in out
+    assert "between stages: 4.096e-06 GB per boundary per step (8 micro-batches x 1 x 16 x 8 x 2 bytes" in out
+    assert "ZeRO stage 1 is the lowest that fits 40 GB" in out
+    assert main(["estimate", "--params", "8e9", "--gpus-per-node", "8", "--pp", "2", "--schedule", "gpipe"]) == 0
+    out = capsys.readouterr().out
+    assert "gpipe" in out and "between stages: give --micro-batch, --seq-len and --hidden for the bytes" in out
+    config = tmp_path / "ds.json"  # the config's pipeline section when --pp is not given
+    config.write_text(json.dumps({"pipeline": {"stages": 4, "schedule": "gpipe"}, "gradient_accumulation_steps": 2}))
+    assert main(["estimate", "--params", "8e9", "--gpus-per-node", "8", "--config", str(config)]) == 0
+    assert "pipeline: 4 stages x 2 data-parallel ranks, gpipe, 2 micro-batches per step" in capsys.readouterr().out
+    for bad, message in ((["--pp", "3"], "--pp 3 does not divide the 8 ranks"),
+                         (["--pp", "0"], "--pp 0 does not divide the 8 ranks"),
+                         (["--pp", "8", "--layers", "4"], "every stage needs a layer"),
+                         (["--schedule", "gpipe"], "--schedule belongs to a pipeline"),
+                         (["--pp", "2", "--intra-node-bw", "900GB/s", "--inter-node-bw", "50GB/s", "--tflops", "400",
+                           "--micro-batch", "1", "--seq-len", "8"], "the scale model does not know pipelines")):
+        with pytest.raises(SystemExit, match=message):
+            main(["estimate", "--params", "8e9", "--gpus-per-node", "8", *bad])
+
+
+def test_cli_estimate_with_experts(capsys) -> None:
+    moe = ["--experts", "4", "--expert-params", "1000", "--moe-layers", "2"]
+    assert main(["estimate", "--params", "10000", "--gpus-per-node", "4", "--ep", "2", *moe, "--micro-batch", "2",
+                 "--seq-len", "8", "--hidden", "8", "--grad-accum", "3", "--precision", "fp16"]) == 0
+    out = capsys.readouterr().out
+    assert ("MoE: 2 layers x 4 experts x 1000 parameters = 8000 expert + 2000 dense, top-1, ep 2: a rank holds 2 of "
+            "each layer's 4 experts, their state sharded over the 2 ranks holding them") in out
+    assert "| 1 | 1.2e-05 | 1.2e-05 | 3e-05 |" in out and "| 3 | 5e-06 | 5e-06 | 3e-05 |" in out
+    assert ("all-to-all: 5.12e-07 GB per MoE layer per micro-batch per rank (4 x 1/2 x 4 experts x capacity 4 x 8 x 2 "
+            "bytes), 3.072e-06 GB per rank per step (2 layers x 3 micro-batches)") in out
+    assert main(["estimate", "--params", "10000", "--gpus-per-node", "4", *moe[:4], "--layers", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "2 layers x 4 experts" in out and "all-to-all: none (--ep 1: every rank holds every expert)" in out
+    for bad, message in ((["--ep", "3", *moe], "--ep 3 does not divide the 4 experts"),
+                         (["--ep", "4", "--experts", "8", "--expert-params", "10", "--moe-layers", "1",
+                           "--gpus-per-node", "2"], "--ep 4 does not divide the 2 data-parallel ranks"),
+                         (["--topk", "3", *moe], "--topk 3: zeroshard's MoE routes each token to 1 or 2 experts"),
+                         (["--topk", "0", *moe], "--topk 0"),
+                         (["--ep", "2"], "--ep describe"),
+                         (["--experts", "4", "--moe-layers", "2"], "--experts needs --expert-params"),
+                         (["--experts", "4", "--expert-params", "10"], "--experts needs --moe-layers"),
+                         (["--experts", "4", "--expert-params", "5000", "--moe-layers", "2"], "outnumber"),
+                         (["--pp", "2", "--ep", "2", *moe], "expert parallelism inside a pipeline")):
+        args = ["estimate", "--params", "10000", "--gpus-per-node", "4", *bad]
+        if "--gpus-per-node" in bad[1:]:
+            args = ["estimate", "--params", "10000", *bad]
+        with pytest.raises(SystemExit, match=message):
+            main(args)
+
+
+def test_moe_layout_from_hugging_face_configs(tmp_path, capsys) -> None:
+    """Mixtral / Qwen2-MoE / OLMoE configs give experts, the parameters of one, the MoE layers and top-k;
+    E x that x layers is what the model's experts hold."""
+    from zeroshard.planning.estimator import moe_from_hf_config
+
+    assert moe_from_hf_config({"hidden_size": 8, "num_hidden_layers": 2, "intermediate_size": 16}) is None
+    assert moe_from_hf_config({"hidden_size": 8, "num_hidden_layers": 6, "intermediate_size": 16,
+                               "moe_intermediate_size": 4, "num_experts": 6, "num_experts_per_tok": 2,
+                               "decoder_sparse_step": 2, "mlp_only_layers": [3]}) == {
+        "num_experts": 6, "expert_params": 3 * 8 * 4, "moe_layers": 2, "topk": 2}  # layers 1 and 5
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    common = dict(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=4, num_attention_heads=2,
+                  num_key_value_heads=2)
+    for config in (transformers.MixtralConfig(**common, num_local_experts=4),
+                   transformers.Qwen2MoeConfig(**common, num_experts=6, moe_intermediate_size=12,
+                                               shared_expert_intermediate_size=20, mlp_only_layers=[1]),
+                   transformers.OlmoeConfig(**common, num_experts=8)):
+        moe = moe_from_hf_config(config.to_dict())
+        assert moe is not None
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+        assert moe["num_experts"] * moe["expert_params"] * moe["moe_layers"] == experts, type(config).__name__
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(transformers.MixtralConfig(**common, num_local_experts=4).to_dict()))
+    assert main(["estimate", "--hf-config", str(path), "--gpus-per-node", "4", "--ep", "4"]) == 0
+    assert "MoE: 4 layers x 4 experts x 1152 parameters = 1.843e+04 expert" in capsys.readouterr().out
+    path.write_text(json.dumps(transformers.OlmoeConfig(**common, num_experts=8).to_dict()))
+    with pytest.raises(SystemExit, match="routes each token to 8 experts"):
+        main(["estimate", "--hf-config", str(path), "--gpus-per-node", "4", "--ep", "4"])
+    assert main(["estimate", "--hf-config", str(path), "--gpus-per-node", "4", "--ep", "4", "--topk", "2"]) == 0
+    capsys.readouterr()

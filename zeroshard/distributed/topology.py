@@ -88,6 +88,8 @@ class ShardGroups:
     #: (``expert_data``, the same position in every block)
     expert_parallel: Optional[Collectives] = None
     expert_data: Optional[Collectives] = None
+    #: stage 3: the expert-data-parallel ranks again, for the experts' gradient reduce-scatters alone
+    expert_grads: Optional[Collectives] = None
 
     @property
     def data_parallel_size(self) -> int:
@@ -95,7 +97,7 @@ class ShardGroups:
 
     def _side(self) -> list[Collectives]:
         return [c for c in (self.shard, self.replicas, self.secondary, self.grads, self.rounds,
-                            self.expert_parallel, self.expert_data)
+                            self.expert_parallel, self.expert_data, self.expert_grads)
                 if c is not None and c.world.group is not None]
 
     def release(self) -> None:
@@ -154,6 +156,8 @@ def build_shard_groups(comm: Collectives, topology: Topology, mics_shard_size: i
     groups = _sharding_groups(comm, topology, mics_shard_size, hpz_partition_size)
     if expert_parallel_size > 1:
         groups.expert_parallel, groups.expert_data = _blocks(comm, topology, expert_parallel_size, across=True)
+        if gathers_in_passes:
+            _, groups.expert_grads = _blocks(comm, topology, expert_parallel_size, across=True)
     if gathers_in_passes and comm.world.is_distributed:
         size = groups.shard.world.world_size
         groups.grads, _ = _blocks(comm, topology, size, across=False)

@@ -154,12 +154,12 @@ class Engine:
         """
         _refuse_a_wrapped_model(model)
         replaced, from_init = _adopt_init_parameters(model, config, world)
+        self._built_under_init = bool(replaced)
         if config.stage == 3:
             # never the whole model on the device (see [Note: stage 3 moves parameters to the device as
             # their buckets fill] in engine/placement.py)
             from_init.update(defer_to_device(
-                (p for p in model.parameters() if id(p) not in from_init), world.device,
-                lambda values: self.comm.broadcast(values, 0, "init_params")))
+                (p for p in model.parameters() if id(p) not in from_init), world.device, self._broadcast_start))
         self.module = model.to(world.device)
         self.config = config
         self.counters = TrainingCounters()
@@ -217,29 +217,37 @@ class Engine:
         """The model's MoE layers' ``ep_size``, checked against the job (see [Note: experts sharded over
         the ranks that hold them] in experts/groups.py)."""
         ep_size = expert_parallel_size(self.module)
-        check_expert_parallel_size(ep_size, world.world_size, self.config.stage)
+        check_expert_parallel_size(ep_size, world.world_size)
         zero = self.config.zero_optimization
         if ep_size > 1 and (zero.mics_shard_size > 0 or zero.zero_hpz_partition_size > 1 or world.parts):
             raise ExpertParallelError(
                 f"MoE(ep_size={ep_size}) with MiCS / hpZ groups, pipeline or tensor parallelism is not "
                 f"supported yet: expert parallelism runs over a plain data-parallel world")
+        if ep_size > 1 and self._built_under_init:
+            raise ExpertParallelError(
+                f"MoE(ep_size={ep_size}) in a model built under zeroshard.Init is not supported yet: Init shards "
+                f"every parameter over the whole world, experts included; build the model outside Init (stage 3 "
+                f"moves it to the device bucket by bucket)")
         return ep_size
 
     def _sync_initial_state(self, from_init: FromInit) -> None:
         """Start every rank from rank 0's parameters and buffers, as DistributedDataParallel does."""
-        experts = self.shard_groups.expert_data
         with torch.no_grad():
             for p in self.module.parameters():
                 # built under Init (identical on every rank), or moved at stage 3 as its bucket fills,
                 # which broadcasts it then
-                if id(p) in from_init:
-                    continue
-                if experts is not None and is_expert_param(p):  # from the first rank holding the same experts
-                    experts.broadcast(p.data, 0, "init_experts")
-                else:
-                    self.comm.broadcast(p.data, 0, "init_params")
+                if id(p) not in from_init:
+                    self._broadcast_start(p, p.data)
             for b in self.module.buffers():
                 self.comm.broadcast(b.data, 0, "init_buffers")
+
+    def _broadcast_start(self, param: nn.Parameter, values: torch.Tensor) -> None:
+        """Rank 0's start values; an expert's from the first rank holding the same experts."""
+        experts = self.shard_groups.expert_data
+        if experts is not None and is_expert_param(param):
+            experts.broadcast(values, 0, "init_experts")
+        else:
+            self.comm.broadcast(values, 0, "init_params")
 
     def _build_storage_and_strategy(self, trainable: TrainableParams, from_init: FromInit) -> None:
         """The stage's strategy, which lays the parameters out in its storage and takes them over."""

@@ -17,6 +17,7 @@ the same order (the buckets' order), as every broadcast requires.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Iterable
 
 import torch
@@ -24,9 +25,10 @@ from torch import nn
 
 
 def defer_to_device(params: Iterable[nn.Parameter], device: torch.device,
-                    broadcast: Callable[[torch.Tensor], None]) -> dict[int, Callable[[], torch.Tensor]]:
+                    broadcast: Callable[[nn.Parameter, torch.Tensor], None]) -> dict[int, Callable[[], torch.Tensor]]:
     """Make each parameter an empty tensor of its shape on ``device``; returns ``id(param)`` -> the
-    function that gives its values on ``device``, rank 0's (``broadcast`` makes them so), once."""
+    function that gives its values on ``device``, rank 0's (``broadcast(param, values)`` makes them
+    so), once."""
     moves: dict[int, Callable[[], torch.Tensor]] = {}
     for p in params:
         if id(p) in moves:
@@ -35,7 +37,7 @@ def defer_to_device(params: Iterable[nn.Parameter], device: torch.device,
         empty = torch.empty(p.shape, dtype=p.dtype, device=device)
         empty.untyped_storage().resize_(0)
         p.data = empty
-        moves[id(p)] = _mover(values, device, broadcast)
+        moves[id(p)] = _mover(values, device, functools.partial(broadcast, p))
     return moves
 
 

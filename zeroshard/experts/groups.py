@@ -34,17 +34,13 @@ class ExpertParallelError(ValueError):
     in one model, or a feature expert parallelism does not combine with."""
 
 
-def check_expert_parallel_size(ep_size: int, world_size: int, stage: int) -> None:
+def check_expert_parallel_size(ep_size: int, world_size: int) -> None:
     """Refuse, on every rank alike, an ``ep_size`` this job cannot use."""
     if ep_size <= 1:
         return
     if world_size % ep_size:
         raise ExpertParallelError(f"MoE(ep_size={ep_size}) does not divide the data-parallel world of "
                                   f"{world_size} ranks: choose an ep_size that divides it")
-    if stage == 3:
-        raise ExpertParallelError(f"MoE(ep_size={ep_size}) at ZeRO stage 3 is not supported yet: use stages "
-                                  f"0-2 with expert parallelism, or ep_size=1 (experts sharded like any "
-                                  f"parameter) at stage 3")
 
 
 class _AllToAll(torch.autograd.Function):

@@ -11,11 +11,35 @@ in Large Transformer Models"); fp32 doubles it.  With activation checkpointing o
 (``2*s*b*h`` bytes) is kept, plus one layer's full activations during its recomputation.  It is an
 estimate, not a measurement: attention implementations that never materialise the ``s x s`` scores
 need less.
+
+[Note: pipeline and expert parallel estimates]
+A pipeline of P stages over N ranks (``PipelineShape``) is P stages x N/P data-parallel ranks; each
+stage holds Ψ/P parameters (``partition_method="parameters"`` balances them; a tied weight's copies
+on later stages are left out) and runs ZeRO over its N/P ranks, so a rank's model states are the
+stage formula for Ψ/P over N/P.  The rows are the first stage's, the one with the most activations:
+under 1F1B stage s holds min(P - s, m) micro-batches in flight, under GPipe all m (m = gradient
+accumulation steps), each with the activations of ceil(layers/P) layers (checkpointed: their
+inputs, plus one layer's recomputation at a time).  The bubble is (P-1)/(m+P-1) of a step; each
+boundary carries m x micro_batch x seq_len x hidden activations forward and as many gradients back,
+in the compute dtype.
+
+MoE layers (``MoEShape``, DeepSpeed's ``MoE``) split Ψ into dense Ψ_d and expert Ψ_e (every expert
+of every MoE layer; ``num_params`` counts both).  With ``ep_size`` P over N ranks the dense state is
+the stage formula for Ψ_d over N, the expert state the formula for Ψ_e/P over the N/P ranks holding
+the same experts (see [Note: experts sharded over the ranks that hold them] in experts/groups.py),
+and the two add (at stage 3 the experts' parameters too are sharded over those N/P ranks).  Per MoE layer and
+micro-batch a rank's dispatch buffer is E x c x hidden elements, c = max(ceil(tokens/E x
+capacity_factor (x2 for top-2)), min_capacity) as ``experts/gating.py`` computes it for
+tokens = micro_batch x seq_len; the all-to-all sends (P-1)/P of it for the dispatch and again for
+the combine, and as much in backward: 4 (P-1)/P E c hidden bytes-per-element.  Activations and
+buffers use the dense formulas (the experts' own activations and the exchange buffers are not
+counted).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -33,6 +57,55 @@ class ModelShape:
     hidden: Optional[int] = None
     layers: Optional[int] = None
     heads: Optional[int] = None
+
+
+class EstimateError(ValueError):
+    """A parallel layout the estimate (and zeroshard) cannot use: a size that does not divide the
+    ranks or the experts, an unsupported combination."""
+
+
+@dataclass(frozen=True)
+class PipelineShape:
+    """Pipeline parallelism: ``stages`` P, ``schedule`` "1f1b" or "gpipe" (see [Note: pipeline and expert
+    parallel estimates]); the micro-batches m of a step are ``EstimateRequest.micro_steps``."""
+
+    stages: int
+    schedule: str = "1f1b"
+
+    def bubble(self, micro_batches: int) -> float:
+        """The fraction of a step each stage idles while the pipeline fills and drains."""
+        return (self.stages - 1) / (micro_batches + self.stages - 1)
+
+    def in_flight(self, micro_batches: int, stage_index: int = 0) -> int:
+        """Micro-batches whose activations stage ``stage_index`` holds at once."""
+        if self.schedule == "gpipe":
+            return micro_batches
+        return min(self.stages - stage_index, micro_batches)
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """MoE layers as DeepSpeed's ``MoE``: ``num_experts`` E of ``expert_params`` parameters each in
+    each of ``moe_layers`` layers, ``ep_size`` P, top-``topk`` routing (see [Note: pipeline and expert
+    parallel estimates])."""
+
+    num_experts: int
+    expert_params: float
+    moe_layers: int
+    ep_size: int = 1
+    topk: int = 1
+    capacity_factor: float = 1.0
+    min_capacity: int = 4
+
+    @property
+    def total_params(self) -> float:
+        """Ψ_e: every expert of every MoE layer."""
+        return self.num_experts * self.expert_params * self.moe_layers
+
+    def capacity(self, tokens: int) -> int:
+        """Slots per expert for ``tokens`` tokens of a rank, as ``experts/gating.py``'s ``capacity_for``."""
+        factor = 2 * self.capacity_factor if self.topk == 2 else self.capacity_factor
+        return max(math.ceil(tokens / self.num_experts * factor), self.min_capacity)
 
 
 @dataclass(frozen=True)
@@ -74,18 +147,109 @@ class EstimateRequest:
     #: bytes per gradient element held; None: the precision's (2 mixed, 4 fp32).  4 under bf16 when
     #: gradients accumulate in fp32 ([Note: the dtypes of mixed precision] in precision/policy.py)
     grad_bytes: Optional[int] = None
+    #: micro steps (micro-batches) per optimizer step: the gradient accumulation steps
+    micro_steps: int = 1
+    #: pipeline parallelism (None: none); the rows are then the first stage's
+    pipeline: Optional[PipelineShape] = None
+    #: MoE layers (None: a dense model)
+    moe: Optional[MoEShape] = None
+
+
+def check_parallel(req: EstimateRequest) -> None:
+    """Refuse a pipeline or expert-parallel layout that does not fit the ranks, the experts or zeroshard."""
+    n, pp = req.world_size, req.pipeline
+    if pp is not None:
+        if pp.stages < 1 or n % pp.stages:
+            raise EstimateError(f"--pp {pp.stages} does not divide the {n} ranks: the world is pipeline stages x "
+                                f"data-parallel ranks, so choose a divisor of {n}")
+        if req.micro_steps < 1:
+            raise EstimateError(f"{req.micro_steps} micro-batches: a pipeline runs at least 1 per step")
+        if pp.schedule not in ("1f1b", "gpipe"):
+            raise EstimateError(f"schedule {pp.schedule!r}: expected 1f1b or gpipe")
+        if req.shape.layers is not None and req.shape.layers < pp.stages:
+            raise EstimateError(f"--pp {pp.stages} with {req.shape.layers} layers: every stage needs a layer")
+    moe = req.moe
+    if moe is None:
+        return
+    dp = n // pp.stages if pp is not None else n
+    if moe.num_experts < 1:
+        raise EstimateError(f"--experts {moe.num_experts}: an MoE layer needs at least one expert")
+    if moe.topk not in (1, 2):
+        raise EstimateError(f"--topk {moe.topk}: zeroshard's MoE routes each token to 1 or 2 experts")
+    if moe.ep_size < 1 or moe.num_experts % moe.ep_size:
+        raise EstimateError(f"--ep {moe.ep_size} does not divide the {moe.num_experts} experts: each rank of an "
+                            f"expert-parallel group holds experts / ep of them")
+    if dp % moe.ep_size:
+        raise EstimateError(f"--ep {moe.ep_size} does not divide the {dp} data-parallel ranks: choose a divisor "
+                            f"of both {dp} and {moe.num_experts}")
+    if moe.ep_size > 1 and pp is not None and pp.stages > 1:
+        raise EstimateError(f"--ep {moe.ep_size} with --pp {pp.stages}: zeroshard does not run expert "
+                            f"parallelism inside a pipeline yet (--ep 1 keeps the experts data parallel)")
+    if moe.expert_params < 0 or moe.moe_layers < 0:
+        raise EstimateError("--expert-params and --moe-layers cannot be negative")
+    if moe.total_params > req.num_params:
+        raise EstimateError(f"the experts ({moe.num_experts} x {moe.expert_params:.4g} parameters x "
+                            f"{moe.moe_layers} MoE layers = {moe.total_params:.4g}) outnumber the model's "
+                            f"{req.num_params:.4g} parameters: --params counts dense and expert parameters")
+
+
+def state_parts(req: EstimateRequest) -> list[tuple[float, int]]:
+    """One rank's model states as (unsharded parameter count, ranks it is sharded over) pairs: the
+    whole model over the world; a pipeline stage's share over its data-parallel ranks; with expert
+    parallelism the dense part over the data-parallel ranks and the rank's experts over the ranks
+    holding the same experts."""
+    psi, n = req.num_params, req.world_size
+    if req.pipeline is not None:
+        psi, n = psi / req.pipeline.stages, n // req.pipeline.stages
+    if req.moe is not None and req.moe.ep_size > 1:
+        ep, experts = req.moe.ep_size, req.moe.total_params
+        return [(psi - experts, n), (experts / ep, n // ep)]
+    return [(psi, n)]
+
+
+def stage_layers(req: EstimateRequest) -> Optional[int]:
+    """Layers of the (first) pipeline stage: ceil(layers / stages); all of them without a pipeline."""
+    layers = req.shape.layers
+    if layers is None or req.pipeline is None:
+        return layers
+    return -(-layers // req.pipeline.stages)
 
 
 def activation_bytes(req: EstimateRequest) -> float:
     s, b = req.seq_len, req.micro_batch
-    h, layers, a = req.shape.hidden, req.shape.layers, req.shape.heads or 1
+    h, layers, a = req.shape.hidden, stage_layers(req), req.shape.heads or 1
     if not (s and b and h and layers):
         return 0.0
     scale = 1.0 if req.precision == "mixed" else 2.0
     per_layer = s * b * h * (34 + 5 * a * s / h) * scale
-    if req.checkpointing:
-        return (2 * s * b * h * scale) * layers + per_layer
-    return per_layer * layers
+    in_flight = req.pipeline.in_flight(req.micro_steps) if req.pipeline is not None else 1
+    if req.checkpointing:  # one layer recomputes at a time, whatever the micro-batches in flight
+        return in_flight * (2 * s * b * h * scale) * layers + per_layer
+    return in_flight * per_layer * layers
+
+
+def compute_bytes(req: EstimateRequest) -> int:
+    """Bytes of one activation element in the compute dtype."""
+    return 2 if req.precision == "mixed" else 4
+
+
+def pipeline_p2p_bytes(req: EstimateRequest) -> Optional[float]:
+    """Bytes crossing one stage boundary per optimizer step: every micro-batch's activation forward
+    and its gradient back (None without a pipeline or without micro batch, sequence and hidden)."""
+    s, b, h = req.seq_len, req.micro_batch, req.shape.hidden
+    if req.pipeline is None or not (s and b and h):
+        return None
+    return 2 * req.micro_steps * b * s * h * compute_bytes(req)
+
+
+def all_to_all_bytes(req: EstimateRequest) -> Optional[float]:
+    """Bytes one rank sends by all-to-all per MoE layer per micro-batch (dispatch and combine, forward
+    and backward); None without MoE layers or without micro batch, sequence and hidden."""
+    s, b, h, moe = req.seq_len, req.micro_batch, req.shape.hidden, req.moe
+    if moe is None or not (s and b and h):
+        return None
+    p, e = moe.ep_size, moe.num_experts
+    return 4 * (p - 1) * e * moe.capacity(b * s) * h * compute_bytes(req) / p
 
 
 def buffer_bytes(req: EstimateRequest, stage: int) -> float:
@@ -107,22 +271,38 @@ def buffer_bytes(req: EstimateRequest, stage: int) -> float:
     return buckets + prefetch
 
 
+def _buffer_view(req: EstimateRequest) -> EstimateRequest:
+    """The request as one engine's buckets see it: a pipeline stage's parameters, layers and ranks; with
+    expert parallelism the parameters a rank holds, over the data-parallel world."""
+    parts = state_parts(req)
+    if len(parts) == 1 and req.pipeline is None:
+        return req
+    return dataclasses.replace(req, num_params=sum(p for p, _ in parts), world_size=parts[0][1],
+                               shape=dataclasses.replace(req.shape, layers=stage_layers(req)),
+                               pipeline=None, moe=None)
+
+
 def estimate_stage(req: EstimateRequest, stage: int) -> StageEstimate:
     """Per-rank memory of one stage.  With ``trainable`` < 1 (a LoRA job) only the trainable fraction has
     gradients and optimizer state; every parameter, frozen or not, is held in the training dtype, sharded
-    at stage 3 and whole below (as the engine holds frozen parameters), so ``params`` does not change."""
-    states = model_state_bytes(stage, req.num_params, req.world_size, req.precision)
-    trained = model_state_bytes(stage, req.num_params * req.trainable, req.world_size, req.precision, req.grad_bytes)
-    params, grads, optimizer, host = states.params, trained.grads, trained.optimizer, 0.0
+    at stage 3 and whole below (as the engine holds frozen parameters), so ``params`` does not change.
+    With a pipeline or MoE layers the model states add up over :func:`state_parts`."""
+    params = grads = optimizer = host = masters = 0.0
+    for psi, n in state_parts(req):
+        states = model_state_bytes(stage, psi, n, req.precision)
+        trained = model_state_bytes(stage, psi * req.trainable, n, req.precision, req.grad_bytes)
+        params, grads, optimizer = params + states.params, grads + trained.grads, optimizer + trained.optimizer
+        masters += 4 * psi * req.trainable / n
     if req.offload in ("optimizer", "params") and stage >= 1:
         host += optimizer
         optimizer = 0.0
         if req.precision == "fp32":  # the offloaded optimizer updates an fp32 copy of the shard (masters)
-            host += 4 * req.num_params * req.trainable / req.world_size
+            host += masters
     if req.offload == "params" and stage == 3:
         host += params
         params = 0.0
-    return StageEstimate(stage, params, grads, optimizer, activation_bytes(req), buffer_bytes(req, stage), host)
+    return StageEstimate(stage, params, grads, optimizer, activation_bytes(req),
+                         buffer_bytes(_buffer_view(req), stage), host)
 
 
 def estimate_hybrid(req: EstimateRequest, stage: int, mics_shard_size: Optional[int] = None,
@@ -149,7 +329,8 @@ def estimate_all(req: EstimateRequest) -> list[StageEstimate]:
 
 
 def recommend(estimates: list[StageEstimate], gpu_memory_gb: Optional[float], headroom: float = 0.1) -> Optional[int]:
-    """The lowest stage whose total fits ``gpu_memory_gb`` with ``headroom`` to spare (None: none fits)."""
+    """The lowest stage whose total fits ``gpu_memory_gb`` with ``headroom`` to spare (None:
+    none fits)."""
     if gpu_memory_gb is None:
         return None
     for e in estimates:
@@ -166,13 +347,16 @@ def format_table(req: EstimateRequest, estimates: list[StageEstimate], gpu_memor
              + (f", offload {req.offload}" if req.offload else "")
              + (f", {req.trainable:g} of them trainable (the rest frozen)" if req.trainable < 1 else "")
              + "; per rank, decimal GB",
+             *_parallel_header(req),
              "",
              "| stage | params | grads | optimizer | model states | activations | buffers | total | host (offload) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for e in estimates:
-        lines.append(f"| {e.stage} | {e.params / GB:g} | {e.grads / GB:g} | {e.optimizer / GB:g} | "
+        lines.append(f"| {e.stage} | {e.params / GB:g} | {e.grads / GB:g} | "
+                     f"{e.optimizer / GB:g} | "
                      f"{e.model_states / GB:g} | {e.activations / GB:.4g} | {e.buffers / GB:.4g} | "
                      f"{e.total / GB:.4g} | {e.host / GB:g} |")
+    lines += _parallel_footer(req)
     if gpu_memory_gb is not None:
         best = recommend(estimates, gpu_memory_gb)
         lines.append("")
@@ -180,3 +364,77 @@ def format_table(req: EstimateRequest, estimates: list[StageEstimate], gpu_memor
                      if best is not None else
                      f"recommendation: no stage fits {gpu_memory_gb:g} GB; add ranks, offload, or checkpoint activations")
     return "\n".join(lines)
+
+
+def _micro_batches(count: int) -> str:
+    return f"{count} micro-batch" + ("" if count == 1 else "es")
+
+
+def _parallel_header(req: EstimateRequest) -> list[str]:
+    """The table's lines on the pipeline's and the MoE layers' layout (none without them)."""
+    lines = []
+    pp, moe, m = req.pipeline, req.moe, req.micro_steps
+    if pp is not None:
+        layers = stage_layers(req)
+        held = f" of {layers} layers" if layers else ""
+        dp = req.world_size // pp.stages
+        lines.append(f"pipeline: {pp.stages} stages x {dp} data-parallel ranks, {pp.schedule}, {_micro_batches(m)} "
+                     f"per step; a stage holds {req.num_params / pp.stages:.4g} parameters, ZeRO over its {dp} ranks; "
+                     f"rows: the first stage, activations of {_micro_batches(pp.in_flight(m))}{held} in flight")
+    if moe is not None:
+        ranks = req.world_size // (pp.stages if pp is not None else 1)
+        lines.append(f"MoE: {moe.moe_layers} layers x {moe.num_experts} experts x {moe.expert_params:.4g} parameters "
+                     f"= {moe.total_params:.4g} expert + {req.num_params - moe.total_params:.4g} dense, "
+                     f"top-{moe.topk}, ep {moe.ep_size}: a rank holds {moe.num_experts // moe.ep_size} of each layer's "
+                     f"{moe.num_experts} experts, their state sharded over the {ranks // moe.ep_size} ranks "
+                     f"holding them")
+    return lines
+
+
+def _parallel_footer(req: EstimateRequest) -> list[str]:
+    """The table's lines on the pipeline bubble and the bytes between stages and between experts."""
+    lines = []
+    pp, moe, m, dtype = req.pipeline, req.moe, req.micro_steps, compute_bytes(req)
+    size = f"{req.micro_batch} x {req.seq_len} x {req.shape.hidden} x {dtype} bytes"
+    missing = "give --micro-batch, --seq-len and --hidden for the bytes"
+    if pp is not None:
+        lines.append("")
+        lines.append(f"pipeline bubble: (P-1)/(m+P-1) = {pp.bubble(m):.1%} of each step idle ({pp.stages} stages, "
+                     f"{_micro_batches(m)})")
+        p2p = pipeline_p2p_bytes(req)
+        boundaries = f"{pp.stages - 1} {'boundary' if pp.stages == 2 else 'boundaries'}"
+        lines.append(f"between stages: {p2p / GB:.4g} GB per boundary per step ({_micro_batches(m)} x {size}, forward "
+                     f"and as much backward), {boundaries}" if p2p is not None else f"between stages: {missing}")
+    if moe is not None:
+        lines.append("")
+        exchanged = all_to_all_bytes(req)
+        if moe.ep_size == 1:
+            lines.append("all-to-all: none (--ep 1: every rank holds every expert)")
+        elif exchanged is None:
+            lines.append(f"all-to-all: {missing}")
+        else:
+            assert req.micro_batch is not None and req.seq_len is not None
+            capacity = moe.capacity(req.micro_batch * req.seq_len)
+            lines.append(f"all-to-all: {exchanged / GB:.4g} GB per MoE layer per micro-batch per rank "
+                         f"(4 x {moe.ep_size - 1}/{moe.ep_size} x {moe.num_experts} experts x capacity {capacity} x "
+                         f"{req.shape.hidden} x {dtype} bytes), {exchanged * moe.moe_layers * m / GB:.4g} GB per rank "
+                         f"per step ({moe.moe_layers} layers x {_micro_batches(m)})")
+    return lines
+
+
+def moe_from_hf_config(config: dict) -> Optional[dict]:
+    """Experts, parameters per expert, MoE layers and top-k of a Mixtral, Qwen2/3-MoE or OLMoE style
+    Hugging Face config (None for a dense one).  An expert is a SwiGLU MLP, 3 x hidden x its
+    intermediate size (``moe_intermediate_size``, else ``intermediate_size``); Qwen-MoE's layers are
+    those outside ``mlp_only_layers`` at every ``decoder_sparse_step``-th position, the others' every
+    layer.  A shared expert (Qwen2-MoE) trains with every token: it counts as dense."""
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    hidden, layers = config.get("hidden_size"), config.get("num_hidden_layers")
+    ffn = config.get("moe_intermediate_size") or config.get("intermediate_size")
+    if not (experts and hidden and layers and ffn):
+        return None
+    step = config.get("decoder_sparse_step") or 1
+    dense_only = set(config.get("mlp_only_layers") or ())
+    moe_layers = sum(1 for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
+    return {"num_experts": int(experts), "expert_params": 3 * hidden * ffn, "moe_layers": moe_layers,
+            "topk": int(config.get("num_experts_per_tok") or 1)}

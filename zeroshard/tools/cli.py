@@ -7,6 +7,8 @@
     zeroshard estimate --params 7e9 --gpus-per-node 8 [--gpu-memory 80] [--micro-batch 1 --seq-len 4096 ...]
     zeroshard estimate --params 70e9 --nodes 128 --gpus-per-node 8 --intra-node-bw 900GB/s \
         --inter-node-bw 50GB/s --tflops 400 --seq-len 4096 --micro-batch 1 [--grad-accum 1] [--gpu-memory 80]
+    zeroshard estimate --params 70e9 --nodes 4 --gpus-per-node 8 --pp 4 [--schedule gpipe] [--grad-accum 8] ...
+    zeroshard estimate --params 47e9 --gpus-per-node 8 --experts 8 --ep 8 --topk 2 --expert-params 176e6 --layers 32
     zeroshard plot METRICS.jsonl -o out.png
     zeroshard env
     zeroshard run [torchrun options] script.py [args]
@@ -25,6 +27,7 @@ from .selftest.command import add_parser as add_selftest_parser
 if TYPE_CHECKING:
     from ..config import ZeroshardConfig
     from ..planning import Cluster, EstimateRequest
+    from ..planning.estimator import MoEShape, PipelineShape
 
 
 def _demo_nproc(requested: Optional[int], cuda_devices: int) -> int:
@@ -76,13 +79,17 @@ def _ckpt_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model_numbers(args: argparse.Namespace) -> tuple[float, dict]:
-    """Parameter count and shape from --params, --model module:factory, or --hf-config config.json."""
+def _model_numbers(args: argparse.Namespace) -> tuple[float, dict, Optional[dict]]:
+    """Parameter count, shape and MoE layout (a Mixtral-style --hf-config's, else None) from --params,
+    --model module:factory, or --hf-config config.json."""
     import importlib
 
     import torch
 
+    from ..planning.estimator import moe_from_hf_config
+
     shape: dict = {}
+    moe: Optional[dict] = None
     if args.model or args.hf_config:
         with torch.device("meta"):  # count without allocating
             if args.model:
@@ -105,10 +112,11 @@ def _model_numbers(args: argparse.Namespace) -> tuple[float, dict]:
                 shape = {"hidden": getattr(config, "hidden_size", None),
                          "layers": getattr(config, "num_hidden_layers", None),
                          "heads": getattr(config, "num_attention_heads", None)}
-        return float(sum(p.numel() for p in model.parameters())), shape
+                moe = moe_from_hf_config(config.to_dict())
+        return float(sum(p.numel() for p in model.parameters())), shape, moe
     if args.params is None:
         raise SystemExit("zeroshard estimate: give --params, --model module:factory or --hf-config")
-    return float(args.params), shape
+    return float(args.params), shape, moe
 
 
 _SCALE_LINKS = ("intra_node_bw", "inter_node_bw", "tflops")
@@ -187,18 +195,67 @@ def _micro_steps(args: argparse.Namespace, config: "ZeroshardConfig") -> int:
     return args.grad_accum or config.gradient_accumulation_steps or 1
 
 
+_MOE_FLAGS = ("experts", "ep", "topk", "expert_params", "moe_layers", "capacity_factor", "min_capacity")
+
+
+def _pipeline(args: argparse.Namespace, config: "ZeroshardConfig") -> Optional["PipelineShape"]:
+    """--pp and --schedule (default: the config's ``pipeline`` section) as a PipelineShape; None: none."""
+    from ..planning.estimator import PipelineShape
+
+    stages = args.pp if args.pp is not None else config.pipeline.stages
+    if stages is None:
+        if args.schedule is not None:
+            raise SystemExit("zeroshard estimate: --schedule belongs to a pipeline: also give --pp STAGES")
+        return None
+    return PipelineShape(stages, args.schedule or config.pipeline.schedule)
+
+
+def _moe(args: argparse.Namespace, derived: Optional[dict], layers: Optional[int]) -> Optional["MoEShape"]:
+    """The MoE flags, completed from a Mixtral-style --hf-config, as a MoEShape; None when none is given."""
+    from ..planning.estimator import MoEShape
+
+    given = [n for n in _MOE_FLAGS if getattr(args, n) is not None]
+    if not given:
+        return None
+    derived = derived or {}
+    experts = args.experts if args.experts is not None else derived.get("num_experts")
+    if experts is None:
+        raise SystemExit(f"zeroshard estimate: {', '.join(_flag(n) for n in given)} describe(s) MoE layers: also "
+                         f"give --experts E (or an --hf-config with num_local_experts / num_experts)")
+    expert_params = args.expert_params if args.expert_params is not None else derived.get("expert_params")
+    if expert_params is None:
+        raise SystemExit("zeroshard estimate: --experts needs --expert-params, the parameters of one expert "
+                         "(a SwiGLU expert: 3 x hidden x ffn)")
+    moe_layers = args.moe_layers if args.moe_layers is not None else derived.get("moe_layers", layers)
+    if moe_layers is None:
+        raise SystemExit("zeroshard estimate: --experts needs --moe-layers (or --layers: every layer is an MoE "
+                         "layer)")
+    topk = args.topk if args.topk is not None else derived.get("topk", 1)
+    if args.topk is None and topk not in (1, 2):
+        raise SystemExit(f"zeroshard estimate: the config routes each token to {topk} experts "
+                         f"(num_experts_per_tok) and zeroshard's MoE to 1 or 2: give --topk 1 or 2")
+    return MoEShape(experts, expert_params, moe_layers, args.ep if args.ep is not None else 1, topk,
+                    1.0 if args.capacity_factor is None else args.capacity_factor,
+                    4 if args.min_capacity is None else args.min_capacity)
+
+
 def _estimate(args: argparse.Namespace) -> int:
     from ..config import load_config
     from ..planning import EstimateRequest, ModelShape, estimate_all, format_table
+    from ..planning.estimator import EstimateError, check_parallel
 
     scale = _scale_mode(args)
+    parallel = [_flag(n) for n in ("pp", "schedule", *_MOE_FLAGS) if getattr(args, n) is not None]
+    if scale and parallel:
+        raise SystemExit(f"zeroshard estimate: {', '.join(parallel)}: the scale model does not know pipelines or "
+                         f"experts yet; leave out --intra-node-bw, --inter-node-bw and --tflops for their memory")
     if args.grad_accum is not None and args.grad_accum < 1:
         raise SystemExit(f"zeroshard estimate: --grad-accum {args.grad_accum}: give the micro steps per optimizer "
                          f"step, at least 1")
     if not 0 < args.trainable <= 1:
         raise SystemExit(f"zeroshard estimate: --trainable {args.trainable}: give the fraction of parameters that "
                          f"train, in (0, 1] (a LoRA job: about 0.01)")
-    num_params, shape = _model_numbers(args)
+    num_params, shape, derived_moe = _model_numbers(args)
     shape = {k: v for k, v in shape.items() if v}
     shape.update({k: v for k, v in (("hidden", args.hidden), ("layers", args.layers), ("heads", args.heads)) if v})
     config = load_config(args.config) if args.config else load_config({})
@@ -208,7 +265,13 @@ def _estimate(args: argparse.Namespace) -> int:
                           micro_batch=args.micro_batch, seq_len=args.seq_len, checkpointing=args.checkpointing,
                           shape=ModelShape(**shape), reduce_bucket_size=zero.reduce_bucket_size,
                           prefetch_bucket_size=zero.stage3_prefetch_bucket_size, trainable=args.trainable,
-                          grad_bytes=_grad_bytes(args, config))
+                          grad_bytes=_grad_bytes(args, config), micro_steps=_micro_steps(args, config),
+                          pipeline=None if scale else _pipeline(args, config),
+                          moe=_moe(args, derived_moe, shape.get("layers")))
+    try:
+        check_parallel(req)
+    except EstimateError as err:
+        raise SystemExit(f"zeroshard estimate: {err}") from None
     estimates = estimate_all(req)
     if scale:
         print(_scale_table(args, req, _micro_steps(args, config)))
@@ -349,6 +412,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also model MiCS with this shard group size (repeatable; gpus-per-node is always shown)")
     scale.add_argument("--hpz-partition-size", type=int, action="append",
                        help="also model hpZ with this partition size (repeatable; gpus-per-node is always shown)")
+    par = est.add_argument_group("pipeline and experts", "memory of one rank of a pipeline or an MoE model, the "
+                                                         "pipeline bubble and the bytes between stages and experts")
+    par.add_argument("--pp", type=int, help="pipeline stages P (must divide the ranks; default: the config's "
+                                            "pipeline.stages): P stages x ranks/P data-parallel ranks")
+    par.add_argument("--schedule", choices=["1f1b", "gpipe"],
+                     help="pipeline schedule (default: the config's, else 1f1b); micro-batches: --grad-accum")
+    par.add_argument("--experts", type=int, help="experts E per MoE layer (DeepSpeed's MoE)")
+    par.add_argument("--ep", type=int, help="expert-parallel size (default 1; divides the experts and the ranks)")
+    par.add_argument("--topk", type=int, help="experts per token, 1 or 2 (default 1, or the --hf-config's)")
+    par.add_argument("--expert-params", type=float,
+                     help="parameters of one expert (a SwiGLU expert: 3 x hidden x ffn); --params counts all")
+    par.add_argument("--moe-layers", type=int, help="MoE layers (default: --layers, every layer)")
+    par.add_argument("--capacity-factor", type=float, help="MoE capacity factor (default 1.0)")
+    par.add_argument("--min-capacity", type=int, help="MoE minimum capacity per expert (default 4)")
     est.set_defaults(run=_estimate)
     plot = commands.add_parser("plot", help="loss, throughput and memory over steps from a metrics JSONL file")
     plot.add_argument("metrics")

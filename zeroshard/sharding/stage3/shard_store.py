@@ -17,7 +17,7 @@ import torch
 
 from ...distributed.collectives import Collectives
 from ...offload.policy import OffloadPolicy, Place, SwapFailure
-from ..layout import BucketLayout, FlatLayout
+from ..layout import BucketLayout, FlatLayout, ShardRanks
 
 
 class ShardStore:
@@ -85,8 +85,8 @@ class ShardStore:
             self.swap.close()
 
     # ------------------------------------------------------------------ accounting
-    def real_numel_at(self, place: Place, rank: int) -> int:
+    def real_numel_at(self, place: Place, ranks: ShardRanks) -> int:
         """Real elements of this rank's trainable chunks kept at ``place`` (frozen buckets are not model
         states: the breakdown counts them under ``frozen_params``)."""
-        return sum(b.real_numel_in_shard(rank) for b in self.layout.buckets
+        return sum(b.real_numel_in_shard(ranks.of(b)) for b in self.layout.buckets
                    if self.where[b.index] is place and not b.frozen)

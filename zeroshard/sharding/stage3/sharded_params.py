@@ -51,7 +51,7 @@ from ...host.page_release import whole_pages_of
 from ...offload.policy import NoOffload, OffloadPolicy, Place, SwapFailure
 from ..buffer_memory import BufferMemory
 from ..flat_params import bucket_values
-from ..layout import BucketLayout, FlatLayout
+from ..layout import BucketLayout, FlatLayout, ShardRanks
 from ..master_weights import MasterWeights
 from .shard_store import ShardStore
 from .param_status import ZeroParamStatus
@@ -80,12 +80,17 @@ class ShardedParameters:
                  model: nn.Module, buffer_memory: BufferMemory, persistent: frozenset[int] = frozenset(),
                  dtype: Optional[torch.dtype] = None, masters: Optional[MasterWeights] = None,
                  offload: OffloadPolicy = NoOffload(), initial: InitialValues = InitialValues(),
-                 secondary: Optional[Collectives] = None, job_comm: Optional[Collectives] = None) -> None:
+                 secondary: Optional[Collectives] = None, job_comm: Optional[Collectives] = None,
+                 experts: Optional[Collectives] = None) -> None:
         first = params[0]
         self.layout = layout
         self.comm = comm
         self.job_comm = job_comm or comm
         self.rank = comm.world.rank
+        #: expert parallelism: the group experts' buckets are sharded over (see [Note: experts sharded
+        #: over the ranks that hold them] in experts/groups.py), and this rank's chunk of each bucket
+        self.experts = experts
+        self.ranks = ShardRanks(self.rank, experts.world.rank if experts is not None else 0)
         self.dtype, self.device = dtype or first.dtype, first.device
         self.persistent = persistent
         #: this rank's chunk of every bucket, on the device, in host memory or on NVMe (see shard_store.py)
@@ -133,13 +138,20 @@ class ShardedParameters:
                                                                                         slot.index)
                     HOMES.add(params[slot.index], home)
                     HOMES.add(self._placeholders[slot.index], home)
-                start, end = bucket.shard_range(self.rank)
+                start, end = bucket.shard_range(self.ranks.of(bucket))
                 self.store.write(bucket, 0, full[start:end])
                 buffer_memory.keep_for_run(full)
                 self.full.append(full)
                 self.state.append(GatherState.GATHERED)
                 if bucket.index not in persistent:
                     self.release(bucket.index)
+
+    def comm_of(self, bucket: BucketLayout) -> Collectives:
+        """The group ``bucket`` is gathered over: experts' buckets over the ranks holding the same experts."""
+        if bucket.experts:
+            assert self.experts is not None
+            return self.experts
+        return self.comm
 
     def _allocate_full(self, bucket: BucketLayout) -> torch.Tensor:
         """Bucket ``bucket``'s full buffer (zeros).  Where its chunk can be lent by moving pages, the
@@ -151,7 +163,7 @@ class ShardedParameters:
             return torch.zeros(bucket.padded_numel, dtype=self.dtype, device=self.device)
         size = self.dtype.itemsize
         raw = torch.zeros(bucket.padded_numel + PAGE // size, dtype=self.dtype, device=self.device)
-        start, _ = bucket.shard_range(self.rank)
+        start, _ = bucket.shard_range(self.ranks.of(bucket))
         shift = (own.data_ptr() - raw.data_ptr() - start * size) % PAGE
         return raw[shift // size: shift // size + bucket.padded_numel]
 
@@ -189,7 +201,7 @@ class ShardedParameters:
 
     def shard_view(self, bucket: BucketLayout, rank: int) -> torch.Tensor:
         """This rank's chunk of ``bucket`` (1D) where it is resident; only the own chunk is stored here."""
-        assert rank == self.rank, "stage 3 stores only this rank's chunk"
+        assert rank == self.ranks.of(bucket), "stage 3 stores only this rank's chunk"
         self.take_back_chunk(bucket.index)
         view = self.store.view(bucket)
         if view is None:
@@ -211,9 +223,9 @@ class ShardedParameters:
         placeholders' ``ds_tensor``)."""
         layout = self.layout.buckets[bucket]
         slot = next(s for s in layout.slots if s.index == index)
-        start, end = layout.shard_range(self.rank)
+        start, end = layout.shard_range(self.ranks.of(layout))
         lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, end)
-        chunk = self.shard_view(layout, self.rank)
+        chunk = self.shard_view(layout, self.ranks.of(layout))
         return chunk[lo - start: max(hi, lo) - start]
 
     # ------------------------------------------------------------------ gather / release
@@ -234,11 +246,11 @@ class ShardedParameters:
                 return
             own = lent if lent is not None else self.store.view(bucket)
             if own is None or own.device != full.device:  # offloaded: bring the chunk to its slot first
-                start, end = bucket.shard_range(self.rank)
+                start, end = bucket.shard_range(self.ranks.of(bucket))
                 own = full[start:end]
                 self.store.read_into(bucket, own)
             with torch.no_grad():
-                self._pending[index] = self.comm.all_gather(full, own, label, async_op=True)
+                self._pending[index] = self.comm_of(bucket).all_gather(full, own, label, async_op=True)
             self._primary_pending.add(index)
             self.state[index] = GatherState.GATHERING
         if not async_op:
@@ -256,8 +268,9 @@ class ShardedParameters:
             if self.secondary is not None and kept is not None:  # the others gather inside the hpZ group
                 self.secondary.all_gather(scratch, kept, f"{label}.hpz.joined")
                 return
-            start, end = self.layout.buckets[index].shard_range(self.rank)
-            self.comm.all_gather(scratch, self.full[index][start:end], f"{label}.joined")
+            bucket = self.layout.buckets[index]
+            start, end = bucket.shard_range(self.ranks.of(bucket))
+            self.comm_of(bucket).all_gather(scratch, self.full[index][start:end], f"{label}.joined")
 
     def _fill(self, index: int, lend: bool) -> Optional[torch.Tensor]:
         """Memory for bucket ``index``'s full buffer, about to be gathered (in host memory, pages from
@@ -270,7 +283,7 @@ class ShardedParameters:
             memory.refill(full)
             return None
         bucket = self.layout.buckets[index]
-        start, end = bucket.shard_range(self.rank)
+        start, end = bucket.shard_range(self.ranks.of(bucket))
         own, slot = self.store.view(bucket), full[start:end]
         assert own is not None
         first, last = pages
@@ -285,7 +298,7 @@ class ShardedParameters:
     def _slot_pages(self, index: int) -> Optional[tuple[int, int]]:
         """The elements [first, last) of bucket ``index``'s full buffer on the whole pages of this rank's
         slot: what a lent chunk's pages move into; None where the slot has no whole page."""
-        start, end = self.layout.buckets[index].shard_range(self.rank)
+        start, end = self.layout.buckets[index].shard_range(self.ranks.of(self.layout.buckets[index]))
         slot = self.full[index][start:end]
         address, length = whole_pages_of(slot)
         if not length:
@@ -383,7 +396,7 @@ class ShardedParameters:
         if index not in self._lent:
             return
         bucket = self.layout.buckets[index]
-        start, end = bucket.shard_range(self.rank)
+        start, end = bucket.shard_range(self.ranks.of(bucket))
         self._refill_store(bucket)
         with torch.no_grad():
             self.store.write(bucket, 0, self.full[index][start:end])
@@ -412,7 +425,7 @@ class ShardedParameters:
         self.wait(index)
         full, memory = self.full[index], self.buffer_memory
         bucket = self.layout.buckets[index]
-        start, end = bucket.shard_range(self.rank)
+        start, end = bucket.shard_range(self.ranks.of(bucket))
         own = self.store.view(bucket)
         pages = self._slot_pages(index) if index in self._lent else None  # lent: its pages can move
         if own is not None and pages and memory.hand_over(full[start:end], own):  # the chunk's pages go home
@@ -428,7 +441,7 @@ class ShardedParameters:
     def commit_full(self, index: int) -> None:
         """Copy this rank's part of a (modified) full bucket back into its shard."""
         bucket = self.layout.buckets[index]
-        start, end = bucket.shard_range(self.rank)
+        start, end = bucket.shard_range(self.ranks.of(bucket))
         self.drop_secondary(index)
         self._refill_store(bucket)
         with torch.no_grad():

@@ -51,7 +51,8 @@ class Stage3(ShardedGradientStrategy):
                  zero: ZeroConfig, plan: Stage3Plan, model: nn.Module,
                  precision: PrecisionPolicy = PrecisionPolicy()) -> None:
         # the gradient reduce-scatters on a group of their own, apart from the gathers
-        grad_groups = dataclasses.replace(groups, shard=groups.grads or groups.shard)
+        grad_groups = dataclasses.replace(groups, shard=groups.grads or groups.shard,
+                                          expert_data=groups.expert_grads or groups.expert_data)
         # each bucket's chunk in a buffer of its own whose memory goes at the step, through the storage's
         # buffer memory (see [Note: where gradient chunks live] in sharding/grad_chunks.py)
         chunks = KeptChunkBuffers(precision, grad_groups.data_parallel_size, shard_ranks(grad_groups),
@@ -71,14 +72,14 @@ class Stage3(ShardedGradientStrategy):
               *, buffer_memory: BufferMemory, experts: Collection[int] = ()) -> "Stage3":
         """Stage 3's units over sharded storage; frozen parameters above the persistence threshold
         are sharded too (see [Note: frozen parameters at stage 3] in sharding/stage3/units.py)."""
-        assert not experts, "expert parallelism at stage 3 is refused when the engine is built"
         comm = groups.shard
+        spread = groups.expert_data.world.world_size if groups.expert_data is not None else 0
         plan = plan_units(model, params, names, group_of, zero.stage3_param_persistence_threshold,
-                          zero.reduce_bucket_size, comm.world.world_size, frozen)
+                          zero.reduce_bucket_size, comm.world.world_size, frozen, experts, spread)
         masters = cls.make_masters(plan.layout.trainable(), shard_ranks(groups), precision, offload, params[0].device, comm)
         storage = ShardedParameters(plan.layout, plan.params, comm, model, buffer_memory, plan.persistent_buckets,
                                     precision.compute, masters, offload.params, initial, groups.secondary,
-                                    groups.job)
+                                    groups.job, groups.expert_data)
         return cls(storage, params, groups, zero, plan, model, precision)
 
 
@@ -133,13 +134,13 @@ class Stage3(ShardedGradientStrategy):
         """(bytes of real frozen elements in this rank's chunks, bytes of their padding)."""
         size = self.storage.shard.element_size()
         frozen = [b for b in self.storage.layout.buckets if b.frozen]
-        real = sum(b.real_numel_in_shard(self.world.rank) for b in frozen)
+        real = sum(b.real_numel_in_shard(self.ranks.of(b)) for b in frozen)
         return real * size, sum(b.shard_numel for b in frozen) * size - real * size
 
     def param_placement(self) -> tuple[int, int]:
         size = self.storage.shard.element_size()
-        store, rank = self.storage.store, self.world.rank
-        return store.real_numel_at(Place.HOST, rank) * size, store.real_numel_at(Place.NVME, rank) * size
+        store, ranks = self.storage.store, self.ranks
+        return store.real_numel_at(Place.HOST, ranks) * size, store.real_numel_at(Place.NVME, ranks) * size
 
     def publish_piece(self, bucket: BucketLayout, start: int, values: torch.Tensor) -> None:
         """The owned chunk may be off the device (parameter offload): the store writes it in place."""

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Sequence
+from typing import Collection, Iterator, Mapping, Sequence
 
 from torch import nn
 
@@ -141,10 +141,13 @@ def _block_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def plan_units(model: nn.Module, params: Sequence[nn.Parameter], names: Sequence[str],
                group_of: Sequence[int], persistence_threshold: int, bucket_numel: int,
-               world_size: int, frozen: Sequence[tuple[str, nn.Parameter]] = ()) -> Stage3Plan:
+               world_size: int, frozen: Sequence[tuple[str, nn.Parameter]] = (),
+               experts: Collection[int] = (), experts_world_size: int = 0) -> Stage3Plan:
     """Assign each trainable parameter to a unit (or to a persistent bucket) and lay out buckets; then
     the ``frozen`` (name, parameter) pairs above the threshold, in buckets of their own (see
-    [Note: frozen parameters at stage 3])."""
+    [Note: frozen parameters at stage 3]).  ``experts`` (indices of trainable parameters): experts'
+    parameters, in buckets of their own sharded over ``experts_world_size`` ranks (see [Note: experts
+    sharded over the ranks that hold them] in experts/groups.py)."""
     sharded_frozen = [(n, p) for n, p in frozen if p.numel() > persistence_threshold]
     trainable_count = len(params)
     params = [*params, *(p for _, p in sharded_frozen)]
@@ -163,27 +166,32 @@ def plan_units(model: nn.Module, params: Sequence[nn.Parameter], names: Sequence
             owner.update({id(p): ROOT for p in held})
     unit_order = [ROOT] + [name for name, _ in blocks]
     module_of = {ROOT: model, **dict(blocks)}
-    members: dict[tuple[str, int], list[int]] = {}
+    members: dict[tuple[str, int, bool], list[int]] = {}
     persistent: list[int] = []
     for i, p in enumerate(params):
         if p.numel() <= persistence_threshold:
             persistent.append(i)
         else:
-            members.setdefault((owner.get(id(p), ROOT), group_of[i]), []).append(i)
+            members.setdefault((owner.get(id(p), ROOT), group_of[i], i in experts), []).append(i)
 
     builder = LayoutBuilder(params, names, world_size)
     units: list[Unit] = []
 
+    def bucket_of(indices: list[int], group: int, frozen_ones: bool = False) -> int:
+        spread = experts_world_size if indices[0] in experts else 0
+        return builder.add(indices, group, frozen_ones, experts_world_size=spread)
+
     def add_units(frozen_ones: bool) -> None:
         # Blocks in reverse (the order backward produces their gradients), the root unit last.
         for unit_name in reversed(unit_order):
-            for (name, group), indices in sorted(members.items(), key=lambda kv: kv[0][1]):
+            for (name, group, _), indices in sorted(members.items(), key=lambda kv: kv[0][1:]):
                 if name == unit_name and (group == FROZEN_GROUP) == frozen_ones:
-                    units.append(Unit(name, module_of[name], builder.add(indices, group, frozen_ones)))
+                    units.append(Unit(name, module_of[name], bucket_of(indices, group, frozen_ones)))
 
     add_units(frozen_ones=False)
-    persistent_buckets = [builder.add(run, group_of[run[0]]) for run in
-                          size_runs(reversed(persistent), [p.numel() for p in params], group_of, bucket_numel)]
+    kind = [(group_of[i], i in experts) for i in range(len(params))]
+    persistent_buckets = [bucket_of(run, group_of[run[0]]) for run in
+                          size_runs(reversed(persistent), [p.numel() for p in params], kind, bucket_numel)]
     add_units(frozen_ones=True)  # after every trainable bucket
     assert all(i < trainable_count for i in persistent)
     return Stage3Plan(builder.layout(), tuple(units), frozenset(persistent_buckets), tuple(params), tuple(names))
