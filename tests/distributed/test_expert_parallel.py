@@ -24,6 +24,7 @@ from torch import nn
 
 import zeroshard
 from zeroshard.experts import MoE
+from zeroshard.deepspeed.utils import groups as ds_groups
 from zeroshard.experts.groups import ExpertParallelError
 from zeroshard.moe.utils import split_params_into_different_moe_groups_for_optimizer
 from zeroshard.tools.testing import CaseFailures, case, run_world
@@ -117,6 +118,12 @@ def trained(rank: int, stage: int, ep: int, k: int, drop_tokens: bool) -> dict[s
         engine.backward(engine(*batch(step, rank)))
         seen.append(model.seen)
         engine.step()
+    name = f"ep_size_{ep}"
+    accessors = (ds_groups._get_expert_parallel_world_size(name), ds_groups._get_expert_parallel_rank(name),
+                 ds_groups._get_expert_data_parallel_world_size(name), ds_groups._get_expert_data_parallel_rank(name),
+                 ds_groups._get_expert_broadcast_src_rank(name), ds_groups._get_data_parallel_world_size())
+    memory = {k: v for k, v in engine.memory_breakdown().items()
+              if k in ("model_states", "formula", "expert_model_states", "expert_formula")}
     experts = {b.index: b.world_size for b in engine.strategy.layout.buckets if b.experts}
     dense = {b.index: b.world_size for b in engine.strategy.layout.buckets if not b.experts}
     grads = {(r.label, r.group_size) for r in log if r.label.startswith(("grad_bucket", "param_bucket"))}
@@ -124,7 +131,7 @@ def trained(rank: int, stage: int, ep: int, k: int, drop_tokens: bool) -> dict[s
     owned = engine.strategy.owned_real_numel()
     engine.close()
     return {"state": state, "seen": seen, "experts": experts, "dense": dense, "grads": sorted(grads),
-            "owned": owned}
+            "owned": owned, "accessors": accessors, "memory": memory}
 
 
 def relative(ours: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
@@ -158,6 +165,14 @@ def reshapes(rank: int, directory: str) -> list[dict[str, Any]]:
             engine.step()
             out.append({"bitwise": bitwise, "next": relative(engine.full_state_dict(rank0_only=False), after)})
             engine.close()
+    # an ep_size that does not divide the world: a named error on every rank, before any exchange
+    odd = nn.ModuleDict({"moe": MoE(WIDTH, nn.Linear(WIDTH, WIDTH), num_experts=3, ep_size=3)})
+    try:
+        zeroshard.initialize(model=odd, config={"train_micro_batch_size_per_gpu": 1, "collective_timeout": 60,
+                                                "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+        out.append({"refused": "accepted"})
+    except ExpertParallelError as err:
+        out.append({"refused": str(err)})
     if rank == 0:
         from zeroshard.checkpoint.consolidate import full_state_dict as consolidated
         plain = MoEModel(1, k, drop)
@@ -179,24 +194,34 @@ def worker(rank: int, world: int, directory: str) -> list[dict[str, Any]]:
                         for name, v in expected.items() if name in ours["state"])
             out.append({"worst": worst, "seen": ours["seen"], "expected_seen": [seen[s * WORLD + rank] for s in range(STEPS)],
                         "experts": ours["experts"], "dense": ours["dense"], "grads": ours["grads"],
-                        "owned": ours["owned"]})
+                        "owned": ours["owned"], "accessors": ours["accessors"], "memory": ours["memory"]})
     return [out, reshapes(rank, directory)]
 
 
 def test_expert_parallel_trains_like_one_process(tmp_path: Any) -> None:
     by_rank = run_world(worker, WORLD, args=(str(tmp_path / "ckpt"),), timeout=600)
     failures = CaseFailures()
+    for i, (stage, ep, k, drop) in enumerate(CASES):
+        with failures.case(stage=stage, ep=ep, k=k, drop_tokens=drop, memory="summed over ranks"):
+            # every expert's state is held once per data-parallel replica of it, the dense state once per
+            # rank: summed over the ranks the holdings are N times each part's per-rank formula
+            memory = [results[i]["memory"] for results, _ in by_rank]
+            for held, formula in (("model_states", "formula"), ("expert_model_states", "expert_formula")):
+                assert sum(m[held] for m in memory) == pytest.approx(WORLD * memory[0][formula], rel=0, abs=1e-6)
     for rank, (results, loads) in enumerate(by_rank):
         for (stage, ep), result in zip(LOADS, loads):
             with failures.case(saved=SAVED, loaded=(stage, ep), rank=rank):
                 assert result["bitwise"], "the loaded weights differ from the saved ones"
                 assert result["next"] <= 1e-5, f"the step after the load is off by {result['next']:.2e}"
+        with failures.case(refused="ep_size 3 at world 4", rank=rank):
+            assert "does not divide the data-parallel world of 4" in loads[len(LOADS)]["refused"]
         if rank == 0:
             with failures.case(consolidated=SAVED):
                 assert loads[-1]["consolidated"], "consolidate's weights differ from the saved ones"
         for (stage, ep, k, drop), result in zip(CASES, results):
             with failures.case(stage=stage, ep=ep, k=k, drop_tokens=drop, rank=rank):
                 assert result["worst"] <= 1e-5, f"off by {result['worst']:.2e}"
+                assert result["accessors"] == (ep, rank % ep, WORLD // ep, rank // ep, rank % ep, WORLD)
                 for (ours_aux, ours_counts), (aux, counts) in zip(result["seen"], result["expected_seen"]):
                     assert ours_counts == counts and abs(ours_aux - aux) <= 1e-6 * max(1.0, abs(aux))
                 assert result["experts"] and all(size == WORLD // ep for size in result["experts"].values())

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from zeroshard.experts import MoE, MoENotSupported, TopKGate, top1_routing, top2_routing
+from zeroshard.experts.layer import ExpertShapeError
 from zeroshard.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
 
 
@@ -99,3 +100,18 @@ def test_expert_params_split_into_their_own_group() -> None:
         ("dense", False, 1, 0.1), ("ep_size_1", True, 4, 0.1)]
     capped = split_params_into_different_moe_groups_for_optimizer([{"params": experts}], max_group_size=20)
     assert [len(g["params"]) for g in capped] == [0, 2, 2]  # 16 + 4 + 16 + 4 elements, a cap of 20
+
+
+def test_an_expert_must_keep_its_input_shape() -> None:
+    moe = MoE(4, nn.Linear(4, 5), num_experts=2)
+    with pytest.raises(ExpertShapeError, match="must return its input's shape"):
+        moe(torch.randn(6, 4))
+
+
+def test_expert_groups_exist_only_inside_an_engine() -> None:
+    from zeroshard.deepspeed.utils import groups
+
+    with pytest.raises(groups.GroupsNotBuiltError, match="initialize"):
+        groups._get_expert_parallel_group("ep_size_2")
+    with pytest.raises(groups.GroupsNotBuiltError, match="deprecated"):
+        groups.initialize(ep_size=2)

@@ -23,7 +23,7 @@ DEEPSPEED_PATHS = ("accelerator", "checkpointing", "comm", "git_version_info", "
                    "ops.adam", "ops.op_builder", "pipe", "runtime", "runtime.config", "runtime.config_utils",
                    "runtime.engine", "runtime.lr_schedules", "runtime.precision_config", "runtime.utils",
                    "runtime.zero", "runtime.zero.config", "runtime.zero.linear", "runtime.zero.partition_parameters",
-                   "utils",
+                   "utils", "utils.groups",
                    "utils.tensor_fragment", "utils.torch", "utils.z3_leaf_module", "utils.zero_to_fp32", "zero")
 
 

@@ -43,9 +43,11 @@ from ..host.host_allocator import HostMemoryPolicy
 from ..host.page_memory import HostPageMemory
 from ..optim import build_scheduler, clip_coefficient, from_config, from_user, global_grad_norm
 from ..optim.clipping import ExpertsNorm
-from ..experts.groups import ExpertParallelError, check_expert_parallel_size
+from ..experts.groups import (ExpertGroupRecord, ExpertParallelError, check_expert_parallel_size,
+                              register_expert_groups)
 from ..experts.checkpoint import ExpertPlacement
 from ..experts.layer import bind_expert_groups, expert_parallel_size
+from ..experts.memory import expert_breakdown
 from ..experts.registry import is_expert_param
 from ..optim.param_groups import TrainableParams, collect_trainable
 from ..offload import OffloadIOError
@@ -212,6 +214,10 @@ class Engine:
                                                STRATEGIES[self.config.stage].traits.gathers_in_passes,
                                                self.expert_parallel_size)
         bind_expert_groups(self.module, self.shard_groups.expert_parallel, self.comm)
+        exchange, experts_data = self.shard_groups.expert_parallel, self.shard_groups.expert_data
+        #: DeepSpeed's deepspeed.utils.groups answers with these while the engine lives
+        self._expert_groups = register_expert_groups(self.expert_parallel_size, ExpertGroupRecord(
+            exchange, experts_data, self.comm)) if exchange is not None and experts_data is not None else None
 
     def _expert_parallel_size(self, world: World) -> int:
         """The model's MoE layers' ``ep_size``, checked against the job (see [Note: experts sharded over
@@ -883,7 +889,11 @@ class Engine:
         out["offload_buffers"] = placed["host_buffers"]
         mixed = self.precision.mixed
         grad_size = torch.empty((), dtype=self.precision.grad_accum).element_size()
+        precision, optimizer_bytes = "mixed" if mixed else "fp32", 12 if self.strategy.masters is not None else None
         out["formula"] = model_state_bytes(self.stage, self.strategy.layout.numel, self.strategy.world.world_size,
-                                           "mixed" if mixed else "fp32", grad_size,
-                                           12 if self.strategy.masters is not None else None).total
+                                           precision, grad_size, optimizer_bytes).total
+        if self.expert_parallel_size > 1:  # this rank's experts apart, each part's formula over its own group
+            out.update(expert_breakdown(self.strategy, opt_real, precision, grad_size, optimizer_bytes))
+            out["dense_model_states"] = out["model_states"] - out["expert_model_states"]
+            out["formula"] = out["dense_formula"] + out["expert_formula"]
         return out

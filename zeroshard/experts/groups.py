@@ -21,6 +21,8 @@ group starts from its first rank's experts, as the data-parallel world starts fr
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -41,6 +43,38 @@ def check_expert_parallel_size(ep_size: int, world_size: int) -> None:
     if world_size % ep_size:
         raise ExpertParallelError(f"MoE(ep_size={ep_size}) does not divide the data-parallel world of "
                                   f"{world_size} ranks: choose an ep_size that divides it")
+
+
+@dataclass(frozen=True)
+class ExpertGroupRecord:
+    """The groups of one engine's expert parallelism, as DeepSpeed's ``deepspeed.utils.groups`` names them."""
+
+    exchange: Collectives  # expert-parallel: the ranks that exchange tokens
+    experts_data: Collectives  # expert-data-parallel: the ranks holding the same experts
+    data: Collectives  # every data-parallel rank
+
+
+class _Holder:
+    """Keeps a record for as long as its engine lives (the engine holds the holder)."""
+
+    def __init__(self, name: str, record: ExpertGroupRecord) -> None:
+        self.name, self.record = name, record
+
+
+_LIVE: "weakref.WeakValueDictionary[str, _Holder]" = weakref.WeakValueDictionary()
+
+
+def register_expert_groups(ep_size: int, record: ExpertGroupRecord) -> _Holder:
+    """Make an engine's groups answer ``deepspeed.utils.groups`` under ``ep_size_P``; they are forgotten
+    when the returned holder (kept by the engine) goes."""
+    holder = _Holder(f"ep_size_{ep_size}", record)
+    _LIVE[holder.name] = holder
+    return holder
+
+
+def live_expert_groups() -> dict[str, ExpertGroupRecord]:
+    """The groups of the live engines, by name."""
+    return {name: holder.record for name, holder in list(_LIVE.items())}
 
 
 class _AllToAll(torch.autograd.Function):

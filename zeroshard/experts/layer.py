@@ -33,6 +33,10 @@ from .groups import ExpertParallelError, exchange
 from .registry import EXPERT_GROUP_NAME, register_expert_params
 
 
+class ExpertShapeError(ValueError):
+    """An expert whose output shape differs from its input's."""
+
+
 class MoENotSupported(NotSupportedByZeroshard):
     """An MoE option that needs expert parallelism or a CUDA kernel library zeroshard does not have."""
 
@@ -52,7 +56,13 @@ class Experts(nn.Module):
 
     def forward(self, slots: Tensor) -> Tensor:
         """``slots``: [e, c, m] -> [e, c, m]."""
-        return torch.stack([_first(expert(slots[i])) for i, expert in enumerate(self.deepspeed_experts)])
+        outputs = [_first(expert(slots[i])) for i, expert in enumerate(self.deepspeed_experts)]
+        if outputs and outputs[0].shape != slots.shape[1:]:
+            raise ExpertShapeError(
+                f"an expert maps its tokens of shape {tuple(slots.shape[1:])} to {tuple(outputs[0].shape)}: an MoE "
+                f"layer's expert must return its input's shape (hidden_size in, hidden_size out), since its "
+                f"output is combined with the other experts' into the layer's output")
+        return torch.stack(outputs)
 
 
 class MOELayer(nn.Module):

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch as _torch
 
 from ...logging import current_rank, logger
-from . import tensor_fragment, torch, zero_to_fp32
+from . import groups, tensor_fragment, torch, zero_to_fp32
 from .tensor_fragment import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
                               safe_get_local_fp32_param, safe_get_local_grad, safe_get_local_optimizer_state,
                               safe_set_full_fp32_param, safe_set_full_grad, safe_set_full_optimizer_state,
@@ -24,7 +24,7 @@ from .z3_leaf_module import (get_z3_leaf_modules, set_z3_leaf_module, set_z3_lea
                              set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix, unset_z3_leaf_modules,
                              z3_leaf_module, z3_leaf_parameter)
 
-__all__ = ["logger", "log_dist", "RepeatingLoader", "set_random_seed", "zero_to_fp32", "tensor_fragment",
+__all__ = ["groups", "logger", "log_dist", "RepeatingLoader", "set_random_seed", "zero_to_fp32", "tensor_fragment",
            "safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_optimizer_state",
            "safe_set_full_optimizer_state", "safe_get_full_grad", "safe_set_full_grad",
            "safe_update_full_grad_vectorized", "safe_get_local_fp32_param", "safe_set_local_fp32_param",

@@ -1,0 +1,115 @@
+"""``deepspeed.utils.groups``: the process groups of the live engine's expert and data parallelism.
+
+DeepSpeed's MoE code and scripts built on it ask this module for the groups by name (``ep_size_P``,
+the name of an MoE layer's ``expert_group_name``).  zeroshard builds the groups once per engine, at
+``initialize()`` (see [Note: experts sharded over the ranks that hold them] in experts/groups.py),
+and the engine registers them here; before that, or for a name no engine built, the accessors raise
+:class:`GroupsNotBuiltError`.  ``initialize(ep_size=...)``, DeepSpeed's old way to make these groups,
+raises as DeepSpeed's does: the size belongs to each ``MoE`` layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from ...experts.groups import ExpertGroupRecord, live_expert_groups
+
+
+class GroupsNotBuiltError(RuntimeError):
+    """An expert or data-parallel group asked for before ``initialize()`` built it."""
+
+
+def initialize(ep_size: int = 1, mpu: Any = None) -> None:
+    """DeepSpeed's removed entry point, refused as DeepSpeed refuses it."""
+    raise GroupsNotBuiltError("deepspeed.utils.groups.initialize() is deprecated in DeepSpeed and not provided: "
+                              "pass ep_size to deepspeed.moe.layer.MoE(..., ep_size=...), and initialize() "
+                              "builds the groups")
+
+
+def _record(group_name: Optional[str] = None) -> ExpertGroupRecord:
+    groups = live_expert_groups()
+    if group_name is None and len(groups) == 1:
+        return next(iter(groups.values()))
+    if group_name not in groups:
+        raise GroupsNotBuiltError(f"no expert group {group_name!r}: zeroshard.initialize() builds the groups of "
+                                  f"the model's MoE layers (built now: {sorted(groups) or 'none'})")
+    return groups[group_name]
+
+
+def _group(group: Optional[dist.ProcessGroup]) -> Any:
+    """The default group's handle where zeroshard holds none (a world over every rank)."""
+    return group if group is not None else dist.group.WORLD
+
+
+def _get_expert_parallel_group(group_name: str) -> Any:
+    return _group(_record(group_name).exchange.world.group)
+
+
+def _get_expert_parallel_group_dict() -> dict[str, Any]:
+    return {name: _group(r.exchange.world.group) for name, r in live_expert_groups().items()}
+
+
+def _get_expert_data_parallel_group(group_name: str) -> Any:
+    return _group(_record(group_name).experts_data.world.group)
+
+
+def _get_expert_data_parallel_group_dict() -> dict[str, Any]:
+    return {name: _group(r.experts_data.world.group) for name, r in live_expert_groups().items()}
+
+
+def _get_expert_parallel_world_size(group_name: str) -> int:
+    return _record(group_name).exchange.world.world_size
+
+
+def _get_expert_parallel_rank(group_name: str) -> int:
+    return _record(group_name).exchange.world.rank
+
+
+def _get_expert_data_parallel_world_size(group_name: str) -> int:
+    return _record(group_name).experts_data.world.world_size
+
+
+def _get_expert_data_parallel_rank(group_name: str) -> int:
+    return _record(group_name).experts_data.world.rank
+
+
+def _get_expert_parallel_src_rank(group_name: str) -> int:
+    """The global rank of the first rank of this rank's expert-parallel group."""
+    record = _record(group_name)
+    return dist.get_rank() - record.exchange.world.rank
+
+
+def _get_expert_broadcast_src_rank(group_name: str) -> int:
+    """The global rank of the first rank holding this rank's experts."""
+    return dist.get_rank() % _get_expert_parallel_world_size(group_name)
+
+
+def _get_data_parallel_group() -> Any:
+    return _group(_record().data.world.group)
+
+
+def _get_data_parallel_world_size() -> int:
+    return _record().data.world.world_size
+
+
+def _get_data_parallel_rank() -> int:
+    return _record().data.world.rank
+
+
+def _get_broadcast_src_rank() -> int:
+    return 0
+
+
+def _get_max_expert_size() -> int:
+    """The largest ``ep_size`` among the groups built."""
+    return max((r.exchange.world.world_size for r in live_expert_groups().values()), default=1)
+
+
+def _get_max_expert_size_name() -> str:
+    return f"ep_size_{_get_max_expert_size()}"
+
+
+def _get_world_group() -> Any:
+    return dist.group.WORLD
