@@ -25,6 +25,7 @@ from .planning import model_state_bytes
 from .optim.nonfinite import NonFiniteGradientError
 from .checkpoint.pretrained import PretrainedError, load_pretrained
 from .sharding.stage3.placeholder import ShardedParameterError
+from .tensor_parallel import tp_model_init
 from .version import __version__
 
 from .deepspeed import (accelerator, checkpointing, comm, git_version_info, moe, ops, pipe, publish_at_root, runtime,
@@ -37,7 +38,7 @@ __all__ = ["initialize", "Engine", "GatheredParameters", "Init", "init_distribut
            "add_config_arguments", "DeepSpeedEngine", "zero", "comm", "accelerator", "ops", "utils",
            "checkpointing", "runtime", "moe", "pipe", "git_version_info", "NonFiniteGradientError",
            "install_as_deepspeed",
-           "load_pretrained", "PretrainedError", "ShardedParameterError"]
+           "load_pretrained", "PretrainedError", "ShardedParameterError", "tp_model_init"]
 
 
 

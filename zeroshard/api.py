@@ -13,13 +13,14 @@ from torch.utils.data import Dataset
 from .config import ConfigError, ZeroshardConfig, load_config, resolve_batch_sizes
 from .engine.data import DistributedLoader, build_loader
 from .distributed.launch_env import DEFAULT_PORT
-from .distributed.model_parallel import check_mpu, model_parallel_worlds
+from .distributed.model_parallel import ModelParallelWorlds, check_mpu, model_parallel_worlds
 from .distributed.world import World, init_distributed
 from .checkpoint.format import LATEST
 from .engine.engine import Engine, SchedulerSpec
 from .engine.tensor_parallel import TensorParallelEngine
+from .tensor_parallel import SplitModel, prepare_tensor_parallel
 from .logging import log_rank
-from .pipeline import PipelineConfigError, PipelineEngine, PipelineModule, PipelineUsageError
+from .pipeline import PipelineConfigError, PipelineEngine, PipelineModule
 from .pipeline.module import PipelineMPU
 
 
@@ -69,21 +70,30 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
         if mpu is not None and not (isinstance(mpu, PipelineMPU) and mpu.describes(model)):
             raise PipelineConfigError("initialize(mpu=...) with a PipelineModule: only the module's own "
                                       "model.mpu(); a pipeline of tensor-parallel stages is not supported yet")
-        if resume_from is not None:
-            raise PipelineUsageError("initialize(resume_from=...) with a pipelined model: call "
-                                     "engine.load_checkpoint(dir) after initialize() (resuming inside "
-                                     "initialize, periodic saves and auto_resume are not supported with "
-                                     "pipelining yet; docs/PIPELINE.md)")
         return _initialize_pipeline(model, parsed, model_parameters, optimizer, lr_scheduler, training_data,
-                                    collate_fn)
-    worlds = model_parallel_worlds(mpu, world) if mpu is not None else None
+                                    collate_fn, resume_from)
+    split: Optional[SplitModel] = None
+    worlds: Optional[ModelParallelWorlds] = None
+    batch_check: Any = None
+    if mpu is not None:
+        if parsed.tensor_parallel.autotp_size > 1:
+            raise ValueError("initialize(mpu=...) with tensor_parallel.autotp_size: the model splits its own layers "
+                             "(mpu) or zeroshard splits them (autotp_size), not both")
+        worlds = model_parallel_worlds(mpu, world)
+    else:  # tensor parallelism from the config, or from tp_model_init() (zeroshard/tensor_parallel/)
+        prepared = prepare_tensor_parallel(model, parsed.tensor_parallel, world)
+        if prepared is not None:
+            worlds, mpu, split, batch_check = prepared
     if worlds is not None:
         world = worlds.data_world  # batch sizes and the loader are per data-parallel rank
     parsed = resolve_batch_sizes(parsed, world.world_size)
     if parsed.seed is not None:
         torch.manual_seed(parsed.seed)
     engine = Engine(model, parsed, world, model_parameters, optimizer, lr_scheduler) if worlds is None \
-        else TensorParallelEngine(model, parsed, worlds, mpu, model_parameters, optimizer, lr_scheduler)
+        else TensorParallelEngine(model, parsed, worlds, mpu, model_parameters, optimizer, lr_scheduler,
+                                  split.split if split is not None else None)
+    if split is not None:
+        engine.hold_hook(batch_check)
     loader = None
     if training_data is not None:
         loader = build_loader(training_data, engine.train_micro_batch_size_per_gpu(), world, collate_fn,
@@ -98,10 +108,14 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
 
 def _initialize_pipeline(model: "PipelineModule", config: ZeroshardConfig, model_parameters: Any, optimizer: Any,
                          lr_scheduler: SchedulerSpec, training_data: Optional[Dataset],
-                         collate_fn: Optional[Callable[..., Any]],
+                         collate_fn: Optional[Callable[..., Any]], resume_from: Union[str, Path, None],
                          ) -> tuple[Engine, torch.optim.Optimizer, Optional[DistributedLoader], Any]:
     """A :class:`PipelineEngine` for a :class:`PipelineModule` (docs/PIPELINE.md); the loader, if any, is
-    over the stage's data-parallel ranks (every stage of a pipeline sees the same samples)."""
+    over the stage's data-parallel ranks (every stage of a pipeline sees the same samples).
+    ``resume_from`` / ``checkpoint.auto_resume``: as without a pipeline, the ``latest`` checkpoint of the
+    whole pipeline (pipeline/checkpoint.py), RNG and loader position included, once the loader is attached;
+    training starts fresh when there is none yet."""
+    resume_dir = _resume_dir(resume_from, config)  # a missing save_dir is named before anything is built
     if config.seed is not None:
         torch.manual_seed(config.seed)
     engine = PipelineEngine(model, config, model_parameters, optimizer, lr_scheduler)
@@ -110,6 +124,10 @@ def _initialize_pipeline(model: "PipelineModule", config: ZeroshardConfig, model
         loader = build_loader(training_data, engine.train_micro_batch_size_per_gpu(), engine.world, collate_fn,
                               seed=config.seed or 0, drop_last=config.dataloader_drop_last)
         engine.data_loader = loader
+    # one checkpoint of the whole job: its ``latest`` is the directory's own (no rank's part of it, as with mpu)
+    if resume_dir is not None and (resume_dir / LATEST).is_file():
+        path, _ = engine.load_checkpoint(resume_dir, load_rng_state=True)
+        log_rank(f"resumed from {path} at step {engine.global_steps}")
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 

@@ -3,7 +3,8 @@
 One world of 4 ranks runs every case: pipeline 2 x data 2 at ZeRO stages 0-3 with each schedule,
 pipeline 4 x data 1, evaluation, checkpoints saved at one split and resumed at others (and read as one
 ``nn.Sequential``), periodic saves, bf16, fp16 (against zeroshard's own engine in one process) and an
-overflow on one rank that every rank skips, CPU offload, and the refused inputs.  The model has a tied
+overflow on one rank that every rank skips, CPU offload, ``initialize(resume_from=...)`` and
+``checkpoint.auto_resume`` (a fresh start, then a resume with the engine's loader), and the refused inputs.  The model has a tied
 embedding (first and last stage), tuples of tensors of two dtypes between stages, and a sequence length
 that changes from one micro-batch to the next.
 """
@@ -351,7 +352,14 @@ def loader_worker(rank: int, world: int) -> dict[str, Any]:
                                            config=config(1, "1f1b", 2), training_data=dataset)
     losses = [float(engine.train_batch()) for _ in range(2)]
     engine.close()
-    # the samples each data-parallel rank's loader draws (the loader's seed is the config's, 0)
+    reference, batch = Reference(), loader_batches(dataset)
+    return {"losses": losses, "expected": [reference.train_step(step, 2, batch) for step in range(2)],
+            "read": dataset.read}
+
+
+def loader_batches(dataset: Samples) -> Any:
+    """``batch(step, j, d)``: the micro-batch data-parallel rank ``d``'s loader hands out in the first epoch
+    (the loader's seed is the config's, 0)."""
     orders = [list(torch.utils.data.DistributedSampler(dataset, num_replicas=2, rank=d, seed=0)) for d in range(2)]
 
     def batch(step: int, j: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -359,9 +367,7 @@ def loader_worker(rank: int, world: int) -> dict[str, Any]:
         rows = dataset.data[orders[d][start: start + MICRO]]
         return rows[:, :-1], rows[:, 1:]
 
-    reference = Reference()
-    return {"losses": losses, "expected": [reference.train_step(step, 2, batch) for step in range(2)],
-            "read": dataset.read}
+    return batch
 
 
 def check_loader(by_rank: list[dict[str, Any]]) -> None:
@@ -562,10 +568,83 @@ def check_periodic(by_rank: list[dict[str, Any]], root: str) -> None:
     assert saved.keys() == sequential().state_dict().keys()  # the layers of both stages
 
 
+#: ``initialize_resume_worker``: 5 steps with the engine's loader; the loader's epoch (24 samples per
+#: data-parallel rank, 6 per step) ends with step 4, so the resumed step 5 starts the next epoch
+INIT_STEPS = 5
+
+
+def start_with_loader(dataset: Samples, scramble: bool, resume_from: Any = None,
+                      **more: Any) -> tuple[Any, PipelineModule]:
+    """A pipeline 2 x data 2, ZeRO-1 engine from ``initialize(training_data=dataset, resume_from=...)`` with
+    the config keys ``more``; ``scramble``: torch's generator is moved elsewhere first (only a restored RNG
+    state gives it back)."""
+    module = PipelineModule(specs(), num_stages=2, loss_fn=loss_fn, seed_layers=True)
+    if scramble:
+        torch.manual_seed(4321)
+    engine, _, _, _ = zeroshard.initialize(model=module, model_parameters=module.parameters(),
+                                           config=config(1, "1f1b", 2, **more), training_data=dataset,
+                                           resume_from=resume_from)
+    return engine, module
+
+
+def initialize_resume_worker(rank: int, world: int, root: str) -> dict[str, Any]:
+    """``checkpoint.auto_resume`` over an empty ``save_dir`` starts fresh and saves every 2 steps; then a new
+    engine from ``initialize(resume_from=root)`` and another from ``auto_resume`` carry on at step 4
+    (the ``latest``): counters, RNG, loader position, and step 5 as the uninterrupted run's."""
+    periodic = {"save_dir": root, "save_interval": 2}
+    dataset = Samples()
+    engine, module = start_with_loader(dataset, False, checkpoint={**periodic, "auto_resume": True})
+    fresh = engine.counters.state_dict()
+    straight, reads = [], []
+    for step in range(INIT_STEPS):
+        if step == INIT_STEPS - 1:
+            counters, rng = engine.counters.state_dict(), torch.get_rng_state()
+        before = len(dataset.read)
+        straight.append(float(engine.train_batch()))
+        reads.append(dataset.read[before:])
+    final = stage_values(engine, module)
+    listing = sorted(p.name for p in Path(root).iterdir())
+    engine.close()
+    reference, batch = Reference(), loader_batches(dataset)
+    out: dict[str, Any] = {"fresh": fresh, "straight": straight, "counters": counters, "listing": listing,
+                           "read": reads[-1],
+                           "expected": [reference.train_step(step, 2, batch) for step in range(INIT_STEPS - 1)]}
+    for how, more in (("resume_from", {"resume_from": root}),
+                      ("auto_resume", {"checkpoint": {**periodic, "auto_resume": True}})):
+        dataset = Samples()
+        engine, module = start_with_loader(dataset, True, **more)
+        at = engine.counters.state_dict()
+        same_rng = torch.equal(torch.get_rng_state(), rng)
+        loss = float(engine.train_batch())
+        same = all(torch.equal(a, b) for a, b in zip(final, stage_values(engine, module)))
+        out[how] = {"counters": at, "rng": same_rng, "loss": loss, "same": same, "read": dataset.read}
+        engine.close()
+    return out
+
+
+def check_initialize_resume(by_rank: list[dict[str, Any]], root: str) -> None:
+    for rank, out in enumerate(by_rank):
+        assert out["fresh"] == {"global_steps": 0, "micro_steps": 0, "global_samples": 0, "skipped_steps": 0}, out
+        for got, want in zip(out["straight"], out["expected"]):  # a fresh start: the seeded layers' training
+            assert abs(got - want) <= 1e-5 * abs(want), (rank, out["straight"], out["expected"])
+        assert out["counters"]["global_steps"] == INIT_STEPS - 1, out["counters"]
+        assert out["listing"] == ["global_step2", "global_step4", "latest"], out["listing"]
+        for how in ("resume_from", "auto_resume"):
+            resumed = out[how]
+            assert resumed["counters"] == out["counters"], (rank, how, resumed, out["counters"])
+            assert resumed["rng"], (rank, how)
+            assert resumed["read"] == out["read"], (rank, how, resumed["read"], out["read"])  # the next epoch's
+            assert resumed["loss"] == out["straight"][-1] and resumed["same"], (rank, how, resumed, out)  # bitwise
+    assert by_rank[0]["read"] == by_rank[2]["read"] and by_rank[0]["read"] != by_rank[1]["read"]
+    assert (Path(root) / "latest").read_text().strip() == "global_step4"
+
+
 WORKERS = {"train": train_worker, "refusals": refusals_worker, "resume": resume_worker, "bf16": bf16_worker,
-           "loader": loader_worker, "fp16": fp16_worker, "overflow": overflow_worker, "periodic": periodic_worker}
+           "loader": loader_worker, "fp16": fp16_worker, "overflow": overflow_worker, "periodic": periodic_worker,
+           "initialize_resume": initialize_resume_worker}
 CHECKS = {"train": check_train, "refusals": check_refusals, "resume": check_resume, "bf16": check_bf16,
-          "loader": check_loader, "fp16": check_fp16, "overflow": check_overflow, "periodic": check_periodic}
+          "loader": check_loader, "fp16": check_fp16, "overflow": check_overflow, "periodic": check_periodic,
+          "initialize_resume": check_initialize_resume}
 
 
 def test_pipeline_matches_one_process(tmp_path: Path) -> None:
@@ -581,5 +660,6 @@ def test_pipeline_matches_one_process(tmp_path: Path) -> None:
               ("train", {"pp": 2, "stage": 2, "schedule": "1f1b", "offload": "optimizer"}),
               ("train", {"pp": 4, "stage": 1, "schedule": "gpipe", "offload": "optimizer"}),
               ("train", {"pp": 2, "stage": 3, "schedule": "gpipe", "offload": "param"}),
-              ("periodic", {"root": str(tmp_path / "periodic")})]
+              ("periodic", {"root": str(tmp_path / "periodic")}),
+              ("initialize_resume", {"root": str(tmp_path / "initialize_resume")})]
     check_family(cases, run_family(4, cases, WORKERS), CHECKS, world=4)

@@ -113,3 +113,35 @@ def test_fp16_trains_and_nvme_offload_and_async_saves_are_refused(tmp_path) -> N
     with pytest.raises(PipelineUsageError, match="synchronously"):
         engine.save_checkpoint("unused", async_save=True)
     engine.close()
+
+
+def test_resume_inside_initialize_in_one_process(tmp_path) -> None:
+    """``checkpoint.auto_resume`` / ``initialize(resume_from=...)`` with a pipeline: no checkpoint yet, a fresh
+    start; later, the latest periodic save; auto_resume without a save_dir is refused as without a pipeline
+    (the multi-rank resume, loader and RNG included: tests/distributed/test_pipeline.py)."""
+    base = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    periodic = {"save_dir": str(tmp_path / "ckpt"), "save_interval": 2}
+
+    def start(checkpoint, resume_from=None):
+        torch.manual_seed(0)
+        module = PipelineModule([LayerSpec(nn.Linear, 4, 4), torch.tanh, LayerSpec(nn.Linear, 4, 1)], num_stages=1,
+                                loss_fn=nn.functional.mse_loss)
+        return zeroshard.initialize(model=module, config={**base, "checkpoint": checkpoint},
+                                    resume_from=resume_from)[0]
+
+    with pytest.raises(ValueError, match="save_dir"):
+        start({"auto_resume": True})
+    batches = [(torch.randn(2, 4), torch.randn(2, 1)) for _ in range(3)]
+    engine = start({**periodic, "auto_resume": True})
+    assert engine.global_steps == 0
+    straight = [float(engine.train_batch(iter([batch]))) for batch in batches]
+    engine.close()
+    for checkpoint, resume_from in (({**periodic, "auto_resume": True}, None), (periodic, "latest"),
+                                    ({}, tmp_path / "ckpt")):
+        engine = start(checkpoint, resume_from)
+        assert engine.global_steps == 2, (checkpoint, resume_from)
+        assert float(engine.train_batch(iter(batches[2:]))) == straight[2]
+        engine.close()
+    engine = start({}, tmp_path / "empty")  # a directory without checkpoints: a fresh start
+    assert engine.global_steps == 0 and float(engine.train_batch(iter(batches[:1]))) == straight[0]
+    engine.close()

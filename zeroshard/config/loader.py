@@ -19,6 +19,7 @@ from typing import Any, Literal, Mapping, Union
 from .deepspeed_forms import normalize
 from .errors import ConfigError
 from .schema import NOT_SUPPORTED_YET, OptimizerConfig, SchedulerConfig, ZeroshardConfig
+from .tensor_plan import check_tensor_parallel
 from .spec_params import OPTIMIZER_PARAMS, SCHEDULER_PARAMS, ParamSpec
 
 
@@ -39,6 +40,7 @@ def load_config(source: Union[str, os.PathLike, Mapping[str, Any], ZeroshardConf
         _check_offload(config)
         _check_checkpointing(config)
         _check_hybrid(config)
+        check_tensor_parallel(config.tensor_parallel)
     if world_size is not None:
         config = resolve_batch_sizes(config, world_size)
     return config

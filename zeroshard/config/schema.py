@@ -180,6 +180,26 @@ class PipelineConfig:
 
 
 @dataclass(frozen=True)
+class TensorParallelConfig:
+    """``tensor_parallel``: DeepSpeed's AutoTP training, the model's linear layers split over groups of
+    ``autotp_size`` neighbouring ranks with torch's DTensor (docs/TENSOR_PARALLEL.md)."""
+
+    autotp_size: int = key(
+        0, "Ranks each linear layer of the plan is split over (0 or 1: off); divides the world, and the attention "
+        "heads and key/value heads of a Hugging Face model.", non_negative)
+    partition_config: Optional[dict] = key(
+        None, "DeepSpeed's custom plan: `{\"use_default_specs\": bool, \"layer_specs\": [{\"patterns\": [regex of a "
+        "weight's name], \"partition_type\": \"column\" or \"row\"}]}`; its specs come first, then (with "
+        "`use_default_specs`, default true) the default plan. A pattern that matches no linear weight is an error.")
+    preset_model: Optional[str] = key(
+        None, "A named default plan: `llama`, `mistral`, `qwen2` (attention q/k/v column, o row; MLP gate/up column, "
+        "down row); omitted: the model's own `base_model_tp_plan` (Hugging Face), else that same decoder plan.",
+        default_text="the model's plan")
+    tp_overlap_comm: bool = key(
+        False, "DeepSpeed's overlap of the tensor-parallel all-reduce with compute: not available (true is refused).")
+
+
+@dataclass(frozen=True)
 class OffloadOptimizerConfig:
     """``zero_optimization.offload_optimizer``: where the fp32 masters and optimizer state live (stages 1-3)."""
 
@@ -469,6 +489,7 @@ class ZeroshardConfig:
     activation_checkpointing: ActivationCheckpointingConfig = key(
         ActivationCheckpointingConfig(), "Settings of zeroshard.deepspeed.checkpointing.checkpoint (zeroshard/activations/checkpointing.py).")
     pipeline: PipelineConfig = key(PipelineConfig(), "Pipeline parallelism (a `PipelineModule` model only).")
+    tensor_parallel: TensorParallelConfig = key(TensorParallelConfig(), "Tensor parallelism from the config (AutoTP).")
 
     @property
     def stage(self) -> int:

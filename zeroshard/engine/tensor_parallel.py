@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Collection, Optional, Union
 
 import torch
 from torch import nn
@@ -45,8 +45,12 @@ class TensorParallelEngine(Engine):
     model's own tensor parallelism])."""
 
     def __init__(self, model: nn.Module, config: ZeroshardConfig, worlds: ModelParallelWorlds, mpu: Any,
-                 model_parameters: Any = None, optimizer: Any = None, lr_scheduler: SchedulerSpec = None) -> None:
+                 model_parameters: Any = None, optimizer: Any = None, lr_scheduler: SchedulerSpec = None,
+                 split: Optional[Collection[int]] = None) -> None:
+        """``split``: the ids of the parameters split across the tensor-parallel group, where zeroshard split
+        the model itself (``tensor_parallel.autotp_size``); otherwise the model's marks say."""
         self.mpu = mpu
+        self._held_hooks: list[Any] = []
         self.tensor_rank = worlds.tensor_rank
         self.tensor_parallel_size = worlds.dims.tp
         self.tensor: Collectives = worlds.tensor
@@ -55,7 +59,17 @@ class TensorParallelEngine(Engine):
             config = dataclasses.replace(config, checkpoint=dataclasses.replace(
                 ckpt, save_dir=str(Path(ckpt.save_dir) / part_directory(self.tensor_rank))))
         super().__init__(model, config, worlds.data_world, model_parameters, optimizer, lr_scheduler)
-        self._norm = TensorParallelNorm(self.strategy.layout.buckets, self.strategy.params, self.tensor)
+        self._norm = TensorParallelNorm(self.strategy.layout.buckets, self.strategy.params, self.tensor, split)
+
+    def hold_hook(self, handle: Any) -> None:
+        """A hook of the tensor-parallel set-up on the model, removed with the engine's own hooks."""
+        self._held_hooks.append(handle)
+
+    def _release(self, hand_back: bool) -> None:
+        for handle in getattr(self, "_held_hooks", ()):
+            handle.remove()
+        self._held_hooks = []
+        super()._release(hand_back)
 
     def _model_grad_norm(self, grads: list[torch.Tensor], comm: Optional[Collectives]) -> torch.Tensor:
         return self._norm(grads, comm, self.strategy.comm.world.rank, self.world.device)

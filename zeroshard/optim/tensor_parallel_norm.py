@@ -9,13 +9,13 @@ replicated parameter once: each rank sums its split parameters' squares, the fir
 adds the replicated ones', and the sums are added over the group.  Which parameters are split is the
 model's to say: Megatron marks them ``tensor_model_parallel=True`` and DeepSpeed's older layers
 ``model_parallel=True``; an unmarked parameter is a replicated one.  zeroshard reads these marks and
-never sets them.  The squares are summed in float64 on the device, as [Note: the norm stays on the
+never sets them; the layers it splits itself (``tensor_parallel.autotp_size``) it knows by identity.  The squares are summed in float64 on the device, as [Note: the norm stays on the
 device] in optim/clipping.py explains, and summed over the ZeRO shard group before the tensor group.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Collection, Optional, Sequence
 
 import torch
 
@@ -39,9 +39,11 @@ class TensorParallelNorm:
     """The global gradient norm over ZeRO shards and tensor-parallel ranks (see [Note: split and
     replicated parameters in the norm])."""
 
-    def __init__(self, buckets: Sequence[BucketLayout], params: Sequence[torch.Tensor], tensor: Collectives) -> None:
+    def __init__(self, buckets: Sequence[BucketLayout], params: Sequence[torch.Tensor], tensor: Collectives,
+                 split: Optional[Collection[int]] = None) -> None:
+        """``split``: the ids of the split parameters, where zeroshard split them (else the model's marks)."""
         self.buckets = list(buckets)
-        self.split = [is_split(p) for p in params]
+        self.split = [id(p) in split if split is not None else is_split(p) for p in params]
         self.tensor = tensor
         self._runs: dict[tuple[int, int, int], Runs] = {}
 

@@ -46,7 +46,6 @@ def check_pipeline_config(config: ZeroshardConfig, module: PipelineModule) -> No
         "zero_optimization.offload_param.device: nvme (cpu is supported)": zero.offload_param.device == "nvme",
         "zero_optimization.mics_shard_size": zero.mics_shard_size > 0,
         "zero_optimization.zero_hpz_partition_size": zero.zero_hpz_partition_size > 1,
-        "checkpoint.auto_resume": config.checkpoint.auto_resume,
         "checkpoint.writer.decoupled": config.checkpoint.writer.decoupled,
         "checkpoint.use_node_local_storage": config.checkpoint.use_node_local_storage,
     }

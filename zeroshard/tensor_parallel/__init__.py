@@ -1,0 +1,71 @@
+"""Tensor parallelism from the config (DeepSpeed's AutoTP): a model's linear layers split over groups
+of neighbouring ranks with torch's DTensor, ZeRO over each tensor-parallel rank's data-parallel group
+(docs/TENSOR_PARALLEL.md)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ..config.schema import TensorParallelConfig
+from ..distributed.collectives import Collectives
+from ..distributed.model_parallel import ModelParallelWorlds, model_parallel_worlds
+from ..distributed.world import World
+from ..logging import log_rank
+from .batch_check import TensorParallelBatchError, check_batches
+from .groups import TensorParallelGroups, TensorParallelSizeError
+from .plan import TensorPlan, TensorPlanError, plan_linears
+from .split import SplitModel, split_model, split_of
+
+__all__ = ["TensorParallelBatchError", "TensorParallelGroups", "TensorParallelSizeError", "TensorPlan",
+           "TensorPlanError", "SplitModel", "split_of", "tp_model_init", "prepare_tensor_parallel"]
+
+
+def _split(model: nn.Module, block: TensorParallelConfig, device: torch.device) -> SplitModel:
+    groups = TensorParallelGroups(block.autotp_size, device)
+    plan = plan_linears(model, block)
+    record = split_model(model, plan, groups)
+    log_rank(plan.describe(block.autotp_size))
+    return record
+
+
+def tp_model_init(model: nn.Module, tp_size: int, dtype: Optional[torch.dtype] = None, config: Any = None,
+                  **kwargs: Any) -> nn.Module:
+    """DeepSpeed's ``deepspeed.tp_model_init``: split ``model`` over groups of ``tp_size`` ranks now (the
+    default plan, or ``config``'s ``tensor_parallel`` block), cast to ``dtype``; ``initialize()`` then
+    trains it as split.  Every rank calls it, after the process group exists."""
+    from ..config import load_config
+
+    if kwargs:
+        raise TypeError(f"tp_model_init() got unexpected arguments {sorted(kwargs)}")
+    block = load_config(config).tensor_parallel if config is not None else TensorParallelConfig()
+    if block.autotp_size not in (0, 1, tp_size):
+        raise TensorParallelSizeError(f"tp_model_init(tp_size={tp_size}) but the config says "
+                                      f"tensor_parallel.autotp_size = {block.autotp_size}")
+    block = TensorParallelConfig(tp_size, block.partition_config, block.preset_model, block.tp_overlap_comm)
+    if dtype is not None:
+        model.to(dtype)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    _split(model, block, device)
+    return model
+
+
+def prepare_tensor_parallel(model: nn.Module, block: TensorParallelConfig, world: World
+                            ) -> Optional[tuple[ModelParallelWorlds, TensorParallelGroups, SplitModel, Any]]:
+    """For ``initialize()``: the model split (now, or by ``tp_model_init`` before), the worlds its engine
+    trains over, and the batch check's hook (the engine removes it); None when the job has no tensor
+    parallelism from the config."""
+    record = split_of(model)
+    size = block.autotp_size
+    if record is None and size <= 1:
+        return None
+    if record is not None and size > 1 and size != record.size:
+        raise TensorParallelSizeError(f"the model was split over {record.size} ranks by tp_model_init(), but the "
+                                      f"config says tensor_parallel.autotp_size = {size}")
+    if record is None:
+        record = _split(model, block, world.device)
+    worlds = model_parallel_worlds(record.groups, world)
+    hook = check_batches(model, Collectives(world), record.size)
+    return worlds, record.groups, record, hook
