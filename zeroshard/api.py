@@ -90,8 +90,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     if parsed.seed is not None:
         torch.manual_seed(parsed.seed)
     engine = Engine(model, parsed, world, model_parameters, optimizer, lr_scheduler) if worlds is None \
-        else TensorParallelEngine(model, parsed, worlds, mpu, model_parameters, optimizer, lr_scheduler,
-                                  split.split if split is not None else None)
+        else TensorParallelEngine(model, parsed, worlds, mpu, model_parameters, optimizer, lr_scheduler, split)
     if split is not None:
         engine.hold_hook(batch_check)
     loader = None

@@ -6,17 +6,20 @@ its own ``base_model_tp_plan`` (q/k/v and gate/up by column, o and down by row);
 gradient clipping active, each data-parallel group on its own batch, against one process on both
 batches (fp32, 1e-5 relative, each rank's shard against the same slice of the unsplit weights).  Also:
 each rank's model-state bytes equal the ZeRO formula over its data-parallel group for its own share of
-the model (the split layers' 1/T and the rest whole); bf16 within bf16's distance of the fp32 oracle;
+the model (the split layers' 1/T and the rest whole); ``full_state_dict()`` and ``save_16bit_model()``
+give the unsplit model's tensors, which load strictly into the plain model; bf16 within bf16's distance of the fp32 oracle;
 ``tp_model_init`` before ``initialize``; and the refused inputs (a size that does not divide the world or
 the key/value heads, a pattern that matches no weight, different batches within a tensor-parallel group).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import zeroshard
@@ -42,7 +45,8 @@ def batch(step: int, data_rank: int) -> torch.Tensor:
 def config(stage: int, **extra: Any) -> dict[str, Any]:
     return {"train_micro_batch_size_per_gpu": ROWS, "gradient_clipping": CLIP, "collective_timeout": 60,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "stage3_param_persistence_threshold": 0},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "stage3_param_persistence_threshold": 0,
+                                  "stage3_gather_16bit_weights_on_model_save": True},
             "tensor_parallel": {"autotp_size": TP}, **extra}
 
 
@@ -68,7 +72,7 @@ def expected_shard(full: dict[str, torch.Tensor], name: str, kind: dict[str, str
     return value
 
 
-def train(rank: int, world: int, stage: int, precision: str = "fp32",
+def train(rank: int, world: int, directory: str, stage: int, precision: str = "fp32",
           via_tp_model_init: bool = False) -> dict[str, Any]:
     model = build()
     extra = {"bf16": {"enabled": True}} if precision == "bf16" else {}
@@ -84,13 +88,21 @@ def train(rank: int, world: int, stage: int, precision: str = "fp32",
     assert record is not None
     kinds = dict(record.plan.splits)
     expected = reference()
+    shards = {n: p.detach().cpu() for n, p in zip(engine.param_names, engine.strategy.params)}  # unsplit below 3
     worst, where = 0.0, ""
-    for name, value in engine.full_state_dict(rank0_only=False).items():
-        want = expected_shard(expected, name, kinds, rank % TP)
-        assert value.shape == want.shape, (name, value.shape, want.shape)
-        off = float((value.float() - want).abs().max()) / (float(want.abs().max()) or 1.0)
+    whole = engine.full_state_dict(rank0_only=False)  # the split tensors joined: the unsplit model's
+    assert {n: tuple(v.shape) for n, v in whole.items()} == {n: tuple(v.shape) for n, v in expected.items()}
+    for name, value in whole.items():
+        off = float((value.float() - expected[name]).abs().max()) / (float(expected[name].abs().max()) or 1.0)
         if off > worst:
             worst, where = off, name
+        if stage < 3:  # the rank's own shard is its slice of the whole tensor
+            assert torch.equal(shards[name], expected_shard(whole, name, kinds, rank % TP)), name
+    saved = engine.save_16bit_model(directory, "model.safetensors", dtype=torch.float32)
+    if rank == 0:
+        plain = build()
+        plain.load_state_dict(load_file(str(saved)))  # strict: every name, the unsplit shapes
+        assert all(torch.equal(plain.state_dict()[n], v.float()) for n, v in whole.items())
     memory = engine.memory_breakdown()
     local = sum(p.numel() for p in model.parameters())
     engine.close()
@@ -127,7 +139,7 @@ def check_train(results: list[dict[str, Any]], stage: int, precision: str = "fp3
             assert result["model_states"] == formula
 
 
-def refused(rank: int, world: int, what: str) -> str:
+def refused(rank: int, world: int, directory: str, what: str) -> str:
     model = build()
     tp = {"size": {"autotp_size": 3}, "heads": {"autotp_size": 4},
           "pattern": {"autotp_size": TP, "partition_config": {"layer_specs": [
@@ -159,6 +171,6 @@ CASES = [*(("train", {"stage": stage}) for stage in range(4)),
          *(("refused", {"what": what}) for what in ("size", "heads", "pattern", "batch"))]
 
 
-def test_autotp_trains_like_one_process() -> None:
-    by_rank = run_family(WORLD, CASES, {"train": train, "refused": refused})
+def test_autotp_trains_like_one_process(tmp_path: Path) -> None:
+    by_rank = run_family(WORLD, CASES, {"train": train, "refused": refused}, root=tmp_path)
     check_family(CASES, by_rank, {"train": check_train, "refused": check_refused}, WORLD)

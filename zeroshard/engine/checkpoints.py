@@ -28,7 +28,7 @@ from ..logging import log_rank
 from ..checkpoint.module_state import ModuleState
 from ..optim.sharded_state import OptimizerHyperparameters, ShardedState
 from ..checkpoint.rng import RNGState
-from ..experts.checkpoint import ExpertPlacement, expert_parts, with_every_expert
+from ..experts.checkpoint import ExpertPlacement, expert_parts
 from ..sharding.storage import HOMES
 
 if TYPE_CHECKING:  # only for the types below; the engine imports this module, not the reverse
@@ -58,6 +58,10 @@ class TrainingParts:
     #: expert parallelism: which experts this rank holds (see [Note: experts in a checkpoint] in
     #: experts/checkpoint.py)
     experts: Optional[ExpertPlacement] = None
+    #: where this rank's model is part of the whole (experts spread over ranks, layers split over a
+    #: tensor-parallel group): this rank's full state dict -> the whole model's; every rank calls it,
+    #: the second argument says whether this rank keeps the result
+    whole_model: Optional[Callable[[dict[str, torch.Tensor], bool], dict[str, torch.Tensor]]] = None
 
 
 @dataclass(frozen=True)
@@ -224,9 +228,9 @@ class EngineCheckpointer:
     def full_state_dict(self, rank0_only: bool) -> dict[str, torch.Tensor]:
         """``Engine.full_state_dict``: gathered one bucket at a time, every rank calling."""
         keep = self.world.rank == 0 or not rank0_only
-        placement = self.parts.experts
-        if placement is not None:  # every rank's experts, gathered under their global names
-            return with_every_expert(self._full_state_dict(True), placement, keep)
+        whole = self.parts.whole_model
+        if whole is not None:  # every rank's part of the model (experts, tensor-parallel shards) gathered
+            return whole(self._full_state_dict(True), keep)
         return self._full_state_dict(keep)
 
     def _full_state_dict(self, keep: bool) -> dict[str, torch.Tensor]:

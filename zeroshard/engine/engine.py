@@ -45,7 +45,7 @@ from ..optim import build_scheduler, clip_coefficient, from_config, from_user, g
 from ..optim.clipping import ExpertsNorm
 from ..experts.groups import (ExpertGroupRecord, ExpertParallelError, check_expert_parallel_size,
                               register_expert_groups)
-from ..experts.checkpoint import ExpertPlacement
+from ..experts.checkpoint import ExpertPlacement, with_every_expert
 from ..experts.layer import bind_expert_groups, expert_parallel_size
 from ..experts.memory import expert_breakdown
 from ..experts.registry import is_expert_param
@@ -343,6 +343,14 @@ class Engine:
             return build_scheduler(self.config.scheduler.type, self.config.scheduler.params, self.optimizer)
         return None
 
+    def _whole_model(self, experts: Optional[ExpertPlacement]
+                     ) -> Optional[Callable[[dict[str, torch.Tensor], bool], dict[str, torch.Tensor]]]:
+        """How this rank's full state dict becomes the whole model's, where it holds part of it (see
+        ``TrainingParts.whole_model``): every rank's experts gathered under their global names."""
+        if experts is None:
+            return None
+        return lambda state, keep: with_every_expert(state, experts, keep)
+
     def _reset_step_state(self) -> None:
         """The state of the micro step in progress: a fresh optimizer step at a boundary."""
         # API misuse checks: step() needs a backward() before it; one backward() per boundary
@@ -387,7 +395,7 @@ class Engine:
         experts = ExpertPlacement.of(self.module, groups.expert_parallel, groups.expert_data) \
             if groups.expert_parallel is not None and groups.expert_data is not None else None
         parts = TrainingParts(self.module, self.param_names, self.strategy, self.updater, self.optimizer,
-                              self.loss_scaler, self.counters, experts)
+                              self.loss_scaler, self.counters, experts, self._whole_model(experts))
         self.checkpointer = EngineCheckpointer(
             parts, self.world, self.comm, self._agree, self.saves,
             CheckpointSettings.from_config(self.config, self.precision, self.offload),

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Collection, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -28,6 +28,9 @@ from ..distributed.collectives import Collectives
 from ..distributed.model_parallel import ModelParallelWorlds
 from ..optim.tensor_parallel_norm import TensorParallelNorm
 from .engine import Engine, SchedulerSpec
+
+if TYPE_CHECKING:
+    from ..tensor_parallel import SplitModel
 
 
 class TensorParallelCheckpointError(ValueError):
@@ -46,10 +49,11 @@ class TensorParallelEngine(Engine):
 
     def __init__(self, model: nn.Module, config: ZeroshardConfig, worlds: ModelParallelWorlds, mpu: Any,
                  model_parameters: Any = None, optimizer: Any = None, lr_scheduler: SchedulerSpec = None,
-                 split: Optional[Collection[int]] = None) -> None:
-        """``split``: the ids of the parameters split across the tensor-parallel group, where zeroshard split
-        the model itself (``tensor_parallel.autotp_size``); otherwise the model's marks say."""
+                 split: Optional["SplitModel"] = None) -> None:
+        """``split``: how zeroshard split the model itself (``tensor_parallel.autotp_size``): which
+        parameters are split, along which dimension; otherwise the model's marks say which are split."""
         self.mpu = mpu
+        self.split = split
         self._held_hooks: list[Any] = []
         self.tensor_rank = worlds.tensor_rank
         self.tensor_parallel_size = worlds.dims.tp
@@ -59,7 +63,29 @@ class TensorParallelEngine(Engine):
             config = dataclasses.replace(config, checkpoint=dataclasses.replace(
                 ckpt, save_dir=str(Path(ckpt.save_dir) / part_directory(self.tensor_rank))))
         super().__init__(model, config, worlds.data_world, model_parameters, optimizer, lr_scheduler)
-        self._norm = TensorParallelNorm(self.strategy.layout.buckets, self.strategy.params, self.tensor, split)
+        self._norm = TensorParallelNorm(self.strategy.layout.buckets, self.strategy.params, self.tensor,
+                                        split.split if split is not None else None)
+
+    def _whole_model(self, experts: Any) -> Optional[Callable[[dict[str, torch.Tensor], bool], dict[str, torch.Tensor]]]:
+        """Where zeroshard split the model: every split tensor gathered whole from the tensor-parallel
+        group (``full_state_dict()``, ``save_16bit_model()``); a model that splits itself is its own to join."""
+        split = self.split
+        if split is None:
+            return None
+        tensor = self.tensor
+
+        def whole(state: dict[str, torch.Tensor], keep: bool) -> dict[str, torch.Tensor]:
+            out = {}
+            for name, value in state.items():
+                dim = split.dims.get(name)
+                if dim is not None and tensor.world.is_distributed:
+                    every = torch.empty(tensor.world.world_size * value.numel(), dtype=value.dtype,
+                                        device=tensor.world.device)
+                    tensor.all_gather(every, value.to(every.device).reshape(-1), f"whole_tensor.{name}")
+                    value = torch.cat(list(every.view(tensor.world.world_size, *value.shape)), dim=dim).cpu()
+                out[name] = value
+            return out if keep else {}
+        return whole
 
     def hold_hook(self, handle: Any) -> None:
         """A hook of the tensor-parallel set-up on the model, removed with the engine's own hooks."""
@@ -107,6 +133,10 @@ class TensorParallelEngine(Engine):
     def save_16bit_model(self, save_dir: Union[str, Path], save_filename: str = "model.safetensors",
                          dtype: Optional[torch.dtype] = None, exclude_frozen_parameters: bool = False,
                          ) -> Optional[Path]:
+        """Where zeroshard split the model: the whole model's weights (its split tensors joined); a model
+        that splits itself is refused."""
+        if self.split is not None:
+            return super().save_16bit_model(save_dir, save_filename, dtype, exclude_frozen_parameters)
         raise TensorParallelCheckpointError(
             "save_16bit_model(): each tensor-parallel rank holds part of the model, and one file of full "
             "weights would need them joined, which depends on the model's layers; use save_checkpoint()")

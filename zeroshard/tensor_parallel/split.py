@@ -43,6 +43,8 @@ class SplitModel:
     split: frozenset[int]
     #: the job's tensor x data groups (an mpu: groups.py)
     groups: Any
+    #: state-dict name of each split parameter -> the dimension it is split along
+    dims: dict[str, int]
 
 
 #: model -> how it was split (``tp_model_init`` or ``initialize`` split it; never twice)
@@ -60,18 +62,20 @@ def _forward_on_dtensors(module: nn.Linear, mesh: DeviceMesh, placements: dict[s
     return F.linear(input, weight, bias)
 
 
-def _keep_local_shards(module: nn.Linear, mesh: DeviceMesh) -> set[int]:
-    """Replace the module's DTensor parameters with their local shards; returns the split ones' ids."""
+def _keep_local_shards(module: nn.Linear, mesh: DeviceMesh) -> dict[str, tuple[int, int]]:
+    """Replace the module's DTensor parameters with their local shards; returns the split ones' names
+    (in the module) with their id and the dimension they are split along."""
     placements: dict[str, Any] = {}
-    split: set[int] = set()
+    split: dict[str, tuple[int, int]] = {}
     for name, param in list(module.named_parameters(recurse=False)):
         assert isinstance(param, DTensor)
         placements[name] = param.placements
         local = nn.Parameter(param.to_local().detach().clone(), requires_grad=param.requires_grad)
         del module._parameters[name]
         module.register_parameter(name, local)
-        if any(p.is_shard() for p in param.placements):
-            split.add(id(local))
+        shards = [p for p in param.placements if p.is_shard()]
+        if shards:
+            split[name] = (id(local), int(getattr(shards[0], "dim")))
     module.forward = functools.partial(_forward_on_dtensors, module, mesh, placements)  # type: ignore[method-assign]
     return split
 
@@ -86,10 +90,13 @@ def split_model(model: nn.Module, plan: TensorPlan, groups: Any) -> SplitModel:
                 dist.broadcast(tensor.data, src=0)
     modules = dict(model.named_modules())
     split: set[int] = set()
+    dims: dict[str, int] = {}
     for name, kind in plan.splits:
         module = modules[name]
         parallelize_module(module, mesh, ColwiseParallel() if kind == "column" else RowwiseParallel())
-        split |= _keep_local_shards(module, mesh)
-    record = SplitModel(groups.size, plan, frozenset(split), groups)
+        for param, (ident, dim) in _keep_local_shards(module, mesh).items():
+            split.add(ident)
+            dims[f"{name}.{param}"] = dim
+    record = SplitModel(groups.size, plan, frozenset(split), groups, dims)
     _SPLIT[model] = record
     return record
