@@ -31,10 +31,10 @@ from zeroshard.tools.testing import check_family, run_family
 TP, WORLD, STEPS, LR, CLIP, ROWS, SEQ, VOCAB = 2, 4, 5, 1e-3, 0.5, 2, 8, 64
 
 
-def build() -> LlamaForCausalLM:
+def build(kv_heads: int = 4) -> LlamaForCausalLM:
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                        num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=32,
                                         tie_word_embeddings=False))
 
 
@@ -50,10 +50,10 @@ def config(stage: int, **extra: Any) -> dict[str, Any]:
             "tensor_parallel": {"autotp_size": TP}, **extra}
 
 
-def reference() -> dict[str, torch.Tensor]:
+def reference(steps: int = STEPS) -> dict[str, torch.Tensor]:
     model = build()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    for step in range(STEPS):
+    for step in range(steps):
         loss = sum(model(input_ids=batch(step, d), labels=batch(step, d)).loss for d in range(WORLD // TP))
         (loss / (WORLD // TP)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
@@ -139,8 +139,52 @@ def check_train(results: list[dict[str, Any]], stage: int, precision: str = "fp3
             assert result["model_states"] == formula
 
 
+def reshapes(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """Saved at tensor 2 x data 2, ZeRO-3; loaded at tensor 1 x data 4 (ZeRO-2), tensor 4 x data 1 (ZeRO-1)
+    and into the plain model by ``zeroshard consolidate``'s reader."""
+    engine, _, _, _ = zeroshard.initialize(model=build(), config=config(3))
+    for step in range(STEPS):
+        ids = batch(step, rank // TP)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    engine.save_checkpoint(directory, tag="tp")
+    saved = engine.full_state_dict(rank0_only=False)
+    engine.close()
+    after = reference(STEPS + 1)
+    out: dict[str, Any] = {}
+    for size, stage in ((1, 2), (4, 1)):
+        engine, _, _, _ = zeroshard.initialize(model=build(), config={**config(stage),
+                                                                      "tensor_parallel": {"autotp_size": size}})
+        engine.load_checkpoint(directory, tag="tp")
+        loaded = engine.full_state_dict(rank0_only=False)
+        bitwise = set(loaded) == set(saved) and all(torch.equal(loaded[n], v) for n, v in saved.items())
+        # the step after on the same two batches: data 4 gives each to two ranks, data 1 takes both at once
+        ids = batch(STEPS, rank // 2) if size == 1 else torch.cat([batch(STEPS, d) for d in range(WORLD // TP)])
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        state = engine.full_state_dict(rank0_only=False)
+        out[f"tensor {size}"] = (bitwise, max(float((v - after[n]).abs().max()) / float(after[n].abs().max())
+                                              for n, v in state.items()))
+        engine.close()
+    if rank == 0:
+        from zeroshard.checkpoint.consolidate import full_state_dict as consolidated
+        plain = build()
+        plain.load_state_dict(consolidated(directory, "tp"))  # strict: every name, the unsplit shapes
+        out["plain"] = all(torch.equal(plain.state_dict()[n], v) for n, v in saved.items())
+    return out
+
+
+def check_reshapes(results: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(results):
+        for layout in ("tensor 1", "tensor 4"):
+            bitwise, after = result[layout]
+            assert bitwise, f"rank {rank}, {layout}: the loaded weights differ from the saved ones"
+            assert after <= 1e-5, f"rank {rank}, {layout}: the step after the load is off by {after:.2e}"
+    assert results[0]["plain"], "the consolidated weights differ from the saved ones"
+
+
 def refused(rank: int, world: int, directory: str, what: str) -> str:
-    model = build()
+    model = build(kv_heads=2)
     tp = {"size": {"autotp_size": 3}, "heads": {"autotp_size": 4},
           "pattern": {"autotp_size": TP, "partition_config": {"layer_specs": [
               {"patterns": [r".*\.qkv_proj\.weight"], "partition_type": "column"}]}},
@@ -168,9 +212,10 @@ def check_refused(results: list[str], what: str) -> None:
 CASES = [*(("train", {"stage": stage}) for stage in range(4)),
          ("train", {"stage": 2, "precision": "bf16"}),
          ("train", {"stage": 1, "via_tp_model_init": True}),
+         ("reshapes", {}),
          *(("refused", {"what": what}) for what in ("size", "heads", "pattern", "batch"))]
 
 
 def test_autotp_trains_like_one_process(tmp_path: Path) -> None:
-    by_rank = run_family(WORLD, CASES, {"train": train, "refused": refused}, root=tmp_path)
-    check_family(CASES, by_rank, {"train": check_train, "refused": check_refused}, WORLD)
+    by_rank = run_family(WORLD, CASES, {"train": train, "reshapes": reshapes, "refused": refused}, root=tmp_path)
+    check_family(CASES, by_rank, {"train": check_train, "reshapes": check_reshapes, "refused": check_refused}, WORLD)

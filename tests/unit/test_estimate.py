@@ -317,3 +317,152 @@ def test_moe_layout_from_hugging_face_configs(tmp_path, capsys) -> None:
         main(["estimate", "--hf-config", str(path), "--gpus-per-node", "4", "--ep", "4"])
     assert main(["estimate", "--hf-config", str(path), "--gpus-per-node", "4", "--ep", "4", "--topk", "2"]) == 0
     capsys.readouterr()
+
+
+def test_a_tensor_parallel_rank_holds_its_share_over_its_data_parallel_ranks() -> None:
+    """Ψ = 10000 with X = 6000 split, T = 2 over 4 ranks: a rank holds X/T + (Ψ - X) = 7000 parameters,
+    their state sharded over its 2 data-parallel ranks; the buffers are those of that engine."""
+    from zeroshard.planning import model_state_bytes
+    from zeroshard.planning.estimator import TensorShape, estimate_stage, tensor_rank_params
+
+    req = EstimateRequest(10000, 4, tensor=TensorShape(2, split_params=6000))
+    assert tensor_rank_params(req) == 7000
+    rows = [estimate_stage(req, s) for s in range(4)]
+    assert [(e.params, e.grads, e.optimizer) for e in rows] == [
+        (14000, 14000, 84000), (14000, 14000, 42000), (14000, 7000, 42000), (7000, 7000, 42000)]
+    for stage in range(4):
+        one = model_state_bytes(stage, 7000, 2, "mixed")
+        assert (rows[stage].params, rows[stage].grads, rows[stage].optimizer) == (one.params, one.grads, one.optimizer)
+        assert rows[stage].buffers == estimate_stage(EstimateRequest(7000, 2), stage).buffers
+    fp32 = estimate_stage(dataclasses.replace(req, precision="fp32"), 1)
+    assert fp32.model_states == 8 * 7000 + 8 * 7000 / 2
+    # nothing split: every rank holds the whole model, sharded over N/T; all split: Ψ/T over N/T
+    assert estimate_stage(EstimateRequest(10000, 4, tensor=TensorShape(2, split_params=0)), 3).params == 2 * 10000 / 2
+    assert estimate_stage(EstimateRequest(10000, 4, tensor=TensorShape(2, split_params=10000)), 3).params == 5000
+    assert estimate_stage(EstimateRequest(10000, 4, tensor=TensorShape(1, split_params=6000)), 3).model_states == \
+        estimate_stage(EstimateRequest(10000, 4), 3).model_states
+
+
+def test_the_split_parameters_default_to_a_llama_decoders_linear_layers() -> None:
+    """Per layer 2h^2 (q, o) + 2h x h_kv (k, v) + 3h x ffn (gate, up, down); ffn defaults to 4h, the
+    key/value heads to the heads.  Against a Hugging Face Llama's own linear weights."""
+    from zeroshard.planning.estimator import TensorShape
+
+    shape = ModelShape(hidden=8, layers=2, heads=4)
+    assert TensorShape(2, kv_heads=2, ffn=16).split(shape) == 2 * (2 * 64 + 2 * 8 * 4 + 3 * 8 * 16) == 1152
+    assert TensorShape(2, ffn=16).split(shape) == 2 * (4 * 64 + 3 * 8 * 16) == 1280
+    assert TensorShape(2).split(shape) == 2 * (4 * 64 + 3 * 8 * 32) == 2048
+    assert TensorShape(2, split_params=7).split(ModelShape()) == 7 and TensorShape(2).split(ModelShape(hidden=8)) is None
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    linear = sum(p.numel() for n, p in model.named_parameters() if n.endswith("proj.weight"))
+    assert TensorShape(2, kv_heads=2, ffn=24).split(ModelShape(hidden=16, layers=3, heads=4)) == linear
+
+
+def test_tensor_parallel_activations_split_the_intermediates_and_keep_the_inputs_whole() -> None:
+    """s*b*h*(10 + 24/T + 5as/(hT)) per layer: s=16, b=1, h=8, a=2, T=2: 128 x (10 + 12 + 10) = 4096
+    bytes (6912 without tensor parallelism); checkpointed, each layer's whole input plus one layer."""
+    from zeroshard.planning.estimator import TensorShape, activation_bytes
+
+    shape = ModelShape(hidden=8, layers=4, heads=2)
+    dense = EstimateRequest(8e9, 8, micro_batch=1, seq_len=16, shape=shape)
+    tp = dataclasses.replace(dense, tensor=TensorShape(2, split_params=1e9))
+    assert activation_bytes(dense) == 4 * 6912 and activation_bytes(tp) == 4 * 4096 == 16384
+    assert activation_bytes(dataclasses.replace(tp, checkpointing=True)) == 4 * 2 * 16 * 8 + 4096 == 5120
+    assert activation_bytes(dataclasses.replace(tp, precision="fp32")) == 2 * 16384
+    four = dataclasses.replace(tp, tensor=TensorShape(4, split_params=1e9))
+    assert activation_bytes(four) == 4 * 128 * (10 + 6 + 5) == 10752
+    assert activation_bytes(dataclasses.replace(tp, tensor=TensorShape(1, split_params=1e9))) == activation_bytes(dense)
+
+
+def test_the_tensor_parallel_all_reduces_send_two_t_minus_one_over_t_of_each() -> None:
+    """7 all-reduces of b x s x h per layer per micro-batch (o and down forward; q, k, v, gate and up
+    backward, as torch's ColwiseParallel reduces each input gradient): 7 x 2 (T-1)/T x b s h x dtype."""
+    from zeroshard.planning.estimator import TensorShape, tensor_parallel_bytes
+
+    req = EstimateRequest(10000, 4, micro_batch=2, seq_len=8, shape=ModelShape(hidden=8),
+                          tensor=TensorShape(2, split_params=6000))
+    assert tensor_parallel_bytes(req) == 7 * 2 * 1 * 2 * 8 * 8 * 2 / 2 == 1792
+    assert tensor_parallel_bytes(dataclasses.replace(req, precision="fp32")) == 3584
+    assert tensor_parallel_bytes(dataclasses.replace(req, tensor=TensorShape(4, split_params=6000))) == \
+        7 * 2 * 3 * 2 * 8 * 8 * 2 / 4 == 2688
+    assert tensor_parallel_bytes(dataclasses.replace(req, tensor=TensorShape(1, split_params=6000))) == 0
+    assert tensor_parallel_bytes(dataclasses.replace(req, seq_len=None)) is None
+    assert tensor_parallel_bytes(dataclasses.replace(req, tensor=None)) is None
+
+
+def test_tensor_parallel_layouts_zeroshard_does_not_train_are_refused() -> None:
+    from zeroshard.planning.estimator import EstimateError, MoEShape, PipelineShape, TensorShape, check_parallel
+
+    base = EstimateRequest(10000, 4, tensor=TensorShape(2, split_params=6000))
+    check_parallel(base)
+    check_parallel(dataclasses.replace(base, shape=ModelShape(heads=4), tensor=TensorShape(2, 6000, kv_heads=2)))
+    for bad, message in (
+            (dataclasses.replace(base, tensor=TensorShape(3, 6000)), "--tp 3 does not divide the 4 ranks"),
+            (dataclasses.replace(base, tensor=TensorShape(0, 6000)), "--tp 0 does not divide the 4 ranks"),
+            (dataclasses.replace(base, shape=ModelShape(heads=6), tensor=TensorShape(4, 6000)),
+             "--tp 4 does not divide the 6 attention heads"),
+            (dataclasses.replace(base, tensor=TensorShape(2, 6000, kv_heads=1)),
+             "--tp 2 does not divide the 1 key/value heads"),
+            (dataclasses.replace(base, pipeline=PipelineShape(2)), "--tp 2 with --pp 2"),
+            (dataclasses.replace(base, moe=MoEShape(4, 100, 2, ep_size=2)), "--tp 2 with --ep 2"),
+            (dataclasses.replace(base, moe=MoEShape(4, 100, 2)), "--tp 2 with --experts"),
+            (dataclasses.replace(base, tensor=TensorShape(2)), "--tp 2 needs the split parameters"),
+            (dataclasses.replace(base, tensor=TensorShape(2, 20000)), "2e\\+04 split parameters")):
+        with pytest.raises(EstimateError, match=message):
+            check_parallel(bad)
+
+
+def test_cli_estimate_with_tensor_parallelism(tmp_path, capsys) -> None:
+    assert main(["estimate", "--params", "10000", "--gpus-per-node", "4", "--tp", "2", "--tp-params", "6000",
+                 "--micro-batch", "2", "--seq-len", "8", "--hidden", "8", "--layers", "2", "--heads", "2",
+                 "--grad-accum", "3", "--precision", "fp16"]) == 0
+    out = capsys.readouterr().out
+    assert ("tensor parallel: 2 tensor-parallel x 2 data-parallel ranks; 6000 of the 1e+04 parameters split "
+            "(--tp-params), the rest whole: a rank holds X/T + (Ψ - X) = 7000 parameters, ZeRO over its 2 "
+            "data-parallel ranks") in out
+    assert "activations: s*b*h*(10 + 24/T + 5*a*s/(h*T)) per layer (T = 2" in out
+    # 2 layers x 8 x 2 x 8 x (10 + 12 + 5 x 2 x 8 / 16) = 6912 bytes of activations
+    assert "| 0 | 1.4e-05 | 1.4e-05 | 8.4e-05 | 0.000112 | 6.912e-06 |" in out
+    assert "| 3 | 7e-06 | 7e-06 | 4.2e-05 | 5.6e-05 | 6.912e-06 |" in out
+    assert ("tensor-parallel all-reduce: 1.792e-06 GB per layer per micro-batch per rank (7 all-reduces, 2 forward + "
+            "5 backward, x 2 x 1/2 x 2 x 8 x 8 x 2 bytes), 1.075e-05 GB per rank per step (2 layers x 3 "
+            "micro-batches)") in out
+    # the split counted from the shape; --tp 1 sends nothing
+    assert main(["estimate", "--params", "1e9", "--gpus-per-node", "4", "--tp", "1", "--hidden", "8", "--layers",
+                 "2", "--heads", "4", "--kv-heads", "2", "--ffn", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "1152 of the 1e+09 parameters split (2 layers x (2h^2 + 2h^2 x 2/4 kv heads + 3h x ffn), h 8, ffn 16" in out
+    assert "tensor-parallel all-reduce: none (--tp 1)" in out
+    config = tmp_path / "ds.json"  # the config's autotp_size when --tp is not given
+    config.write_text(json.dumps({"tensor_parallel": {"autotp_size": 4}}))
+    assert main(["estimate", "--params", "1e9", "--gpus-per-node", "8", "--config", str(config), "--tp-params",
+                 "8e8"]) == 0
+    out = capsys.readouterr().out
+    assert "tensor parallel: 4 tensor-parallel x 2 data-parallel ranks" in out and "= 4e+08 parameters" in out
+    assert "tensor-parallel all-reduce: give --micro-batch, --seq-len and --hidden for the bytes" in out
+    transformers = pytest.importorskip("transformers")  # GQA and the MLP width from a Hugging Face config
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    assert main(["estimate", "--hf-config", str(tmp_path), "--gpus-per-node", "2", "--tp", "2"]) == 0
+    assert "3 layers x (2h^2 + 2h^2 x 2/4 kv heads + 3h x ffn), h 16, ffn 24" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="does not divide the 2 key/value heads"):
+        main(["estimate", "--hf-config", str(tmp_path), "--gpus-per-node", "4", "--tp", "4"])
+    for bad, message in ((["--tp", "3"], "--tp 3 does not divide the 8 ranks"),
+                         (["--tp", "2", "--heads", "3", "--tp-params", "10"], "does not divide the 3 attention heads"),
+                         (["--tp", "2", "--pp", "2", "--tp-params", "10"], "tensor parallelism inside a pipeline"),
+                         (["--tp", "2", "--tp-params", "10", "--experts", "4", "--expert-params", "10",
+                           "--moe-layers", "1", "--ep", "2"], "tensor parallelism with expert parallelism"),
+                         (["--tp", "2"], "--tp 2 needs the split parameters"),
+                         (["--kv-heads", "2", "--ffn", "16"], "--kv-heads, --ffn belong"),
+                         (["--tp", "2", "--tp-params", "10", "--intra-node-bw", "900GB/s", "--inter-node-bw", "50GB/s",
+                           "--tflops", "400", "--micro-batch", "1", "--seq-len", "8"],
+                          "the scale model does not know tensor parallelism")):
+        with pytest.raises(SystemExit, match=message):
+            main(["estimate", "--params", "8e9", "--gpus-per-node", "8", *bad])

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
 from ..precision.policy import DTYPES
 from .format import LATEST, MANIFEST, published_dir, resolve_tag, write_safetensors_streaming
 from .reader import CheckpointReader
+from .tensor_parts import TensorPartsReader, is_tensor_parallel_job
 
 
 def find_checkpoint(path: str | Path, tag: Optional[str] = None) -> Path:
@@ -26,6 +27,14 @@ def find_checkpoint(path: str | Path, tag: Optional[str] = None) -> Path:
     if tag is None and ((path / MANIFEST).is_file() or not (path / LATEST).is_file()):
         return path
     return published_dir(path, resolve_tag(path, tag))
+
+
+def open_reader(checkpoint: str | Path, tag: Optional[str] = None) -> Union[CheckpointReader, TensorPartsReader]:
+    """A checkpoint's reader; a tensor-parallel job's parts joined into the whole model's tensors (see
+    [Note: a tensor-parallel checkpoint read at another size] in checkpoint/tensor_parts.py)."""
+    if is_tensor_parallel_job(Path(checkpoint)):
+        return TensorPartsReader(Path(checkpoint), tag)
+    return CheckpointReader(find_checkpoint(checkpoint, tag))
 
 
 def consolidate(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", tag: Optional[str] = None,
@@ -39,7 +48,7 @@ def consolidate(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", ta
     """
     if trainable_only:
         return consolidate_trainable(checkpoint, out, dtype, tag)
-    with CheckpointReader(find_checkpoint(checkpoint, tag)) as reader:
+    with open_reader(checkpoint, tag) as reader:
         model = reader.data["model"]
         out = Path(out)
         if out.suffix == ".safetensors":
@@ -70,7 +79,7 @@ def consolidate_trainable(checkpoint: str | Path, out: str | Path, dtype: str = 
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    with CheckpointReader(find_checkpoint(checkpoint, tag)) as reader:
+    with open_reader(checkpoint, tag) as reader:
         model = reader.data["model"]
         trainable_of: dict[str, str] = model["trainable_of"]
         peft_configs: Optional[dict[str, Any]] = model.get("peft_config")
@@ -91,7 +100,7 @@ def consolidate_trainable(checkpoint: str | Path, out: str | Path, dtype: str = 
     return target
 
 
-def _full_weights(reader: CheckpointReader, cast: torch.dtype
+def _full_weights(reader: Union[CheckpointReader, TensorPartsReader], cast: torch.dtype
                   ) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], Callable[[str], torch.Tensor]]:
     """Every state-dict entry's name, shape and dtype, and a function producing its full values
     (frozen parameters only when the checkpoint holds them)."""
@@ -117,7 +126,7 @@ def full_state_dict(checkpoint: str | Path, tag: Optional[str] = None, dtype: to
                     ) -> dict[str, torch.Tensor]:
     """A checkpoint's full weights as an ordinary state dict in host memory (the whole model at once:
     for a file on disk with bounded memory use :func:`consolidate`)."""
-    with CheckpointReader(find_checkpoint(checkpoint, tag)) as reader:
+    with open_reader(checkpoint, tag) as reader:
         entries, produce = _full_weights(reader, dtype)
         return {key: produce(key).to(want) for key, _, want in entries}
 

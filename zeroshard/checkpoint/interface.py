@@ -140,3 +140,8 @@ class CheckpointParts:
     job: Optional[PartOfJob] = None
     #: set when the model's experts are spread over the ranks (expert parallelism)
     experts: Optional[SpreadExperts] = None
+    #: where zeroshard split the model's layers over a tensor-parallel group: this rank's share, of how
+    #: many, and the dimension each split parameter is split along (a tensor-parallel job's checkpoint is
+    #: read at this size: [Note: a tensor-parallel checkpoint read at another size] in
+    #: checkpoint/tensor_parts.py)
+    tensor_slice: Optional[tuple[int, int, dict[str, int]]] = None

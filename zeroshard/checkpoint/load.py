@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -27,6 +27,7 @@ from ..sharding.layout import BucketLayout
 from .format import MANIFEST, CheckpointError, published_dir, rank_file, resolve_tag  # resolve_tag: public here
 from .interface import CheckpointParts
 from .reader import CheckpointReader, chunk_saver
+from .tensor_parts import TENSOR_SPLIT_FILE, TensorPartsReader, is_tensor_parallel_job
 
 #: the manifest's required entries and their JSON types
 _SCHEMA: dict[str, type] = {
@@ -36,7 +37,7 @@ _COUNTERS = ("global_steps", "micro_steps", "global_samples")
 _JSON_KIND = {int: "an integer", list: "a list", dict: "an object", str: "a string"}
 
 
-def _check_model(parts: CheckpointParts, reader: CheckpointReader, strict: bool) -> None:
+def _check_model(parts: CheckpointParts, reader: Reader, strict: bool) -> None:
     ours = {s.name: tuple(s.shape) for b in parts.shards.layout.buckets for s in b.slots}
     theirs = {name: reader.shape(name) for name in reader.param_names()}
     wrong = [f"{n} (checkpoint {theirs[n]}, model {ours[n]})" for n in ours if n in theirs and theirs[n] != ours[n]]
@@ -115,7 +116,7 @@ def _agree(parts: CheckpointParts, problem: Optional[str], identity: str) -> Non
     parts.agree_on(identity)
 
 
-def files_to_read(parts: CheckpointParts, reader: CheckpointReader) -> set[str]:
+def files_to_read(parts: CheckpointParts, reader: Reader) -> set[str]:
     """The files this rank's load reads, which are the ones it verifies: those holding its chunks (at
     any world size or bucket plan), the one its scalar optimizer state comes from, its own (for its RNG
     state) and the frozen parameters and buffers.  A rank never checksums files it does not read, so
@@ -131,31 +132,54 @@ def files_to_read(parts: CheckpointParts, reader: CheckpointReader) -> set[str]:
     return files & set(reader.data["files"])
 
 
-def _fill(reader: CheckpointReader, bucket: BucketLayout, start: int, target: torch.Tensor, key: str,
+def _fill(reader: Reader, bucket: BucketLayout, start: int, target: torch.Tensor, key: str,
           known: set[str]) -> None:
     """Copy into ``target`` (a chunk starting at ``start`` in ``bucket``) every parameter element it holds."""
     bucket.fill_chunk(start, target, lambda slot, lo, hi: reader.read(slot.name, key, lo, hi)
                       if slot.name in known else None)
 
 
-def open_checkpoint(parts: CheckpointParts, load_dir: str | Path, tag: Optional[str], strict: bool
-                    ) -> CheckpointReader:
+#: what a load reads from: one checkpoint, or a tensor-parallel job's parts joined
+Reader = Union[CheckpointReader, TensorPartsReader]
+
+
+def _open_reader(parts: CheckpointParts, root: Path, tag: Optional[str], strict: bool) -> tuple[Reader, str]:
+    """The checkpoint under ``root`` opened and checked against ``parts``, and its identity (what every
+    rank must agree on); a tensor-parallel job's parts are joined at this rank's size."""
+    rank, size, dims = parts.tensor_slice or (0, 1, {})
+    if is_tensor_parallel_job(root) or size > 1:  # parts joined, or a whole model split, at this size
+        joined = TensorPartsReader(root, tag, rank, size, dims)  # every part verified as it opens
+        try:
+            _check_model(parts, joined, strict)
+        except BaseException:
+            joined.close()
+            raise
+        split = (root / TENSOR_SPLIT_FILE).read_bytes() if is_tensor_parallel_job(root) else b""
+        return joined, hashlib.sha256(split + (joined.directory / MANIFEST).read_bytes()).hexdigest()
+    directory = published_dir(root, resolve_tag(root, tag))
+    raw = (directory / MANIFEST).read_bytes() if (directory / MANIFEST).is_file() else b""
+
+    def validate(d: Path, data: Any) -> None:
+        check_manifest(d, data)
+        _check_node_local(parts, d, data)
+
+    reader = CheckpointReader(directory, rank=parts.world.rank, validate=validate, verify=False)
+    try:
+        _check_model(parts, reader, strict)
+        reader.manifest.verify_files(files_to_read(parts, reader))
+    except BaseException:
+        reader.close()
+        raise
+    return reader, hashlib.sha256(raw).hexdigest()
+
+
+def open_checkpoint(parts: CheckpointParts, load_dir: str | Path, tag: Optional[str], strict: bool) -> Reader:
     """Resolve, read and validate the checkpoint on every rank (see [Note: a load is all or nothing])."""
-    reader: Optional[CheckpointReader] = None
+    reader: Optional[Reader] = None
     problem: Optional[str] = None
     identity = ""
     try:
-        root = Path(load_dir)
-        directory = published_dir(root, resolve_tag(root, tag))
-        raw = (directory / MANIFEST).read_bytes() if (directory / MANIFEST).is_file() else b""
-        identity = hashlib.sha256(raw).hexdigest()
-        def validate(d: Path, data: Any) -> None:
-            check_manifest(d, data)
-            _check_node_local(parts, d, data)
-
-        reader = CheckpointReader(directory, rank=parts.world.rank, validate=validate, verify=False)
-        _check_model(parts, reader, strict)
-        reader.manifest.verify_files(files_to_read(parts, reader))
+        reader, identity = _open_reader(parts, Path(load_dir), tag, strict)
     except CheckpointError as err:
         problem = str(err)
     try:
@@ -180,7 +204,7 @@ def load_checkpoint(parts: CheckpointParts, load_dir: str | Path, tag: Optional[
         return _load(parts, reader, load_optimizer_states, load_lr_scheduler_states, load_module_only, restore_rng)
 
 
-def _load(parts: CheckpointParts, reader: CheckpointReader, load_optimizer_states: bool,
+def _load(parts: CheckpointParts, reader: Reader, load_optimizer_states: bool,
           load_lr_scheduler_states: bool, load_module_only: bool, restore_rng: bool) -> tuple[Optional[Path], Any]:
     known = set(reader.param_names())
     with_optimizer = load_optimizer_states and not load_module_only
@@ -211,7 +235,7 @@ def _load(parts: CheckpointParts, reader: CheckpointReader, load_optimizer_state
     return reader.directory, manifest.get("client_state")
 
 
-def _load_rest(parts: CheckpointParts, reader: CheckpointReader, manifest: dict, with_optimizer: bool,
+def _load_rest(parts: CheckpointParts, reader: Reader, manifest: dict, with_optimizer: bool,
                with_scheduler: bool, restore_rng: bool) -> None:
     engine = manifest["engine"]
     parts.counters.load_state_dict(engine)

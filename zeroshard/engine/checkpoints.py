@@ -62,6 +62,8 @@ class TrainingParts:
     #: tensor-parallel group): this rank's full state dict -> the whole model's; every rank calls it,
     #: the second argument says whether this rank keeps the result
     whole_model: Optional[Callable[[dict[str, torch.Tensor], bool], dict[str, torch.Tensor]]] = None
+    #: where zeroshard split the model over a tensor-parallel group: ``CheckpointParts.tensor_slice``
+    tensor_slice: Optional[tuple[int, int, dict[str, int]]] = None
 
 
 @dataclass(frozen=True)
@@ -202,7 +204,8 @@ class EngineCheckpointer:
             self.world, self.comm, strategy.stage, ShardedState(parts.updater, strategy),
             ModuleState(parts.module, strategy.params, parts.param_names, storage),
             OptimizerHyperparameters(parts.optimizer), parts.counters, parts.loss_scaler, RNGState(),
-            lambda identity: self._agree_on(Call.LOAD, identity), attached.lr_scheduler, loader)
+            lambda identity: self._agree_on(Call.LOAD, identity), attached.lr_scheduler, loader,
+            tensor_slice=parts.tensor_slice)
         return checkpoint if parts.experts is None else expert_parts(checkpoint, parts.experts, parts.param_names)
 
     # ------------------------------------------------------------------ full weights

@@ -351,6 +351,10 @@ class Engine:
             return None
         return lambda state, keep: with_every_expert(state, experts, keep)
 
+    def _tensor_slice(self) -> Optional[tuple[int, int, dict[str, int]]]:
+        """Where zeroshard split the model over a tensor-parallel group (``TrainingParts.tensor_slice``)."""
+        return None
+
     def _reset_step_state(self) -> None:
         """The state of the micro step in progress: a fresh optimizer step at a boundary."""
         # API misuse checks: step() needs a backward() before it; one backward() per boundary
@@ -395,7 +399,8 @@ class Engine:
         experts = ExpertPlacement.of(self.module, groups.expert_parallel, groups.expert_data) \
             if groups.expert_parallel is not None and groups.expert_data is not None else None
         parts = TrainingParts(self.module, self.param_names, self.strategy, self.updater, self.optimizer,
-                              self.loss_scaler, self.counters, experts, self._whole_model(experts))
+                              self.loss_scaler, self.counters, experts, self._whole_model(experts),
+                              self._tensor_slice())
         self.checkpointer = EngineCheckpointer(
             parts, self.world, self.comm, self._agree, self.saves,
             CheckpointSettings.from_config(self.config, self.precision, self.offload),

@@ -10,8 +10,10 @@ in the norm] in optim/tensor_parallel_norm.py), and checkpoints, where each tens
 part is a checkpoint of its own under ``mp_rank_XX`` of the directory, as DeepSpeed names its
 model-parallel files; each part's ``latest`` is its own, and they agree because every rank saves at
 the same calls.  A checkpoint loads at the tensor-parallel degree it was saved at (any data-parallel
-degree and ZeRO stage, as any zeroshard checkpoint); re-splitting the parts for another degree is the
-model's layout to know, and is refused.
+degree and ZeRO stage, as any zeroshard checkpoint); re-splitting a model's own parts for another
+degree is the model's layout to know, and is refused.  Where zeroshard split the model
+(``tensor_parallel.autotp_size``) it knows the layout, and a checkpoint loads at any degree (see [Note:
+a tensor-parallel checkpoint read at another size] in checkpoint/tensor_parts.py).
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from ..checkpoint.tensor_parts import part_directory, write_tensor_split
 from ..config import ZeroshardConfig
 from ..distributed.collectives import Collectives
 from ..distributed.model_parallel import ModelParallelWorlds
@@ -36,11 +40,6 @@ if TYPE_CHECKING:
 class TensorParallelCheckpointError(ValueError):
     """A checkpoint saved at another tensor-parallel degree (or without one), or a save that would
     put every tensor-parallel rank's part in one file."""
-
-
-def part_directory(tensor_rank: int) -> str:
-    """The directory of a tensor-parallel rank's part inside a checkpoint directory."""
-    return f"mp_rank_{tensor_rank:02d}"
 
 
 class TensorParallelEngine(Engine):
@@ -65,6 +64,8 @@ class TensorParallelEngine(Engine):
         super().__init__(model, config, worlds.data_world, model_parameters, optimizer, lr_scheduler)
         self._norm = TensorParallelNorm(self.strategy.layout.buckets, self.strategy.params, self.tensor,
                                         split.split if split is not None else None)
+        if ckpt.save_dir is not None:  # periodic saves: how the model is split, beside its parts
+            self._record_split(Path(ckpt.save_dir))
 
     def _whole_model(self, experts: Any) -> Optional[Callable[[dict[str, torch.Tensor], bool], dict[str, torch.Tensor]]]:
         """Where zeroshard split the model: every split tensor gathered whole from the tensor-parallel
@@ -87,6 +88,9 @@ class TensorParallelEngine(Engine):
             return out if keep else {}
         return whole
 
+    def _tensor_slice(self) -> Optional[tuple[int, int, dict[str, int]]]:
+        return None if self.split is None else (self.tensor_rank, self.tensor_parallel_size, dict(self.split.dims))
+
     def hold_hook(self, handle: Any) -> None:
         """A hook of the tensor-parallel set-up on the model, removed with the engine's own hooks."""
         self._held_hooks.append(handle)
@@ -107,18 +111,33 @@ class TensorParallelEngine(Engine):
     def save_checkpoint(self, save_dir: Union[str, Path], tag: Any = None, client_state: Any = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False,
                         async_save: Optional[bool] = None) -> Path:
-        """This tensor-parallel rank's part, under ``save_dir/mp_rank_XX`` (every rank calls it)."""
+        """This tensor-parallel rank's part, under ``save_dir/mp_rank_XX`` (every rank calls it); where
+        zeroshard split the model, with how it split it beside the parts (``tensor_split.json``: [Note: a
+        tensor-parallel checkpoint read at another size] in checkpoint/tensor_parts.py)."""
+        self._record_split(Path(save_dir))
         return super().save_checkpoint(self.part_of(save_dir), tag, client_state, save_latest,
                                        exclude_frozen_parameters, async_save)
+
+    def _record_split(self, save_dir: Path) -> None:
+        if self.split is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+            write_tensor_split(save_dir, self.tensor_parallel_size, self.split.dims)
 
     def load_checkpoint(self, load_dir: Union[str, Path], tag: Any = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, load_rng_state: Optional[bool] = None,
                         ) -> tuple[Optional[Path], Any]:
-        """This rank's part of a checkpoint saved at the same tensor-parallel degree."""
+        """This rank's part of a checkpoint saved at the same tensor-parallel degree; where zeroshard split
+        the model, also one saved at another degree, or without tensor parallelism, re-split by name."""
+        if self.split is not None and not self._same_degree(Path(load_dir)):
+            return super().load_checkpoint(load_dir, tag, load_module_strict, load_optimizer_states,
+                                           load_lr_scheduler_states, load_module_only, load_rng_state)
         self._check_degree(Path(load_dir))
         return super().load_checkpoint(self.part_of(load_dir), tag, load_module_strict, load_optimizer_states,
                                        load_lr_scheduler_states, load_module_only, load_rng_state)
+
+    def _same_degree(self, load_dir: Path) -> bool:
+        saved = sorted(p.name for p in load_dir.glob("mp_rank_*") if p.is_dir()) if load_dir.is_dir() else []
+        return saved == [part_directory(r) for r in range(self.tensor_parallel_size)]
 
     def _check_degree(self, load_dir: Path) -> None:
         if not load_dir.is_dir():

@@ -34,6 +34,23 @@ tokens = micro_batch x seq_len; the all-to-all sends (P-1)/P of it for the dispa
 the combine, and as much in backward: 4 (P-1)/P E c hidden bytes-per-element.  Activations and
 buffers use the dense formulas (the experts' own activations and the exchange buffers are not
 counted).
+
+[Note: tensor parallel estimates]
+AutoTP (``TensorShape``, ``tensor_parallel.autotp_size`` T) is T tensor-parallel x N/T data-parallel
+ranks.  X of the Ψ parameters are split (default: a Llama-style decoder's linear layers, per layer
+2h^2 + 2h*h_kv (q, o and k, v; h_kv = h x kv_heads/heads) + 3h*ffn (gate, up, down; ffn default 4h);
+biases, norms, embeddings and the head stay whole); a rank holds Ψ_rank = X/T + (Ψ - X) and its model
+states are the stage formula for Ψ_rank over its N/T data-parallel ranks.  Activations per layer
+follow Korthikanti et al.'s tensor-parallel formula, ``s*b*h*(10 + 24/T + 5*a*s/(h*T))`` bytes in
+16-bit (fp32 doubles it): the attention and MLP intermediates split by T, the layer's inputs, norms
+and dropout masks (10 s*b*h) stay whole; checkpointed, each layer keeps its whole input.  Traffic:
+per layer and micro-batch, forward, one all-reduce of b x s x h elements after each row-parallel
+layer (o, down), and backward one per column-parallel layer (q, k, v, gate, up: torch's
+``ColwiseParallel`` all-reduces each such layer's input gradient on its own), 7 in all for a Llama
+layer; a ring all-reduce sends 2(T-1)/T of its data, so a rank sends 7 x 2(T-1)/T x b s h
+bytes-per-element per layer and micro-batch.  These go through DTensor, not the engine's
+collectives, and are not in the buffers.  Tensor parallelism inside a pipeline or with expert
+parallelism is refused, as zeroshard refuses it in training.
 """
 
 from __future__ import annotations
@@ -109,6 +126,33 @@ class MoEShape:
 
 
 @dataclass(frozen=True)
+class TensorShape:
+    """AutoTP: ``size`` T; ``split_params`` X, the parameters split over the T ranks (None: from the
+    model's shape, with ``kv_heads`` (default: the heads) and ``ffn`` (default 4 x hidden)); see
+    [Note: tensor parallel estimates]."""
+
+    size: int
+    split_params: Optional[float] = None
+    kv_heads: Optional[int] = None
+    ffn: Optional[int] = None
+    #: column-parallel layers per transformer layer (q, k, v, gate, up), each an all-reduce in backward
+    column_layers: int = 5
+    #: row-parallel layers per transformer layer (o, down), each an all-reduce in forward
+    row_layers: int = 2
+
+    def split(self, shape: ModelShape) -> Optional[float]:
+        """X: as given, else a Llama-style decoder's linear parameters (None without hidden and layers)."""
+        if self.split_params is not None:
+            return self.split_params
+        h, layers = shape.hidden, shape.layers
+        if not (h and layers):
+            return None
+        kv_width = h * self.kv_heads / shape.heads if self.kv_heads and shape.heads else h
+        ffn = self.ffn or 4 * h
+        return layers * (2 * h * h + 2 * h * kv_width + 3 * h * ffn)
+
+
+@dataclass(frozen=True)
 class StageEstimate:
     stage: int
     params: float
@@ -153,11 +197,15 @@ class EstimateRequest:
     pipeline: Optional[PipelineShape] = None
     #: MoE layers (None: a dense model)
     moe: Optional[MoEShape] = None
+    #: tensor parallelism (AutoTP; None: none)
+    tensor: Optional[TensorShape] = None
 
 
 def check_parallel(req: EstimateRequest) -> None:
     """Refuse a pipeline or expert-parallel layout that does not fit the ranks, the experts or zeroshard."""
     n, pp = req.world_size, req.pipeline
+    if req.tensor is not None:
+        check_tensor(req)
     if pp is not None:
         if pp.stages < 1 or n % pp.stages:
             raise EstimateError(f"--pp {pp.stages} does not divide the {n} ranks: the world is pipeline stages x "
@@ -193,12 +241,54 @@ def check_parallel(req: EstimateRequest) -> None:
                             f"{req.num_params:.4g} parameters: --params counts dense and expert parameters")
 
 
+def check_tensor(req: EstimateRequest) -> None:
+    """Refuse a tensor-parallel size that does not divide the ranks or the heads, or a combination
+    zeroshard does not train."""
+    tp, n = req.tensor, req.world_size
+    assert tp is not None
+    t = tp.size
+    if t < 1 or n % t:
+        raise EstimateError(f"--tp {t} does not divide the {n} ranks: the world is tensor-parallel x data-parallel "
+                            f"ranks, so choose a divisor of {n}")
+    for flag, what, heads in (("--heads", "attention", req.shape.heads), ("--kv-heads", "key/value", tp.kv_heads)):
+        if heads is not None and heads % t:
+            raise EstimateError(f"--tp {t} does not divide the {heads} {what} heads ({flag}): each rank computes "
+                                f"whole heads; choose a divisor of {heads}")
+    if t > 1 and req.pipeline is not None and req.pipeline.stages > 1:
+        raise EstimateError(f"--tp {t} with --pp {req.pipeline.stages}: zeroshard does not run tensor parallelism "
+                            f"inside a pipeline")
+    if t > 1 and req.moe is not None:
+        if req.moe.ep_size > 1:
+            raise EstimateError(f"--tp {t} with --ep {req.moe.ep_size}: zeroshard does not run tensor parallelism "
+                                f"with expert parallelism")
+        raise EstimateError(f"--tp {t} with --experts: the estimate does not split MoE layers over tensor-parallel "
+                            f"ranks (count the experts in --params and the split part in --tp-params without "
+                            f"--experts)")
+    x = tp.split(req.shape)
+    if x is None:
+        raise EstimateError(f"--tp {t} needs the split parameters: --tp-params X, or --hidden and --layers "
+                            f"(with --ffn, --heads, --kv-heads) to count a Llama-style decoder's linear layers")
+    if not 0 <= x <= req.num_params:
+        raise EstimateError(f"{x:.4g} split parameters (--tp-params, or counted from --hidden/--layers/--ffn) but the "
+                            f"model has {req.num_params:.4g}: give --tp-params between 0 and --params")
+
+
+def tensor_rank_params(req: EstimateRequest) -> float:
+    """Ψ_rank = X/T + (Ψ - X): a tensor-parallel rank's share of the split parameters and all the rest."""
+    assert req.tensor is not None
+    x = req.tensor.split(req.shape)
+    assert x is not None, "check_parallel refuses --tp without the split parameters"
+    return x / req.tensor.size + (req.num_params - x)
+
+
 def state_parts(req: EstimateRequest) -> list[tuple[float, int]]:
     """One rank's model states as (unsharded parameter count, ranks it is sharded over) pairs: the
     whole model over the world; a pipeline stage's share over its data-parallel ranks; with expert
     parallelism the dense part over the data-parallel ranks and the rank's experts over the ranks
     holding the same experts."""
     psi, n = req.num_params, req.world_size
+    if req.tensor is not None:
+        return [(tensor_rank_params(req), n // req.tensor.size)]
     if req.pipeline is not None:
         psi, n = psi / req.pipeline.stages, n // req.pipeline.stages
     if req.moe is not None and req.moe.ep_size > 1:
@@ -221,7 +311,11 @@ def activation_bytes(req: EstimateRequest) -> float:
     if not (s and b and h and layers):
         return 0.0
     scale = 1.0 if req.precision == "mixed" else 2.0
-    per_layer = s * b * h * (34 + 5 * a * s / h) * scale
+    if req.tensor is not None:  # see [Note: tensor parallel estimates]
+        t = req.tensor.size
+        per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * scale
+    else:
+        per_layer = s * b * h * (34 + 5 * a * s / h) * scale
     in_flight = req.pipeline.in_flight(req.micro_steps) if req.pipeline is not None else 1
     if req.checkpointing:  # one layer recomputes at a time, whatever the micro-batches in flight
         return in_flight * (2 * s * b * h * scale) * layers + per_layer
@@ -252,6 +346,17 @@ def all_to_all_bytes(req: EstimateRequest) -> Optional[float]:
     return 4 * (p - 1) * e * moe.capacity(b * s) * h * compute_bytes(req) / p
 
 
+def tensor_parallel_bytes(req: EstimateRequest) -> Optional[float]:
+    """Bytes one rank sends by the tensor-parallel all-reduces per transformer layer per micro-batch
+    (forward and backward; [Note: tensor parallel estimates]); None without tensor parallelism or
+    without micro batch, sequence and hidden."""
+    s, b, h, tp = req.seq_len, req.micro_batch, req.shape.hidden, req.tensor
+    if tp is None or not (s and b and h):
+        return None
+    reduces = tp.row_layers + tp.column_layers
+    return reduces * 2 * (tp.size - 1) * b * s * h * compute_bytes(req) / tp.size
+
+
 def buffer_bytes(req: EstimateRequest, stage: int) -> float:
     """Gradient buckets in flight (two, as the engine keeps) plus, at stage 3, the prefetched units."""
     grad_bytes = 2 if req.precision == "mixed" else 4
@@ -273,13 +378,14 @@ def buffer_bytes(req: EstimateRequest, stage: int) -> float:
 
 def _buffer_view(req: EstimateRequest) -> EstimateRequest:
     """The request as one engine's buckets see it: a pipeline stage's parameters, layers and ranks; with
-    expert parallelism the parameters a rank holds, over the data-parallel world."""
+    expert parallelism the parameters a rank holds, over the data-parallel world; with tensor
+    parallelism a rank's Ψ_rank over its data-parallel ranks."""
     parts = state_parts(req)
-    if len(parts) == 1 and req.pipeline is None:
+    if len(parts) == 1 and req.pipeline is None and req.tensor is None:
         return req
     return dataclasses.replace(req, num_params=sum(p for p, _ in parts), world_size=parts[0][1],
                                shape=dataclasses.replace(req.shape, layers=stage_layers(req)),
-                               pipeline=None, moe=None)
+                               pipeline=None, moe=None, tensor=None)
 
 
 def estimate_stage(req: EstimateRequest, stage: int) -> StageEstimate:
@@ -388,7 +494,30 @@ def _parallel_header(req: EstimateRequest) -> list[str]:
                      f"top-{moe.topk}, ep {moe.ep_size}: a rank holds {moe.num_experts // moe.ep_size} of each layer's "
                      f"{moe.num_experts} experts, their state sharded over the {ranks // moe.ep_size} ranks "
                      f"holding them")
+    tp = req.tensor
+    if tp is not None:
+        x = tp.split(req.shape)
+        assert x is not None
+        dp = req.world_size // tp.size
+        counted = "--tp-params" if tp.split_params is not None else _counted_split(req)
+        lines.append(f"tensor parallel: {tp.size} tensor-parallel x {dp} data-parallel ranks; {x:.4g} of the "
+                     f"{req.num_params:.4g} parameters split ({counted}), the rest whole: a rank holds "
+                     f"X/T + (Ψ - X) = {tensor_rank_params(req):.4g} parameters, ZeRO over its {dp} data-parallel "
+                     f"ranks")
+        if activation_bytes(req):
+            lines.append(f"activations: s*b*h*(10 + 24/T + 5*a*s/(h*T)) per layer (T = {tp.size}: attention and MLP "
+                         f"intermediates split, layer inputs and norms whole)")
     return lines
+
+
+def _counted_split(req: EstimateRequest) -> str:
+    """How the default X was counted, for the table's header."""
+    tp, h, heads = req.tensor, req.shape.hidden, req.shape.heads
+    assert tp is not None and h is not None
+    kv = tp.kv_heads or heads
+    attention = "4h^2" if kv is None or kv == heads else f"2h^2 + 2h^2 x {kv}/{heads} kv heads"
+    ffn = f"ffn {tp.ffn}" if tp.ffn else f"ffn 4h = {4 * h}"
+    return f"{req.shape.layers} layers x ({attention} + 3h x ffn), h {h}, {ffn}: a Llama-style decoder's linear layers"
 
 
 def _parallel_footer(req: EstimateRequest) -> list[str]:
@@ -419,6 +548,22 @@ def _parallel_footer(req: EstimateRequest) -> list[str]:
                          f"(4 x {moe.ep_size - 1}/{moe.ep_size} x {moe.num_experts} experts x capacity {capacity} x "
                          f"{req.shape.hidden} x {dtype} bytes), {exchanged * moe.moe_layers * m / GB:.4g} GB per rank "
                          f"per step ({moe.moe_layers} layers x {_micro_batches(m)})")
+    tp = req.tensor
+    if tp is not None:
+        lines.append("")
+        sent = tensor_parallel_bytes(req)
+        if tp.size == 1:
+            lines.append("tensor-parallel all-reduce: none (--tp 1)")
+        elif sent is None:
+            lines.append(f"tensor-parallel all-reduce: {missing}")
+        else:
+            layers = req.shape.layers
+            per_step = (f", {sent * layers * m / GB:.4g} GB per rank per step ({layers} layers x {_micro_batches(m)})"
+                        if layers else ", give --layers for the bytes per step")
+            lines.append(f"tensor-parallel all-reduce: {sent / GB:.4g} GB per layer per micro-batch per rank "
+                         f"({tp.row_layers + tp.column_layers} all-reduces, {tp.row_layers} forward + "
+                         f"{tp.column_layers} backward, x 2 x {tp.size - 1}/{tp.size} x {size})"
+                         f"{per_step}; over DTensor, not in the buffers")
     return lines
 
 

@@ -9,6 +9,8 @@
         --inter-node-bw 50GB/s --tflops 400 --seq-len 4096 --micro-batch 1 [--grad-accum 1] [--gpu-memory 80]
     zeroshard estimate --params 70e9 --nodes 4 --gpus-per-node 8 --pp 4 [--schedule gpipe] [--grad-accum 8] ...
     zeroshard estimate --params 47e9 --gpus-per-node 8 --experts 8 --ep 8 --topk 2 --expert-params 176e6 --layers 32
+    zeroshard estimate --params 8e9 --gpus-per-node 8 --tp 2 --hidden 4096 --layers 32 --heads 32 --kv-heads 8 \
+        --ffn 14336 --micro-batch 1 --seq-len 4096
     zeroshard plot METRICS.jsonl -o out.png
     zeroshard env
     zeroshard run [torchrun options] script.py [args]
@@ -27,7 +29,7 @@ from .selftest.command import add_parser as add_selftest_parser
 if TYPE_CHECKING:
     from ..config import ZeroshardConfig
     from ..planning import Cluster, EstimateRequest
-    from ..planning.estimator import MoEShape, PipelineShape
+    from ..planning.estimator import MoEShape, PipelineShape, TensorShape
 
 
 def _demo_nproc(requested: Optional[int], cuda_devices: int) -> int:
@@ -111,7 +113,9 @@ def _model_numbers(args: argparse.Namespace) -> tuple[float, dict, Optional[dict
                 model = transformers.AutoModelForCausalLM.from_config(config)
                 shape = {"hidden": getattr(config, "hidden_size", None),
                          "layers": getattr(config, "num_hidden_layers", None),
-                         "heads": getattr(config, "num_attention_heads", None)}
+                         "heads": getattr(config, "num_attention_heads", None),
+                         "kv_heads": getattr(config, "num_key_value_heads", None),
+                         "ffn": getattr(config, "intermediate_size", None)}
                 moe = moe_from_hf_config(config.to_dict())
         return float(sum(p.numel() for p in model.parameters())), shape, moe
     if args.params is None:
@@ -196,6 +200,7 @@ def _micro_steps(args: argparse.Namespace, config: "ZeroshardConfig") -> int:
 
 
 _MOE_FLAGS = ("experts", "ep", "topk", "expert_params", "moe_layers", "capacity_factor", "min_capacity")
+_TP_FLAGS = ("tp", "tp_params", "kv_heads", "ffn")
 
 
 def _pipeline(args: argparse.Namespace, config: "ZeroshardConfig") -> Optional["PipelineShape"]:
@@ -208,6 +213,22 @@ def _pipeline(args: argparse.Namespace, config: "ZeroshardConfig") -> Optional["
             raise SystemExit("zeroshard estimate: --schedule belongs to a pipeline: also give --pp STAGES")
         return None
     return PipelineShape(stages, args.schedule or config.pipeline.schedule)
+
+
+def _tensor(args: argparse.Namespace, config: "ZeroshardConfig", derived: dict) -> Optional["TensorShape"]:
+    """--tp (default: the config's ``tensor_parallel.autotp_size`` when above 1), --tp-params, --kv-heads
+    and --ffn (defaults from an --hf-config) as a TensorShape; None: no tensor parallelism."""
+    from ..planning.estimator import TensorShape
+
+    size = args.tp if args.tp is not None else (config.tensor_parallel.autotp_size or None)
+    if size is None or (args.tp is None and size == 1):
+        extra = [_flag(n) for n in _TP_FLAGS[1:] if getattr(args, n) is not None]
+        if extra:
+            raise SystemExit(f"zeroshard estimate: {', '.join(extra)} belong(s) to tensor parallelism: also give "
+                             f"--tp T")
+        return None
+    kv_heads = args.kv_heads if args.kv_heads is not None else derived.get("kv_heads")
+    return TensorShape(size, args.tp_params, kv_heads, args.ffn if args.ffn is not None else derived.get("ffn"))
 
 
 def _moe(args: argparse.Namespace, derived: Optional[dict], layers: Optional[int]) -> Optional["MoEShape"]:
@@ -249,6 +270,10 @@ def _estimate(args: argparse.Namespace) -> int:
     if scale and parallel:
         raise SystemExit(f"zeroshard estimate: {', '.join(parallel)}: the scale model does not know pipelines or "
                          f"experts yet; leave out --intra-node-bw, --inter-node-bw and --tflops for their memory")
+    tensor_flags = [_flag(n) for n in _TP_FLAGS if getattr(args, n) is not None]
+    if scale and tensor_flags:
+        raise SystemExit(f"zeroshard estimate: {', '.join(tensor_flags)}: the scale model does not know tensor "
+                         f"parallelism yet; leave out --intra-node-bw, --inter-node-bw and --tflops for its memory")
     if args.grad_accum is not None and args.grad_accum < 1:
         raise SystemExit(f"zeroshard estimate: --grad-accum {args.grad_accum}: give the micro steps per optimizer "
                          f"step, at least 1")
@@ -257,6 +282,7 @@ def _estimate(args: argparse.Namespace) -> int:
                          f"train, in (0, 1] (a LoRA job: about 0.01)")
     num_params, shape, derived_moe = _model_numbers(args)
     shape = {k: v for k, v in shape.items() if v}
+    derived_tensor = {k: shape.pop(k) for k in ("kv_heads", "ffn") if k in shape}
     shape.update({k: v for k, v in (("hidden", args.hidden), ("layers", args.layers), ("heads", args.heads)) if v})
     config = load_config(args.config) if args.config else load_config({})
     zero = config.zero_optimization
@@ -267,7 +293,8 @@ def _estimate(args: argparse.Namespace) -> int:
                           prefetch_bucket_size=zero.stage3_prefetch_bucket_size, trainable=args.trainable,
                           grad_bytes=_grad_bytes(args, config), micro_steps=_micro_steps(args, config),
                           pipeline=None if scale else _pipeline(args, config),
-                          moe=_moe(args, derived_moe, shape.get("layers")))
+                          moe=_moe(args, derived_moe, shape.get("layers")),
+                          tensor=None if scale else _tensor(args, config, derived_tensor))
     try:
         check_parallel(req)
     except EstimateError as err:
@@ -426,6 +453,15 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--moe-layers", type=int, help="MoE layers (default: --layers, every layer)")
     par.add_argument("--capacity-factor", type=float, help="MoE capacity factor (default 1.0)")
     par.add_argument("--min-capacity", type=int, help="MoE minimum capacity per expert (default 4)")
+    tp = est.add_argument_group("tensor parallelism", "memory of one rank of an AutoTP job (tensor_parallel."
+                                                      "autotp_size) and its tensor-parallel all-reduce bytes")
+    tp.add_argument("--tp", type=int, help="tensor-parallel size T (divides the ranks and the heads; default: the "
+                                           "config's tensor_parallel.autotp_size): T x ranks/T data-parallel ranks")
+    tp.add_argument("--tp-params", type=float,
+                    help="parameters split over the T ranks (default: a Llama-style decoder's linear layers, "
+                         "layers x (2h^2 + 2h x h_kv + 3h x ffn)); the rest stay whole on every rank")
+    tp.add_argument("--kv-heads", type=int, help="key/value heads (GQA; default --heads, or the --hf-config's)")
+    tp.add_argument("--ffn", type=int, help="MLP intermediate size (default 4 x --hidden, or the --hf-config's)")
     est.set_defaults(run=_estimate)
     plot = commands.add_parser("plot", help="loss, throughput and memory over steps from a metrics JSONL file")
     plot.add_argument("metrics")
