@@ -7,7 +7,8 @@ gradient clipping active, each data-parallel group on its own batch, against one
 batches (fp32, 1e-5 relative, each rank's shard against the same slice of the unsplit weights).  Also:
 each rank's model-state bytes equal the ZeRO formula over its data-parallel group for its own share of
 the model (the split layers' 1/T and the rest whole); ``full_state_dict()`` and ``save_16bit_model()``
-give the unsplit model's tensors, which load strictly into the plain model; bf16 within bf16's distance of the fp32 oracle;
+give the unsplit model's tensors, which load strictly into the plain model; gradient accumulation and
+CPU optimizer offload equal the oracle too; bf16 within bf16's distance of the fp32 oracle;
 ``tp_model_init`` before ``initialize``; and the refused inputs (a size that does not divide the world or
 the key/value heads, a pattern that matches no weight, different batches within a tensor-parallel group).
 """
@@ -42,20 +43,21 @@ def batch(step: int, data_rank: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (ROWS, SEQ), generator=torch.Generator().manual_seed(100 * step + data_rank))
 
 
-def config(stage: int, **extra: Any) -> dict[str, Any]:
+def config(stage: int, zero: Any = None, **extra: Any) -> dict[str, Any]:
     return {"train_micro_batch_size_per_gpu": ROWS, "gradient_clipping": CLIP, "collective_timeout": 60,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "stage3_param_persistence_threshold": 0,
-                                  "stage3_gather_16bit_weights_on_model_save": True},
+                                  "stage3_gather_16bit_weights_on_model_save": True, **(zero or {})},
             "tensor_parallel": {"autotp_size": TP}, **extra}
 
 
-def reference(steps: int = STEPS) -> dict[str, torch.Tensor]:
+def reference(steps: int = STEPS, accumulation: int = 1) -> dict[str, torch.Tensor]:
     model = build()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     for step in range(steps):
-        loss = sum(model(input_ids=batch(step, d), labels=batch(step, d)).loss for d in range(WORLD // TP))
-        (loss / (WORLD // TP)).backward()
+        loss = sum(model(input_ids=batch(accumulation * step + k, d), labels=batch(accumulation * step + k, d)).loss
+                   for d in range(WORLD // TP) for k in range(accumulation))
+        (loss / (WORLD // TP * accumulation)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad()
@@ -73,21 +75,24 @@ def expected_shard(full: dict[str, torch.Tensor], name: str, kind: dict[str, str
 
 
 def train(rank: int, world: int, directory: str, stage: int, precision: str = "fp32",
-          via_tp_model_init: bool = False) -> dict[str, Any]:
+          via_tp_model_init: bool = False, accumulation: int = 1, offload: bool = False) -> dict[str, Any]:
     model = build()
-    extra = {"bf16": {"enabled": True}} if precision == "bf16" else {}
+    extra: dict[str, Any] = {"bf16": {"enabled": True}} if precision == "bf16" else {}
+    extra["gradient_accumulation_steps"] = accumulation
+    zero = {"offload_optimizer": {"device": "cpu"}} if offload else None
     if via_tp_model_init:
         tp_model_init(model, tp_size=TP, dtype=torch.float32)
-    engine, _, _, _ = zeroshard.initialize(model=model, config=config(stage, **extra))
+    engine, _, _, _ = zeroshard.initialize(model=model, config=config(stage, zero, **extra))
     data_rank = rank // TP
     for step in range(STEPS):
-        ids = batch(step, data_rank)
-        engine.backward(engine(input_ids=ids, labels=ids).loss)
-        engine.step()
+        for k in range(accumulation):
+            ids = batch(accumulation * step + k, data_rank)
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
     record = split_of(model)
     assert record is not None
     kinds = dict(record.plan.splits)
-    expected = reference()
+    expected = reference(accumulation=accumulation)
     shards = {n: p.detach().cpu() for n, p in zip(engine.param_names, engine.strategy.params)}  # unsplit below 3
     worst, where = 0.0, ""
     whole = engine.full_state_dict(rank0_only=False)  # the split tensors joined: the unsplit model's
@@ -128,13 +133,13 @@ def data_parallel_bf16(rank: int, stage: int, expected: dict[str, torch.Tensor])
 
 
 def check_train(results: list[dict[str, Any]], stage: int, precision: str = "fp32",
-                via_tp_model_init: bool = False) -> None:
+                via_tp_model_init: bool = False, accumulation: int = 1, offload: bool = False) -> None:
     for rank, result in enumerate(results):
         # bf16: as far from the fp32 oracle as bf16 without tensor parallelism goes, within a half
         bound = 1e-5 if precision == "fp32" else 1.5 * result["whole"]
         assert result["worst"] <= bound, f"rank {rank} off by {result['worst']:.2e} at {result['where']}"
         assert result["splits"] == 14 and result["replicated"] == ("lm_head",)
-        if precision == "fp32":
+        if precision == "fp32" and not offload:
             formula = model_state_bytes(stage, result["local_numel"], WORLD // TP).total
             assert result["model_states"] == formula
 
@@ -212,6 +217,8 @@ def check_refused(results: list[str], what: str) -> None:
 CASES = [*(("train", {"stage": stage}) for stage in range(4)),
          ("train", {"stage": 2, "precision": "bf16"}),
          ("train", {"stage": 1, "via_tp_model_init": True}),
+         ("train", {"stage": 2, "accumulation": 2}),
+         ("train", {"stage": 3, "offload": True}),
          ("reshapes", {}),
          *(("refused", {"what": what}) for what in ("size", "heads", "pattern", "batch"))]
 
