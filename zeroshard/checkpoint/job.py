@@ -15,7 +15,7 @@ entries into one manifest and publishes it, after every rank of the job wrote, a
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -29,19 +29,14 @@ def extra_file(part: int) -> str:
     return EXTRA_FILE if part == 0 else f"model_extra.part{part:03d}.safetensors"
 
 
-class JobNamedShards:
-    """A part's shards under the job's parameter names, its buckets numbered from ``bucket_base``."""
+class RenamedShards:
+    """Shards whose buckets a checkpoint sees renamed and renumbered (``named``: each bucket as saved,
+    with the engine's own bucket it stands for); everything else is the inner shards'."""
 
-    def __init__(self, inner: ShardedStateful, rename: Callable[[str], str], bucket_base: int) -> None:
+    def __init__(self, inner: ShardedStateful, named: Sequence[tuple[BucketLayout, BucketLayout]]) -> None:
         self.inner = inner
-        self._local: dict[int, BucketLayout] = {}
-        buckets = []
-        for bucket in inner.layout.buckets:
-            slots = tuple(dataclasses.replace(s, name=rename(s.name)) for s in bucket.slots)
-            named = dataclasses.replace(bucket, index=bucket.index + bucket_base, slots=slots)
-            self._local[named.index] = bucket
-            buckets.append(named)
-        self._layout = FlatLayout(tuple(buckets), inner.layout.world_size)
+        self._local: dict[int, BucketLayout] = {saved.index: own for saved, own in named}
+        self._layout = FlatLayout(tuple(saved for saved, _ in named), inner.layout.world_size)
 
     @property
     def layout(self) -> FlatLayout:
@@ -82,6 +77,17 @@ class JobNamedShards:
 
     def publish(self) -> None:
         self.inner.publish()
+
+
+class JobNamedShards(RenamedShards):
+    """A part's shards under the job's parameter names, its buckets numbered from ``bucket_base``."""
+
+    def __init__(self, inner: ShardedStateful, rename: Callable[[str], str], bucket_base: int) -> None:
+        named = []
+        for bucket in inner.layout.buckets:
+            slots = tuple(dataclasses.replace(s, name=rename(s.name)) for s in bucket.slots)
+            named.append((dataclasses.replace(bucket, index=bucket.index + bucket_base, slots=slots), bucket))
+        super().__init__(inner, named)
 
 
 class JobNamedModule:

@@ -27,9 +27,9 @@ import torch
 from torch import nn
 
 from ..checkpoint.interface import CheckpointParts, ShardedStateful, SpreadExperts
-from ..checkpoint.job import JobNamedModule
+from ..checkpoint.job import JobNamedModule, RenamedShards
 from ..distributed.collectives import Collectives
-from ..sharding.layout import BucketLayout, FlatLayout
+from ..sharding.layout import BucketLayout
 from .layer import MoE
 
 #: where the experts of an MoE layer named ``prefix`` live: ``{prefix}.{EXPERTS}{local index}.``
@@ -98,67 +98,27 @@ class ExpertPlacement:
         return frozenset(out)
 
 
-class ExpertNamedShards:
+class ExpertNamedShards(RenamedShards):
     """This rank's shards with its experts under their global names, their buckets numbered apart from
     every other rank's and saved by every ``ep_size``-th rank (see [Note: experts in a checkpoint])."""
 
     def __init__(self, inner: ShardedStateful, placement: ExpertPlacement) -> None:
-        self.inner = inner
         self.placement = placement
         count = len(inner.layout.buckets)
-        self._local: dict[int, BucketLayout] = {}
-        buckets = []
+        named = []
         for bucket in inner.layout.buckets:
             if bucket.experts:
                 slots = tuple(dataclasses.replace(s, name=placement.global_name(s.name)) for s in bucket.slots)
-                named = dataclasses.replace(bucket, index=bucket.index + placement.ep_rank * count, slots=slots)
+                named.append((dataclasses.replace(bucket, index=bucket.index + placement.ep_rank * count,
+                                                  slots=slots), bucket))
             else:
-                named = bucket
-            self._local[named.index] = bucket
-            buckets.append(named)
-        self._layout = FlatLayout(tuple(buckets), inner.layout.world_size)
-
-    @property
-    def layout(self) -> FlatLayout:
-        return self._layout
-
-    @property
-    def rank(self) -> int:
-        return self.inner.rank
-
-    def rank_of(self, bucket: BucketLayout) -> int:
-        return self.inner.rank_of(self._local[bucket.index])
+                named.append((bucket, bucket))
+        super().__init__(inner, named)
 
     def chunk_ranks(self, bucket: BucketLayout) -> tuple[int, int]:
         if bucket.experts:
             return self.placement.ep_rank, self.placement.ep_size
-        return self.inner.chunk_ranks(self._local[bucket.index])
-
-    @property
-    def writes_chunks(self) -> bool:
-        return self.inner.writes_chunks
-
-    @property
-    def saved_dtype(self) -> torch.dtype:
-        return self.inner.saved_dtype
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return self.inner.compute_dtype
-
-    def chunk_layout(self) -> list[tuple[int, int]]:
-        return self.inner.chunk_layout()
-
-    def read_bucket(self, bucket: BucketLayout, copy: bool = True) -> tuple[
-            torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        return self.inner.read_bucket(self._local[bucket.index], copy)
-
-    def write_bucket(self, bucket: BucketLayout, values: torch.Tensor, state: Optional[dict[str, torch.Tensor]],
-                     scalars: dict[str, torch.Tensor]) -> None:
-        self.inner.write_bucket(self._local[bucket.index], values, state, scalars)
-
-    def publish(self) -> None:
-        self.inner.publish()
+        return super().chunk_ranks(bucket)
 
 
 def expert_parts(parts: CheckpointParts, placement: ExpertPlacement, param_names: list[str]) -> CheckpointParts:
