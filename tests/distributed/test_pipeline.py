@@ -4,9 +4,11 @@ One world of 4 ranks runs every case: pipeline 2 x data 2 at ZeRO stages 0-3 wit
 pipeline 4 x data 1, evaluation, checkpoints saved at one split and resumed at others (and read as one
 ``nn.Sequential``), periodic saves, bf16, fp16 (against zeroshard's own engine in one process) and an
 overflow on one rank that every rank skips, CPU offload, ``initialize(resume_from=...)`` and
-``checkpoint.auto_resume`` (a fresh start, then a resume with the engine's loader), and the refused inputs.  The model has a tied
-embedding (first and last stage), tuples of tensors of two dtypes between stages, and a sequence length
-that changes from one micro-batch to the next.
+``checkpoint.auto_resume`` (a fresh start, then a resume with the engine's loader), ZeRO-3 with every
+parameter sharded and each batch's all-gathers counted (a stage's units gathered once per batch, or once
+per micro-batch and pass with ``pipeline.stage3_gather_per_micro_batch``), and the refused inputs.  The
+model has a tied embedding (first and last stage), tuples of tensors of two dtypes between stages, and a
+sequence length that changes from one micro-batch to the next.
 """
 
 from __future__ import annotations
@@ -108,23 +110,23 @@ class Reference:
             x = call(x)
         return x
 
-    def train_step(self, step: int, dp: int, batch: Any = None) -> float:
+    def train_step(self, step: int, dp: int, batch: Any = None, accum: int = ACCUM) -> float:
         total = 0.0
-        for j in range(ACCUM):
+        for j in range(accum):
             for d in range(dp):
                 x, y = (batch or micro_batch)(step, j, d)
                 loss = loss_fn(self.forward(x), y)
-                (loss / (ACCUM * dp)).backward()
-                total += float(loss.detach()) / (ACCUM * dp)
+                (loss / (accum * dp)).backward()
+                total += float(loss.detach()) / (accum * dp)
         torch.nn.utils.clip_grad_norm_(self.params, CLIP)
         self.optimizer.step()
         self.optimizer.zero_grad()
         return total
 
-    def eval_loss(self, step: int, dp: int) -> float:
+    def eval_loss(self, step: int, dp: int, accum: int = ACCUM) -> float:
         with torch.no_grad():
             return sum(float(loss_fn(self.forward(micro_batch(step, j, d)[0]), micro_batch(step, j, d)[1]))
-                       for j in range(ACCUM) for d in range(dp)) / (ACCUM * dp)
+                       for j in range(accum) for d in range(dp)) / (accum * dp)
 
 
 def config(stage: int, schedule: str, dp: int, **more: Any) -> dict[str, Any]:
@@ -142,8 +144,8 @@ def build(pp: int, stage: int, schedule: str, embedding: type = nn.Embedding, **
     return engine, module
 
 
-def data(step: int, d: int) -> Any:
-    return iter([micro_batch(step, j, d) for j in range(ACCUM)])
+def data(step: int, d: int, accum: int = ACCUM) -> Any:
+    return iter([micro_batch(step, j, d) for j in range(accum)])
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -165,9 +167,8 @@ def stage_param_errors(module: PipelineModule, reference: Reference) -> list[flo
         elif index in reference.modules:
             owned.append((call, reference.modules[index]))
     for mine, theirs in owned:
-        params = list(mine.parameters())
-        with zeroshard.GatheredParameters(params):
-            for p, q in zip(params, theirs.parameters()):
+        with zeroshard.GatheredParameters(list(mine.parameters())):  # read inside: stage 3's placeholders
+            for p, q in zip(mine.parameters(), theirs.parameters()):
                 errors.append(relative(p.detach(), q.detach()))
     return errors
 
@@ -206,6 +207,74 @@ def check_train(by_rank: list[dict[str, Any]], pp: int, stage: int, schedule: st
         assert out["errors"] and max(out["errors"]) <= 1e-5, (rank, out["errors"])
         assert out["tied"] <= 1e-5, (rank, out["tied"])
         assert abs(out["eval"] - out["eval_expected"]) <= 1e-5 * abs(out["eval_expected"]), (rank, out)
+
+
+#: the gathers case: pipeline 2 x data 2 at ZeRO stage 3 with GATHER_MICRO micro-batches per batch, every
+#: parameter sharded (persistence threshold 0) and no unit kept for a later use by the scheduler
+#: (``stage3_max_reuse_distance`` 0), so that gathering per micro-batch is one all-gather of each unit for
+#: each micro-batch's forward and one for its backward
+GATHER_MICRO = 4
+GATHER_ZERO = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
+
+
+def gathers_worker(rank: int, world: int, schedule: str, per_micro_batch: bool) -> dict[str, Any]:
+    """Train as ``train_worker`` does and count, per batch, the all-gathers of the stage's units: the
+    batch's own (``batch_gather[...]``, ``BatchGathers`` in pipeline/engine.py) and the scheduler's (``gather[...]``)."""
+    from zeroshard.distributed.collectives import CommKind
+
+    engine, module = build(2, 3, schedule, gradient_accumulation_steps=GATHER_MICRO,
+                           train_batch_size=MICRO * GATHER_MICRO * 2, zero_optimization=GATHER_ZERO,
+                           pipeline={"schedule": schedule, "stage3_gather_per_micro_batch": per_micro_batch})
+    reference = Reference()
+    losses, expected, counts = [], [], []
+
+    def counted(log: list[Any]) -> dict[str, int]:
+        gathers = [r for r in log if r.kind is CommKind.ALL_GATHER and r.group_size == 2]
+        return {"batch": sum(r.label.startswith("batch_gather[") for r in gathers),
+                "pass": sum(r.label.startswith("gather[") for r in gathers)}
+
+    for step in range(STEPS):
+        log = engine.comm.ledger.start_log()
+        losses.append(float(engine.train_batch(data(step, rank % 2, GATHER_MICRO))))
+        expected.append(reference.train_step(step, 2, accum=GATHER_MICRO))
+        counts.append(counted(log))
+    log = engine.comm.ledger.start_log()
+    eval_loss = float(engine.eval_batch(data(STEPS, rank % 2, GATHER_MICRO)))
+    eval_counts = counted(log)
+    engine.comm.ledger.log = None
+    errors = stage_param_errors(module, reference)
+    tied_error = 0.0
+    if module.tied.ties[0].copy is not None:
+        tied_error = relative(module.tied.ties[0].copy.detach(), reference.modules[0].weight.detach())
+    units = len(engine.strategy.scheduler.units)
+    pinned_after = [i for i in engine.strategy.scheduler.units if engine.storage.pinned(i)]
+    gathered_after = engine.storage.gathered_bytes()
+    timing = engine.last_batch_timing
+    engine.close()
+    return {"losses": losses, "expected": expected, "errors": errors, "tied": tied_error, "counts": counts,
+            "eval": eval_loss, "eval_expected": reference.eval_loss(STEPS, 2, GATHER_MICRO), "eval_counts": eval_counts,
+            "units": units, "pinned_after": pinned_after, "gathered_after": gathered_after,
+            "timing": None if timing is None else (timing.busy_s, timing.idle_s, timing.recv_s)}
+
+
+def check_gathers(by_rank: list[dict[str, Any]], schedule: str, per_micro_batch: bool) -> None:
+    for rank, out in enumerate(by_rank):  # the parity of check_train
+        for got, want in zip(out["losses"], out["expected"]):
+            assert abs(got - want) <= 1e-5 * abs(want), (rank, out["losses"], out["expected"])
+        assert out["errors"] and max(out["errors"]) <= 1e-5, (rank, out["errors"])
+        assert out["tied"] <= 1e-5, (rank, out["tied"])
+        units = out["units"]
+        assert units == (3 if rank < 2 else 2), (rank, units)  # stage 0: embedding, 2 blocks; 1: block, norm
+        # once per unit and batch by default; per micro-batch, once per unit for each forward and backward
+        want = {"batch": 0, "pass": 2 * GATHER_MICRO * units} if per_micro_batch else {"batch": units, "pass": 0}
+        assert out["counts"] == [want] * STEPS, (rank, out["counts"], want)
+        # evaluation: forwards only
+        assert abs(out["eval"] - out["eval_expected"]) <= 1e-5 * abs(out["eval_expected"]), (rank, out)
+        want = {"batch": 0, "pass": GATHER_MICRO * units} if per_micro_batch else {"batch": units, "pass": 0}
+        assert out["eval_counts"] == want, (rank, out["eval_counts"], want)
+        assert out["pinned_after"] == [] and out["gathered_after"] == 0, (rank, out)  # released by the step
+        busy, idle, recv = out["timing"]
+        assert busy > 0 and 0 <= recv <= idle, (rank, out["timing"])
 
 
 def refusals_worker(rank: int, world: int) -> list[str]:
@@ -494,9 +563,8 @@ OVERFLOW_STEP = 2
 def stage_values(engine: Any, module: PipelineModule) -> list[torch.Tensor]:
     """The stage's full parameters, its fp32 masters (mixed precision: this rank's shard) and its copy of
     the tied embedding: everything a skipped step leaves untouched on this rank."""
-    params = [p for p in module.parameters()]
-    with zeroshard.GatheredParameters(params):
-        values = [p.detach().clone() for p in params]
+    with zeroshard.GatheredParameters(list(module.parameters())):  # read inside: stage 3's placeholders
+        values = [p.detach().clone() for p in module.parameters()]
     if engine.strategy.masters is not None:
         values.append(engine.strategy.masters.data.clone())
     copy = module.tied.ties[0].copy
@@ -641,10 +709,10 @@ def check_initialize_resume(by_rank: list[dict[str, Any]], root: str) -> None:
 
 WORKERS = {"train": train_worker, "refusals": refusals_worker, "resume": resume_worker, "bf16": bf16_worker,
            "loader": loader_worker, "fp16": fp16_worker, "overflow": overflow_worker, "periodic": periodic_worker,
-           "initialize_resume": initialize_resume_worker}
+           "initialize_resume": initialize_resume_worker, "gathers": gathers_worker}
 CHECKS = {"train": check_train, "refusals": check_refusals, "resume": check_resume, "bf16": check_bf16,
           "loader": check_loader, "fp16": check_fp16, "overflow": check_overflow, "periodic": check_periodic,
-          "initialize_resume": check_initialize_resume}
+          "initialize_resume": check_initialize_resume, "gathers": check_gathers}
 
 
 def test_pipeline_matches_one_process(tmp_path: Path) -> None:
@@ -661,5 +729,8 @@ def test_pipeline_matches_one_process(tmp_path: Path) -> None:
               ("train", {"pp": 4, "stage": 1, "schedule": "gpipe", "offload": "optimizer"}),
               ("train", {"pp": 2, "stage": 3, "schedule": "gpipe", "offload": "param"}),
               ("periodic", {"root": str(tmp_path / "periodic")}),
+              # ZeRO-3 with every parameter sharded: a stage's units gathered once per batch, or per micro-batch
+              *[("gathers", {"schedule": schedule, "per_micro_batch": per_micro_batch})
+                for schedule in ("1f1b", "gpipe") for per_micro_batch in (False, True)],
               ("initialize_resume", {"root": str(tmp_path / "initialize_resume")})]
     check_family(cases, run_family(4, cases, WORKERS), CHECKS, world=4)

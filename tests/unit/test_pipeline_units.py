@@ -145,3 +145,33 @@ def test_resume_inside_initialize_in_one_process(tmp_path) -> None:
     engine = start({}, tmp_path / "empty")  # a directory without checkpoints: a fresh start
     assert engine.global_steps == 0 and float(engine.train_batch(iter(batches[:1]))) == straight[0]
     engine.close()
+
+
+def test_stage3_batch_gathers_and_timing_in_one_process() -> None:
+    """ZeRO-3 on one stage: gathering once per batch (the default) trains as gathering per micro-batch does,
+    holds every unit pinned during the batch only, and each batch leaves its timing on the engine."""
+    from zeroshard.config import load_config
+
+    assert load_config({}).pipeline.stage3_gather_per_micro_batch is False
+    batches = [(torch.randn(2, 4, generator=torch.Generator().manual_seed(i)), torch.zeros(2, 1)) for i in range(3)]
+    losses = {}
+    for per_micro_batch in (False, True):
+        torch.manual_seed(0)
+        module = PipelineModule([LayerSpec(nn.Linear, 4, 4), torch.tanh, LayerSpec(nn.Linear, 4, 1)], num_stages=1,
+                                loss_fn=nn.functional.mse_loss)
+        engine, _, _, _ = zeroshard.initialize(model=module, config={
+            "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+            "pipeline": {"stage3_gather_per_micro_batch": per_micro_batch}})
+        assert engine.last_batch_timing is None
+        held = []
+        module.register_forward_pre_hook(lambda m, args: held.append(engine.batch_gathers.held))
+        losses[per_micro_batch] = [float(engine.train_batch(iter(batches))) for _ in range(2)]
+        assert held == [not per_micro_batch] * 6 and not engine.batch_gathers.held
+        assert engine.storage.gathered_bytes() == 0  # released before the step
+        timing = engine.last_batch_timing
+        assert timing is not None and timing.busy_s > 0 and timing.idle_s >= 0
+        assert timing.recv_s == 0 and 0 <= timing.idle_fraction < 1  # one stage receives nothing
+        engine.close()
+    assert losses[False] == losses[True] and losses[False][1] < losses[False][0]

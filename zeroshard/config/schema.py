@@ -177,6 +177,12 @@ class PipelineConfig:
         "1f1b", "zeroshard's own key: `1f1b` (one forward, one backward: a stage holds at most as many "
         "micro-batches' activations as there are stages after it) or `gpipe` (every forward, then every "
         "backward: a stage holds all of them); both idle (stages - 1) / (micro-batches + stages - 1) of a batch.")
+    stage3_gather_per_micro_batch: bool = key(
+        False, "zeroshard's own key, ZeRO stage 3: `false` gathers a stage's parameters once per batch and keeps "
+        "them through every micro-batch's forward and backward, released before the step (each rank of the stage "
+        "holds the stage's full parameters for the whole batch, beside its shard); `true` gathers them for each "
+        "micro-batch's forward and again for its backward and releases them after each (2 x micro-batches "
+        "all-gathers of each unit per batch instead of 1), for when memory is shorter than bandwidth.")
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,26 @@ optimizer steps once, right after it.  Two things are the pipeline's: the gradie
 over the stages before clipping (the engine's norm is its stage's; tied weights are counted on their
 owner only, see [Note: tied weights across stages] in pipeline/tied.py), and the loss of each
 micro-batch exists on the last stage only, so an earlier stage backpropagates the gradient it
-receives (pipeline/executor.py).  At ZeRO stage 3 the engine gathers a stage's parameters for each
-forward and again for each backward, micro-batch by micro-batch, and releases them after each:
-parameters are not kept gathered across the micro-batches of a batch.
+receives (pipeline/executor.py).  At ZeRO stage 3 the stage's parameters are gathered once per
+batch and kept through its micro-batches' passes, unless ``pipeline.stage3_gather_per_micro_batch``
+asks for a gather per micro-batch and pass (see [Note: a stage's parameters gathered once per batch]).
+
+[Note: a stage's parameters gathered once per batch]
+Outside a pipeline, stage 3 gathers each unit for a forward and again for its backward, and releases
+it after each (sharding/stage3/gather_scheduler.py).  A pipeline stage runs ``m`` forwards and ``m``
+backwards per batch, so that would be ``2m`` all-gathers of each unit per batch, for parameters that do
+not change until the batch's step.  By default (``pipeline.stage3_gather_per_micro_batch`` false) the
+stage pins every unit of its engine gathered before the batch's first pass, the mechanism
+``GatheredParameters`` uses (``ShardedParameters.pin``): the scheduler's hooks still run, find the units
+gathered and leave them so, and since every unit is pinned no rank starts a gather round (see
+``GatherScheduler.finish_pass``).  Every rank of the stage's data-parallel group pins the same units in
+the same order, so their all-gathers pair up.  The units are unpinned, and so released, after the
+batch's last backward and before its optimizer step (the step updates the shards, which the gathered
+copies would no longer match), or when the batch fails.  Gradients are reduced as without pinning:
+once, in the last backward.  The cost is memory: the stage's full parameters stay on each of its ranks
+for the whole batch, beside the activations the schedule keeps; ``stage3_gather_per_micro_batch: true``
+goes back to a gather per unit and pass where that memory is short.  torchtitan does likewise with
+FSDP2 under a pipeline (no resharding after forward, to avoid an all-gather per micro-batch).
 
 [Note: the loss scale along a pipeline]
 Under fp16 the loss is multiplied by the loss scale once, on the last stage, by its engine's
@@ -29,6 +46,7 @@ loss function's own, never scaled.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
 
@@ -38,11 +56,14 @@ from ..config import ZeroshardConfig
 from ..distributed.collectives import Collectives
 from ..distributed.consistency import EngineUsageError
 from ..engine.engine import Engine, SchedulerSpec
+from ..sharding.stage3.gather_scheduler import GatherScheduler
 from ..sharding.stage3.gathered import GatheredParameters
+from ..sharding.stage3.strategy import Stage3
+from ..sharding.stage3.units import unit_label
 from ..checkpoint.interface import CheckpointParts
 from .checkpoint import StageCheckpointer, job_parts, load_pipeline, periodic_save_due, prune_periodic, save_pipeline
 from .checks import pipeline_config
-from .executor import BatchRun, batches_from
+from .executor import BatchRun, BatchTiming, StageClock, batches_from
 from .module import PipelineModule
 from .p2p import StageLink
 from .schedule import SCHEDULES, ForwardOnly, PipeSchedule
@@ -73,6 +94,14 @@ class PipelineEngine(Engine):
         self.batch_fn: Optional[Callable[[Any], Any]] = None
         #: the iterator over ``initialize(training_data=...)``'s loader, once train_batch() made it
         self.loader_iterator: Optional[Iterator[Any]] = None
+        #: where this rank's time went in its last ``train_batch`` (see [Note: the measured bubble] in
+        #: pipeline/executor.py); None before the first
+        self.last_batch_timing: Optional[BatchTiming] = None
+        self._clock: Optional[StageClock] = None
+        #: stage 3: the units held gathered for a batch (see [Note: a stage's parameters gathered once
+        #: per batch]); empty below stage 3 or per micro-batch
+        self.batch_gathers = BatchGathers(self.strategy.scheduler if isinstance(self.strategy, Stage3)
+                                          and not config.pipeline.stage3_gather_per_micro_batch else None)
         if self.precision.mixed:  # see [Note: tied copies under mixed precision] in pipeline/tied.py
             module.tied.use_compute_dtype(self.precision.compute)
             module.tied.broadcast_from_owners(self._full_values)
@@ -160,6 +189,9 @@ class PipelineEngine(Engine):
         else:  # see [Note: the loss scale along a pipeline]
             super().backward(_ReceivedGradients.apply(value), scale_wrt_gas=False)
 
+    def stage_last_backward_done(self) -> None:
+        self.batch_gathers.release()  # before the step changes the shards
+
     def stage_step(self) -> None:
         super().step()
 
@@ -170,7 +202,11 @@ class PipelineEngine(Engine):
         if self.num_stages == 1:
             return norm
         squared = norm.square()
+        started = time.perf_counter()
         self.pipe.all_reduce(squared, "pipeline_grad_norm")
+        if self._clock is not None:  # the stages wait for each other here ([Note: the measured bubble] in
+            # pipeline/executor.py)
+            self._clock.synced(started)
         return squared.sqrt_()
 
     # ------------------------------------------------------------------ batches
@@ -192,12 +228,23 @@ class PipelineEngine(Engine):
         module = self._module()
         self.module.train()
         micro = self.gradient_accumulation_steps()
+        self._clock = clock = StageClock(self.link)
         run = BatchRun(self, self.link, module.tied, micro, batches_from(self._iterator(data_iter), self.batch_fn),
-                       module.loss_fn, training=True)
-        result = run.run(self.schedule.actions(self.stage_id, self.num_stages, micro))
-        module.tied.broadcast_from_owners(self._full_values)
-        losses = torch.stack(result.losses).mean() if result.losses else None
-        loss = self._share_loss(losses, shape=())
+                       module.loss_fn, training=True, clock=clock)
+        try:
+            self.batch_gathers.hold()
+            result = run.run(self.schedule.actions(self.stage_id, self.num_stages, micro))
+            started = time.perf_counter()
+            module.tied.broadcast_from_owners(self._full_values)
+            clock.synced(started)
+            losses = torch.stack(result.losses).mean() if result.losses else None
+            started = time.perf_counter()
+            loss = self._share_loss(losses, shape=())
+            clock.synced(started)
+        finally:
+            self.batch_gathers.release()  # a batch that raised: nothing stays pinned
+            self._clock = None
+        self.last_batch_timing = clock.timing()
         self._save_periodically()
         return loss
 
@@ -219,8 +266,10 @@ class PipelineEngine(Engine):
             with torch.no_grad():
                 run = BatchRun(self, self.link, None, micro, batches_from(data_iter, self.batch_fn), module.loss_fn,
                                training=False, compute_loss=compute_loss, keep_outputs=return_logits)
+                self.batch_gathers.hold()
                 result = run.run(ForwardOnly().actions(self.stage_id, self.num_stages, micro))
         finally:
+            self.batch_gathers.release()
             module.train(was_training)
         loss: Any = None
         if compute_loss:
@@ -251,10 +300,55 @@ class PipelineEngine(Engine):
             self.pipe.broadcast(out, self.num_stages - 1, "pipeline_loss")
         return out
 
-    def _full_values(self, param: torch.nn.Parameter) -> torch.Tensor:
-        """A parameter's full values on its stage (a gather at ZeRO stage 3: every data-parallel rank calls it)."""
-        with GatheredParameters([param]):
-            return param.data.detach().clone()
+    @staticmethod
+    def _full_values(module: torch.nn.Module, attr: str) -> torch.Tensor:
+        """The full values of ``module``'s parameter ``attr`` (a gather at ZeRO stage 3: every data-parallel
+        rank calls it), read inside the block, where the module holds the parameter itself and not its
+        placeholder (see [Note: reading a sharded parameter outside forward] in
+        sharding/stage3/placeholder.py)."""
+        with GatheredParameters([getattr(module, attr)]):
+            return getattr(module, attr).data.detach().clone()
+
+
+#: the label of a batch's gathers in the collectives log: ``batch_`` + the unit's own (``gather[...]``)
+BATCH_LABEL = "batch_"
+
+
+class BatchGathers:
+    """Every stage-3 unit of a stage's engine, held gathered from :meth:`hold` to :meth:`release`."""
+
+    def __init__(self, scheduler: Optional[GatherScheduler]) -> None:
+        #: None below ZeRO stage 3: nothing to hold
+        self.scheduler = scheduler
+        self._pinned: list[int] = []
+
+    @property
+    def held(self) -> bool:
+        return bool(self._pinned)
+
+    @property
+    def units(self) -> list[int]:
+        return sorted(self.scheduler.units) if self.scheduler is not None else []
+
+    def hold(self) -> None:
+        """Gather every unit (the all-gathers launched together, then waited for) and pin it."""
+        if self.scheduler is None or self.held:
+            return
+        storage, layout = self.scheduler.storage, self.scheduler.storage.layout
+        labels = {i: BATCH_LABEL + unit_label(self.scheduler.units[i], layout) for i in self.units}
+        for index in self.units:
+            storage.gather(index, labels[index], async_op=True)
+        for index in self.units:
+            storage.pin(index, labels[index])  # waits for the gather launched above
+            self._pinned.append(index)
+
+    def release(self) -> None:
+        """Unpin every unit, which releases it (nothing else holds it); idempotent."""
+        if self.scheduler is None:
+            return
+        pinned, self._pinned = self._pinned, []
+        for index in pinned:
+            self.scheduler.storage.unpin(index)
 
 
 class _ReceivedGradients(torch.autograd.Function):

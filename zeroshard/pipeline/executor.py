@@ -3,10 +3,25 @@
 The executor knows nothing of ZeRO: it calls the stage engine's forward, backward and step through
 :class:`StagePasses`, and the tied weights' exchanges at the points [Note: tied weights across stages]
 in pipeline/tied.py names.
+
+[Note: the measured bubble]
+Each ``train_batch`` records where this rank's time went (:class:`BatchTiming`, the engine's
+``last_batch_timing``): *idle* is the time it waited for another stage, measured with
+``time.perf_counter`` around each wait (a few calls per message, always on): blocked in a
+point-to-point receive, waiting for its sends at the end of the batch, and in the collectives that
+join the stages at the end of a batch (the tied weights' exchanges, the gradient norm's sum over
+the stages, the loss handed to every stage), where a stage that finished its passes early
+waits for the others.  *Busy* is the rest of the batch: its passes, its data-parallel collectives and
+its optimizer step.  The schedule's bubble, ``(p - 1) / (m + p - 1)`` ([Note: what a schedule costs]
+in pipeline/schedule.py), is what ``idle / (busy + idle)`` tends to when the stages' passes take
+equal time and the step is short beside them.  The times are the host's: on a GPU a receive whose
+tensor the host does not read (the gradients) returns before the data has arrived, and its wait then
+shows in the pass that uses it.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Protocol
 
@@ -31,6 +46,10 @@ class StagePasses(Protocol):
         backward is the vector-Jacobian product with the gradients received, which already carry the
         division by the accumulation steps and the loss scale."""
 
+    def stage_last_backward_done(self) -> None:
+        """The batch's last backward is over, its step comes next (stage 3 releases what the batch held:
+        [Note: a stage's parameters gathered once per batch] in pipeline/engine.py)."""
+
     def stage_step(self) -> None: ...
 
 
@@ -41,6 +60,52 @@ class _InFlight:
     inputs: tuple[torch.Tensor, ...] = ()
     outputs: tuple[torch.Tensor, ...] = ()
     loss: Optional[torch.Tensor] = None
+
+
+@dataclass(frozen=True)
+class BatchTiming:
+    """Where one rank's last ``train_batch`` went, in seconds (see [Note: the measured bubble])."""
+
+    #: computing: the stage's passes, its data-parallel collectives, its optimizer step
+    busy_s: float
+    #: waiting for another stage: ``recv_s + send_s + sync_s``
+    idle_s: float
+    #: blocked in point-to-point receives
+    recv_s: float
+    #: waiting for the batch's sends to complete, at its end
+    send_s: float
+    #: in the collectives joining the stages at the end of the batch (tied weights, norm, loss)
+    sync_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.busy_s + self.idle_s
+
+    @property
+    def idle_fraction(self) -> float:
+        """``idle / (busy + idle)``: the measured bubble of this rank."""
+        return self.idle_s / self.total_s if self.total_s > 0 else 0.0
+
+
+class StageClock:
+    """One batch's wall time and the waits of :class:`BatchTiming`, on one rank."""
+
+    def __init__(self, link: StageLink) -> None:
+        self.link = link
+        self.started = time.perf_counter()
+        self.sync_s = 0.0
+        self._recv_at_start, self._send_at_start = link.recv_seconds, link.send_seconds
+
+    def synced(self, started: float) -> None:
+        """A cross-stage collective that began at ``started`` (``time.perf_counter()``) is over."""
+        self.sync_s += time.perf_counter() - started
+
+    def timing(self) -> BatchTiming:
+        total = time.perf_counter() - self.started
+        recv = self.link.recv_seconds - self._recv_at_start
+        send = self.link.send_seconds - self._send_at_start
+        idle = min(recv + send + self.sync_s, total)
+        return BatchTiming(busy_s=total - idle, idle_s=idle, recv_s=recv, send_s=send, sync_s=self.sync_s)
 
 
 @dataclass
@@ -56,8 +121,10 @@ class BatchRun:
 
     def __init__(self, passes: StagePasses, link: StageLink, tied: Optional[TiedWeights], micro_batches: int,
                  next_batch: Callable[[], Any], loss_fn: Optional[Callable[..., Any]], training: bool,
-                 compute_loss: bool = True, keep_outputs: bool = False) -> None:
+                 compute_loss: bool = True, keep_outputs: bool = False, clock: Optional[StageClock] = None) -> None:
         self.passes, self.link, self.tied = passes, link, tied
+        #: where the tied weights' exchanges count as waits (see [Note: the measured bubble])
+        self.clock = clock
         self.micro_batches = micro_batches
         self.next_batch = next_batch
         self.loss_fn = loss_fn
@@ -105,7 +172,9 @@ class BatchRun:
         flight = self._in_flight.pop(index)
         final = index == self.micro_batches - 1
         if final and self.tied is not None:
+            started = time.perf_counter()
             self.tied.before_last_backward()
+            self._synced(started)
         if self.last:
             assert flight.loss is not None
             self.passes.stage_backward(flight.loss, True)
@@ -120,8 +189,16 @@ class BatchRun:
         if not self.first:
             self.link.send_backward(flight.inputs)
         if final and self.tied is not None:
+            started = time.perf_counter()
             self.tied.after_last_backward()  # before the step, whose norm waits for every stage
+            self._synced(started)
+        if final:
+            self.passes.stage_last_backward_done()
         self.passes.stage_step()
+
+    def _synced(self, started: float) -> None:
+        if self.clock is not None:
+            self.clock.synced(started)
 
 
 def _pair(batch: Any) -> tuple[Any, Any]:

@@ -123,7 +123,7 @@ class PipelineModule(nn.Module):
         self.to(world.device)
         self.tied = TiedWeights(self.groups, self._ties(world.device))
         self.tied.detach_copies()
-        self.tied.broadcast_from_owners(lambda p: p.data)  # every copy starts from the owner's values
+        self.tied.broadcast_from_owners(lambda m, attr: getattr(m, attr).data)  # every copy starts from the owner's values
 
     def _build_layer(self, index: int, spec: Any) -> Callable[[Any], Any]:
         if isinstance(spec, TiedLayerSpec):

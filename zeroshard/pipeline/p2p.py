@@ -14,6 +14,7 @@ with its own passes; receives block, since the pass that follows needs them.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Optional
 
 import torch
@@ -67,6 +68,9 @@ class StageLink:
                  device: torch.device) -> None:
         self.group, self.stage, self.num_stages, self.device = group, stage, num_stages, device
         self._sends: list[tuple[Any, torch.Tensor]] = []  # each send's work and the tensor it reads
+        #: seconds blocked so far in receives, and in waiting for sends (the executor's ``BatchTiming``)
+        self.recv_seconds = 0.0
+        self.send_seconds = 0.0
 
     def _isend(self, tensor: torch.Tensor, to: int, tag: int) -> None:
         tensor = tensor.detach().contiguous()
@@ -75,7 +79,9 @@ class StageLink:
     def _recv(self, tensor: torch.Tensor, source: int, tag: int) -> torch.Tensor:
         work = dist.irecv(tensor, group=self.group, group_src=source, tag=tag)
         assert work is not None  # None only for a rank outside the group
+        started = time.perf_counter()
         work.wait()
+        self.recv_seconds += time.perf_counter() - started
         return tensor
 
     def send_forward(self, values: tuple[torch.Tensor, ...]) -> None:
@@ -111,6 +117,8 @@ class StageLink:
                 for o in outputs]
 
     def wait_sends(self) -> None:
+        started = time.perf_counter()
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()
+        self.send_seconds += time.perf_counter() - started

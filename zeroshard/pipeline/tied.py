@@ -33,6 +33,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..distributed.parallel_dims import ParallelGroups
+from ..sharding.stage3.placeholder import ShardedParameterPlaceholder
+from ..sharding.storage import HOMES
 
 
 @dataclass
@@ -100,12 +102,14 @@ class TiedWeights:
         tie.grad_sum = grad if tie.grad_sum is None else tie.grad_sum.add_(grad)
         copy.grad = None
 
-    def broadcast_from_owners(self, read_owner: Callable[[nn.Parameter], torch.Tensor]) -> None:
-        """The owner's values into every copy (``read_owner``: the parameter's full values on the owner)."""
+    def broadcast_from_owners(self, read_owner: Callable[[nn.Module, str], torch.Tensor]) -> None:
+        """The owner's values into every copy (``read_owner(module, attr)``: the full values of the module's
+        parameter ``attr`` on the owner, read by name: at ZeRO stage 3 the module holds the parameter
+        itself only while it is gathered)."""
         for tie in self._shared_here():
             if tie.owner == self.groups.stage:
                 assert tie.module is not None
-                values = read_owner(getattr(tie.module, tie.attr)).detach().float().contiguous()
+                values = read_owner(tie.module, tie.attr).detach().float().contiguous()
             else:
                 assert tie.copy is not None
                 values = torch.empty(tie.shape, dtype=torch.float32, device=tie.copy.device)
@@ -120,7 +124,7 @@ class TiedWeights:
             if tie.owner != self.groups.stage:
                 continue
             assert tie.module is not None
-            param = getattr(tie.module, tie.attr)
+            param = _trained(getattr(tie.module, tie.attr))
             summed = torch.zeros(tie.shape, dtype=torch.float32, device=self.groups.world.device)
             dist.all_reduce(summed, group=self._group(tie))
             self._hooks.append(param.register_hook(lambda grad, extra=summed: grad + extra.to(grad.dtype)))
@@ -140,3 +144,14 @@ class TiedWeights:
             dist.all_reduce(summed, group=self._group(tie))
             tie.copy.grad = None
             tie.grad_sum = None
+
+
+def _trained(param: nn.Parameter) -> nn.Parameter:
+    """The parameter autograd accumulates into: at ZeRO stage 3 a module shows a placeholder for it while
+    its unit is released (between passes), and a hook must go on the parameter itself (see [Note: reading
+    a sharded parameter outside forward] in sharding/stage3/placeholder.py)."""
+    if isinstance(param, ShardedParameterPlaceholder):
+        home = HOMES.home_of(param)
+        assert home is not None, "a placeholder of a closed engine"
+        return home.storage.params[param.ds_id]
+    return param
