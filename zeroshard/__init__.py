@@ -33,6 +33,10 @@ from .deepspeed import (accelerator, checkpointing, comm, git_version_info, moe,
 
 publish_at_root(sys.modules[__name__])
 
+#: DeepSpeed's version parts and build identity at its root, answered with zeroshard's
+__version_major__, __version_minor__, __version_patch__ = (int(part) for part in __version__.split(".")[:3])
+__git_hash__, __git_branch__ = git_version_info.git_hash, git_version_info.git_branch
+
 __all__ = ["initialize", "Engine", "GatheredParameters", "Init", "init_distributed", "World", "load_config",
            "ZeroshardConfig", "ConfigError", "CollectiveError", "model_state_bytes", "__version__",
            "add_config_arguments", "DeepSpeedEngine", "zero", "comm", "accelerator", "ops", "utils",

@@ -114,7 +114,7 @@ def test_activation_checkpointing_keys() -> None:
     ({"zero_optimization": {"reduce_bucket_size": -5}}, "must be a number > 0"),
     ({"zero_optimization": 3}, "'zero_optimization' must be a JSON object"),
     ({"collective_timeout": 0}, "'collective_timeout' = 0 is not allowed"),
-    ({"optimizer": {"type": "Adamw"}}, "did you mean 'AdamW'?"),
+    ({"optimizer": {"type": "AdamWW"}}, "did you mean 'AdamW'?"),
     ({"optimizer": {"type": "Lamb"}}, "'optimizer.type' = \"Lamb\" is not one of Adam, AdamW, SGD"),
     ({"optimizer": {"type": "AdamW", "params": {"lr": -1}}}, "'optimizer.params.lr' = -1 is not allowed for AdamW"),
     ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9]}}}, "a list of two numbers in [0, 1)"),

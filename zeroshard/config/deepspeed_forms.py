@@ -15,6 +15,7 @@ import json
 from typing import Any, Mapping
 
 from .errors import ConfigError
+from .schema import OPTIMIZER_TYPES
 
 #: DeepSpeed keys zeroshard does not implement, with the DeepSpeed default that is zeroshard's own
 #: behaviour (by block: "" is the top level).
@@ -72,6 +73,11 @@ def normalize(raw: Mapping[str, Any]) -> dict[str, Any]:
         out["zero_optimization"] = _block(dict(zero), "zero_optimization")
     if isinstance(out.get("fp16"), Mapping):
         out["fp16"] = _block(dict(out["fp16"]), "fp16")
+    optimizer = out.get("optimizer")
+    if isinstance(optimizer, Mapping) and isinstance(optimizer.get("type"), str):
+        # DeepSpeed matches optimizer names in any case ("adam", "Adam"; its ADAM_OPTIMIZER is "adam")
+        named = {t.lower(): t for t in OPTIMIZER_TYPES}
+        out["optimizer"] = {**optimizer, "type": named.get(optimizer["type"].lower(), optimizer["type"])}
     checkpoint = out.get("checkpoint")
     if isinstance(checkpoint, Mapping) and isinstance(checkpoint.get("tag_validation"), str):
         # DeepSpeed reads the mode in any case ("WARN", "warn")

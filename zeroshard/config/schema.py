@@ -50,6 +50,10 @@ def optional_positive(value: Any) -> str | None:
     return None if value is None or value > 0 else "a number > 0 (or omit the key)"
 
 
+#: the optimizers zeroshard builds from the config (DeepSpeed's names, matched in any case)
+OPTIMIZER_TYPES = ("Adam", "AdamW", "SGD")
+
+
 @dataclass(frozen=True)
 class OptimizerConfig:
     """``optimizer``: which torch optimizer zeroshard builds over each rank's shard."""

@@ -21,7 +21,8 @@ from types import ModuleType
 #: DeepSpeed's module paths, relative to ``deepspeed`` (and to ``zeroshard``)
 DEEPSPEED_PATHS = ("accelerator", "checkpointing", "comm", "git_version_info", "moe", "moe.layer", "moe.utils", "ops",
                    "ops.adam", "ops.op_builder", "pipe", "runtime", "runtime.config", "runtime.config_utils",
-                   "runtime.engine", "runtime.lr_schedules", "runtime.precision_config", "runtime.utils",
+                   "runtime.engine", "runtime.fp16", "runtime.fp16.unfused_optimizer", "runtime.lr_schedules",
+                   "runtime.precision_config", "runtime.utils",
                    "runtime.zero", "runtime.zero.config", "runtime.zero.linear", "runtime.zero.partition_parameters",
                    "utils", "utils.groups",
                    "utils.tensor_fragment", "utils.torch", "utils.z3_leaf_module", "utils.zero_to_fp32", "zero")

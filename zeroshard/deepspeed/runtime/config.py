@@ -26,7 +26,26 @@ from ...config.schema import ZeroshardConfig
 from .precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
 from .zero.config import DeepSpeedZeroConfig
 
-__all__ = ["DeepSpeedConfig", "DeepSpeedConfigError"]
+__all__ = ["DeepSpeedConfig", "DeepSpeedConfigError", "ADAM_OPTIMIZER", "ADAMW_OPTIMIZER", "DEEPSPEED_OPTIMIZERS",
+           "TORCH_ADAM_PARAM", "ADAM_W_MODE", "ADAM_W_MODE_DEFAULT"]
+
+#: DeepSpeed's names of the optimizers its config builds (matched in any case; zeroshard builds Adam,
+#: AdamW and SGD, and names the others in its error)
+ADAGRAD_OPTIMIZER = "adagrad"
+ADAM_OPTIMIZER = "adam"
+ADAMW_OPTIMIZER = "adamw"
+LAMB_OPTIMIZER = "lamb"
+MUADAM_OPTIMIZER = "muadam"
+MUADAMW_OPTIMIZER = "muadamw"
+MUSGD_OPTIMIZER = "musgd"
+LION_OPTIMIZER = "lion"
+MUON_OPTIMIZER = "muon"
+DEEPSPEED_OPTIMIZERS = [ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER, MUADAM_OPTIMIZER,
+                        MUADAMW_OPTIMIZER, MUSGD_OPTIMIZER, LION_OPTIMIZER, MUON_OPTIMIZER]
+#: the optimizer params keys DeepSpeed reads beside torch's
+TORCH_ADAM_PARAM = "torch_adam"
+ADAM_W_MODE = "adam_w_mode"
+ADAM_W_MODE_DEFAULT = True
 
 #: DeepSpeed's error for an invalid config: zeroshard's own (a ``ValueError``), so that ``except
 #: DeepSpeedConfigError`` catches every refusal of the loader
