@@ -38,7 +38,6 @@ from ..distributed.world import World, release_at_exit
 from ..sharding.stage3.init_context import adopt_init_params, has_init_params
 from ..logging import log_rank
 from .metrics import MetricsWriter, PhaseTimers, device_peak_bytes, host_peak_bytes
-from ..planning import model_state_bytes
 from ..host.host_allocator import HostMemoryPolicy
 from ..host.page_memory import HostPageMemory
 from ..optim import build_scheduler, clip_coefficient, from_config, from_user, global_grad_norm
@@ -47,7 +46,7 @@ from ..experts.groups import (ExpertGroupRecord, ExpertParallelError, check_expe
                               register_expert_groups)
 from ..experts.checkpoint import ExpertPlacement, with_every_expert
 from ..experts.layer import bind_expert_groups, expert_parallel_size
-from ..experts.memory import expert_breakdown
+from .memory import memory_breakdown
 from ..experts.registry import is_expert_param
 from ..optim.param_groups import TrainableParams, collect_trainable
 from ..offload import OffloadIOError
@@ -876,37 +875,5 @@ class Engine:
     # ------------------------------------------------------------------ accounting
     def memory_breakdown(self) -> dict[str, float]:
         """Bytes this rank holds, by category (see [Note: what the breakdown counts] in planning/accounting.py)."""
-        params, param_padding = self.strategy.param_bytes()
-        frozen_sharded, frozen_padding = self.strategy.frozen_bytes()
-        grads, grad_padding = self.strategy.grad_bytes()
-        placed = self.updater.memory()  # optimizer state, fp32 masters included (12 bytes = 4 + 8)
-        opt_real, opt_padding, opt_other = placed["real"], placed["padding"], placed["other"]
-        out: dict[str, float] = {
-            "params": params,
-            "grads": grads,
-            "optimizer": opt_real,
-            "padding": param_padding + grad_padding + opt_padding + frozen_padding,
-            "optimizer_other": opt_other,
-            "frozen_params": frozen_sharded + sum(p.numel() * p.element_size() for p in self.frozen_params),
-            "buffers": sum(b.numel() * b.element_size() for b in self.module.buffers()),
-            "comm_buffers": self.strategy.comm_buffer_bytes(),
-            **self.strategy.extra_memory(),
-        }
-        out["model_states"] = out["params"] + out["grads"] + out["optimizer"]
-        # Where the model states are (real elements): offloaded optimizer state and parameters are
-        # counted in host memory or on NVMe, the rest on the training device.
-        param_host, param_nvme = self.strategy.param_placement()
-        out["on_host"] = placed["host"] + param_host
-        out["on_nvme"] = placed["nvme"] + param_nvme
-        out["on_device"] = out["model_states"] - out["on_host"] - out["on_nvme"]
-        out["offload_buffers"] = placed["host_buffers"]
-        mixed = self.precision.mixed
-        grad_size = torch.empty((), dtype=self.precision.grad_accum).element_size()
-        precision, optimizer_bytes = "mixed" if mixed else "fp32", 12 if self.strategy.masters is not None else None
-        out["formula"] = model_state_bytes(self.stage, self.strategy.layout.numel, self.strategy.world.world_size,
-                                           precision, grad_size, optimizer_bytes).total
-        if self.expert_parallel_size > 1:  # this rank's experts apart, each part's formula over its own group
-            out.update(expert_breakdown(self.strategy, opt_real, precision, grad_size, optimizer_bytes))
-            out["dense_model_states"] = out["model_states"] - out["expert_model_states"]
-            out["formula"] = out["dense_formula"] + out["expert_formula"]
-        return out
+        return memory_breakdown(self.strategy, self.updater, self.precision, self.frozen_params, self.module,
+                                self.expert_parallel_size)
