@@ -121,29 +121,36 @@ def _new_group(world: World, ranks: list[int]) -> Optional[dist.ProcessGroup]:
     return new_side_group(world, ranks)
 
 
+def _own_group(comm: Collectives, topology: Topology, partition: list[list[int]]) -> Collectives:
+    """Every group of ``partition`` created, in order, as every rank must; this rank's one."""
+    world = comm.world
+    mine: Optional[tuple[Optional[dist.ProcessGroup], list[int]]] = None
+    for ranks in partition:
+        group = _new_group(world, ranks)
+        if world.rank in ranks:
+            mine = (group, ranks)
+    assert mine is not None, "the partition covers every rank"
+    group, ranks = mine
+    return comm.over(dataclasses.replace(world, rank=ranks.index(world.rank), world_size=len(ranks),
+                                         group=group, spans_nodes=topology.spans_nodes(ranks)))
+
+
+def _consecutive(n: int, size: int) -> list[list[int]]:
+    """Blocks of ``size`` consecutive ranks."""
+    return [list(range(start, start + size)) for start in range(0, n, size)]
+
+
+def _strided(n: int, size: int) -> list[list[int]]:
+    """The ranks at the same position of every block of ``size``."""
+    return [list(range(position, n, size)) for position in range(size)]
+
+
 def _blocks(comm: Collectives, topology: Topology, size: int, across: bool) -> tuple[Collectives, Optional[Collectives]]:
     """This rank's block of ``size`` consecutive ranks and (``across``) its group of ranks at the same
     position in every block; every rank creates every group, blocks first, in rank order."""
-    world = comm.world
-    n = world.world_size
-    mine: dict[str, tuple[Optional[dist.ProcessGroup], list[int]]] = {}
-    for start in range(0, n, size):
-        ranks = list(range(start, start + size))
-        group = _new_group(world, ranks)
-        if world.rank in ranks:
-            mine["block"] = (group, ranks)
-    for position in range(size if across else 0):
-        ranks = list(range(position, n, size))
-        group = _new_group(world, ranks)
-        if world.rank in ranks:
-            mine["across"] = (group, ranks)
-
-    def over(key: str) -> Collectives:
-        group, ranks = mine[key]
-        return comm.over(dataclasses.replace(world, rank=ranks.index(world.rank), world_size=len(ranks),
-                                             group=group, spans_nodes=topology.spans_nodes(ranks)))
-
-    return over("block"), over("across") if across else None
+    n = comm.world.world_size
+    block = _own_group(comm, topology, _consecutive(n, size))
+    return block, _own_group(comm, topology, _strided(n, size)) if across else None
 
 
 def build_shard_groups(comm: Collectives, topology: Topology, mics_shard_size: int,
@@ -156,8 +163,8 @@ def build_shard_groups(comm: Collectives, topology: Topology, mics_shard_size: i
     groups = _sharding_groups(comm, topology, mics_shard_size, hpz_partition_size)
     if expert_parallel_size > 1:
         groups.expert_parallel, groups.expert_data = _blocks(comm, topology, expert_parallel_size, across=True)
-        if gathers_in_passes:
-            _, groups.expert_grads = _blocks(comm, topology, expert_parallel_size, across=True)
+        if gathers_in_passes:  # a second copy of the experts' groups, for their gradients alone
+            groups.expert_grads = _own_group(comm, topology, _strided(comm.world.world_size, expert_parallel_size))
     if gathers_in_passes and comm.world.is_distributed:
         size = groups.shard.world.world_size
         groups.grads, _ = _blocks(comm, topology, size, across=False)

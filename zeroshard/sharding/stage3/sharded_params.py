@@ -298,7 +298,8 @@ class ShardedParameters:
     def _slot_pages(self, index: int) -> Optional[tuple[int, int]]:
         """The elements [first, last) of bucket ``index``'s full buffer on the whole pages of this rank's
         slot: what a lent chunk's pages move into; None where the slot has no whole page."""
-        start, end = self.layout.buckets[index].shard_range(self.ranks.of(self.layout.buckets[index]))
+        bucket = self.layout.buckets[index]
+        start, end = bucket.shard_range(self.ranks.of(bucket))
         slot = self.full[index][start:end]
         address, length = whole_pages_of(slot)
         if not length:
