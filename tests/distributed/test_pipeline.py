@@ -1,7 +1,7 @@
 """Pipeline parallelism with ZeRO: ``train_batch`` against one process training the same layers.
 
-One world of 4 ranks runs every case: pipeline 2 x data 2 at ZeRO stages 0-3 with each schedule,
-pipeline 4 x data 1, evaluation, checkpoints saved at one split and resumed at others (and read as one
+One world of 4 ranks runs every case: pipeline 2 x data 2 at ZeRO stages 0-3 with each schedule
+(interleaved 1F1B with two and three chunks per stage too), pipeline 4 x data 1, evaluation, checkpoints saved at one split and resumed at others (and read as one
 ``nn.Sequential``), periodic saves, bf16, fp16 (against zeroshard's own engine in one process) and an
 overflow on one rank that every rank skips, CPU offload, ``initialize(resume_from=...)`` and
 ``checkpoint.auto_resume`` (a fresh start, then a resume with the engine's loader), ZeRO-3 with every
@@ -23,7 +23,7 @@ import zeroshard
 from zeroshard.checkpoint.consolidate import consolidate, full_state_dict
 from zeroshard.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from zeroshard.pipeline import (PipelineBatchSizeError, PipelineConfigError, PipelineUsageError, StagesDoNotDivideError,
-                                TooFewLayersError)
+                                TiedChunkError, TooFewLayersError)
 from zeroshard.tools.testing import check_family, run_family
 
 V, D, MICRO, ACCUM, STEPS, LR, WD, CLIP = 23, 8, 2, 3, 5, 1e-2, 0.1, 0.5
@@ -67,10 +67,9 @@ class SmallEmbedding(nn.Embedding):
         nn.init.normal_(self.weight, std=0.1)
 
 
-def specs(embedding: type = nn.Embedding) -> list[Any]:
-    return [TiedLayerSpec("embed", embedding, V, D), Positions(), LayerSpec(Block, D), LayerSpec(Block, D),
-            LayerSpec(Block, D), drop_positions, LayerSpec(nn.LayerNorm, D),
-            TiedLayerSpec("embed", embedding, V, D, forward_fn=logits)]
+def specs(embedding: type = nn.Embedding, blocks: int = 3) -> list[Any]:
+    return [TiedLayerSpec("embed", embedding, V, D), Positions(), *[LayerSpec(Block, D) for _ in range(blocks)],
+            drop_positions, LayerSpec(nn.LayerNorm, D), TiedLayerSpec("embed", embedding, V, D, forward_fn=logits)]
 
 
 def micro_batch(step: int, j: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,11 +82,11 @@ def micro_batch(step: int, j: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
 class Reference:
     """The same layers in one process (each built from the seed the pipeline uses), AdamW, accumulation."""
 
-    def __init__(self, lr: float = LR, embedding: type = nn.Embedding) -> None:
+    def __init__(self, lr: float = LR, embedding: type = nn.Embedding, blocks: int = 3) -> None:
         self.calls: list[Any] = []
         self.modules: dict[int, nn.Module] = {}
         embed = None
-        for index, spec in enumerate(specs(embedding)):
+        for index, spec in enumerate(specs(embedding, blocks)):
             if isinstance(spec, TiedLayerSpec):
                 if embed is None:
                     torch.manual_seed(1234 + index)
@@ -136,9 +135,10 @@ def config(stage: int, schedule: str, dp: int, **more: Any) -> dict[str, Any]:
             "zero_optimization": {"stage": stage}, "pipeline": {"schedule": schedule}, **more}
 
 
-def build(pp: int, stage: int, schedule: str, embedding: type = nn.Embedding, **more: Any) -> tuple[Any, PipelineModule]:
-    module = PipelineModule(specs(embedding), num_stages=pp, loss_fn=loss_fn, seed_layers=True,
-                            partition_method="uniform" if pp == 4 else "parameters")
+def build(pp: int, stage: int, schedule: str, embedding: type = nn.Embedding, chunks: int = 1,
+          **more: Any) -> tuple[Any, PipelineModule]:
+    module = PipelineModule(specs(embedding, chunked_blocks(pp, chunks)), num_stages=pp, loss_fn=loss_fn, seed_layers=True,
+                            partition_method="uniform" if pp * chunks == 4 else "parameters", virtual_stages=chunks)
     engine, _, _, _ = zeroshard.initialize(model=module, model_parameters=module.parameters(),
                                            config=config(stage, schedule, 4 // pp, **more))
     return engine, module
@@ -155,11 +155,9 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def stage_param_errors(module: PipelineModule, reference: Reference) -> list[float]:
     """Each parameter this stage owns against the reference's (tied copies are not owned)."""
-    start, stop = module.stage_layers()
     errors = []
     owned: list[tuple[nn.Module, nn.Module]] = []
-    for index in range(start, stop):
-        call = module._calls[index - start]
+    for index, call in module.layer_calls().items():
         spec = module.layer_specs[index]
         if isinstance(spec, TiedLayerSpec):
             if index == 0:
@@ -180,27 +178,42 @@ OFFLOADS: dict[str, dict[str, Any]] = {
     "param": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}
 
 
-def train_worker(rank: int, world: int, pp: int, stage: int, schedule: str, offload: str = "") -> dict[str, Any]:
-    more = {"zero_optimization": {"stage": stage, **OFFLOADS[offload]}} if offload else {}
-    engine, module = build(pp, stage, schedule, **more)
+#: micro-batches per batch with virtual stages: a multiple of the pipeline depths tested (2 and 4)
+CHUNKED_ACCUM = 4
+
+
+def chunked_blocks(pp: int, chunks: int) -> int:
+    """Blocks in the model: 3, or with 8 virtual stages 7, so that every chunk holds a layer and every
+    stage a parameter (a stage of parameter-free layers has nothing to train)."""
+    return 7 if pp * chunks >= 8 else 3
+
+
+def train_worker(rank: int, world: int, pp: int, stage: int, schedule: str, offload: str = "",
+                 chunks: int = 1) -> dict[str, Any]:
+    more: dict[str, Any] = {"zero_optimization": {"stage": stage, **OFFLOADS[offload]}} if offload else {}
     dp = 4 // pp
+    accum = CHUNKED_ACCUM if chunks > 1 else ACCUM
+    if chunks > 1:
+        more.update(gradient_accumulation_steps=accum, train_batch_size=MICRO * accum * dp)
+    engine, module = build(pp, stage, schedule, chunks=chunks, **more)
     data_rank = rank % dp
-    reference = Reference()
+    reference = Reference(blocks=chunked_blocks(pp, chunks))
     losses, expected = [], []
     for step in range(STEPS):
-        losses.append(float(engine.train_batch(data(step, data_rank))))
-        expected.append(reference.train_step(step, dp))
+        losses.append(float(engine.train_batch(data(step, data_rank, accum))))
+        expected.append(reference.train_step(step, dp, accum=accum))
     errors = stage_param_errors(module, reference)
     tied_error = 0.0
     if module.tied.ties[0].copy is not None:  # a later stage's copy of the tied embedding
         tied_error = relative(module.tied.ties[0].copy.detach(), reference.modules[0].weight.detach())
-    eval_loss = float(engine.eval_batch(data(STEPS, data_rank)))
+    eval_loss = float(engine.eval_batch(data(STEPS, data_rank, accum)))
     engine.close()
     return {"losses": losses, "expected": expected, "errors": errors, "tied": tied_error,
-            "eval": eval_loss, "eval_expected": reference.eval_loss(STEPS, dp)}
+            "eval": eval_loss, "eval_expected": reference.eval_loss(STEPS, dp, accum)}
 
 
-def check_train(by_rank: list[dict[str, Any]], pp: int, stage: int, schedule: str, offload: str = "") -> None:
+def check_train(by_rank: list[dict[str, Any]], pp: int, stage: int, schedule: str, offload: str = "",
+                chunks: int = 1) -> None:
     for rank, out in enumerate(by_rank):
         for got, want in zip(out["losses"], out["expected"]):
             assert abs(got - want) <= 1e-5 * abs(want), (rank, out["losses"], out["expected"])
@@ -217,12 +230,12 @@ GATHER_MICRO = 4
 GATHER_ZERO = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
 
 
-def gathers_worker(rank: int, world: int, schedule: str, per_micro_batch: bool) -> dict[str, Any]:
+def gathers_worker(rank: int, world: int, schedule: str, per_micro_batch: bool, chunks: int = 1) -> dict[str, Any]:
     """Train as ``train_worker`` does and count, per batch, the all-gathers of the stage's units: the
     batch's own (``batch_gather[...]``, ``BatchGathers`` in pipeline/engine.py) and the scheduler's (``gather[...]``)."""
     from zeroshard.distributed.collectives import CommKind
 
-    engine, module = build(2, 3, schedule, gradient_accumulation_steps=GATHER_MICRO,
+    engine, module = build(2, 3, schedule, chunks=chunks, gradient_accumulation_steps=GATHER_MICRO,
                            train_batch_size=MICRO * GATHER_MICRO * 2, zero_optimization=GATHER_ZERO,
                            pipeline={"schedule": schedule, "stage3_gather_per_micro_batch": per_micro_batch})
     reference = Reference()
@@ -257,14 +270,16 @@ def gathers_worker(rank: int, world: int, schedule: str, per_micro_batch: bool) 
             "timing": None if timing is None else (timing.busy_s, timing.idle_s, timing.recv_s)}
 
 
-def check_gathers(by_rank: list[dict[str, Any]], schedule: str, per_micro_batch: bool) -> None:
+def check_gathers(by_rank: list[dict[str, Any]], schedule: str, per_micro_batch: bool, chunks: int = 1) -> None:
     for rank, out in enumerate(by_rank):  # the parity of check_train
         for got, want in zip(out["losses"], out["expected"]):
             assert abs(got - want) <= 1e-5 * abs(want), (rank, out["losses"], out["expected"])
         assert out["errors"] and max(out["errors"]) <= 1e-5, (rank, out["errors"])
         assert out["tied"] <= 1e-5, (rank, out["tied"])
         units = out["units"]
-        assert units == (3 if rank < 2 else 2), (rank, units)  # stage 0: embedding, 2 blocks; 1: block, norm
+        # stage 0: embedding, 2 blocks; 1: block, norm.  Two chunks: stage 0 embedding and block 4; 1: blocks
+        # 2 and 3, norm
+        assert units == ((3, 2) if chunks == 1 else (2, 3))[rank // 2], (rank, units)
         # once per unit and batch by default; per micro-batch, once per unit for each forward and backward
         want = {"batch": 0, "pass": 2 * GATHER_MICRO * units} if per_micro_batch else {"batch": units, "pass": 0}
         assert out["counts"] == [want] * STEPS, (rank, out["counts"], want)
@@ -286,10 +301,23 @@ def refusals_worker(rank: int, world: int) -> list[str]:
                     # an mpu other than the module's own would be ignored: refused
                     lambda: zeroshard.initialize(model=PipelineModule(specs(), num_stages=2, loss_fn=loss_fn),
                                                  mpu=PipelineModule(specs(), num_stages=2).mpu(),
-                                                 config=config(0, "1f1b", 2))):
+                                                 config=config(0, "1f1b", 2)),
+                    # virtual stages: the interleaved schedule needs chunks, chunks need it, its micro-batches a
+                    # multiple of the stages (ACCUM is 3), no per-micro-batch gathers; a tied weight first used
+                    # in a later chunk
+                    lambda: build(2, 0, "interleaved_1f1b"),
+                    lambda: build(2, 0, "1f1b", chunks=2, gradient_accumulation_steps=4, train_batch_size=MICRO * 8),
+                    lambda: build(2, 0, "interleaved_1f1b", chunks=2),
+                    lambda: build(2, 3, "interleaved_1f1b", chunks=2, gradient_accumulation_steps=4,
+                                  train_batch_size=MICRO * 8,
+                                  pipeline={"schedule": "interleaved_1f1b", "stage3_gather_per_micro_batch": True}),
+                    lambda: PipelineModule([LayerSpec(Block, D)] * 4 + [TiedLayerSpec("t", Block, D)]
+                                           + [LayerSpec(Block, D)] * 3, num_stages=2, virtual_stages=2,
+                                           partition_method="uniform")):
         try:
             attempt()
-        except (StagesDoNotDivideError, TooFewLayersError, PipelineBatchSizeError, PipelineConfigError) as error:
+        except (StagesDoNotDivideError, TooFewLayersError, PipelineBatchSizeError, PipelineConfigError,
+                TiedChunkError) as error:
             raised.append(type(error).__name__)
     own = PipelineModule(specs(), num_stages=2, loss_fn=loss_fn)  # its own mpu, as DeepSpeed scripts pass it
     zeroshard.initialize(model=own, mpu=own.mpu(), config=config(0, "1f1b", 2))[0].close()
@@ -306,7 +334,8 @@ def refusals_worker(rank: int, world: int) -> list[str]:
 def check_refusals(by_rank: list[list[str]]) -> None:
     for raised in by_rank:
         assert raised == ["StagesDoNotDivideError", "TooFewLayersError", "PipelineBatchSizeError",
-                          "PipelineConfigError"] + ["PipelineUsageError"] * 3, raised
+                          "PipelineConfigError"] + ["PipelineConfigError"] * 4 + ["TiedChunkError"] + \
+            ["PipelineUsageError"] * 3, raised
 
 
 class Head(nn.Module):
@@ -458,17 +487,20 @@ def reference_state(reference: Reference) -> dict[str, torch.Tensor]:
     return {f"{i}.{name}": p.detach().clone() for i, m in reference.modules.items() for name, p in m.named_parameters()}
 
 
-def bf16_worker(rank: int, world: int, root: str, pp: int, stage: int) -> dict[str, Any]:
+def bf16_worker(rank: int, world: int, root: str, pp: int, stage: int, chunks: int = 1) -> dict[str, Any]:
     """Train in bf16 (activations and gradients travel in bf16), save, and report the fp32 reference."""
-    engine, module = build(pp, stage, "1f1b", SmallEmbedding, bf16={"enabled": True},
-                           optimizer={"type": "AdamW", "params": {"lr": MIXED_LR, "weight_decay": WD}})
     dp = 4 // pp
+    accum = CHUNKED_ACCUM if chunks > 1 else ACCUM
+    engine, module = build(pp, stage, "interleaved_1f1b" if chunks > 1 else "1f1b", SmallEmbedding, chunks=chunks,
+                           bf16={"enabled": True}, gradient_accumulation_steps=accum,
+                           train_batch_size=MICRO * accum * dp,
+                           optimizer={"type": "AdamW", "params": {"lr": MIXED_LR, "weight_decay": WD}})
     reference = Reference(MIXED_LR, SmallEmbedding)
     initial = reference_state(reference)
     losses, expected = [], []
     for step in range(STEPS):
-        losses.append(float(engine.train_batch(data(step, rank % dp))))
-        expected.append(reference.train_step(step, dp))
+        losses.append(float(engine.train_batch(data(step, rank % dp, accum))))
+        expected.append(reference.train_step(step, dp, accum=accum))
     copy = module.tied.ties[0].copy
     copy_dtype = str(copy.dtype) if copy is not None else None
     engine.save_checkpoint(root, "bf16")  # the fp32 masters
@@ -477,7 +509,7 @@ def bf16_worker(rank: int, world: int, root: str, pp: int, stage: int) -> dict[s
             "reference": reference_state(reference)}
 
 
-def check_bf16(by_rank: list[dict[str, Any]], root: str, pp: int, stage: int) -> None:
+def check_bf16(by_rank: list[dict[str, Any]], root: str, pp: int, stage: int, chunks: int = 1) -> None:
     for rank, out in enumerate(by_rank):
         assert max(abs(a - b) for a, b in zip(out["losses"], out["expected"])) <= LOSS_TOL, (rank, out["losses"])
         if rank // (4 // pp) == pp - 1:  # the last stage holds a copy of the tied embedding, in bf16
@@ -722,6 +754,13 @@ def test_pipeline_matches_one_process(tmp_path: Path) -> None:
     cases += [("train", {"pp": 4, "stage": 1, "schedule": "1f1b"}), ("train", {"pp": 4, "stage": 3, "schedule": "gpipe"}),
               ("resume", {"root": str(tmp_path / "resume")}),
               ("bf16", {"root": str(tmp_path / "bf16"), "pp": 2, "stage": 2}), ("loader", {}), ("refusals", {})]
+    # the interleaved schedule: two chunks per stage at pipeline 2 x data 2 (ZeRO 0-3) and 4 x 1, three at 2 x 2
+    cases += [("train", {"pp": 2, "stage": stage, "schedule": "interleaved_1f1b", "chunks": 2}) for stage in (0, 1, 2, 3)]
+    cases += [("train", {"pp": 4, "stage": 1, "schedule": "interleaved_1f1b", "chunks": 2}),
+              ("train", {"pp": 4, "stage": 3, "schedule": "interleaved_1f1b", "chunks": 2}),
+              ("train", {"pp": 2, "stage": 2, "schedule": "interleaved_1f1b", "chunks": 3}),
+              ("gathers", {"schedule": "interleaved_1f1b", "per_micro_batch": False, "chunks": 2}),
+              ("bf16", {"root": str(tmp_path / "bf16_chunks"), "pp": 2, "stage": 3, "chunks": 2})]
     # fp16 at pipeline 2 x data 2 (ZeRO 0-2) and 4 x 1 (ZeRO 3), an overflow on one rank, CPU offload
     cases += [("fp16", {"pp": 2, "stage": stage}) for stage in (0, 1, 2)]
     cases += [("fp16", {"pp": 4, "stage": 3}), ("overflow", {"stage": 3}), ("overflow", {"stage": 0}),

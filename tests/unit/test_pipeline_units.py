@@ -11,7 +11,8 @@ from zeroshard.pipe import LayerSpec, PipelineModule
 from zeroshard.pipeline import GPipe, OneFOneB, PartitionMethodError, PipelineUsageError, TooFewLayersError
 from zeroshard.pipeline.p2p import decode_header, encode_header
 from zeroshard.pipeline.partition import partition
-from zeroshard.pipeline.schedule import Backward, Forward
+from zeroshard.pipeline.schedule import (Backward, Forward, InterleavedOneFOneB, ScheduleDeadlockError,
+                                         ScheduleShapeError, timeline)
 
 
 @pytest.mark.parametrize("schedule", [OneFOneB(), GPipe()])
@@ -24,6 +25,53 @@ def test_schedules_run_every_pass_once_in_micro_batch_order(schedule) -> None:
                 assert [a.micro_batch for a in actions if isinstance(a, Backward)] == list(range(m))
                 for i in range(m):  # a micro-batch's backward comes after its forward
                     assert actions.index(Forward(i)) < actions.index(Backward(i))
+
+
+def test_interleaved_runs_every_chunk_pass_once_in_one_order_on_every_rank() -> None:
+    schedule = InterleavedOneFOneB()
+    for p in (2, 3, 4):
+        for v in (2, 3):
+            for m in (p, 2 * p, 3 * p):
+                orders = []
+                for s in range(p):
+                    actions = schedule.actions(s, p, m, v)
+                    items = {(a.micro_batch, a.chunk) for a in actions}
+                    assert len(actions) == 2 * m * v and items == {(i, c) for i in range(m) for c in range(v)}
+                    for i in range(m):
+                        for c in range(v):
+                            assert actions.index(Forward(i, c)) < actions.index(Backward(i, c))
+                    assert actions[-1] == Backward(m - 1, 0)  # the batch's last backward is a first chunk's
+                    orders.append(([a for a in actions if isinstance(a, Forward)],
+                                   [a for a in actions if isinstance(a, Backward)]))
+                assert all(order == orders[0] for order in orders)  # messages pair up in send order
+
+
+def test_timeline_equals_each_schedules_bubble() -> None:
+    for schedule in (OneFOneB(), GPipe(), InterleavedOneFOneB()):
+        for p in (2, 4):
+            for v in ((2, 3) if schedule.interleaved else (1,)):
+                for m in (p, 4 * p):
+                    for forward_s, backward_s in ((1.0, 2.0), (1.0, 1.0)):
+                        idle = timeline(schedule, p, m, v, forward_s, backward_s)
+                        assert idle == pytest.approx([schedule.bubble_fraction(p, m, v)] * p)
+    assert InterleavedOneFOneB.bubble_fraction(4, 8, 2) == pytest.approx(3 / 19)
+    assert 3 / 19 < OneFOneB.bubble_fraction(4, 8)
+
+
+def test_timeline_finds_a_deadlock_and_the_schedules_refuse_bad_shapes() -> None:
+    class Backwards(OneFOneB):
+        """Every backward before the forwards: no rank can start."""
+        def actions(self, stage, num_stages, micro_batches, chunks=1):
+            return sorted(super().actions(stage, num_stages, micro_batches, chunks), key=lambda a: isinstance(a, Forward))
+
+    with pytest.raises(ScheduleDeadlockError):
+        timeline(Backwards(), 2, 2)
+    with pytest.raises(ScheduleShapeError):
+        InterleavedOneFOneB().actions(0, 2, 3, 2)  # micro-batches not a multiple of the stages
+    with pytest.raises(ScheduleShapeError):
+        InterleavedOneFOneB().actions(0, 2, 4, 1)
+    with pytest.raises(ScheduleShapeError):
+        OneFOneB().actions(0, 2, 4, 2)
 
 
 def test_one_f_one_b_holds_at_most_the_stages_after_it() -> None:

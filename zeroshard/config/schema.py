@@ -177,10 +177,16 @@ class PipelineConfig:
     activation_checkpoint_interval: Optional[int] = key(
         None, "Layers per checkpointed run (0: none); when set, must equal the module's.",
         lambda v: None if v is None or v >= 0 else "a number >= 0", default_text="the module's")
-    schedule: Literal["1f1b", "gpipe"] = key(
+    schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = key(
         "1f1b", "zeroshard's own key: `1f1b` (one forward, one backward: a stage holds at most as many "
         "micro-batches' activations as there are stages after it) or `gpipe` (every forward, then every "
-        "backward: a stage holds all of them); both idle (stages - 1) / (micro-batches + stages - 1) of a batch.")
+        "backward: a stage holds all of them); both idle (stages - 1) / (micro-batches + stages - 1) of a batch. "
+        "`interleaved_1f1b`: 1F1B over the chunks of a `PipelineModule(virtual_stages=v)`, v >= 2, with "
+        "micro-batches a multiple of the stages; idles (stages - 1) / (v x micro-batches + stages - 1), for v "
+        "times the point-to-point messages.")
+    virtual_stages: Optional[int] = key(
+        None, "Chunks of layers per stage (the interleaved schedule); when set, must equal the module's "
+        "`virtual_stages`.", optional_positive, default_text="the module's")
     stage3_gather_per_micro_batch: bool = key(
         False, "zeroshard's own key, ZeRO stage 3: `false` gathers a stage's parameters once per batch and keeps "
         "them through every micro-batch's forward and backward, released before the step (each rank of the stage "

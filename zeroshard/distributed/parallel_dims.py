@@ -128,8 +128,19 @@ class ParallelGroups:
         #: the group of point-to-point messages between stages (None: no neighbours)
         self.p2p = _own_of([dims.pipeline_ranks(d) for d in range(dims.dp)] if dims.pp > 1 else [], self.data,
                            timeout)
+        #: the gradients' own point-to-point group, with virtual stages (:meth:`gradient_p2p`)
+        self.p2p_gradients: Optional[dist.ProcessGroup] = None
         self._subgroups: dict[tuple[int, ...], Optional[dist.ProcessGroup]] = {}
         release_at_exit(self.release)
+
+    def gradient_p2p(self) -> Optional[dist.ProcessGroup]:
+        """A second point-to-point group over the same pipelines, for the gradients going backward, created
+        once (every rank calls it): with virtual stages two neighbours exchange activations and gradients
+        in both directions (see [Note: a header before every activation] in pipeline/p2p.py)."""
+        if self.p2p_gradients is None and self.dims.pp > 1:
+            self.p2p_gradients = _own_of([self.dims.pipeline_ranks(d) for d in range(self.dims.dp)], self.data,
+                                         self.world.timeout_s)
+        return self.p2p_gradients
 
     @property
     def is_first_stage(self) -> bool:
@@ -151,6 +162,6 @@ class ParallelGroups:
     def release(self) -> None:
         """Drop the references to the groups (at exit, before the process groups are destroyed)."""
         self.pipe.world = dataclasses.replace(self.pipe.world, group=None)
-        self.p2p = None
+        self.p2p = self.p2p_gradients = None
         self.data_world = dataclasses.replace(self.data_world, group=None)
         self._subgroups.clear()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from ..config import ZeroshardConfig, resolve_batch_sizes
 from ..config.errors import ConfigError
 from .module import PipelineModule
+from .schedule import SCHEDULES, ScheduleShapeError
 
 
 class PipelineConfigError(ConfigError):
@@ -32,13 +33,21 @@ def check_pipeline_config(config: ZeroshardConfig, module: PipelineModule) -> No
     block = config.pipeline
     module_values = {"stages": module.num_stages, "partition": module.partition_method,
                      "seed_layers": module.seed_layers,
-                     "activation_checkpoint_interval": module.activation_checkpoint_interval}
+                     "activation_checkpoint_interval": module.activation_checkpoint_interval,
+                     "virtual_stages": module.virtual_stages}
     for name, value in module_values.items():
         given = getattr(block, name)
         if given is not None and given != value:
             raise PipelineConfigError(f"'pipeline.{name}' = {given!r} but the PipelineModule was built with {value!r}: "
                                       f"the module's arguments decide the split; remove the key or make them agree")
     zero = config.zero_optimization
+    if module.virtual_stages > 1 and block.stage3_gather_per_micro_batch and zero.stage == 3:
+        # the gather scheduler prefetches the units its trace of the last pass used next; a rank's passes
+        # alternate between chunks, so that trace is the wrong chunk's half the time
+        raise PipelineConfigError("'pipeline.stage3_gather_per_micro_batch' is not supported with virtual stages: "
+                                  "a stage's passes alternate between its chunks, which the gather scheduler's "
+                                  "prefetch does not follow; keep the default (one gather per batch), or use "
+                                  "one chunk per stage")
     refused = {
         # a swap failure stops the failing stage's ranks only (engine._raise_swap_failures agrees over the
         # stage's data-parallel group), and the other stages would wait for them
@@ -58,4 +67,10 @@ def check_pipeline_config(config: ZeroshardConfig, module: PipelineModule) -> No
 def pipeline_config(config: ZeroshardConfig, module: PipelineModule) -> ZeroshardConfig:
     """The config checked and with its batch sizes resolved over the stage's data-parallel ranks."""
     check_pipeline_config(config, module)
-    return resolve_pipeline_batch_sizes(config, module.groups.dims.dp)
+    resolved = resolve_pipeline_batch_sizes(config, module.groups.dims.dp)
+    try:
+        SCHEDULES[config.pipeline.schedule].check(module.num_stages, resolved.gradient_accumulation_steps or 1,
+                                                  module.virtual_stages)
+    except ScheduleShapeError as error:
+        raise PipelineConfigError(str(error)) from None
+    return resolved

@@ -88,7 +88,9 @@ class PipelineEngine(Engine):
         self.num_stages = groups.dims.pp
         self.stage_id = groups.stage
         self.schedule: PipeSchedule = SCHEDULES[config.pipeline.schedule]
-        self.link = StageLink(groups.p2p, groups.stage, groups.dims.pp, self.world.device)
+        #: chunks of the model on this rank (``PipelineModule(virtual_stages=...)``, the interleaved schedule)
+        self.chunks = module.virtual_stages
+        self.link = StageLink(groups.p2p, groups.stage, groups.dims.pp, self.world.device, groups.p2p_gradients)
         self.data_iterator: Optional[Iterator[Any]] = None
         #: applied to every micro-batch read (``set_batch_fn``)
         self.batch_fn: Optional[Callable[[Any], Any]] = None
@@ -180,10 +182,13 @@ class PipelineEngine(Engine):
         return job_parts(self.checkpoint_parts(), self._module(), self.param_names, self.job_comm)
 
     # ------------------------------------------------------------------ the stage's passes (executor.StagePasses)
-    def stage_forward(self, inputs: Any) -> Any:
-        return super().forward(inputs)
+    def stage_forward(self, inputs: Any, chunk: int) -> Any:
+        return super().forward(inputs, chunk=chunk) if self.chunks > 1 else super().forward(inputs)
 
-    def stage_backward(self, value: torch.Tensor, is_loss: bool) -> None:
+    def stage_backward(self, value: torch.Tensor, is_loss: bool, boundary: bool) -> None:
+        # the executor knows which backward is the batch's last on this rank; with chunks, a micro-batch
+        # has one backward per chunk and the engine's count of micro steps cannot tell
+        self._boundary_override = boundary
         if is_loss:
             super().backward(value)
         else:  # see [Note: the loss scale along a pipeline]
@@ -194,6 +199,7 @@ class PipelineEngine(Engine):
 
     def stage_step(self) -> None:
         super().step()
+        self._boundary_override = None
 
     def _model_grad_norm(self, grads: list[torch.Tensor], comm: Optional[Collectives]) -> torch.Tensor:
         """The stage's norm, summed in squares over the stages of the pipeline (see [Note: ZeRO inside a
@@ -230,10 +236,10 @@ class PipelineEngine(Engine):
         micro = self.gradient_accumulation_steps()
         self._clock = clock = StageClock(self.link)
         run = BatchRun(self, self.link, module.tied, micro, batches_from(self._iterator(data_iter), self.batch_fn),
-                       module.loss_fn, training=True, clock=clock)
+                       module.loss_fn, training=True, clock=clock, chunks=self.chunks)
         try:
             self.batch_gathers.hold()
-            result = run.run(self.schedule.actions(self.stage_id, self.num_stages, micro))
+            result = run.run(self.schedule.actions(self.stage_id, self.num_stages, micro, self.chunks))
             started = time.perf_counter()
             module.tied.broadcast_from_owners(self._full_values)
             clock.synced(started)
@@ -244,6 +250,7 @@ class PipelineEngine(Engine):
         finally:
             self.batch_gathers.release()  # a batch that raised: nothing stays pinned
             self._clock = None
+            self._boundary_override = None
         self.last_batch_timing = clock.timing()
         self._save_periodically()
         return loss
@@ -265,9 +272,10 @@ class PipelineEngine(Engine):
         try:
             with torch.no_grad():
                 run = BatchRun(self, self.link, None, micro, batches_from(data_iter, self.batch_fn), module.loss_fn,
-                               training=False, compute_loss=compute_loss, keep_outputs=return_logits)
+                               training=False, compute_loss=compute_loss, keep_outputs=return_logits,
+                               chunks=self.chunks)
                 self.batch_gathers.hold()
-                result = run.run(ForwardOnly().actions(self.stage_id, self.num_stages, micro))
+                result = run.run(ForwardOnly().actions(self.stage_id, self.num_stages, micro, self.chunks))
         finally:
             self.batch_gathers.release()
             module.train(was_training)

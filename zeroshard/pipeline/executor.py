@@ -39,18 +39,21 @@ class NoDataError(RuntimeError):
 class StagePasses(Protocol):
     """What the executor asks of the stage's engine."""
 
-    def stage_forward(self, inputs: Any) -> Any: ...
+    def stage_forward(self, inputs: Any, chunk: int) -> Any: ...
 
-    def stage_backward(self, value: torch.Tensor, is_loss: bool) -> None:
+    def stage_backward(self, value: torch.Tensor, is_loss: bool, boundary: bool) -> None:
         """Backpropagate the last stage's loss (``is_loss``), or on an earlier stage the scalar whose
         backward is the vector-Jacobian product with the gradients received, which already carry the
-        division by the accumulation steps and the loss scale."""
+        division by the accumulation steps and the loss scale.  ``boundary``: the batch's last backward
+        on this rank, in which the gradients are reduced over the data-parallel group."""
 
     def stage_last_backward_done(self) -> None:
         """The batch's last backward is over, its step comes next (stage 3 releases what the batch held:
         [Note: a stage's parameters gathered once per batch] in pipeline/engine.py)."""
 
-    def stage_step(self) -> None: ...
+    def stage_step(self) -> None:
+        """A micro-batch's backward is over on this rank (every chunk's): the engine counts a micro step,
+        and after the batch's last it steps the optimizer."""
 
 
 @dataclass
@@ -121,7 +124,8 @@ class BatchRun:
 
     def __init__(self, passes: StagePasses, link: StageLink, tied: Optional[TiedWeights], micro_batches: int,
                  next_batch: Callable[[], Any], loss_fn: Optional[Callable[..., Any]], training: bool,
-                 compute_loss: bool = True, keep_outputs: bool = False, clock: Optional[StageClock] = None) -> None:
+                 compute_loss: bool = True, keep_outputs: bool = False, clock: Optional[StageClock] = None,
+                 chunks: int = 1) -> None:
         self.passes, self.link, self.tied = passes, link, tied
         #: where the tied weights' exchanges count as waits (see [Note: the measured bubble])
         self.clock = clock
@@ -129,33 +133,43 @@ class BatchRun:
         self.next_batch = next_batch
         self.loss_fn = loss_fn
         self.training, self.compute_loss, self.keep_outputs = training, compute_loss, keep_outputs
-        self.first = link.stage == 0
-        self.last = link.stage == link.num_stages - 1
-        self._in_flight: dict[int, _InFlight] = {}
+        self.chunks = chunks
+        self._in_flight: dict[tuple[int, int], _InFlight] = {}
         self.result = BatchResult()
 
+    def _first(self, chunk: int) -> bool:
+        """Whether ``chunk`` of this rank is the model's first virtual stage (it reads the inputs)."""
+        return self.link.stage == 0 and chunk == 0
+
+    def _last(self, chunk: int) -> bool:
+        """Whether ``chunk`` of this rank is the model's last virtual stage (it reads the labels)."""
+        return self.link.stage == self.link.num_stages - 1 and chunk == self.chunks - 1
+
     def run(self, actions: list[Action]) -> BatchResult:
+        backwards = [i for i, a in enumerate(actions) if isinstance(a, Backward)]
+        final = backwards[-1] if backwards else -1
         try:
-            for action in actions:
+            for at, action in enumerate(actions):
                 if isinstance(action, Forward):
-                    self._forward(action.micro_batch)
+                    self._forward(action.micro_batch, action.chunk)
                 elif isinstance(action, Backward):
-                    self._backward(action.micro_batch)
+                    self._backward(action.micro_batch, action.chunk, at == final)
         finally:
             self.link.wait_sends()
         return self.result
 
-    def _forward(self, index: int) -> None:
-        batch = self.next_batch() if self.first or self.last else None
-        if self.first:
+    def _forward(self, index: int, chunk: int) -> None:
+        first, last = self._first(chunk), self._last(chunk)
+        batch = self.next_batch() if first or last else None
+        if first:
             inputs: Any = _inputs_of(batch)
             kept: tuple[torch.Tensor, ...] = ()
         else:
             kept = self.link.recv_forward(self.training)
             inputs = kept[0] if len(kept) == 1 else kept
-        outputs = self.passes.stage_forward(inputs)
+        outputs = self.passes.stage_forward(inputs, chunk)
         flight = _InFlight(inputs=kept)
-        if self.last:
+        if last:
             if self.compute_loss:
                 loss = self.loss_fn(outputs, _labels_of(batch)) if self.loss_fn is not None else outputs
                 flight.loss = loss
@@ -166,18 +180,19 @@ class BatchRun:
             flight.outputs = as_tensors(outputs, f"stage {self.link.stage}'s output")
             self.link.send_forward(flight.outputs)
         if self.training:
-            self._in_flight[index] = flight
+            self._in_flight[(index, chunk)] = flight
 
-    def _backward(self, index: int) -> None:
-        flight = self._in_flight.pop(index)
-        final = index == self.micro_batches - 1
+    def _backward(self, index: int, chunk: int, final: bool) -> None:
+        """Micro-batch ``index``'s backward through ``chunk``; ``final``: the batch's last on this rank
+        (its chunk 0: every chunk's backward of a micro-batch comes after the later chunks')."""
+        flight = self._in_flight.pop((index, chunk))
         if final and self.tied is not None:
             started = time.perf_counter()
             self.tied.before_last_backward()
             self._synced(started)
-        if self.last:
+        if self._last(chunk):
             assert flight.loss is not None
-            self.passes.stage_backward(flight.loss, True)
+            self.passes.stage_backward(flight.loss, True, final)
         else:
             grads = self.link.recv_backward(flight.outputs)
             terms = [(o * g).sum() for o, g in zip(flight.outputs, grads) if g is not None]
@@ -185,8 +200,8 @@ class BatchRun:
                 raise RuntimeError(f"stage {self.link.stage}'s output needs no gradient: nothing to backpropagate")
             # the vector-Jacobian product as the backward of one scalar; the loss was already divided
             # by the accumulation steps and multiplied by the loss scale on the last stage
-            self.passes.stage_backward(torch.stack(terms).sum(), False)
-        if not self.first:
+            self.passes.stage_backward(torch.stack(terms).sum(), False, final)
+        if not self._first(chunk):
             self.link.send_backward(flight.inputs)
         if final and self.tied is not None:
             started = time.perf_counter()
@@ -194,7 +209,8 @@ class BatchRun:
             self._synced(started)
         if final:
             self.passes.stage_last_backward_done()
-        self.passes.stage_step()
+        if chunk == 0:  # the micro-batch's backward is over on this rank
+            self.passes.stage_step()
 
     def _synced(self, started: float) -> None:
         if self.clock is not None:

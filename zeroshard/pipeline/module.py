@@ -3,7 +3,9 @@
 ``PipelineModule(layers, num_stages=2)`` splits ``layers`` (``LayerSpec``s, ``TiedLayerSpec``s, built
 modules or plain callables) into contiguous runs, one per stage (pipeline/partition.py), and builds only
 this rank's run; its ``forward`` applies those layers in order, each taking the previous one's output
-(a tensor or a tuple of tensors) as its one argument.  Constructing it joins the process group (as
+(a tensor or a tuple of tensors) as its one argument.  With ``virtual_stages=v`` (zeroshard's own
+argument, for the interleaved schedule) the layers are cut into ``num_stages * v`` runs and stage ``r``
+holds runs ``r, r + num_stages, ...``, its *chunks*; ``forward(x, chunk=c)`` applies chunk ``c``.  Constructing it joins the process group (as
 ``initialize()`` would) and builds the groups of every parallel axis (distributed/parallel_dims.py).
 """
 
@@ -20,6 +22,10 @@ from ..distributed.world import World, init_distributed
 from .partition import partition
 from .specs import LayerSpec, TiedLayerSpec
 from .tied import TiedWeight, TiedWeights
+
+
+class TiedChunkError(ValueError):
+    """With virtual stages, a tied weight whose first use is not in its stage's first chunk."""
 
 
 class PipeDataParallelTopology:
@@ -81,8 +87,10 @@ class PipelineModule(nn.Module):
                  seed_layers: bool = False, seed_fn: Optional[Callable[[int], Any]] = None, base_seed: int = 1234,
                  partition_method: str = "parameters", activation_checkpoint_interval: int = 0,
                  activation_checkpoint_func: Callable[..., Any] = checkpoint,
-                 checkpointable_layers: Optional[list[str]] = None) -> None:
+                 checkpointable_layers: Optional[list[str]] = None, virtual_stages: int = 1) -> None:
         super().__init__()
+        if virtual_stages < 1:
+            raise ValueError(f"virtual_stages={virtual_stages}: the chunks per stage are 1 or more")
         world = init_distributed()
         if topology is None and num_stages is None:
             raise ValueError("PipelineModule needs num_stages= or topology=")
@@ -93,10 +101,14 @@ class PipelineModule(nn.Module):
             raise StagesDoNotDivideError(f"the topology covers {dims.world_size} ranks, the world has "
                                          f"{world.world_size}")
         self.layer_specs = list(layers)
-        self.bounds = partition(self.layer_specs, dims.pp, partition_method)
+        self.virtual_stages = virtual_stages
+        #: ``num_stages * virtual_stages + 1`` boundaries: virtual stage ``k`` holds layers ``bounds[k]:bounds[k+1]``
+        self.bounds = partition(self.layer_specs, dims.pp * virtual_stages, partition_method)
         self.groups = ParallelGroups(dims, world)
         self.num_stages = dims.pp
         self.stage_id = self.groups.stage
+        if virtual_stages > 1:
+            self.groups.gradient_p2p()  # see [Note: a header before every activation] in pipeline/p2p.py
         self.loss_fn = loss_fn
         self.seed_layers, self.seed_fn, self.base_seed = seed_layers, seed_fn or torch.manual_seed, base_seed
         self.partition_method = partition_method
@@ -106,20 +118,37 @@ class PipelineModule(nn.Module):
         self._build_stage(world)
 
     # ------------------------------------------------------------------ building this stage
+    def virtual_stage(self, chunk: int, stage: Optional[int] = None) -> int:
+        """The virtual stage of ``chunk`` on ``stage`` (default: this rank's)."""
+        return chunk * self.num_stages + (self.stage_id if stage is None else stage)
+
+    def stage_of_layer(self, index: int) -> int:
+        """The stage that holds global layer ``index``."""
+        return self.chunk_of_layer(index)[0]
+
+    def chunk_of_layer(self, index: int) -> tuple[int, int]:
+        """``(stage, chunk)`` of global layer ``index``."""
+        k = next(k for k in range(len(self.bounds) - 1) if self.bounds[k] <= index < self.bounds[k + 1])
+        return k % self.num_stages, k // self.num_stages
+
     def _build_stage(self, world: World) -> None:
-        start, stop = self.bounds[self.stage_id], self.bounds[self.stage_id + 1]
         self.layers = nn.ModuleList()  # this stage's built modules, in order (tied ones under tied_modules)
         self.tied_modules = nn.ModuleDict()
-        self._calls: list[Callable[[Any], Any]] = []
+        self._calls: list[list[Callable[[Any], Any]]] = []  # per chunk, what each layer runs
+        self._owners: list[list[Any]] = []  # per chunk, each call's module, or a plain callable
         self._tied_specs: dict[str, TiedLayerSpec] = {}
         self._layer_index: list[int] = []  # the global index of each module in self.layers
         self._tied_index: dict[str, int] = {}  # each tied key's first global index on this stage
-        self._owners: list[Any] = []  # what each call runs: a module, or a plain callable
-        for index in range(start, stop):
-            spec = self.layer_specs[index]
-            self._calls.append(self._build_layer(index, spec))
-            self._owners.append(self.tied_modules[spec.key] if isinstance(spec, TiedLayerSpec)
-                                else self.layers[-1] if isinstance(spec, LayerSpec) else spec)
+        for chunk in range(self.virtual_stages):
+            k = self.virtual_stage(chunk)
+            calls, owners = [], []
+            for index in range(self.bounds[k], self.bounds[k + 1]):
+                spec = self.layer_specs[index]
+                calls.append(self._build_layer(index, spec))
+                owners.append(self.tied_modules[spec.key] if isinstance(spec, TiedLayerSpec)
+                              else self.layers[-1] if isinstance(spec, LayerSpec) else spec)
+            self._calls.append(calls)
+            self._owners.append(owners)
         self.to(world.device)
         self.tied = TiedWeights(self.groups, self._ties(world.device))
         self.tied.detach_copies()
@@ -160,13 +189,23 @@ class PipelineModule(nn.Module):
         attr_of: dict[str, str] = {}
         for index, spec in enumerate(self.layer_specs):
             if isinstance(spec, TiedLayerSpec):
-                stage = next(s for s in range(self.num_stages) if self.bounds[s] <= index < self.bounds[s + 1])
+                stage, chunk = self.chunk_of_layer(index)
                 stages = stages_of.setdefault(spec.key, [])
+                if not stages and chunk != 0:
+                    raise TiedChunkError(
+                        f"tied layer {index} ({spec.key!r}) is the key's first use and sits in chunk {chunk} of "
+                        f"stage {stage}: with virtual stages a tied weight's first use must be in a stage's first "
+                        f"chunk (layers {self.bounds[stage]}:{self.bounds[stage + 1]}), whose backward is the "
+                        f"batch's last there (see [Note: tied weights across stages] in pipeline/tied.py); move "
+                        f"it, or use fewer virtual stages")
                 if stage not in stages:
                     stages.append(stage)
                 attr_of[spec.key] = spec.tied_weight_attr
         ties = []
         for key, stages in stages_of.items():
+            # the first use is in a first chunk, so its stage is the lowest that uses the key: the owner
+            # (the Note in pipeline/tied.py), and the stages of a key's group are ascending
+            stages.sort()
             first = next(s for s in self.layer_specs if isinstance(s, TiedLayerSpec) and s.key == key)
             with torch.device("meta"):
                 shape = getattr(first.build(), attr_of[key]).shape
@@ -175,16 +214,17 @@ class PipelineModule(nn.Module):
         return ties
 
     # ------------------------------------------------------------------ forward
-    def forward(self, inputs: Any) -> Any:
+    def forward(self, inputs: Any, chunk: int = 0) -> Any:
         interval = self.activation_checkpoint_interval
         x = inputs
+        all_calls, all_owners = self._calls[chunk], self._owners[chunk]
         if interval <= 0 or not torch.is_grad_enabled():
-            for call in self._calls:
+            for call in all_calls:
                 x = call(x)
             return x
-        for start in range(0, len(self._calls), interval):
-            calls = self._calls[start:start + interval]
-            if self._checkpointable(self._owners[start:start + interval]):
+        for start in range(0, len(all_calls), interval):
+            calls = all_calls[start:start + interval]
+            if self._checkpointable(all_owners[start:start + interval]):
                 x = self._checkpointed(calls, x)
             else:
                 for call in calls:
@@ -235,5 +275,13 @@ class PipelineModule(nn.Module):
         raise KeyError(f"{name!r} is not a key of a PipelineModule's layers")
 
     def stage_layers(self) -> tuple[int, int]:
-        """The indices ``[start, stop)`` of the layers this stage holds."""
+        """The indices ``[start, stop)`` of the layers this stage holds (its first chunk's, with virtual stages)."""
         return self.bounds[self.stage_id], self.bounds[self.stage_id + 1]
+
+    def layer_calls(self) -> dict[int, Callable[[Any], Any]]:
+        """What each layer this stage holds runs, by global index, every chunk's."""
+        out = {}
+        for chunk, calls in enumerate(self._calls):
+            start = self.bounds[self.virtual_stage(chunk)]
+            out.update({start + j: call for j, call in enumerate(calls)})
+        return out

@@ -10,6 +10,16 @@ preceded by its length.  Gradients need no header: the stage that receives them 
 they belong to, and receives one gradient for each of its outputs that needs one.  Sends are
 ``isend`` and are waited for at the end of the batch, so a stage never blocks on a neighbour busy
 with its own passes; receives block, since the pass that follows needs them.
+
+Messages are matched in the order they are sent, per pair of ranks and direction: every schedule
+runs each rank's forwards in one order of (chunk, micro-batch) and its backwards in one order, the
+same on every rank (pipeline/schedule.py), so a rank receives its neighbour's activations, and its
+gradients, in the order the neighbour sends them.  With one chunk per rank the activations go only
+to the next stage and the gradients only to the previous one.  With virtual stages the last stage's
+activations go round to the first, so two neighbours exchange activations and gradients both ways, and
+the two streams, each in order on its own, interleave differently on the two sides; the gradients then
+travel on a point-to-point group of their own (``ParallelGroups.gradient_p2p``), and with the tags
+(one per direction) no transport can match a gradient with an activation.
 """
 
 from __future__ import annotations
@@ -65,19 +75,26 @@ class StageLink:
     in which a rank's number is its stage)."""
 
     def __init__(self, group: Optional[dist.ProcessGroup], stage: int, num_stages: int,
-                 device: torch.device) -> None:
+                 device: torch.device, gradient_group: Optional[dist.ProcessGroup] = None) -> None:
         self.group, self.stage, self.num_stages, self.device = group, stage, num_stages, device
+        #: where the gradients travel: a group of their own with virtual stages (see the module's Note)
+        self.gradient_group = gradient_group if gradient_group is not None else group
+        #: the neighbours, round the ranks (with virtual stages the last stage feeds the first)
+        self.next, self.previous = (stage + 1) % num_stages, (stage - 1) % num_stages
         self._sends: list[tuple[Any, torch.Tensor]] = []  # each send's work and the tensor it reads
         #: seconds blocked so far in receives, and in waiting for sends (the executor's ``BatchTiming``)
         self.recv_seconds = 0.0
         self.send_seconds = 0.0
 
+    def _group_of(self, tag: int) -> Optional[dist.ProcessGroup]:
+        return self.gradient_group if tag == _BACKWARD else self.group
+
     def _isend(self, tensor: torch.Tensor, to: int, tag: int) -> None:
         tensor = tensor.detach().contiguous()
-        self._sends.append((dist.isend(tensor, group=self.group, group_dst=to, tag=tag), tensor))
+        self._sends.append((dist.isend(tensor, group=self._group_of(tag), group_dst=to, tag=tag), tensor))
 
     def _recv(self, tensor: torch.Tensor, source: int, tag: int) -> torch.Tensor:
-        work = dist.irecv(tensor, group=self.group, group_src=source, tag=tag)
+        work = dist.irecv(tensor, group=self._group_of(tag), group_src=source, tag=tag)
         assert work is not None  # None only for a rank outside the group
         started = time.perf_counter()
         work.wait()
@@ -87,20 +104,20 @@ class StageLink:
     def send_forward(self, values: tuple[torch.Tensor, ...]) -> None:
         """The stage's output to the next stage, header first."""
         header = encode_header(values).to(self.device)
-        self._isend(torch.tensor([header.numel()], dtype=torch.int64, device=self.device), self.stage + 1, _FORWARD)
-        self._isend(header, self.stage + 1, _FORWARD)
+        self._isend(torch.tensor([header.numel()], dtype=torch.int64, device=self.device), self.next, _FORWARD)
+        self._isend(header, self.next, _FORWARD)
         for v in values:
-            self._isend(v, self.stage + 1, _FORWARD)
+            self._isend(v, self.next, _FORWARD)
 
     def recv_forward(self, training: bool) -> tuple[torch.Tensor, ...]:
         """The previous stage's output; ``training``: those tensors that need a gradient are leaves that
         will receive it."""
-        length = self._recv(torch.empty(1, dtype=torch.int64, device=self.device), self.stage - 1, _FORWARD)
+        length = self._recv(torch.empty(1, dtype=torch.int64, device=self.device), self.previous, _FORWARD)
         header = self._recv(torch.empty(int(length.item()), dtype=torch.int64, device=self.device),
-                            self.stage - 1, _FORWARD)
+                            self.previous, _FORWARD)
         out = []
         for dtype, needs_grad, shape in decode_header(header):
-            value = self._recv(torch.empty(shape, dtype=dtype, device=self.device), self.stage - 1, _FORWARD)
+            value = self._recv(torch.empty(shape, dtype=dtype, device=self.device), self.previous, _FORWARD)
             out.append(value.requires_grad_(needs_grad and training))
         return tuple(out)
 
@@ -109,11 +126,11 @@ class StageLink:
         for value in inputs:
             if value.requires_grad:
                 grad = value.grad if value.grad is not None else torch.zeros_like(value)
-                self._isend(grad, self.stage - 1, _BACKWARD)
+                self._isend(grad, self.previous, _BACKWARD)
 
     def recv_backward(self, outputs: tuple[torch.Tensor, ...]) -> list[Optional[torch.Tensor]]:
         """The next stage's gradients of this stage's outputs (None for an output that needs none)."""
-        return [self._recv(torch.empty_like(o), self.stage + 1, _BACKWARD) if o.requires_grad else None
+        return [self._recv(torch.empty_like(o), self.next, _BACKWARD) if o.requires_grad else None
                 for o in outputs]
 
     def wait_sends(self) -> None:
