@@ -248,7 +248,8 @@ def test_cli_estimate_with_a_pipeline(tmp_path, capsys) -> None:
                          (["--pp", "8", "--layers", "4"], "every stage needs a layer"),
                          (["--schedule", "gpipe"], "--schedule belongs to a pipeline"),
                          (["--pp", "2", "--intra-node-bw", "900GB/s", "--inter-node-bw", "50GB/s", "--tflops", "400",
-                           "--micro-batch", "1", "--seq-len", "8"], "the scale model does not know pipelines")):
+                           "--micro-batch", "1", "--seq-len", "8"], "pipeline bytes need the micro batch, the "
+                                                                    "sequence length and the hidden size")):
         with pytest.raises(SystemExit, match=message):
             main(["estimate", "--params", "8e9", "--gpus-per-node", "8", *bad])
 
@@ -402,6 +403,7 @@ def test_tensor_parallel_layouts_zeroshard_does_not_train_are_refused() -> None:
     base = EstimateRequest(10000, 4, tensor=TensorShape(2, split_params=6000))
     check_parallel(base)
     check_parallel(dataclasses.replace(base, shape=ModelShape(heads=4), tensor=TensorShape(2, 6000, kv_heads=2)))
+    check_parallel(dataclasses.replace(base, pipeline=PipelineShape(2)))  # 2 x 1 x 2: estimated, as a plan
     for bad, message in (
             (dataclasses.replace(base, tensor=TensorShape(3, 6000)), "--tp 3 does not divide the 4 ranks"),
             (dataclasses.replace(base, tensor=TensorShape(0, 6000)), "--tp 0 does not divide the 4 ranks"),
@@ -409,7 +411,8 @@ def test_tensor_parallel_layouts_zeroshard_does_not_train_are_refused() -> None:
              "--tp 4 does not divide the 6 attention heads"),
             (dataclasses.replace(base, tensor=TensorShape(2, 6000, kv_heads=1)),
              "--tp 2 does not divide the 1 key/value heads"),
-            (dataclasses.replace(base, pipeline=PipelineShape(2)), "--tp 2 with --pp 2"),
+            (dataclasses.replace(base, pipeline=PipelineShape(4)), "--pp 4 does not divide the 2 ranks left by "
+                                                                   "--tp 2"),
             (dataclasses.replace(base, moe=MoEShape(4, 100, 2, ep_size=2)), "--tp 2 with --ep 2"),
             (dataclasses.replace(base, moe=MoEShape(4, 100, 2)), "--tp 2 with --experts"),
             (dataclasses.replace(base, tensor=TensorShape(2)), "--tp 2 needs the split parameters"),
@@ -456,13 +459,60 @@ def test_cli_estimate_with_tensor_parallelism(tmp_path, capsys) -> None:
         main(["estimate", "--hf-config", str(tmp_path), "--gpus-per-node", "4", "--tp", "4"])
     for bad, message in ((["--tp", "3"], "--tp 3 does not divide the 8 ranks"),
                          (["--tp", "2", "--heads", "3", "--tp-params", "10"], "does not divide the 3 attention heads"),
-                         (["--tp", "2", "--pp", "2", "--tp-params", "10"], "tensor parallelism inside a pipeline"),
+                         (["--tp", "2", "--pp", "8", "--tp-params", "10"], "--pp 8 does not divide the 4 ranks left"),
                          (["--tp", "2", "--tp-params", "10", "--experts", "4", "--expert-params", "10",
                            "--moe-layers", "1", "--ep", "2"], "tensor parallelism with expert parallelism"),
                          (["--tp", "2"], "--tp 2 needs the split parameters"),
                          (["--kv-heads", "2", "--ffn", "16"], "--kv-heads, --ffn belong"),
                          (["--tp", "2", "--tp-params", "10", "--intra-node-bw", "900GB/s", "--inter-node-bw", "50GB/s",
                            "--tflops", "400", "--micro-batch", "1", "--seq-len", "8"],
-                          "the scale model does not know tensor parallelism")):
+                          "tensor-parallel bytes need the micro batch, the sequence length and the hidden size"),
+                         (["--experts", "4", "--expert-params", "10", "--moe-layers", "1", "--intra-node-bw", "900GB/s",
+                           "--inter-node-bw", "50GB/s", "--tflops", "400", "--micro-batch", "1", "--seq-len", "8"],
+                          "the scale model does not know experts")):
         with pytest.raises(SystemExit, match=message):
             main(["estimate", "--params", "8e9", "--gpus-per-node", "8", *bad])
+
+
+def test_a_tensor_parallel_rank_of_a_pipeline_holds_its_stages_share() -> None:
+    """Ψ = 10000 with X = 6000 split, T = 2, P = 2 over 8 ranks: a rank holds (X/T + Ψ - X)/P = 3500
+    parameters, ZeRO over its 8/(2 x 2) = 2 data-parallel ranks; activations of ceil(4/2) = 2 layers for
+    min(P, m) = 2 micro-batches, with the tensor-parallel formula."""
+    from zeroshard.planning import model_state_bytes
+    from zeroshard.planning.estimator import (PipelineShape, TensorShape, data_parallel_size, estimate_stage,
+                                              state_parts)
+
+    req = EstimateRequest(10000, 8, micro_batch=2, seq_len=8, shape=ModelShape(hidden=8, layers=4, heads=2),
+                          micro_steps=3, tensor=TensorShape(2, split_params=6000), pipeline=PipelineShape(2))
+    assert state_parts(req) == [(3500, 2)] and data_parallel_size(req) == 2
+    for stage in range(4):
+        one = model_state_bytes(stage, 3500, 2, "mixed")
+        assert estimate_stage(req, stage).model_states == one.params + one.grads + one.optimizer
+    # per layer 8 x 2 x 8 x (10 + 24/2 + 5 x 2 x 8 / (8 x 2)) = 3456 bytes; 2 layers x 2 micro-batches in flight
+    assert estimate_stage(req, 0).activations == 2 * 2 * 3456
+
+
+def test_cli_estimate_with_tensor_parallelism_inside_a_pipeline(capsys) -> None:
+    assert main(["estimate", "--params", "10000", "--nodes", "2", "--gpus-per-node", "4", "--tp", "2", "--pp", "2",
+                 "--tp-params", "6000", "--micro-batch", "2", "--seq-len", "8", "--hidden", "8", "--layers", "4",
+                 "--heads", "2", "--grad-accum", "3", "--precision", "fp16"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline: 2 stages x 2 data-parallel ranks, 1f1b, 3 micro-batches per step" in out
+    assert ("a rank holds X/T + (Ψ - X) = 7000 parameters, 3500 of them in a stage of the pipeline, ZeRO over its 2 "
+            "data-parallel ranks") in out
+    # stage 3: 16 x 3500 / 2 = 28000 bytes of model states
+    assert "| 3 | 3.5e-06 | 3.5e-06 | 2.1e-05 | 2.8e-05 | 1.382e-05 |" in out
+    assert "pipeline bubble: (P-1)/(m+P-1) = 25.0% of each step idle (2 stages, 3 micro-batches)" in out
+    # a stage's 2 layers, not the model's 4: 1792 x 2 x 3 = 10752 bytes
+    assert "1.075e-05 GB per rank per step (2 layers of a stage x 3 micro-batches)" in out
+
+
+def test_pipeline_shape_follows_each_schedules_own_order() -> None:
+    from zeroshard.planning.estimator import PipelineShape
+
+    assert PipelineShape(4, "1f1b").in_flight(8) == 4 and PipelineShape(4, "gpipe").in_flight(8) == 8
+    interleaved = PipelineShape(4, "interleaved_1f1b", chunks=2)
+    # the first stage's warm-up: (v-1)p + 2(p-1) = 10 chunk forwards, then one more before its first
+    # backward: 11 chunks of half a stage's layers
+    assert interleaved.in_flight(8) == 5.5
+    assert interleaved.bubble(8) == pytest.approx(3 / 19) and PipelineShape(4).bubble(8) == pytest.approx(3 / 11)

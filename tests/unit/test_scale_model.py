@@ -1,8 +1,14 @@
 """The scale model of `zeroshard estimate`: byte formulas by hand, the overlap windows, memory with MiCS
-and hpZ, the recommendation, and the CLI's options and errors."""
+and hpZ, the recommendation, tensor x data x pipeline layouts (placement, bytes, bubble, search), and the
+CLI's options and errors."""
+
+import dataclasses
 
 import pytest
 
+from zeroshard.distributed.parallel_dims import ParallelDims
+from zeroshard.planning import bubble_factor, layout_estimates, search_layouts
+from zeroshard.planning.estimator import ModelShape, PipelineShape, TensorShape
 from zeroshard.tools.cli import main
 from zeroshard.planning import (Cluster, CollectiveTraffic, EstimateRequest, Phase, ScaleEstimate, Sharding, StepTime,
                               Traffic, default_shardings, estimate_hybrid, hybrid_model_state_bytes, parse_bandwidth,
@@ -296,3 +302,175 @@ def test_cli_on_one_node_lists_only_plain_stages(capsys) -> None:
     out = capsys.readouterr().out
     assert "MiCS" not in out.split("\n\n")[1] and "one node" in out and "+ activations" in out
     assert "| stage 0 |" in out and "116.3 | no |" in out
+
+
+# ---------------------------------------------------------------- tensor x data x pipeline layouts
+# 8 ranks as tp 2 x dp 2 x pp 2, numbered (stage*dp + data)*tp + tensor: stage 0 is ranks 0-3, stage 1 ranks
+# 4-7; tensor groups {0,1} {2,3} ..., data-parallel groups {0,2} {1,3} {4,6} {5,7}, stage pairs (0,4) (1,5) ...
+
+
+
+def test_data_parallel_groups_sit_where_parallel_dims_puts_them() -> None:
+    # dp 2, T = 2 apart: inside a node of 4, across nodes of 2 (one rank of the group on each)
+    assert scopes(traffic_per_step(3, 1000, 2, 4, 1, 2, 2, tensor_parallel=2, pipeline_stages=2)) == (3000, 0)
+    t = traffic_per_step(3, 1000, 2, 2, 1, 2, 2, tensor_parallel=2, pipeline_stages=2)
+    assert scopes(t) == (0, 3000) and {(c.group_size, c.ranks_per_node) for c in t.by_collective} == {(2, 1)}
+    # dp 4 x tp 2 on 2 nodes of 4: {0,2,4,6} spans both nodes with 2 on each
+    wide = traffic_per_step(3, 1000, 4, 4, 1, 2, 2, tensor_parallel=2)
+    assert scopes(wide) == (0, 4500) and {c.ranks_per_node for c in wide.by_collective} == {2}
+    # MiCS S = 2 over dp 4 x tp 2 on nodes of 4: shard groups {0,2} {4,6} inside a node, replicas {0,4} across
+    mics = traffic_per_step(3, 1000, 4, 4, 1, 2, 2, mics_shard_size=2, tensor_parallel=2)
+    assert scopes(mics) == (3 * 1000, 1000)
+    # tp = pp = 1 is the data-parallel model, to the byte
+    assert traffic_per_step(3, 1000, 4, 2, 2, 2, 2, tensor_parallel=1, pipeline_stages=1) == \
+        traffic_per_step(3, 1000, 4, 2, 2, 2, 2)
+
+
+def small_model(world: int, micro_steps: int = 3) -> EstimateRequest:
+    """Ψ = 10000, X = 6000 split; b 2 x s 8 x h 8 activations, 4 layers; 16-bit."""
+    return EstimateRequest(10000, world, micro_batch=2, seq_len=8, micro_steps=micro_steps,
+                           shape=ModelShape(hidden=8, layers=4, heads=2), tensor=TensorShape(1, split_params=6000))
+
+
+def test_tp2_pp2_dp2_bytes_by_hand() -> None:
+    """Per rank, m = 3 micro-batches, stage 3:
+    ZeRO: Ψ_rank = (6000/2 + 4000)/2 = 3500 over dp 2, 1/2 x 3500 x 2 = 3500 bytes per collective: one
+    gather per step (the pipeline holds the stage's parameters through the batch) and 3 reduce-scatters
+    (10500); gathering per micro-batch, 3 forward and 3 backward gathers (10500 each);
+    tensor: 7 all-reduces x 2 x 1/2 x (2 x 8 x 8 x 2 = 256) = 1792 per layer, x 2 layers x 3 = 10752;
+    pipeline: (activation + gradient) x 3 x 256 = 1536."""
+    def bytes_by_name(nodes: int, per_node: int, per_micro_batch: bool = False) -> dict[str, tuple[int, bool]]:
+        cluster = Cluster(nodes, per_node, 1e9, 1e9, 1.0)
+        model = dataclasses.replace(small_model(8), pipeline=PipelineShape(2, gather_per_micro_batch=per_micro_batch))
+        (e,) = layout_estimates(model, cluster, ParallelDims(2, 2, 2), [Sharding(3)], 3)
+        return {c.name: (c.bytes_sent, c.crosses_nodes) for c in e.traffic.by_collective}
+
+    # 2 nodes of 4: a stage per node: ZeRO and tensor inside, only the pipeline across
+    assert bytes_by_name(2, 4) == {"param_gather_per_step": (3500, False), "grad_reduce_scatter": (10500, False),
+                                   "tensor_all_reduce": (10752, False), "pipeline_p2p": (1536, True)}
+    # 4 nodes of 2: a node holds one tensor group, so ZeRO crosses nodes as well
+    assert bytes_by_name(4, 2) == {"param_gather_per_step": (3500, True), "grad_reduce_scatter": (10500, True),
+                                   "tensor_all_reduce": (10752, False), "pipeline_p2p": (1536, True)}
+    assert bytes_by_name(2, 4, per_micro_batch=True) == {
+        "param_gather_forward": (10500, False), "param_gather_backward": (10500, False),
+        "grad_reduce_scatter": (10500, False), "tensor_all_reduce": (10752, False), "pipeline_p2p": (1536, True)}
+    # 1 node of 8: nothing crosses
+    cluster = Cluster(1, 8, 1e9, 1e9, 1.0)
+    (e,) = layout_estimates(small_model(8), cluster, ParallelDims(2, 2, 2), [Sharding(3)], 3)
+    assert scopes(e.traffic) == (3500 + 10500 + 10752 + 1536, 0)
+    assert e.traffic.by_kind() == {"all_gather": 3500, "reduce_scatter": 10500, "all_reduce": 0,
+                                   "tensor_all_reduce": 10752, "pipeline_p2p": 1536}
+    # memory: the estimator's, for the rank's 3500 parameters over 2, and the stage's 3500 held gathered
+    assert e.memory.model_states == 16 * 3500 / 2 and (e.dims.tp, e.dims.pp, e.dims.dp) == (2, 2, 2)
+    assert e.memory.buffers == 2 * 3500 * 2 + 3500 * 2  # two gradient buckets of the rank's share + the held stage
+
+
+def test_tensor_and_pipeline_traffic_is_on_the_critical_path() -> None:
+    # 1 byte/s inside the node: 31500 s of ZeRO hides behind nothing (compute ~0), tensor and pipeline add theirs
+    cluster = Cluster(1, 8, 1.0, 1.0, 1e12)
+    (e,) = layout_estimates(small_model(8), cluster, ParallelDims(2, 2, 2), [Sharding(3)], 3)
+    assert e.time.comm_s == pytest.approx(3500 + 10500 + 10752 + 1536)
+    assert e.time.exposed_s == pytest.approx(e.time.comm_s, rel=1e-6)
+    # compute per rank: 6 Ψ / (T P) per token, 3 micro-batches of 16 tokens
+    fast = Cluster(1, 8, 1e15, 1e15, 1.0)
+    (f,) = layout_estimates(small_model(8), fast, ParallelDims(2, 2, 2), [Sharding(0)], 3)
+    assert f.time.compute_s == pytest.approx(3 * 6 * 10000 / 4 * 16 / 1e12)
+
+
+@pytest.mark.parametrize("p, m", [(2, 1), (2, 3), (4, 4), (4, 8), (8, 5)])
+def test_the_bubble_is_p_minus_one_over_m_plus_p_minus_one(p, m) -> None:
+    assert bubble_factor(m, p) == (m + p - 1) / m
+    assert PipelineShape(p).bubble(m) == pytest.approx((p - 1) / (m + p - 1))
+    # stage 0 has no gather after the step: the whole step is pipelined
+    model = dataclasses.replace(small_model(8 * p, m), shape=ModelShape(hidden=8, layers=8, heads=2))
+    (e,) = layout_estimates(model, Cluster(p, 8, 1e9, 1e8, 1.0), ParallelDims(p, 8, 1), [Sharding(0)], m)
+    assert e.time.bubble_s / e.time.step_s == pytest.approx((p - 1) / (m + p - 1))
+    # by hand: 1 s forward, 2 s backward, 2 s on the critical path, 4 micro steps, P = 3: 14 s x 6/4
+    t = step_time(Traffic(4, (one(Phase.CRITICAL_PATH, 2),)), SLOW, 1.0, 2.0, pipeline_stages=3)
+    assert (t.compute_s, t.exposed_s, t.bubble_s, t.step_s) == (12, 2, 7, 21)
+    # the gather after the step runs once the pipeline has drained: not stretched
+    t = step_time(Traffic(4, (one(Phase.CRITICAL_PATH, 2), one(Phase.AFTER_STEP, 1))), SLOW, 1.0, 2.0, 3)
+    assert (t.bubble_s, t.step_s) == (7, 22)
+
+
+def test_one_tensor_and_one_stage_is_the_data_parallel_model() -> None:
+    req = EstimateRequest(7e9, 16, micro_batch=1, seq_len=4096, shape=ModelShape(hidden=4096, layers=32, heads=32),
+                          checkpointing=True)
+    cluster = Cluster(2, 8, 900e9, 50e9, 400.0)
+    shardings = default_shardings(16, 8)
+    plain = scale_estimates(req, cluster, shardings, 2)
+    laid_out = layout_estimates(req, cluster, ParallelDims(1, 16, 1), shardings, 2)
+    assert laid_out == plain
+    with pytest.raises(ValueError, match="layout_estimates"):
+        scale_estimates(dataclasses.replace(req, pipeline=PipelineShape(2)), cluster, shardings)
+
+
+def seven_b(world: int) -> EstimateRequest:
+    """A Llama-2-7B-like model, 4096 tokens, no activation checkpointing: 104 GB of activations at tp 1."""
+    return EstimateRequest(6.7e9, world, micro_batch=1, seq_len=4096,
+                           shape=ModelShape(hidden=4096, layers=32, heads=32), tensor=TensorShape(1, ffn=11008))
+
+
+def test_a_model_that_does_not_fit_data_parallel_gets_a_layout_that_does() -> None:
+    cluster = Cluster(2, 8, 900e9, 50e9, 400.0)
+    estimates = search_layouts(seven_b(16), cluster, micro_steps=1)
+    data_parallel = [e for e in estimates if (e.dims.tp, e.dims.pp) == (1, 1)]
+    assert data_parallel and not any(e.fits(80) for e in data_parallel)
+    best = recommend_scale(estimates, 80)
+    assert best is not None and best.fits(80) and best.dims.tp > 1
+    # the same global batch everywhere: a replica of tp x pp ranks runs K x tp x pp micro-batches, so compute
+    # per rank is the same whatever the layout
+    assert {(e.dims.tp * e.dims.pp, e.traffic.micro_steps) for e in estimates} >= {(1, 1), (2, 2), (8, 8)}
+    assert len({round(e.time.compute_s, 9) for e in estimates}) == 1
+    assert {(d.tp, d.pp) for d in (e.dims for e in estimates)} >= {(1, 1), (2, 1), (8, 2), (1, 16)}
+
+
+SEARCH = ["estimate", "--params", "6.7e9", "--hidden", "4096", "--layers", "32", "--heads", "32", "--ffn", "11008",
+          "--nodes", "2", "--gpus-per-node", "8", "--intra-node-bw", "900GB/s", "--inter-node-bw", "50GB/s",
+          "--tflops", "400", "--seq-len", "4096", "--micro-batch", "1", "--gpu-memory", "80"]
+
+
+def without(argv: list[str], flag: str) -> list[str]:
+    """``argv`` without ``flag`` and its value."""
+    i = argv.index(flag)
+    return argv[:i] + argv[i + 2:]
+
+
+def layout_rows(out: str) -> list[list[str]]:
+    """The cells of the layout table's rows."""
+    lines = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    return [[cell.strip() for cell in line.strip("| ").split(" | ")] for line in lines]
+
+
+def test_cli_searches_the_layouts_and_recommends_one(capsys) -> None:
+    assert main(without(SEARCH, "--ffn")) == 0  # without --search-parallel: the data-parallel table, as before
+    out = capsys.readouterr().out
+    assert "parallel layouts" not in out and "recommendation: nothing fits 80 GB" in out
+    assert main(SEARCH + ["--search-parallel"]) == 0
+    out = capsys.readouterr().out
+    assert "| tp | pp | dp | configuration | micro-batches |" in out
+    assert "every layout trains 16 x 1 x 1 sequences of 4096 tokens per step" in out
+    rows = layout_rows(out)
+    assert rows[0][:3] == ["1", "1", "16"] and rows[0][-1] == "no"  # 104 GB of activations
+    assert {(r[0], r[1]) for r in rows} >= {("2", "1"), ("8", "2"), ("1", "16")}
+    assert "recommended: tp 2 x pp 1 x dp 8, MiCS S=4, stage 3, the fastest that fits 80 GB" in out
+    # --pp fixes the axis; --tp 2 --pp 2 without --search-parallel: that layout's shardings
+    assert main(SEARCH + ["--search-parallel", "--pp", "2"]) == 0
+    assert {r[1] for r in layout_rows(capsys.readouterr().out)} == {"2"}
+    assert main(SEARCH + ["--tp", "2", "--pp", "2", "--grad-accum", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "4 micro-batch(es) of 1 x 4096 tokens per step" in out
+    assert "| 2 | 2 | 4 | stage 0 | 4 |" in out and "| 2 | 2 | 4 | stage 3 | 4 |" in out
+    assert "recommended: tp 2 x pp 2 x dp 4" in out and "bubble 20.0%" in out
+    assert "note:" not in out  # zeroshard trains every layout it recommends
+
+
+def test_cli_search_says_which_layouts_it_leaves_out_and_what_it_needs(capsys) -> None:
+    argv = without(SEARCH, "--ffn") + ["--search-parallel"]
+    assert main(argv) == 0  # the default ffn of 4h counts more split parameters than a 6.7e9 model has
+    out = capsys.readouterr().out
+    assert "left out: tp 2 x pp 1, tp 2 x pp 2" in out and "split parameters" in out
+    with pytest.raises(SystemExit, match="--search-parallel needs the model's shape"):
+        main(without(argv, "--hidden"))
+    with pytest.raises(SystemExit, match="--search-parallel belong"):
+        main(["estimate", "--params", "7e9", "--gpus-per-node", "8", "--search-parallel"])

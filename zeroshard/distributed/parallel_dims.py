@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .collectives import Collectives
 from .world import World, release_at_exit
@@ -78,13 +79,13 @@ class ParallelDims:
         different data: the data-parallel group ZeRO shards over."""
         return tuple(self.rank_of(stage, d, tensor) for d in range(self.dp))
 
-    def stage_ranks(self, stage: int) -> tuple[int, ...]:
-        """The data-parallel group of ``stage``."""
-        return tuple(self.rank_of(stage, d) for d in range(self.dp))
+    def pipeline_ranks(self, data: int, tensor: int = 0) -> tuple[int, ...]:
+        """The pipeline (every stage, in order) of data-parallel index ``data`` and tensor index ``tensor``."""
+        return tuple(self.rank_of(s, data, tensor) for s in range(self.pp))
 
-    def pipeline_ranks(self, data: int) -> tuple[int, ...]:
-        """The pipeline (every stage, in order) of data-parallel index ``data``."""
-        return tuple(self.rank_of(s, data) for s in range(self.pp))
+    def pipelines(self) -> list[tuple[int, ...]]:
+        """Every pipeline of the job, in the order of their first ranks (data-major, tensor-minor)."""
+        return [self.pipeline_ranks(d, t) for d in range(self.dp) for t in range(self.tp)]
 
 
 def _own_of(rank_lists: Sequence[Sequence[int]], mine: int, timeout_s: float) -> Optional[dist.ProcessGroup]:
@@ -105,29 +106,41 @@ class ParallelGroups:
       gradient norm, the loss);
     - ``p2p``: the same ranks again, for the activations and gradients between neighbouring stages,
       a group of its own so that they never queue behind a collective;
-    - :meth:`subpipeline`: a group of some stages of this pipeline (a tied weight's stages).
+    - :meth:`subpipeline`: a group of some stages of this pipeline (a tied weight's stages);
+    - with tensor parallelism (``dims.tp > 1``), ``tensor``: this rank's tensor-parallel group, and
+      ``tensor_mesh``: the same ranks as the torch ``DeviceMesh`` DTensor computes over.  Each
+      (stage, tensor index) then has its own data-parallel group, and each (data, tensor index) its
+      own pipeline.
     """
 
     def __init__(self, dims: ParallelDims, world: World) -> None:
         if dims.world_size != world.world_size:
             raise StagesDoNotDivideError(f"{dims} covers {dims.world_size} ranks, the world has {world.world_size}")
-        if dims.tp != 1:
-            raise ValueError(f"{dims}: a pipeline of tensor-parallel stages is not supported")
         self.dims = dims
         self.world = world
         self.stage, self.data = dims.coords(world.rank)
-        parts = tuple(dims.stage_ranks(s) for s in range(dims.pp))
+        self.tensor_index = dims.tensor_index(world.rank)
+        parts = tuple(dims.data_parallel_ranks(s, t) for s in range(dims.pp) for t in range(dims.tp))
         timeout = world.timeout_s
-        split = dims.pp > 1 and dims.dp > 1  # one stage: the data-parallel world is the default group
-        data_group = _own_of(parts, self.stage, timeout) if split else None
+        # one data-parallel group for the whole job: the default group
+        split = len(parts) > 1 and dims.dp > 1
+        data_group = _own_of(parts, self.stage * dims.tp + self.tensor_index, timeout) if split else None
         self.data_world = dataclasses.replace(world, rank=self.data, world_size=dims.dp, group=data_group,
                                               parts=parts if split else ())
-        pipelines = [dims.pipeline_ranks(d) for d in range(dims.dp)] if dims.pp > 1 and dims.dp > 1 else []
-        pipe_group = _own_of(pipelines, self.data, timeout)  # None: one pipeline, the default group
+        #: this rank's pipeline's index among ``dims.pipelines()``
+        self._pipeline = self.data * dims.tp + self.tensor_index
+        pipelines = dims.pipelines() if dims.pp > 1 and dims.dp * dims.tp > 1 else []
+        pipe_group = _own_of(pipelines, self._pipeline, timeout)  # None: one pipeline, the default group
         self.pipe = Collectives(dataclasses.replace(world, rank=self.stage, world_size=dims.pp, group=pipe_group))
         #: the group of point-to-point messages between stages (None: no neighbours)
-        self.p2p = _own_of([dims.pipeline_ranks(d) for d in range(dims.dp)] if dims.pp > 1 else [], self.data,
-                           timeout)
+        self.p2p = _own_of(dims.pipelines() if dims.pp > 1 else [], self._pipeline, timeout)
+        self.tensor_mesh: Optional[DeviceMesh] = None
+        self.tensor: Optional[Collectives] = None
+        if dims.tp > 1:  # ranks numbered (stage * dp + data) * tp + tensor: one mesh row per tensor group
+            self.tensor_mesh = init_device_mesh(world.device.type, (dims.pp * dims.dp, dims.tp),
+                                                mesh_dim_names=("replica", "tensor"))["tensor"]
+            self.tensor = Collectives(dataclasses.replace(world, rank=self.tensor_index, world_size=dims.tp,
+                                                          group=self.tensor_mesh.get_group(), parts=()))
         #: the gradients' own point-to-point group, with virtual stages (:meth:`gradient_p2p`)
         self.p2p_gradients: Optional[dist.ProcessGroup] = None
         self._subgroups: dict[tuple[int, ...], Optional[dist.ProcessGroup]] = {}
@@ -138,8 +151,7 @@ class ParallelGroups:
         once (every rank calls it): with virtual stages two neighbours exchange activations and gradients
         in both directions (see [Note: a header before every activation] in pipeline/p2p.py)."""
         if self.p2p_gradients is None and self.dims.pp > 1:
-            self.p2p_gradients = _own_of([self.dims.pipeline_ranks(d) for d in range(self.dims.dp)], self.data,
-                                         self.world.timeout_s)
+            self.p2p_gradients = _own_of(self.dims.pipelines(), self._pipeline, self.world.timeout_s)
         return self.p2p_gradients
 
     @property
@@ -155,13 +167,15 @@ class ParallelGroups:
         None unless this rank is in it.  Every rank asks for the same stages in the same order."""
         key = tuple(stages)
         if key not in self._subgroups:
-            lists = [[self.dims.rank_of(s, d) for s in key] for d in range(self.dims.dp)]
-            self._subgroups[key] = _own_of(lists, self.data if self.stage in key else -1, self.world.timeout_s)
+            lists = [[pipeline[s] for s in key] for pipeline in self.dims.pipelines()]
+            self._subgroups[key] = _own_of(lists, self._pipeline if self.stage in key else -1, self.world.timeout_s)
         return self._subgroups[key]
 
     def release(self) -> None:
         """Drop the references to the groups (at exit, before the process groups are destroyed)."""
         self.pipe.world = dataclasses.replace(self.pipe.world, group=None)
         self.p2p = self.p2p_gradients = None
+        if self.tensor is not None:
+            self.tensor.world = dataclasses.replace(self.tensor.world, group=None)
         self.data_world = dataclasses.replace(self.data_world, group=None)
         self._subgroups.clear()

@@ -8,12 +8,12 @@ stages are point-to-point (p2p.py).
 
 from .checks import PipelineBatchSizeError, PipelineConfigError
 from .engine import PipelineEngine, PipelineUsageError
-from .module import PipeDataParallelTopology, PipelineModule, TiedChunkError
+from .module import PipeDataParallelTopology, PipeModelDataParallelTopology, PipelineModule, TiedChunkError
 from .partition import PartitionMethodError, TooFewLayersError
 from .schedule import GPipe, InterleavedOneFOneB, OneFOneB, PipeSchedule
 from .specs import LayerSpec, TiedLayerSpec
 from ..distributed.parallel_dims import ParallelDims, StagesDoNotDivideError
 
-__all__ = ["PipelineModule", "LayerSpec", "TiedLayerSpec", "PipeDataParallelTopology", "PipelineEngine",
+__all__ = ["PipelineModule", "LayerSpec", "TiedLayerSpec", "PipeDataParallelTopology", "PipeModelDataParallelTopology", "PipelineEngine",
            "PipeSchedule", "OneFOneB", "GPipe", "InterleavedOneFOneB", "TiedChunkError", "ParallelDims", "PipelineBatchSizeError", "PipelineConfigError",
            "PipelineUsageError", "StagesDoNotDivideError", "TooFewLayersError", "PartitionMethodError"]

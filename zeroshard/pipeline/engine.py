@@ -12,7 +12,17 @@ owner only, see [Note: tied weights across stages] in pipeline/tied.py), and the
 micro-batch exists on the last stage only, so an earlier stage backpropagates the gradient it
 receives (pipeline/executor.py).  At ZeRO stage 3 the stage's parameters are gathered once per
 batch and kept through its micro-batches' passes, unless ``pipeline.stage3_gather_per_micro_batch``
-asks for a gather per micro-batch and pass (see [Note: a stage's parameters gathered once per batch]).
+asks for a gather per micro-batch and pass (see [Note: three axes]
+With ``PipeModelDataParallelTopology(num_pp, num_mp, num_dp)`` each stage's ranks form ``num_dp``
+tensor-parallel groups of ``num_mp`` neighbours (distributed/parallel_dims.py): the ranks of a group
+build the same layers, and the engine splits the stage's linear layers over the group as
+``tensor_parallel.autotp_size`` does for a plain model (tensor_parallel/split.py), before the stage's
+ZeRO engine takes the parameters.  Each tensor index of a stage then trains over its own data-parallel
+group, each (data, tensor) index has its own pipeline, whose stages pass activations (replicated over
+the tensor group, each rank sending its own copy to its counterpart), and the gradient norm is the
+stage's over its tensor group (split parts once, replicated parameters once) summed over the stages.
+
+[Note: a stage's parameters gathered once per batch]).
 
 [Note: a stage's parameters gathered once per batch]
 Outside a pipeline, stage 3 gathers each unit for a forward and again for its backward, and releases
@@ -61,6 +71,8 @@ from ..sharding.stage3.gathered import GatheredParameters
 from ..sharding.stage3.strategy import Stage3
 from ..sharding.stage3.units import unit_label
 from ..checkpoint.interface import CheckpointParts
+from ..optim.tensor_parallel_norm import TensorParallelNorm
+from ..tensor_parallel import SplitModel, split_stage
 from .checkpoint import StageCheckpointer, job_parts, load_pipeline, periodic_save_due, prune_periodic, save_pipeline
 from .checks import pipeline_config
 from .executor import BatchRun, BatchTiming, StageClock, batches_from
@@ -81,8 +93,17 @@ class PipelineEngine(Engine):
                  optimizer: Any = None, lr_scheduler: SchedulerSpec = None) -> None:
         config = pipeline_config(config, module)
         self.pipeline_groups = module.groups
+        #: tensor parallelism inside each stage: how its linear layers were split (None: not split)
+        self.split: Optional[SplitModel] = None
+        if module.groups.dims.tp > 1:  # see [Note: three axes] in pipeline/engine.py
+            self.split = split_stage(module, config.tensor_parallel, module.groups)
         super().__init__(module, config, module.groups.data_world, model_parameters, optimizer, lr_scheduler)
         groups = module.groups
+        self._tensor_norm: Optional[TensorParallelNorm] = None
+        if self.split is not None:
+            assert groups.tensor is not None
+            self._tensor_norm = TensorParallelNorm(self.strategy.layout.buckets, self.strategy.params, groups.tensor,
+                                                   self.split.split)
         self.pipe: Collectives = groups.pipe
         self.job_comm = Collectives(groups.world)  # every rank of the job (checkpoints)
         self.num_stages = groups.dims.pp
@@ -146,6 +167,7 @@ class PipelineEngine(Engine):
         if async_save:
             raise PipelineUsageError("save_checkpoint(async_save=True): a pipelined model's checkpoints are "
                                      "written synchronously (docs/PIPELINE.md)")
+        self._refuse_tensor_checkpoints("save_checkpoint")
         tag_name = f"global_step{self.global_steps}" if tag is None else str(tag)
         return save_pipeline(self._job_parts(), self.config.checkpoint, save_dir, tag_name, client_state, save_latest,
                              exclude_frozen_parameters)
@@ -155,6 +177,7 @@ class PipelineEngine(Engine):
                         load_module_only: bool = False, load_rng_state: Optional[bool] = None,
                         ) -> tuple[Optional[Path], Any]:
         """Load a checkpoint saved by a pipeline of any split; returns ``(path, client_state)``."""
+        self._refuse_tensor_checkpoints("load_checkpoint")
         restore_rng = self.data_loader is not None if load_rng_state is None else load_rng_state
         loaded = load_pipeline(self._job_parts(), load_dir, tag, load_module_strict, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only, restore_rng)
@@ -163,6 +186,12 @@ class PipelineEngine(Engine):
         if self.data_iterator is not None and self.data_iterator is self.loader_iterator:
             self.data_iterator = None  # the next batch starts where the loaded loader position says
         return loaded
+
+    def _refuse_tensor_checkpoints(self, call: str) -> None:
+        if self.split is not None:
+            raise PipelineUsageError(f"{call}(): checkpoints of a pipeline whose stages are tensor parallel are "
+                                     f"not supported yet (docs/PIPELINE.md, \"Not yet\"); train without the "
+                                     f"tensor axis to save, or use full_state_dict()")
 
     def _build_parts(self) -> None:
         super()._build_parts()
@@ -202,9 +231,12 @@ class PipelineEngine(Engine):
         self._boundary_override = None
 
     def _model_grad_norm(self, grads: list[torch.Tensor], comm: Optional[Collectives]) -> torch.Tensor:
-        """The stage's norm, summed in squares over the stages of the pipeline (see [Note: ZeRO inside a
-        pipeline stage])."""
-        norm = super()._model_grad_norm(grads, comm)
+        """The stage's norm (over its tensor-parallel ranks too), summed in squares over the stages of the
+        pipeline (see [Note: ZeRO inside a pipeline stage])."""
+        if self._tensor_norm is not None:
+            norm = self._tensor_norm(grads, comm, self.strategy.comm.world.rank, self.world.device)
+        else:
+            norm = super()._model_grad_norm(grads, comm)
         if self.num_stages == 1:
             return norm
         squared = norm.square()

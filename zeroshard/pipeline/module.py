@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..activations.checkpointing import checkpoint
@@ -35,10 +36,20 @@ class PipeDataParallelTopology:
         self.dims = ParallelDims(num_pp, num_dp)
 
     def get_dim(self, axis: str) -> int:
-        return {"pipe": self.dims.pp, "data": self.dims.dp}[axis]
+        return {"pipe": self.dims.pp, "data": self.dims.dp, "model": self.dims.tp}[axis]
 
     def world_size(self) -> int:
         return self.dims.world_size
+
+
+class PipeModelDataParallelTopology(PipeDataParallelTopology):
+    """DeepSpeed's topology of ``num_pp`` pipeline stages x ``num_dp`` data-parallel x ``num_mp``
+    tensor-parallel ranks, numbered pipeline outermost and tensor innermost (see [Note: the order of the
+    axes] in distributed/parallel_dims.py).  zeroshard splits each stage's linear layers over the tensor
+    axis itself: the config's ``tensor_parallel.autotp_size`` must equal ``num_mp``."""
+
+    def __init__(self, num_pp: int, num_mp: int, num_dp: int) -> None:
+        self.dims = ParallelDims(num_pp, num_dp, num_mp)
 
 
 class PipelineMPU:
@@ -70,10 +81,17 @@ class PipelineMPU:
         return self._groups.data_world.group
 
     def get_model_parallel_rank(self) -> int:
-        return 0  # no tensor parallelism
+        return self._groups.tensor_index
 
     def get_model_parallel_world_size(self) -> int:
-        return 1
+        return self._groups.dims.tp
+
+    def get_model_parallel_group(self) -> Any:
+        return self._groups.tensor.world.group if self._groups.tensor is not None else None
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
 
     def get_stage_id(self) -> int:
         return self._groups.stage
@@ -150,9 +168,20 @@ class PipelineModule(nn.Module):
             self._calls.append(calls)
             self._owners.append(owners)
         self.to(world.device)
+        self._same_over_tensor_group()
         self.tied = TiedWeights(self.groups, self._ties(world.device))
         self.tied.detach_copies()
         self.tied.broadcast_from_owners(lambda m, attr: getattr(m, attr).data)  # every copy starts from the owner's values
+
+    def _same_over_tensor_group(self) -> None:
+        """With tensor parallelism, the stage's tensor-parallel ranks start from its first one's weights
+        (they split them at ``initialize()``, see [Note: three axes] in pipeline/engine.py)."""
+        tensor = self.groups.tensor
+        if tensor is None:
+            return
+        with torch.no_grad():
+            for value in [*self.parameters(), *self.buffers()]:
+                dist.broadcast(value.data, group_src=0, group=tensor.world.group)
 
     def _build_layer(self, index: int, spec: Any) -> Callable[[Any], Any]:
         if isinstance(spec, TiedLayerSpec):
@@ -256,7 +285,10 @@ class PipelineModule(nn.Module):
         return PipelineMPU(self.groups)
 
     def topology(self) -> PipeDataParallelTopology:
-        return PipeDataParallelTopology(self.groups.dims.pp, self.groups.dims.dp)
+        dims = self.groups.dims
+        if dims.tp > 1:
+            return PipeModelDataParallelTopology(dims.pp, dims.tp, dims.dp)
+        return PipeDataParallelTopology(dims.pp, dims.dp)
 
     def num_pipeline_stages(self) -> int:
         return self.num_stages

@@ -19,7 +19,10 @@ on later stages are left out) and runs ZeRO over its N/P ranks, so a rank's mode
 stage formula for Ψ/P over N/P.  The rows are the first stage's, the one with the most activations:
 under 1F1B stage s holds min(P - s, m) micro-batches in flight, under GPipe all m (m = gradient
 accumulation steps), each with the activations of ceil(layers/P) layers (checkpointed: their
-inputs, plus one layer's recomputation at a time).  The bubble is (P-1)/(m+P-1) of a step; each
+inputs, plus one layer's recomputation at a time).  At ZeRO stage 3 a stage gathers its parameters
+once per batch and holds them through it (``pipeline.stage3_gather_per_micro_batch`` false, the
+default): its buffers are the stage's whole share in the compute dtype instead of the prefetched
+units.  The bubble is (P-1)/(m+P-1) of a step; each
 boundary carries m x micro_batch x seq_len x hidden activations forward and as many gradients back,
 in the compute dtype.
 
@@ -49,8 +52,11 @@ layer (o, down), and backward one per column-parallel layer (q, k, v, gate, up: 
 ``ColwiseParallel`` all-reduces each such layer's input gradient on its own), 7 in all for a Llama
 layer; a ring all-reduce sends 2(T-1)/T of its data, so a rank sends 7 x 2(T-1)/T x b s h
 bytes-per-element per layer and micro-batch.  These go through DTensor, not the engine's
-collectives, and are not in the buffers.  Tensor parallelism inside a pipeline or with expert
-parallelism is refused, as zeroshard refuses it in training.
+collectives, and are not in the buffers.  Inside a pipeline of P stages the ranks are T x N/(T P) x P
+(``ParallelDims``' order: tensor innermost, pipeline outermost): a rank holds Ψ_rank/P, ZeRO over its
+N/(T P) data-parallel ranks, and the activations of ceil(layers/P) layers per micro-batch in flight,
+as zeroshard's pipeline engine trains it (``PipeModelDataParallelTopology``); tensor parallelism with
+expert parallelism is refused, as zeroshard refuses it in training.
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from ..sharding import STRATEGIES
 from ..sharding.layout import capped_bucket_numel
@@ -81,23 +87,47 @@ class EstimateError(ValueError):
     ranks or the experts, an unsupported combination."""
 
 
+def _schedules() -> dict[str, Any]:
+    """The pipeline's schedules by name, imported when first needed: the pipeline package imports the
+    engine, which imports this module's accounting."""
+    from ..pipeline.schedule import SCHEDULES
+
+    return SCHEDULES
+
+
 @dataclass(frozen=True)
 class PipelineShape:
-    """Pipeline parallelism: ``stages`` P, ``schedule`` "1f1b" or "gpipe" (see [Note: pipeline and expert
-    parallel estimates]); the micro-batches m of a step are ``EstimateRequest.micro_steps``."""
+    """Pipeline parallelism: ``stages`` P, ``schedule`` "1f1b", "gpipe" or "interleaved_1f1b" with
+    ``chunks`` v per stage (see [Note: pipeline and expert parallel estimates]); the micro-batches m of a
+    step are ``EstimateRequest.micro_steps``."""
 
     stages: int
     schedule: str = "1f1b"
+    #: ``pipeline.stage3_gather_per_micro_batch``: False (zeroshard's default) gathers a stage's
+    #: parameters once per batch at ZeRO stage 3 and holds them through it
+    gather_per_micro_batch: bool = False
+    #: chunks of layers per stage (``PipelineModule(virtual_stages=v)``, the interleaved schedule)
+    chunks: int = 1
+
+    def holds_gathered_parameters(self, stage: int) -> bool:
+        """Whether a ZeRO ``stage`` engine of a pipeline stage holds its parameters gathered for the whole
+        batch (see [Note: a stage's parameters gathered once per batch] in pipeline/engine.py)."""
+        return stage == 3 and self.stages > 1 and not self.gather_per_micro_batch
 
     def bubble(self, micro_batches: int) -> float:
         """The fraction of a step each stage idles while the pipeline fills and drains."""
-        return (self.stages - 1) / (micro_batches + self.stages - 1)
+        return _schedules()[self.schedule].bubble_fraction(self.stages, micro_batches, self.chunks)
 
-    def in_flight(self, micro_batches: int, stage_index: int = 0) -> int:
-        """Micro-batches whose activations stage ``stage_index`` holds at once."""
-        if self.schedule == "gpipe":
-            return micro_batches
-        return min(self.stages - stage_index, micro_batches)
+    def in_flight(self, micro_batches: int, stage_index: int = 0) -> float:
+        """Micro-batches whose activations stage ``stage_index`` holds at once (with chunks, each chunk's
+        share counts ``1/chunks``): the schedule's own order of passes, counted."""
+        from ..pipeline.schedule import Forward
+
+        live = peak = 0
+        for action in _schedules()[self.schedule].actions(stage_index, self.stages, micro_batches, self.chunks):
+            live += 1 if isinstance(action, Forward) else -1
+            peak = max(peak, live)
+        return peak / self.chunks
 
 
 @dataclass(frozen=True)
@@ -207,13 +237,22 @@ def check_parallel(req: EstimateRequest) -> None:
     if req.tensor is not None:
         check_tensor(req)
     if pp is not None:
-        if pp.stages < 1 or n % pp.stages:
-            raise EstimateError(f"--pp {pp.stages} does not divide the {n} ranks: the world is pipeline stages x "
-                                f"data-parallel ranks, so choose a divisor of {n}")
+        t = tensor_parallel_size(req)
+        if pp.stages < 1 or n // t % pp.stages:
+            within = f"{n} ranks" if t == 1 else f"{n // t} ranks left by --tp {t}"
+            raise EstimateError(f"--pp {pp.stages} does not divide the {within}: the world is pipeline stages x "
+                                f"data-parallel ranks, so choose a divisor of {n // t}")
         if req.micro_steps < 1:
             raise EstimateError(f"{req.micro_steps} micro-batches: a pipeline runs at least 1 per step")
-        if pp.schedule not in ("1f1b", "gpipe"):
-            raise EstimateError(f"schedule {pp.schedule!r}: expected 1f1b or gpipe")
+        from ..pipeline.schedule import ScheduleShapeError
+
+        schedules = _schedules()
+        if pp.schedule not in schedules:
+            raise EstimateError(f"schedule {pp.schedule!r}: expected one of {', '.join(schedules)}")
+        try:
+            schedules[pp.schedule].check(pp.stages, req.micro_steps, pp.chunks)
+        except ScheduleShapeError as error:
+            raise EstimateError(str(error)) from None
         if req.shape.layers is not None and req.shape.layers < pp.stages:
             raise EstimateError(f"--pp {pp.stages} with {req.shape.layers} layers: every stage needs a layer")
     moe = req.moe
@@ -254,9 +293,6 @@ def check_tensor(req: EstimateRequest) -> None:
         if heads is not None and heads % t:
             raise EstimateError(f"--tp {t} does not divide the {heads} {what} heads ({flag}): each rank computes "
                                 f"whole heads; choose a divisor of {heads}")
-    if t > 1 and req.pipeline is not None and req.pipeline.stages > 1:
-        raise EstimateError(f"--tp {t} with --pp {req.pipeline.stages}: zeroshard does not run tensor parallelism "
-                            f"inside a pipeline")
     if t > 1 and req.moe is not None:
         if req.moe.ep_size > 1:
             raise EstimateError(f"--tp {t} with --ep {req.moe.ep_size}: zeroshard does not run tensor parallelism "
@@ -281,14 +317,30 @@ def tensor_rank_params(req: EstimateRequest) -> float:
     return x / req.tensor.size + (req.num_params - x)
 
 
+def tensor_parallel_size(req: EstimateRequest) -> int:
+    """T: 1 without tensor parallelism."""
+    return req.tensor.size if req.tensor is not None else 1
+
+
+def pipeline_stage_count(req: EstimateRequest) -> int:
+    """P: 1 without a pipeline."""
+    return req.pipeline.stages if req.pipeline is not None else 1
+
+
+def data_parallel_size(req: EstimateRequest) -> int:
+    """The ranks ZeRO shards a rank's model states over: N / (T x P)."""
+    return req.world_size // (tensor_parallel_size(req) * pipeline_stage_count(req))
+
+
 def state_parts(req: EstimateRequest) -> list[tuple[float, int]]:
     """One rank's model states as (unsharded parameter count, ranks it is sharded over) pairs: the
-    whole model over the world; a pipeline stage's share over its data-parallel ranks; with expert
-    parallelism the dense part over the data-parallel ranks and the rank's experts over the ranks
-    holding the same experts."""
+    whole model over the world; a pipeline stage's share over its data-parallel ranks; a
+    tensor-parallel rank's Ψ_rank (a stage's share of it in a pipeline) over its data-parallel ranks;
+    with expert parallelism the dense part over the data-parallel ranks and the rank's experts over
+    the ranks holding the same experts."""
     psi, n = req.num_params, req.world_size
     if req.tensor is not None:
-        return [(tensor_rank_params(req), n // req.tensor.size)]
+        return [(tensor_rank_params(req) / pipeline_stage_count(req), data_parallel_size(req))]
     if req.pipeline is not None:
         psi, n = psi / req.pipeline.stages, n // req.pipeline.stages
     if req.moe is not None and req.moe.ep_size > 1:
@@ -369,11 +421,21 @@ def buffer_bytes(req: EstimateRequest, stage: int) -> float:
     # sharding/grad_chunks.py)
     written = (req.world_size - 1) / req.world_size if stage == 2 else 1.0
     buckets = 2 * bucket * grad_bytes * written if stage >= 2 else 0.0
-    # stage 3 always prefetches the next unit, whatever its size ([Note: the next unit is always
-    # prefetched] in sharding/stage3/gather_scheduler.py): a layer's share where the depth is known
+    return buckets + (prefetch_bytes(req) if stage == 3 else 0.0)
+
+
+def prefetch_bytes(req: EstimateRequest) -> float:
+    """Stage 3's gathered units beyond the one in use: it always prefetches the next unit, whatever its
+    size ([Note: the next unit is always prefetched] in sharding/stage3/gather_scheduler.py), a
+    layer's share where the depth is known."""
     unit = req.num_params / req.shape.layers if req.shape.layers else 0.0
-    prefetch = min(max(req.prefetch_bucket_size, unit), req.num_params) * grad_bytes if stage == 3 else 0.0
-    return buckets + prefetch
+    return min(max(req.prefetch_bucket_size, unit), req.num_params) * compute_bytes(req)
+
+
+def gathered_stage_bytes(req: EstimateRequest) -> float:
+    """A pipeline stage's parameters a rank holds gathered through a batch at ZeRO stage 3 (its share
+    of the tensor-parallel split too), in the compute dtype; they take the prefetched units' place."""
+    return sum(psi for psi, _ in state_parts(req)) * compute_bytes(req)
 
 
 def _buffer_view(req: EstimateRequest) -> EstimateRequest:
@@ -407,8 +469,10 @@ def estimate_stage(req: EstimateRequest, stage: int) -> StageEstimate:
     if req.offload == "params" and stage == 3:
         host += params
         params = 0.0
-    return StageEstimate(stage, params, grads, optimizer, activation_bytes(req),
-                         buffer_bytes(_buffer_view(req), stage), host)
+    buffers = buffer_bytes(_buffer_view(req), stage)
+    if req.pipeline is not None and req.pipeline.holds_gathered_parameters(stage):
+        buffers += gathered_stage_bytes(req) - prefetch_bytes(_buffer_view(req))
+    return StageEstimate(stage, params, grads, optimizer, activation_bytes(req), buffers, host)
 
 
 def estimate_hybrid(req: EstimateRequest, stage: int, mics_shard_size: Optional[int] = None,
@@ -416,16 +480,20 @@ def estimate_hybrid(req: EstimateRequest, stage: int, mics_shard_size: Optional[
     """:func:`estimate_stage` with hybrid sharding (see [Note: hybrid sharding memory] in
     planning/accounting.py).
 
-    MiCS (``mics_shard_size`` S, None or -1: off): the stage's estimate for a world of S ranks, since
-    every sharded byte is split over the S ranks of a shard group.  hpZ (``hpz_partition_size`` S, None
-    or 1: off; stage 3): plain stage 3 over all ranks plus the secondary partition, which stays on the
-    device even when ``offload`` moves the primary one to the host.
+    MiCS (``mics_shard_size`` S, None or -1: off): the stage's estimate for a world of S data-parallel
+    ranks, since every sharded byte is split over the S ranks of a shard group.  hpZ
+    (``hpz_partition_size`` S, None or 1: off; stage 3): plain stage 3 over all data-parallel ranks plus
+    the secondary partition of the rank's parameters, which stays on the device even when ``offload``
+    moves the primary one to the host.  With tensor or pipeline parallelism S counts data-parallel
+    ranks, and the rank's parameters are its tensor and pipeline share.
     """
+    model_parallel = tensor_parallel_size(req) * pipeline_stage_count(req)
     if mics_shard_size is not None and mics_shard_size > 0:
-        return estimate_stage(dataclasses.replace(req, world_size=mics_shard_size), stage)
+        return estimate_stage(dataclasses.replace(req, world_size=mics_shard_size * model_parallel), stage)
     estimate = estimate_stage(req, stage)
     if hpz_partition_size is not None and hpz_partition_size > 1 and stage == 3:
-        secondary = secondary_param_bytes(req.num_params, hpz_partition_size, req.precision)
+        rank_params = sum(psi for psi, _ in state_parts(req))
+        secondary = secondary_param_bytes(rank_params, hpz_partition_size, req.precision)
         return dataclasses.replace(estimate, secondary_params=secondary)
     return estimate
 
@@ -472,8 +540,8 @@ def format_table(req: EstimateRequest, estimates: list[StageEstimate], gpu_memor
     return "\n".join(lines)
 
 
-def _micro_batches(count: int) -> str:
-    return f"{count} micro-batch" + ("" if count == 1 else "es")
+def _micro_batches(count: float) -> str:
+    return f"{count:g} micro-batch" + ("" if count == 1 else "es")
 
 
 def _parallel_header(req: EstimateRequest) -> list[str]:
@@ -483,9 +551,10 @@ def _parallel_header(req: EstimateRequest) -> list[str]:
     if pp is not None:
         layers = stage_layers(req)
         held = f" of {layers} layers" if layers else ""
-        dp = req.world_size // pp.stages
+        dp = data_parallel_size(req)
         lines.append(f"pipeline: {pp.stages} stages x {dp} data-parallel ranks, {pp.schedule}, {_micro_batches(m)} "
-                     f"per step; a stage holds {req.num_params / pp.stages:.4g} parameters, ZeRO over its {dp} ranks; "
+                     f"per step; a stage holds {req.num_params / pp.stages:.4g} parameters"
+                     f"{' (before the tensor split)' if req.tensor is not None else ''}, ZeRO over its {dp} ranks; "
                      f"rows: the first stage, activations of {_micro_batches(pp.in_flight(m))}{held} in flight")
     if moe is not None:
         ranks = req.world_size // (pp.stages if pp is not None else 1)
@@ -498,12 +567,14 @@ def _parallel_header(req: EstimateRequest) -> list[str]:
     if tp is not None:
         x = tp.split(req.shape)
         assert x is not None
-        dp = req.world_size // tp.size
+        dp = data_parallel_size(req)
         counted = "--tp-params" if tp.split_params is not None else _counted_split(req)
+        per_stage = (f", {tensor_rank_params(req) / pp.stages:.4g} of them in a stage of the pipeline"
+                     if pp is not None else "")
         lines.append(f"tensor parallel: {tp.size} tensor-parallel x {dp} data-parallel ranks; {x:.4g} of the "
                      f"{req.num_params:.4g} parameters split ({counted}), the rest whole: a rank holds "
-                     f"X/T + (Ψ - X) = {tensor_rank_params(req):.4g} parameters, ZeRO over its {dp} data-parallel "
-                     f"ranks")
+                     f"X/T + (Ψ - X) = {tensor_rank_params(req):.4g} parameters{per_stage}, ZeRO over its {dp} "
+                     f"data-parallel ranks")
         if activation_bytes(req):
             lines.append(f"activations: s*b*h*(10 + 24/T + 5*a*s/(h*T)) per layer (T = {tp.size}: attention and MLP "
                          f"intermediates split, layer inputs and norms whole)")
@@ -528,7 +599,8 @@ def _parallel_footer(req: EstimateRequest) -> list[str]:
     missing = "give --micro-batch, --seq-len and --hidden for the bytes"
     if pp is not None:
         lines.append("")
-        lines.append(f"pipeline bubble: (P-1)/(m+P-1) = {pp.bubble(m):.1%} of each step idle ({pp.stages} stages, "
+        formula = "(P-1)/(m+P-1)" if pp.chunks == 1 else f"(P-1)/({pp.chunks}m+P-1)"
+        lines.append(f"pipeline bubble: {formula} = {pp.bubble(m):.1%} of each step idle ({pp.stages} stages, "
                      f"{_micro_batches(m)})")
         p2p = pipeline_p2p_bytes(req)
         boundaries = f"{pp.stages - 1} {'boundary' if pp.stages == 2 else 'boundaries'}"
@@ -557,9 +629,10 @@ def _parallel_footer(req: EstimateRequest) -> list[str]:
         elif sent is None:
             lines.append(f"tensor-parallel all-reduce: {missing}")
         else:
-            layers = req.shape.layers
-            per_step = (f", {sent * layers * m / GB:.4g} GB per rank per step ({layers} layers x {_micro_batches(m)})"
-                        if layers else ", give --layers for the bytes per step")
+            layers = stage_layers(req)  # a pipeline stage's layers
+            held = " of a stage" if req.pipeline is not None else ""
+            per_step = (f", {sent * layers * m / GB:.4g} GB per rank per step ({layers} layers{held} x "
+                        f"{_micro_batches(m)})" if layers else ", give --layers for the bytes per step")
             lines.append(f"tensor-parallel all-reduce: {sent / GB:.4g} GB per layer per micro-batch per rank "
                          f"({tp.row_layers + tp.column_layers} all-reduces, {tp.row_layers} forward + "
                          f"{tp.column_layers} backward, x 2 x {tp.size - 1}/{tp.size} x {size})"

@@ -7,7 +7,10 @@ For ZeRO stages 0-3 and the hybrid settings MiCS (``mics_shard_size``) and hpZ
 (``zero_hpz_partition_size``) it predicts, per rank and per optimizer step, the bytes sent inside a
 node and across nodes (:func:`traffic_per_step`, the same byte model as the engine's counters), the
 compute time, the communication time, how much of it hides behind compute (:func:`step_time`), the
-memory (``estimator.estimate_hybrid``), and recommends the fastest configuration that fits.
+memory (``estimator.estimate_hybrid``), and recommends the fastest configuration that fits.  Over
+tensor x data x pipeline layouts (``--tp``, ``--pp``, ``--search-parallel``) the same model runs per
+layout in ``planning/parallel_search.py``, which adds the tensor-parallel and pipeline traffic and
+the bubble (:func:`step_time`'s ``pipeline_stages``).
 
 [Note: what the scale model counts]
 Traffic is :func:`traffic_per_step`: per optimizer step of K micro steps, Ψ elements, parameter
@@ -16,7 +19,9 @@ all-gathers in the compute dtype (p bytes) and gradient collectives in the commu
 - stage 0: one all-reduce of the gradients at the boundary, 2(N-1)/N Ψg;
 - stage 1: a reduce-scatter at the boundary, (N-1)/N Ψg, and the all-gather of the updated
   parameters after the step, (N-1)/N Ψp; stage 2 reduce-scatters every micro step: K(N-1)/N Ψg;
-- stage 3: per micro step a forward all-gather, a backward all-gather and a reduce-scatter;
+- stage 3: per micro step a forward all-gather, a backward all-gather and a reduce-scatter; inside a
+  pipeline (by default) one all-gather per step before the first pass, held through the batch, and
+  the K reduce-scatters;
 - MiCS S: the stage's collectives over the S ranks of a shard group, plus one all-reduce of each
   rank's gradient shard (Ψ/S elements) across the R = N/S groups at the boundary;
 - hpZ S (stage 3): the first forward gathers over all N ranks, the other 2K-1 gathers of the step
@@ -25,9 +30,11 @@ all-gathers in the compute dtype (p bytes) and gradient collectives in the commu
 Ring algorithm: a rank sends (G-1)/G B for an all-gather or reduce-scatter of B full bytes over a
 group of G ranks, 2(G-1)/G B for an all-reduce, rounded down per call as ``Collectives._account``
 does.  A group inside one node counts as intra-node, a group spanning nodes wholly as inter-node.
-Groups are blocks of consecutive ranks (torchrun puts a node's ranks next to each other); when the
-blocks do not follow node boundaries, the rank whose group spans nodes is the one reported (the
-others wait for it).
+Groups are blocks of consecutive data-parallel ranks (torchrun puts a node's ranks next to each
+other); with tensor and pipeline parallelism the data-parallel ranks are T apart in every stage, as
+``ParallelDims`` numbers them (``group_placement`` is told every group's global ranks), so a group
+of D stays in a node while T D ranks fit one.  When the groups do not follow node boundaries, the
+rank whose group spans nodes is the one reported (the others wait for it).
 
 [Note: link speeds]
 ``intra_node_bw`` is what one GPU sends per second to its node's other GPUs (one direction, what
@@ -104,11 +111,13 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Optional, Sequence, Union
 
-from .estimator import GB, EstimateRequest, StageEstimate, estimate_hybrid
+from ..distributed.parallel_dims import ParallelDims
+from .estimator import (GB, EstimateRequest, StageEstimate, data_parallel_size, estimate_hybrid, pipeline_stage_count,
+                        state_parts, tensor_parallel_size)
 
-__all__ = ["Phase", "CollectiveTraffic", "Traffic", "traffic_per_step", "Sharding", "Cluster", "StepTime",
-           "ScaleEstimate", "compute_seconds", "step_time", "default_shardings", "scale_estimates",
-           "recommend_scale", "format_scale_table", "parse_bandwidth"]
+__all__ = ["Phase", "CollectiveTraffic", "Traffic", "group_placement", "traffic_per_step", "Sharding", "Cluster",
+           "StepTime", "ScaleEstimate", "compute_seconds", "bubble_factor", "step_time", "default_shardings",
+           "scale_estimates", "sharding_estimate", "recommend_scale", "format_scale_table", "parse_bandwidth"]
 
 
 class Phase(str, Enum):
@@ -120,6 +129,9 @@ class Phase(str, Enum):
     BACKWARD = "backward"              # in the backward of every micro step
     BOUNDARY = "boundary"              # in the backward of the last micro step (the accumulation boundary)
     AFTER_STEP = "after_step"          # after the optimizer step, before the next forward: exposed
+    #: in every micro step, between computations that wait for it: tensor-parallel all-reduces and the
+    #: pipeline's sends (see [Note: three parallel axes in the scale model] in planning/parallel_search.py)
+    CRITICAL_PATH = "critical_path"
 
 
 @dataclass(frozen=True)
@@ -127,7 +139,8 @@ class CollectiveTraffic:
     """One collective of a step: what it is, over which group, and what this rank sends, all calls summed."""
 
     name: str              # e.g. "param_gather_forward", "grad_reduce_scatter", "grad_replicas"
-    kind: str              # the engine's CommKind value: "all_gather", "reduce_scatter" or "all_reduce"
+    kind: str              # the engine's CommKind value: "all_gather", "reduce_scatter" or "all_reduce";
+                           # outside the engine "tensor_all_reduce" (DTensor) or "pipeline_p2p"
     phase: Phase
     calls: int             # per optimizer step (per bucket when numel is given by bucket)
     group_size: int
@@ -154,10 +167,12 @@ class Traffic:
         return sum(c.bytes_sent for c in self.by_collective if c.crosses_nodes)
 
     def by_kind(self) -> dict[str, int]:
-        """Bytes sent per kind, keyed like the engine's ``CommLedger.counters`` (``CommKind`` values)."""
+        """Bytes sent per kind, keyed like the engine's ``CommLedger.counters`` (``CommKind`` values);
+        the tensor-parallel and pipeline traffic, which bypasses the engine's collectives, under kinds
+        of its own when there is any."""
         out = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0}
         for c in self.by_collective:
-            out[c.kind] += c.bytes_sent
+            out[c.kind] = out.get(c.kind, 0) + c.bytes_sent
         return out
 
     def by_scope(self) -> dict[str, int]:
@@ -172,9 +187,9 @@ class _Group:
     ranks_per_node: int
 
 
-def _group(members: Sequence[range], ranks_per_node: int) -> _Group:
-    """The reported group among ``members`` (see [Note: what the scale model counts]): one that spans
-    nodes if any does, with the fewest ranks on a node among those (the slowest ring)."""
+def group_placement(members: Sequence[Sequence[int]], ranks_per_node: int) -> _Group:
+    """The reported group among ``members`` (global ranks; see [Note: what the scale model counts]): one
+    that spans nodes if any does, with the fewest ranks on a node among those (the slowest ring)."""
     size = len(members[0])
     crossing = []
     for ranks in members:
@@ -188,14 +203,43 @@ def _group(members: Sequence[range], ranks_per_node: int) -> _Group:
     return _Group(size, True, min(crossing))
 
 
-def _blocks(size: int, world_size: int, ranks_per_node: int) -> _Group:
-    """Groups of ``size`` consecutive ranks (a MiCS shard group, an hpZ partition, the world)."""
-    return _group([range(s, s + size) for s in range(0, world_size, size)], ranks_per_node)
+def _data_parallel_groups(dims: ParallelDims, index_groups: Sequence[range]) -> list[list[int]]:
+    """The global ranks of groups given by data-parallel indices, at every pipeline stage and tensor
+    index (the layout of [Note: the order of the axes] in distributed/parallel_dims.py)."""
+    return [[dims.rank_of(stage, d, tensor) for d in indices]
+            for stage in range(dims.pp) for tensor in range(dims.tp) for indices in index_groups]
 
 
-def _strided(stride: int, world_size: int, ranks_per_node: int) -> _Group:
-    """Groups of the ranks at the same position in every block of ``stride`` (MiCS replica groups)."""
-    return _group([range(p, world_size, stride) for p in range(stride)], ranks_per_node)
+def _blocks(size: int, dims: ParallelDims, ranks_per_node: int) -> _Group:
+    """Groups of ``size`` consecutive data-parallel ranks (a MiCS shard group, an hpZ partition, the
+    whole data-parallel group)."""
+    blocks = [range(s, s + size) for s in range(0, dims.dp, size)]
+    return group_placement(_data_parallel_groups(dims, blocks), ranks_per_node)
+
+
+def _strided(stride: int, dims: ParallelDims, ranks_per_node: int) -> _Group:
+    """Groups of the data-parallel ranks at the same position in every block of ``stride`` (MiCS
+    replica groups)."""
+    return group_placement(_data_parallel_groups(dims, [range(p, dims.dp, stride) for p in range(stride)]),
+                           ranks_per_node)
+
+
+@dataclass(frozen=True)
+class _ZeroGroups:
+    """Where a rank's ZeRO collectives run: the data-parallel group, the MiCS shard group (the
+    data-parallel group without MiCS), the hpZ partition and the MiCS replica group (None when off)."""
+
+    data: _Group
+    shard: _Group
+    secondary: Optional[_Group]
+    replicas: Optional[_Group]
+
+
+def _zero_groups(dims: ParallelDims, ranks_per_node: int, mics: Optional[int], hpz: Optional[int]) -> _ZeroGroups:
+    data = _blocks(dims.dp, dims, ranks_per_node)
+    return _ZeroGroups(data, _blocks(mics, dims, ranks_per_node) if mics is not None else data,
+                       _blocks(hpz, dims, ranks_per_node) if hpz is not None else None,
+                       _strided(mics, dims, ranks_per_node) if mics is not None and mics < dims.dp else None)
 
 
 def _sent(kind: str, group: int, full_bytes: int) -> int:
@@ -204,14 +248,16 @@ def _sent(kind: str, group: int, full_bytes: int) -> int:
     return factor * (group - 1) * full_bytes // group
 
 
-def _check(stage: int, world_size: int, ranks_per_node: int, micro_steps: int, mics: Optional[int],
+def _check(stage: int, dims: ParallelDims, ranks_per_node: int, micro_steps: int, mics: Optional[int],
            hpz: Optional[int]) -> None:
+    world_size = dims.dp
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage {stage}: 0, 1, 2 or 3")
     if world_size < 1 or ranks_per_node < 1 or micro_steps < 1:
         raise ValueError("world_size, ranks_per_node and micro_steps must be at least 1")
-    if world_size % ranks_per_node and world_size > ranks_per_node:
-        raise ValueError(f"world_size {world_size} is not a whole number of nodes of {ranks_per_node} ranks")
+    ranks = dims.world_size
+    if ranks % ranks_per_node and ranks > ranks_per_node:
+        raise ValueError(f"world_size {ranks} is not a whole number of nodes of {ranks_per_node} ranks")
     if mics is not None and hpz is not None:
         raise ValueError("mics_shard_size and hpz_partition_size together: the engine uses MiCS alone; give one")
     if mics is not None:
@@ -223,11 +269,10 @@ def _check(stage: int, world_size: int, ranks_per_node: int, micro_steps: int, m
                          f"size {world_size}")
 
 
-def _bucket_traffic(stage: int, numel: int, n: int, per_node: int, k: int, p: int, g: int,
-                    mics: Optional[int], hpz: Optional[int]) -> list[CollectiveTraffic]:
+def _bucket_traffic(stage: int, numel: int, groups: _ZeroGroups, k: int, p: int, g: int,
+                    mics: Optional[int], hpz: Optional[int], gather_once: bool) -> list[CollectiveTraffic]:
     """The collectives of one bucket of ``numel`` elements (see [Note: what the scale model counts])."""
-    world = _blocks(n, n, per_node)
-    shard = _blocks(mics, n, per_node) if mics is not None else world
+    world, shard = groups.data, groups.shard
     out: list[CollectiveTraffic] = []
 
     def add(name: str, kind: str, phase: Phase, calls: int, group: _Group, full_bytes: int) -> None:
@@ -243,44 +288,57 @@ def _bucket_traffic(stage: int, numel: int, n: int, per_node: int, k: int, p: in
             1 if stage == 1 else k, shard, grads)
         add("param_gather_after_step", "all_gather", Phase.AFTER_STEP, 1, shard, params)
     elif hpz is not None:
-        secondary = _blocks(hpz, n, per_node)
+        assert groups.secondary is not None
         add("param_gather_first_forward", "all_gather", Phase.FIRST_FORWARD, 1, world, params)
-        add("param_gather_forward_hpz", "all_gather", Phase.LATER_FORWARDS, k - 1, secondary, params)
-        add("param_gather_backward_hpz", "all_gather", Phase.BACKWARD, k, secondary, params)
+        add("param_gather_forward_hpz", "all_gather", Phase.LATER_FORWARDS, k - 1, groups.secondary, params)
+        add("param_gather_backward_hpz", "all_gather", Phase.BACKWARD, k, groups.secondary, params)
         add("grad_reduce_scatter", "reduce_scatter", Phase.BACKWARD, k, world, grads)
+    elif gather_once:
+        add("param_gather_per_step", "all_gather", Phase.AFTER_STEP, 1, shard, params)
+        add("grad_reduce_scatter", "reduce_scatter", Phase.BACKWARD, k, shard, grads)
     else:
         add("param_gather_forward", "all_gather", Phase.FORWARD, k, shard, params)
         add("param_gather_backward", "all_gather", Phase.BACKWARD, k, shard, params)
         add("grad_reduce_scatter", "reduce_scatter", Phase.BACKWARD, k, shard, grads)
-    if mics is not None and mics < n:
+    if mics is not None and groups.replicas is not None:
         if numel % mics:
             raise ValueError(f"numel {numel} is not a multiple of mics_shard_size {mics}: pass the padded count "
                              f"(the engine pads each bucket to a multiple of the shard size)")
-        add("grad_replicas", "all_reduce", Phase.BOUNDARY, 1, _strided(mics, n, per_node), numel // mics * g)
+        add("grad_replicas", "all_reduce", Phase.BOUNDARY, 1, groups.replicas, numel // mics * g)
     return out
 
 
 def traffic_per_step(stage: int, numel: Union[int, Sequence[int]], world_size: int, ranks_per_node: int,
                      micro_steps: int, param_bytes: int, grad_bytes: int, mics_shard_size: Optional[int] = None,
-                     hpz_partition_size: Optional[int] = None) -> Traffic:
-    """Bytes one rank sends in one optimizer step (see [Note: what the scale model counts]).
+                     hpz_partition_size: Optional[int] = None, tensor_parallel: int = 1,
+                     pipeline_stages: int = 1, gather_once_per_step: bool = False) -> Traffic:
+    """Bytes one rank sends in one optimizer step for ZeRO (see [Note: what the scale model counts]).
 
-    ``numel`` is the exact element count the collectives move (the engine's padded count: a multiple of
-    ``mics_shard_size`` with MiCS, of ``world_size`` otherwise; nothing is padded here), or one count
-    per bucket: each collective is then rounded per call, as the engine's counters are.  ``param_bytes``
-    is the compute dtype's element size (parameter gathers), ``grad_bytes`` the communication dtype's
-    (gradient reductions).  ``mics_shard_size`` None or -1 and ``hpz_partition_size`` None or 1 are off,
-    as in the config.  Raises ValueError for a size that does not divide ``world_size``.
+    ``world_size`` is the number of ranks ZeRO shards over: the data-parallel size, which is the whole
+    world without ``tensor_parallel`` and ``pipeline_stages``; with them the world is their product and
+    the data-parallel groups sit where ``ParallelDims`` numbers them, so they stay inside a node or
+    not as they really do.  ``numel`` is the exact element count of the rank's share the collectives
+    move (the engine's padded count: a multiple of ``mics_shard_size`` with MiCS, of ``world_size``
+    otherwise; nothing is padded here), or one count per bucket: each collective is then rounded per
+    call, as the engine's counters are.  ``param_bytes`` is the compute dtype's element size (parameter
+    gathers), ``grad_bytes`` the communication dtype's (gradient reductions).  ``mics_shard_size`` None
+    or -1 and ``hpz_partition_size`` None or 1 are off, as in the config.  ``gather_once_per_step``
+    (stage 3 inside a pipeline, zeroshard's default): each unit is gathered once before the batch's
+    first pass and held, one exposed all-gather instead of two per micro step.  Raises ValueError for a
+    size that does not divide ``world_size``.
     """
     mics = mics_shard_size if mics_shard_size is not None and mics_shard_size > 0 else None
     hpz = hpz_partition_size if hpz_partition_size is not None and hpz_partition_size > 1 else None
-    _check(stage, world_size, ranks_per_node, micro_steps, mics, hpz)
-    per_node = min(ranks_per_node, world_size)
+    if world_size < 1 or tensor_parallel < 1 or pipeline_stages < 1:
+        raise ValueError("world_size, tensor_parallel and pipeline_stages must be at least 1")
+    dims = ParallelDims(pipeline_stages, world_size, tensor_parallel)
+    _check(stage, dims, ranks_per_node, micro_steps, mics, hpz)
+    groups = _zero_groups(dims, min(ranks_per_node, dims.world_size), mics, hpz)
     buckets = [numel] if isinstance(numel, int) else list(numel)
     merged: dict[str, CollectiveTraffic] = {}
     for bucket in buckets:
-        for c in _bucket_traffic(stage, int(bucket), world_size, per_node, micro_steps, param_bytes, grad_bytes,
-                                 mics, hpz):
+        for c in _bucket_traffic(stage, int(bucket), groups, micro_steps, param_bytes, grad_bytes, mics, hpz,
+                                 gather_once_per_step):
             seen = merged.get(c.name)
             merged[c.name] = c if seen is None else dataclasses.replace(
                 seen, calls=seen.calls + c.calls, bytes_sent=seen.bytes_sent + c.bytes_sent)
@@ -337,7 +395,9 @@ class StepTime:
     compute_s: float
     comm_intra_s: float
     comm_inter_s: float
-    exposed_s: float  # communication nothing overlaps: step_s - compute_s
+    exposed_s: float  # communication nothing overlaps
+    #: the pipeline's fill and drain: (P-1)/(m+P-1) of the step (0 without a pipeline)
+    bubble_s: float = 0.0
 
     @property
     def comm_s(self) -> float:
@@ -349,7 +409,7 @@ class StepTime:
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.exposed_s
+        return self.compute_s + self.exposed_s + self.bubble_s
 
 
 def compute_seconds(num_params: float, tokens_per_micro_step: float, tflops: float,
@@ -362,8 +422,17 @@ def compute_seconds(num_params: float, tokens_per_micro_step: float, tflops: flo
     return forward, backward
 
 
-def step_time(traffic: Traffic, cluster: Cluster, forward_s: float, backward_s: float) -> StepTime:
-    """Compute plus what communication cannot hide, window by window (see [Note: overlap])."""
+def bubble_factor(micro_steps: int, pipeline_stages: int) -> float:
+    """(m + P - 1)/m: how much longer m micro-batches take through P stages than through one, under
+    1F1B as under GPipe (the fill and the drain take P - 1 micro-batch slots)."""
+    return (micro_steps + pipeline_stages - 1) / micro_steps
+
+
+def step_time(traffic: Traffic, cluster: Cluster, forward_s: float, backward_s: float,
+              pipeline_stages: int = 1) -> StepTime:
+    """Compute plus what communication cannot hide, window by window (see [Note: overlap]), the
+    micro steps stretched by the pipeline's bubble (:func:`bubble_factor`); the gather after the
+    optimizer step runs once the pipeline has drained, outside the bubble."""
     k = traffic.micro_steps
     t = {phase: 0.0 for phase in Phase}
     for c in traffic.by_collective:
@@ -374,13 +443,14 @@ def step_time(traffic: Traffic, cluster: Cluster, forward_s: float, backward_s: 
         (forward_s, t[Phase.FORWARD] / k + later, k - 1),
         (backward_s, t[Phase.BACKWARD] / k, k - 1),
         (backward_s, t[Phase.BACKWARD] / k + t[Phase.BOUNDARY], 1),
-        (0.0, t[Phase.AFTER_STEP], 1),
     ]
     compute = sum(n * c for c, _, n in windows)
-    exposed = sum(n * max(0.0, comm - c) for c, comm, n in windows)
+    exposed_in_micro_steps = sum(n * max(0.0, comm - c) for c, comm, n in windows) + t[Phase.CRITICAL_PATH]
+    exposed = exposed_in_micro_steps + t[Phase.AFTER_STEP]
+    bubble = (compute + exposed_in_micro_steps) * (bubble_factor(k, pipeline_stages) - 1)
     intra = sum(cluster.seconds(c) for c in traffic.by_collective if not c.crosses_nodes)
     inter = sum(cluster.seconds(c) for c in traffic.by_collective if c.crosses_nodes)
-    return StepTime(compute, intra, inter, exposed)
+    return StepTime(compute, intra, inter, exposed, bubble)
 
 
 @dataclass(frozen=True)
@@ -391,6 +461,8 @@ class ScaleEstimate:
     traffic: Traffic
     time: StepTime
     memory: StageEstimate
+    #: the tensor, data and pipeline axes (None: data parallel over the whole world)
+    dims: Optional[ParallelDims] = None
 
     def fits(self, gpu_memory_gb: float, headroom: float = 0.1) -> bool:
         return self.memory.total <= gpu_memory_gb * GB * (1 - headroom)
@@ -414,28 +486,42 @@ def default_shardings(world_size: int, gpus_per_node: int, mics_sizes: Sequence[
 
 def scale_estimates(req: EstimateRequest, cluster: Cluster, shardings: Sequence[Sharding],
                     micro_steps: int = 1) -> list[ScaleEstimate]:
-    """Traffic, time and memory of each configuration for ``req``'s model on ``cluster``.
+    """Traffic, time and memory of each configuration for ``req``'s model on ``cluster``, data parallel
+    over the whole world (tensor and pipeline layouts: ``planning/parallel_search.py``).
 
     ``req`` needs ``micro_batch`` and ``seq_len`` (tokens per micro step).  Gathers and reductions are
     in the training dtype (2 bytes under bf16/fp16, 4 in fp32; zeroshard's default
     ``communication_data_type``), and the element count is padded as the engine pads it.
     """
+    if req.tensor is not None or req.pipeline is not None:
+        raise ValueError("scale_estimates models data parallelism; for tensor or pipeline parallelism use "
+                         "planning.parallel_search.layout_estimates")
+    return [sharding_estimate(req, cluster, s, micro_steps) for s in shardings]
+
+
+def sharding_estimate(req: EstimateRequest, cluster: Cluster, sharding: Sharding, micro_steps: int,
+                      model_parallel: Sequence[CollectiveTraffic] = ()) -> ScaleEstimate:
+    """One configuration's traffic, time and memory for ``req`` on ``cluster``, laid out over the tensor
+    and pipeline axes ``req`` names (``req.tensor``, ``req.pipeline``): ZeRO over the data-parallel
+    ranks for the rank's share of the parameters, compute for Ψ/(T x P), and ``model_parallel``, the
+    tensor-parallel and pipeline traffic on the critical path, added to the step's collectives."""
     if not (req.micro_batch and req.seq_len):
         raise ValueError("the scale model needs micro_batch and seq_len (tokens per micro step)")
     if req.world_size != cluster.world_size:
         raise ValueError(f"req.world_size {req.world_size} != cluster's {cluster.world_size} ranks")
+    tp, pp, dp = tensor_parallel_size(req), pipeline_stage_count(req), data_parallel_size(req)
     elem = 4 if req.precision == "fp32" else 2
-    forward, backward = compute_seconds(req.num_params, req.micro_batch * req.seq_len, cluster.tflops,
+    multiple = sharding.padding_multiple or dp
+    numel = math.ceil(sum(psi for psi, _ in state_parts(req)) / multiple) * multiple
+    held = req.pipeline is not None and req.pipeline.holds_gathered_parameters(sharding.stage)
+    zero = traffic_per_step(sharding.stage, numel, dp, cluster.gpus_per_node, micro_steps, elem, elem,
+                            sharding.mics_shard_size, sharding.hpz_partition_size, tp, pp, held)
+    traffic = Traffic(micro_steps, zero.by_collective + tuple(model_parallel))
+    forward, backward = compute_seconds(req.num_params / (tp * pp), req.micro_batch * req.seq_len, cluster.tflops,
                                         req.checkpointing)
-    out = []
-    for s in shardings:
-        multiple = s.padding_multiple or cluster.world_size
-        numel = math.ceil(req.num_params / multiple) * multiple
-        traffic = traffic_per_step(s.stage, numel, cluster.world_size, cluster.gpus_per_node, micro_steps,
-                                   elem, elem, s.mics_shard_size, s.hpz_partition_size)
-        memory = estimate_hybrid(req, s.stage, s.mics_shard_size, s.hpz_partition_size)
-        out.append(ScaleEstimate(s, traffic, step_time(traffic, cluster, forward, backward), memory))
-    return out
+    memory = estimate_hybrid(req, sharding.stage, sharding.mics_shard_size, sharding.hpz_partition_size)
+    return ScaleEstimate(sharding, traffic, step_time(traffic, cluster, forward, backward, pp), memory,
+                         ParallelDims(pp, dp, tp))
 
 
 def recommend_scale(estimates: Sequence[ScaleEstimate], gpu_memory_gb: Optional[float], headroom: float = 0.1,

@@ -20,7 +20,7 @@ from .plan import TensorPlan, TensorPlanError, plan_linears
 from .split import SplitModel, split_model, split_of
 
 __all__ = ["TensorParallelBatchError", "TensorParallelGroups", "TensorParallelSizeError", "TensorPlan",
-           "TensorPlanError", "SplitModel", "split_of", "tp_model_init", "prepare_tensor_parallel"]
+           "TensorPlanError", "SplitModel", "split_of", "tp_model_init", "prepare_tensor_parallel", "split_stage"]
 
 
 def _split(model: nn.Module, block: TensorParallelConfig, device: torch.device) -> SplitModel:
@@ -69,3 +69,19 @@ def prepare_tensor_parallel(model: nn.Module, block: TensorParallelConfig, world
     worlds = model_parallel_worlds(record.groups, world)
     hook = check_batches(model, Collectives(world), record.size)
     return worlds, record.groups, record, hook
+
+
+def split_stage(stage: nn.Module, block: TensorParallelConfig, groups: Any) -> SplitModel:
+    """A pipeline stage's layers split over its tensor-parallel group (``groups``: the pipeline's
+    ``ParallelGroups``, whose ``tensor_mesh`` is that group), every rank of the job calling it.  The
+    stage's tensor-parallel ranks built the same layers, so no weights move first."""
+    size = groups.dims.tp
+    if block.autotp_size != size:
+        raise TensorParallelSizeError(
+            f"the pipeline's topology has {size} tensor-parallel ranks per stage, but the config says "
+            f"tensor_parallel.autotp_size = {block.autotp_size}: zeroshard splits each stage's linear layers "
+            f"itself (DTensor), so set tensor_parallel.autotp_size to {size}")
+    plan = plan_linears(stage, block)
+    record = split_model(stage, plan, groups, from_rank0=False)
+    log_rank(plan.describe(size))
+    return record

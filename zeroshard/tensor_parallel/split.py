@@ -80,11 +80,13 @@ def _keep_local_shards(module: nn.Linear, mesh: DeviceMesh) -> dict[str, tuple[i
     return split
 
 
-def split_model(model: nn.Module, plan: TensorPlan, groups: Any) -> SplitModel:
-    """Split ``model`` in place over ``mesh`` (the tensor-parallel axis), every rank of the job calling
-    it (see [Note: DTensor computes, ZeRO holds plain shards]); ``groups``: a ``TensorParallelGroups``."""
+def split_model(model: nn.Module, plan: TensorPlan, groups: Any, from_rank0: bool = True) -> SplitModel:
+    """Split ``model`` in place over ``groups.tensor_mesh`` (the tensor-parallel axis), every rank of the
+    job calling it (see [Note: DTensor computes, ZeRO holds plain shards]); ``groups``: a
+    ``TensorParallelGroups``, or a pipeline's ``ParallelGroups``.  ``from_rank0``: every rank first takes
+    rank 0's weights (a pipeline stage's tensor-parallel ranks already hold their stage's same weights)."""
     mesh: DeviceMesh = groups.tensor_mesh
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if from_rank0 and dist.is_initialized() and dist.get_world_size() > 1:
         with torch.no_grad():  # every rank splits rank 0's weights
             for tensor in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(tensor.data, src=0)
@@ -97,6 +99,6 @@ def split_model(model: nn.Module, plan: TensorPlan, groups: Any) -> SplitModel:
         for param, (ident, dim) in _keep_local_shards(module, mesh).items():
             split.add(ident)
             dims[f"{name}.{param}"] = dim
-    record = SplitModel(groups.size, plan, frozenset(split), groups, dims)
+    record = SplitModel(mesh.size(), plan, frozenset(split), groups, dims)
     _SPLIT[model] = record
     return record

@@ -11,6 +11,9 @@
     zeroshard estimate --params 47e9 --gpus-per-node 8 --experts 8 --ep 8 --topk 2 --expert-params 176e6 --layers 32
     zeroshard estimate --params 8e9 --gpus-per-node 8 --tp 2 --hidden 4096 --layers 32 --heads 32 --kv-heads 8 \
         --ffn 14336 --micro-batch 1 --seq-len 4096
+    zeroshard estimate --params 70e9 --hidden 8192 --layers 80 --heads 64 --kv-heads 8 --ffn 28672 --nodes 16 \
+        --gpus-per-node 8 --intra-node-bw 900GB/s --inter-node-bw 50GB/s --tflops 400 --seq-len 4096 \
+        --micro-batch 1 --gpu-memory 80 --search-parallel [--tp T] [--pp P]
     zeroshard plot METRICS.jsonl -o out.png
     zeroshard env
     zeroshard run [torchrun options] script.py [args]
@@ -19,6 +22,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
@@ -124,7 +128,7 @@ def _model_numbers(args: argparse.Namespace) -> tuple[float, dict, Optional[dict
 
 
 _SCALE_LINKS = ("intra_node_bw", "inter_node_bw", "tflops")
-_SCALE_ONLY = ("mics_shard_size", "hpz_partition_size")
+_SCALE_ONLY = ("mics_shard_size", "hpz_partition_size", "search_parallel")
 
 
 def _flag(name: str) -> str:
@@ -212,7 +216,9 @@ def _pipeline(args: argparse.Namespace, config: "ZeroshardConfig") -> Optional["
         if args.schedule is not None:
             raise SystemExit("zeroshard estimate: --schedule belongs to a pipeline: also give --pp STAGES")
         return None
-    return PipelineShape(stages, args.schedule or config.pipeline.schedule)
+    schedule = args.schedule or config.pipeline.schedule
+    chunks = args.virtual_stages or config.pipeline.virtual_stages or (2 if schedule == "interleaved_1f1b" else 1)
+    return PipelineShape(stages, schedule, config.pipeline.stage3_gather_per_micro_batch, chunks)
 
 
 def _tensor(args: argparse.Namespace, config: "ZeroshardConfig", derived: dict) -> Optional["TensorShape"]:
@@ -223,12 +229,20 @@ def _tensor(args: argparse.Namespace, config: "ZeroshardConfig", derived: dict) 
     size = args.tp if args.tp is not None else (config.tensor_parallel.autotp_size or None)
     if size is None or (args.tp is None and size == 1):
         extra = [_flag(n) for n in _TP_FLAGS[1:] if getattr(args, n) is not None]
-        if extra:
+        if extra and not args.search_parallel:
             raise SystemExit(f"zeroshard estimate: {', '.join(extra)} belong(s) to tensor parallelism: also give "
-                             f"--tp T")
+                             f"--tp T (or --search-parallel)")
         return None
+    return dataclasses.replace(_tensor_split(args, derived), size=size)
+
+
+def _tensor_split(args: argparse.Namespace, derived: dict) -> "TensorShape":
+    """What --tp-params, --kv-heads and --ffn (defaults from an --hf-config) say about the split
+    parameters, for a tensor-parallel size of 1 until one is chosen."""
+    from ..planning.estimator import TensorShape
+
     kv_heads = args.kv_heads if args.kv_heads is not None else derived.get("kv_heads")
-    return TensorShape(size, args.tp_params, kv_heads, args.ffn if args.ffn is not None else derived.get("ffn"))
+    return TensorShape(1, args.tp_params, kv_heads, args.ffn if args.ffn is not None else derived.get("ffn"))
 
 
 def _moe(args: argparse.Namespace, derived: Optional[dict], layers: Optional[int]) -> Optional["MoEShape"]:
@@ -266,14 +280,10 @@ def _estimate(args: argparse.Namespace) -> int:
     from ..planning.estimator import EstimateError, check_parallel
 
     scale = _scale_mode(args)
-    parallel = [_flag(n) for n in ("pp", "schedule", *_MOE_FLAGS) if getattr(args, n) is not None]
-    if scale and parallel:
-        raise SystemExit(f"zeroshard estimate: {', '.join(parallel)}: the scale model does not know pipelines or "
-                         f"experts yet; leave out --intra-node-bw, --inter-node-bw and --tflops for their memory")
-    tensor_flags = [_flag(n) for n in _TP_FLAGS if getattr(args, n) is not None]
-    if scale and tensor_flags:
-        raise SystemExit(f"zeroshard estimate: {', '.join(tensor_flags)}: the scale model does not know tensor "
-                         f"parallelism yet; leave out --intra-node-bw, --inter-node-bw and --tflops for its memory")
+    experts = [_flag(n) for n in _MOE_FLAGS if getattr(args, n) is not None]
+    if scale and experts:
+        raise SystemExit(f"zeroshard estimate: {', '.join(experts)}: the scale model does not know experts; leave "
+                         f"out --intra-node-bw, --inter-node-bw and --tflops for their memory")
     if args.grad_accum is not None and args.grad_accum < 1:
         raise SystemExit(f"zeroshard estimate: --grad-accum {args.grad_accum}: give the micro steps per optimizer "
                          f"step, at least 1")
@@ -292,16 +302,15 @@ def _estimate(args: argparse.Namespace) -> int:
                           shape=ModelShape(**shape), reduce_bucket_size=zero.reduce_bucket_size,
                           prefetch_bucket_size=zero.stage3_prefetch_bucket_size, trainable=args.trainable,
                           grad_bytes=_grad_bytes(args, config), micro_steps=_micro_steps(args, config),
-                          pipeline=None if scale else _pipeline(args, config),
-                          moe=_moe(args, derived_moe, shape.get("layers")),
-                          tensor=None if scale else _tensor(args, config, derived_tensor))
+                          pipeline=_pipeline(args, config), moe=_moe(args, derived_moe, shape.get("layers")),
+                          tensor=_tensor(args, config, derived_tensor))
     try:
         check_parallel(req)
     except EstimateError as err:
         raise SystemExit(f"zeroshard estimate: {err}") from None
     estimates = estimate_all(req)
     if scale:
-        print(_scale_table(args, req, _micro_steps(args, config)))
+        print(_scale_table(args, req, _micro_steps(args, config), _tensor_split(args, derived_tensor)))
     else:
         print(format_table(req, estimates, args.gpu_memory))
     if args.plot:
@@ -311,12 +320,15 @@ def _estimate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _scale_table(args: argparse.Namespace, req: "EstimateRequest", micro_steps: int) -> str:
-    """The scale model's table (zeroshard/planning/scale_model.py) for the parsed options."""
+def _scale_table(args: argparse.Namespace, req: "EstimateRequest", micro_steps: int, split: "TensorShape") -> str:
+    """The scale model's table (zeroshard/planning/scale_model.py) for the parsed options; with --tp, --pp
+    or --search-parallel the layouts' (zeroshard/planning/parallel_search.py)."""
     from ..planning import default_shardings, format_scale_table, scale_estimates
 
     cluster = _cluster(args)
     mics, hpz = _group_sizes(args, cluster.world_size)
+    if args.search_parallel or req.tensor is not None or req.pipeline is not None:
+        return _layout_table(args, req, cluster, micro_steps, mics, hpz, split)
     shardings = default_shardings(cluster.world_size, cluster.gpus_per_node, mics, hpz)
     table = format_scale_table(req, cluster, scale_estimates(req, cluster, shardings, micro_steps), args.gpu_memory,
                                micro_steps)
@@ -324,6 +336,45 @@ def _scale_table(args: argparse.Namespace, req: "EstimateRequest", micro_steps: 
         table += "\nnote: offload traffic over PCIe/NVMe is not in the time model; memory shows what stays on the GPU"
     if cluster.world_size <= cluster.gpus_per_node and not (mics or hpz):
         table += "\nnote: one node: MiCS and hpZ with a group of one node are plain ZeRO, not listed"
+    return table
+
+
+def _layout_table(args: argparse.Namespace, req: "EstimateRequest", cluster: "Cluster", micro_steps: int,
+                  mics: list[int], hpz: list[int], split: "TensorShape") -> str:
+    """The table of tensor x data x pipeline layouts: every one with --search-parallel (--tp / --pp fix
+    their axis; ``split`` says how the tensor-parallel sizes split the model), else the one --tp / --pp
+    give, with each of its shardings."""
+    from ..distributed.parallel_dims import ParallelDims
+    from ..planning.estimator import EstimateError, pipeline_stage_count, tensor_parallel_size
+    from ..planning.parallel_search import (format_layout_table, layout_estimates, layout_shardings, refused_layouts,
+                                            search_layouts)
+
+    tp, pp = tensor_parallel_size(req), pipeline_stage_count(req)
+    refused = None
+    try:
+        if args.search_parallel:
+            if not (req.shape.hidden and req.shape.layers):
+                raise EstimateError("--search-parallel needs the model's shape for the tensor-parallel split, the "
+                                    "activations and the bytes between ranks: --hf-config, or --hidden, --layers "
+                                    "and --heads")
+            searched = req if req.tensor is not None else dataclasses.replace(req, tensor=split)
+            fixed_tp = [tp] if req.tensor is not None else None
+            fixed_pp = [pp] if req.pipeline is not None else None
+            estimates = search_layouts(searched, cluster, micro_steps, mics, hpz, fixed_tp, fixed_pp)
+            refused = refused_layouts(searched, cluster, fixed_tp, fixed_pp)
+        else:
+            dims = ParallelDims(pp, cluster.world_size // (tp * pp), tp)
+            estimates = layout_estimates(req, cluster, dims, layout_shardings(dims, cluster.gpus_per_node, mics, hpz),
+                                         micro_steps)
+    except EstimateError as err:
+        raise SystemExit(f"zeroshard estimate: {err}") from None
+    if not estimates:
+        reasons = "; ".join(refused or {})
+        raise SystemExit(f"zeroshard estimate: no layout to compare: {reasons}")
+    table = format_layout_table(req, cluster, estimates, args.gpu_memory, micro_steps, bool(args.search_parallel),
+                                refused)
+    if args.offload:
+        table += "\nnote: offload traffic over PCIe/NVMe is not in the time model; memory shows what stays on the GPU"
     return table
 
 
@@ -430,8 +481,10 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--gpu-memory", type=float, help="GB per GPU: recommend the lowest stage that fits")
     est.add_argument("--config", help="a DeepSpeed-style JSON config (bucket sizes for the buffers)")
     est.add_argument("--plot", help="also draw stacked bars per stage to this PNG (needs matplotlib)")
-    scale = est.add_argument_group("scale model", "time and traffic per optimizer step of stages 0-3, MiCS and hpZ "
-                                                  "(all three of --intra-node-bw, --inter-node-bw, --tflops turn it on)")
+    scale = est.add_argument_group("scale model", "time and traffic per optimizer step of stages 0-3, MiCS and hpZ, "
+                                                  "with --tp/--pp or --search-parallel over tensor x data x pipeline "
+                                                  "layouts (all three of --intra-node-bw, --inter-node-bw, --tflops "
+                                                  "turn it on)")
     scale.add_argument("--intra-node-bw", help="bandwidth one GPU sends inside its node, e.g. 900GB/s or 3600Gbps")
     scale.add_argument("--inter-node-bw", help="network bandwidth per GPU (node NICs / GPUs), e.g. 50GB/s or 400Gbps")
     scale.add_argument("--tflops", type=float, help="achieved model TFLOPS per GPU (6 x params per token), e.g. 400")
@@ -439,12 +492,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also model MiCS with this shard group size (repeatable; gpus-per-node is always shown)")
     scale.add_argument("--hpz-partition-size", type=int, action="append",
                        help="also model hpZ with this partition size (repeatable; gpus-per-node is always shown)")
+    scale.add_argument("--search-parallel", action="store_true", default=None,
+                       help="compare every tensor x data x pipeline layout (tp divides --gpus-per-node and the "
+                            "heads, pp the rest) at the same global batch (ranks x micro-batch x grad-accum "
+                            "sequences) and recommend (tp, pp, dp, stage); --tp / --pp fix an axis; needs "
+                            "--hf-config or --hidden/--layers/--heads.  Without it, --tp / --pp model that one "
+                            "layout")
     par = est.add_argument_group("pipeline and experts", "memory of one rank of a pipeline or an MoE model, the "
                                                          "pipeline bubble and the bytes between stages and experts")
     par.add_argument("--pp", type=int, help="pipeline stages P (must divide the ranks; default: the config's "
                                             "pipeline.stages): P stages x ranks/P data-parallel ranks")
-    par.add_argument("--schedule", choices=["1f1b", "gpipe"],
+    par.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved_1f1b"],
                      help="pipeline schedule (default: the config's, else 1f1b); micro-batches: --grad-accum")
+    par.add_argument("--virtual-stages", type=int,
+                     help="chunks per stage of the interleaved schedule (default: the config's, else 2)")
     par.add_argument("--experts", type=int, help="experts E per MoE layer (DeepSpeed's MoE)")
     par.add_argument("--ep", type=int, help="expert-parallel size (default 1; divides the experts and the ranks)")
     par.add_argument("--topk", type=int, help="experts per token, 1 or 2 (default 1, or the --hf-config's)")
