@@ -3,7 +3,8 @@
 One world of 8 ranks, ``PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2)``: each stage's
 two tensor-parallel ranks split the MLP blocks' linear layers (up column-wise, down row-wise) with
 ``tensor_parallel.autotp_size`` 2, each (stage, tensor index) trains with ZeRO over its two
-data-parallel ranks, and a tied embedding spans the stages.  At ZeRO stages 1 and 3 with each
+data-parallel ranks, and a tied embedding spans the stages; without a pipeline, tensor 2 x data 4 with
+MiCS and hpZ groups inside the data axis equals one process too.  At ZeRO stages 1 and 3 with each
 one-chunk schedule, and with the interleaved one, five batches equal one process training the whole
 model with gradient accumulation on the global batch (1e-5); the groups are where [Note: the order
 of the axes] in zeroshard/distributed/parallel_dims.py puts them; a checkpoint save is refused with a
@@ -194,14 +195,67 @@ def check_refusals(by_rank: list[list[str]], root: str) -> None:
     assert all(raised == ["TensorParallelSizeError", "PipelineUsageError"] for raised in by_rank), by_rank
 
 
-WORKERS = {"train": train_worker, "refusals": refusals_worker}
-CHECKS = {"train": check_train, "refusals": check_refusals}
+def sequential() -> nn.Sequential:
+    """The blocks alone as one model (no pipeline), each built from the seed the reference uses."""
+    blocks = []
+    for index in range(1, BLOCKS + 1):
+        torch.manual_seed(1234 + index)
+        blocks.append(Mlp(D))
+    return nn.Sequential(*blocks)
 
 
-def test_pipeline_tensor_data_match_one_process(tmp_path: Any) -> None:
+def hybrid_worker(rank: int, world: int, stage: int, zero: dict[str, Any]) -> dict[str, Any]:
+    """Tensor 2 x data 4 without a pipeline, with MiCS or hpZ groups inside the data axis."""
+    tp, dp = 2, world // 2
+    model, reference = sequential(), sequential()
+    engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config={
+        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 2, "gradient_clipping": CLIP,
+        "steps_per_print": 10**9, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+        "zero_optimization": {"stage": stage, **zero},
+        "tensor_parallel": {"autotp_size": tp, "partition_config": PLAN}})
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WD)
+    data_rank = rank // tp
+
+    def sample(step: int, j: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 * step + 10 * j + d)
+        return torch.randn(MICRO, 3, D, generator=g), torch.randn(MICRO, 3, D, generator=g)
+
+    for step in range(STEPS):
+        for j in range(2):
+            x, y = sample(step, j, data_rank)
+            engine.backward(nn.functional.mse_loss(engine(x), y))
+            engine.step()
+        for j in range(2):
+            for d in range(dp):
+                x, y = sample(step, j, d)
+                (nn.functional.mse_loss(reference(x), y) / (2 * dp)).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+    full = engine.full_state_dict(rank0_only=False)
+    errors = [float((full[k] - v).norm() / v.norm()) for k, v in reference.state_dict().items()]
+    groups = engine.strategy.comm.world.world_size
+    engine.close()
+    return {"errors": errors, "shard_group": groups}
+
+
+def check_hybrid(by_rank: list[dict[str, Any]], stage: int, zero: dict[str, Any]) -> None:
+    for rank, out in enumerate(by_rank):
+        assert max(out["errors"]) <= 1e-5, (rank, out["errors"])
+        assert out["shard_group"] == zero.get("mics_shard_size", 4), (rank, out["shard_group"])
+
+
+WORKERS = {"train": train_worker, "refusals": refusals_worker, "hybrid": hybrid_worker}
+CHECKS = {"train": check_train, "refusals": check_refusals, "hybrid": check_hybrid}
+
+
+def test_three_axes_match_one_process(tmp_path: Any) -> None:
     cases: list[tuple[str, dict[str, Any]]] = [
         ("train", {"stage": 1, "schedule": "1f1b"}), ("train", {"stage": 3, "schedule": "1f1b"}),
         ("train", {"stage": 3, "schedule": "gpipe"}),
         ("train", {"stage": 1, "schedule": "interleaved_1f1b", "chunks": 2}),
-        ("refusals", {"root": str(tmp_path / "refused")})]
+        ("refusals", {"root": str(tmp_path / "refused")}),
+        # tensor 2 x data 4 without a pipeline: MiCS and hpZ groups inside the data axis
+        ("hybrid", {"stage": 1, "zero": {"mics_shard_size": 2}}), ("hybrid", {"stage": 3, "zero": {"mics_shard_size": 2}}),
+        ("hybrid", {"stage": 3, "zero": {"zero_hpz_partition_size": 2}})]
     check_family(cases, run_family(PP * TP * DP, cases, WORKERS), CHECKS, world=PP * TP * DP)
