@@ -4,16 +4,20 @@ One world of 8 ranks, ``PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp
 two tensor-parallel ranks split the MLP blocks' linear layers (up column-wise, down row-wise) with
 ``tensor_parallel.autotp_size`` 2, each (stage, tensor index) trains with ZeRO over its two
 data-parallel ranks, and a tied embedding spans the stages; without a pipeline, tensor 2 x data 4 with
-MiCS and hpZ groups inside the data axis equals one process too.  At ZeRO stages 1 and 3 with each
-one-chunk schedule, and with the interleaved one, five batches equal one process training the whole
-model with gradient accumulation on the global batch (1e-5); the groups are where [Note: the order
-of the axes] in zeroshard/distributed/parallel_dims.py puts them; a checkpoint save is refused with a
-named error (checkpoints of a three-axis job are not there yet), and an ``autotp_size`` that
-disagrees with the topology is refused on every rank.
+MiCS and hpZ groups inside the data axis equals one process too.  A checkpoint saved at (pipeline 2,
+tensor 2, data 2, ZeRO-1) resumes bitwise at its own layout and at other pipeline depths, tensor and
+data degrees and ZeRO stages (each tensor index's part read joined and cut again by name), its parts
+consolidate into the one-process weights, and a part missing a file is refused on every rank.  At
+ZeRO stages 1 and 3 with each one-chunk schedule, and with the interleaved one, five batches equal one
+process training the whole model with gradient accumulation on the global batch (1e-5); the groups are where [Note: the order
+of the axes] in zeroshard/distributed/parallel_dims.py puts them, and an ``autotp_size`` that disagrees
+with the topology is refused on every rank.
 """
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,8 +25,8 @@ import torch
 from torch import nn
 
 import zeroshard
+from zeroshard.checkpoint.format import CheckpointError
 from zeroshard.pipe import LayerSpec, PipeModelDataParallelTopology, PipelineModule, TiedLayerSpec
-from zeroshard.pipeline import PipelineUsageError
 from zeroshard.tensor_parallel import TensorParallelSizeError
 from zeroshard.tools.testing import check_family, run_family
 
@@ -107,16 +111,26 @@ class Reference:
         return total
 
 
-def build(stage: int, schedule: str, chunks: int = 1, autotp: int = TP) -> tuple[Any, PipelineModule]:
-    module = PipelineModule(specs(), topology=PipeModelDataParallelTopology(num_pp=PP, num_mp=TP, num_dp=DP),
+def build(stage: int, schedule: str, chunks: int = 1, autotp: int = TP, pp: int = PP, tp: int = TP,
+          dp: int = DP) -> tuple[Any, PipelineModule]:
+    """A pipeline of ``pp`` stages x ``dp`` x ``tp`` over the layers, training the global batch of
+    ACCUM x DP micro-batches in ACCUM x DP / dp micro-batches per rank."""
+    module = PipelineModule(specs(), topology=PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp),
                             loss_fn=loss_fn, seed_layers=True, partition_method="uniform", virtual_stages=chunks)
+    accum = ACCUM * DP // dp
     engine, _, _, _ = zeroshard.initialize(model=module, model_parameters=module.parameters(), config={
         "train_batch_size": MICRO * ACCUM * DP, "train_micro_batch_size_per_gpu": MICRO,
-        "gradient_accumulation_steps": ACCUM, "gradient_clipping": CLIP, "steps_per_print": 10**9,
+        "gradient_accumulation_steps": accum, "gradient_clipping": CLIP, "steps_per_print": 10**9,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
         "zero_optimization": {"stage": stage}, "pipeline": {"schedule": schedule},
         "tensor_parallel": {"autotp_size": autotp, "partition_config": PLAN}})
     return engine, module
+
+
+def batches(step: int, data: int, dp: int) -> Any:
+    """Data-parallel rank ``data`` of ``dp``'s micro-batches of ``step``: the same global batch at any ``dp``."""
+    accum = ACCUM * DP // dp
+    return iter([micro_batch(step, k // DP, k % DP) for k in range(data * accum, (data + 1) * accum)])
 
 
 def full_parameters(module: PipelineModule) -> dict[int, list[torch.Tensor]]:
@@ -152,8 +166,7 @@ def train_worker(rank: int, world: int, stage: int, schedule: str, chunks: int =
     reference = Reference()
     losses, expected = [], []
     for step in range(STEPS):
-        batches = iter([micro_batch(step, j, groups.data) for j in range(ACCUM)])
-        losses.append(float(engine.train_batch(batches)))
+        losses.append(float(engine.train_batch(batches(step, groups.data, DP))))
         expected.append(reference.train_step(step))
     errors = []
     for index, values in full_parameters(module).items():
@@ -176,23 +189,79 @@ def check_train(by_rank: list[dict[str, Any]], stage: int, schedule: str, chunks
         assert data_size == DP
 
 
-def refusals_worker(rank: int, world: int, root: str) -> list[str]:
+def refusals_worker(rank: int, world: int) -> list[str]:
     raised = []
     try:
         build(1, "1f1b", autotp=0)
     except TensorParallelSizeError as error:
         raised.append(type(error).__name__)
-    engine, _ = build(1, "1f1b")
-    try:
-        engine.save_checkpoint(root)
-    except PipelineUsageError as error:
-        raised.append(type(error).__name__)
-    engine.close()
     return raised
 
 
-def check_refusals(by_rank: list[list[str]], root: str) -> None:
-    assert all(raised == ["TensorParallelSizeError", "PipelineUsageError"] for raised in by_rank), by_rank
+def check_refusals(by_rank: list[list[str]]) -> None:
+    assert all(raised == ["TensorParallelSizeError"] for raised in by_rank), by_rank
+
+
+#: where the checkpoint saved at pipeline 2 x tensor 2 x data 2, ZeRO-1 is resumed: (pp, tp, dp, ZeRO
+#: stage); the first is the saving layout (bitwise the uninterrupted run)
+RESUMES = ((2, 2, 2, 1), (2, 2, 2, 3), (4, 1, 2, 1), (2, 1, 4, 2), (1, 2, 4, 3))
+
+
+def checkpoint_worker(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Save after 3 batches, train 2 more; resume the save at each of RESUMES for those 2 batches; then
+    remove one rank's file of one part and see every rank refuse the load."""
+    engine, module = build(1, "1f1b")
+    reference = Reference()
+    for step in range(3):
+        engine.train_batch(batches(step, module.groups.data, DP))
+        reference.train_step(step)
+    engine.save_checkpoint(root, "step3")
+    straight = [float(engine.train_batch(batches(step, module.groups.data, DP))) for step in (3, 4)]
+    engine.close()
+    resumed = {}
+    for pp, tp, dp, stage in RESUMES:
+        engine, module = build(stage, "1f1b", pp=pp, tp=tp, dp=dp, autotp=tp if tp > 1 else 0)
+        engine.load_checkpoint(root, "step3")
+        resumed[(pp, tp, dp, stage)] = [float(engine.train_batch(batches(step, module.groups.data, dp)))
+                                        for step in (3, 4)]
+        engine.close()
+    broken = Path(root + "_broken")
+    torch.distributed.barrier()
+    if rank == 0:  # a copy whose second part lost a rank's file
+        shutil.copytree(root, broken)
+        (broken / "mp_rank_01" / "step3" / "rank00002.safetensors").unlink()
+    torch.distributed.barrier()
+    engine, _ = build(1, "1f1b")
+    refused = ""
+    try:
+        engine.load_checkpoint(broken, "step3")
+    except CheckpointError as error:
+        refused = type(error).__name__
+    engine.close()
+    return {"straight": straight, "resumed": resumed, "refused": refused,
+            "reference": {k: v.detach().clone() for k, v in reference_state(reference).items()}}
+
+
+def reference_state(reference: Reference) -> dict[str, torch.Tensor]:
+    """The reference's weights under the job's names (``<layer index>.<parameter>``, the tied embedding once)."""
+    return {f"{index}.{name}": p for index, m in reference.modules.items() for name, p in m.named_parameters()}
+
+
+def check_checkpoint(by_rank: list[dict[str, Any]], root: str) -> None:
+    from zeroshard.checkpoint.consolidate import full_state_dict
+
+    for rank, out in enumerate(by_rank):
+        assert out["refused"] == "CheckpointError", (rank, out["refused"])
+        for layout, losses in out["resumed"].items():
+            bound = 0.0 if layout == RESUMES[0] else 1e-5
+            assert max(abs(a - b) for a, b in zip(losses, out["straight"])) <= bound * max(out["straight"]), \
+                (rank, layout, losses, out["straight"])
+    # the parts joined: the weights of the whole model after 3 batches, as the reference trained them
+    full = full_state_dict(root, "step3")
+    reference = by_rank[0]["reference"]
+    assert full.keys() == reference.keys(), (sorted(full), sorted(reference))
+    for key, value in reference.items():
+        assert float((full[key] - value).norm() / value.norm()) <= 1e-5, key
 
 
 def sequential() -> nn.Sequential:
@@ -245,8 +314,9 @@ def check_hybrid(by_rank: list[dict[str, Any]], stage: int, zero: dict[str, Any]
         assert out["shard_group"] == zero.get("mics_shard_size", 4), (rank, out["shard_group"])
 
 
-WORKERS = {"train": train_worker, "refusals": refusals_worker, "hybrid": hybrid_worker}
-CHECKS = {"train": check_train, "refusals": check_refusals, "hybrid": check_hybrid}
+WORKERS = {"train": train_worker, "refusals": refusals_worker, "hybrid": hybrid_worker,
+           "checkpoint": checkpoint_worker}
+CHECKS = {"train": check_train, "refusals": check_refusals, "hybrid": check_hybrid, "checkpoint": check_checkpoint}
 
 
 def test_three_axes_match_one_process(tmp_path: Any) -> None:
@@ -254,7 +324,7 @@ def test_three_axes_match_one_process(tmp_path: Any) -> None:
         ("train", {"stage": 1, "schedule": "1f1b"}), ("train", {"stage": 3, "schedule": "1f1b"}),
         ("train", {"stage": 3, "schedule": "gpipe"}),
         ("train", {"stage": 1, "schedule": "interleaved_1f1b", "chunks": 2}),
-        ("refusals", {"root": str(tmp_path / "refused")}),
+        ("refusals", {}), ("checkpoint", {"root": str(tmp_path / "checkpoint")}),
         # tensor 2 x data 4 without a pipeline: MiCS and hpZ groups inside the data axis
         ("hybrid", {"stage": 1, "zero": {"mics_shard_size": 2}}), ("hybrid", {"stage": 3, "zero": {"mics_shard_size": 2}}),
         ("hybrid", {"stage": 3, "zero": {"zero_hpz_partition_size": 2}})]

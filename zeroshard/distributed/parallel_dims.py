@@ -136,11 +136,18 @@ class ParallelGroups:
         self.p2p = _own_of(dims.pipelines() if dims.pp > 1 else [], self._pipeline, timeout)
         self.tensor_mesh: Optional[DeviceMesh] = None
         self.tensor: Optional[Collectives] = None
+        #: with tensor parallelism, the ranks of this rank's tensor index, numbered ``stage * dp + data``:
+        #: a tensor-parallel job's part of a checkpoint is theirs (pipeline/checkpoint.py)
+        self.tensor_slice: Optional[World] = None
         if dims.tp > 1:  # ranks numbered (stage * dp + data) * tp + tensor: one mesh row per tensor group
             self.tensor_mesh = init_device_mesh(world.device.type, (dims.pp * dims.dp, dims.tp),
                                                 mesh_dim_names=("replica", "tensor"))["tensor"]
             self.tensor = Collectives(dataclasses.replace(world, rank=self.tensor_index, world_size=dims.tp,
                                                           group=self.tensor_mesh.get_group(), parts=()))
+            slices = [[dims.rank_of(s, d, t) for s in range(dims.pp) for d in range(dims.dp)] for t in range(dims.tp)]
+            self.tensor_slice = dataclasses.replace(
+                world, rank=self.stage * dims.dp + self.data, world_size=dims.pp * dims.dp,
+                group=_own_of(slices, self.tensor_index, timeout), parts=())
         #: the gradients' own point-to-point group, with virtual stages (:meth:`gradient_p2p`)
         self.p2p_gradients: Optional[dist.ProcessGroup] = None
         self._subgroups: dict[tuple[int, ...], Optional[dist.ProcessGroup]] = {}
@@ -177,5 +184,7 @@ class ParallelGroups:
         self.p2p = self.p2p_gradients = None
         if self.tensor is not None:
             self.tensor.world = dataclasses.replace(self.tensor.world, group=None)
+        if self.tensor_slice is not None:
+            self.tensor_slice = dataclasses.replace(self.tensor_slice, group=None)
         self.data_world = dataclasses.replace(self.data_world, group=None)
         self._subgroups.clear()

@@ -8,6 +8,17 @@ one manifest ([Note: a checkpoint of a job in parts] in checkpoint/job.py).  Not
 the split: a load at another pipeline depth, data-parallel degree or ZeRO stage reads, by name, the
 layers its stage holds now, and ``zeroshard consolidate`` gives the weights of that ``nn.Sequential``.
 After a load each tied copy is refreshed from its owner, as after every step.
+
+[Note: a pipeline of tensor-parallel stages in a checkpoint]
+With tensor parallelism each tensor index's ranks (one per stage and data-parallel index) save their
+part of the job as one pipeline checkpoint, in ``mp_rank_XX`` of the directory, and ``tensor_split.json``
+beside the parts records along which dimension each split parameter (by its job name) is cut, as a
+tensor-parallel model's checkpoint does ([Note: a tensor-parallel checkpoint read at another size] in
+checkpoint/tensor_parts.py).  A load reads the parts joined and cut again at its own tensor-parallel
+size, by name: the same checkpoint loads at another pipeline depth, tensor or data-parallel degree, ZeRO
+stage, or into a plain model.  The ranks of the whole job agree that the load succeeded: each tensor
+index reads on its own, and a failure on one must stop every other rank, whose next forward would
+wait for it in a tensor-parallel collective.
 """
 
 from __future__ import annotations
@@ -30,8 +41,9 @@ from .module import PipelineModule
 
 def job_parts(parts: CheckpointParts, module: PipelineModule, param_names: Sequence[str],
               job_comm: Collectives) -> CheckpointParts:
-    """A stage engine's ``parts`` under the job's names, over the whole job's ranks (``job_comm``);
-    every rank calls it."""
+    """A stage engine's ``parts`` under the job's names, over the ranks of the job that save one
+    checkpoint together (``job_comm``: every rank, or with tensor parallelism those of one tensor index,
+    numbered ``stage * dp + data`` as without it); every rank of ``job_comm`` calls it."""
     groups = module.groups
     names = [module.global_name(n) for n in param_names]
     plans = job_comm.all_gather_json(
@@ -39,9 +51,9 @@ def job_parts(parts: CheckpointParts, module: PipelineModule, param_names: Seque
         "pipeline_checkpoint_plan")
     buckets_of = {plan["stage"]: plan["buckets"] for plan in plans}
     base = sum(buckets_of[stage] for stage in range(groups.stage))
-    job = PartOfJob(groups.stage, groups.dims.pp, groups.dims.rank_of(groups.stage, 0), groups.data == 0,
+    job = PartOfJob(groups.stage, groups.dims.pp, groups.stage * groups.dims.dp, groups.data == 0,
                     frozenset(name for plan in plans for name in plan["names"]))
-    return dataclasses.replace(parts, world=groups.world, comm=job_comm,
+    return dataclasses.replace(parts, world=job_comm.world, comm=job_comm,
                                shards=JobNamedShards(parts.shards, module.global_name, base),
                                module=JobNamedModule(parts.module, module.global_name), job=job)
 
@@ -89,8 +101,9 @@ def periodic_save_due(settings: CheckpointConfig, global_steps: int) -> bool:
     return bool(settings.save_dir and settings.save_interval and global_steps % settings.save_interval == 0)
 
 
-def prune_periodic(settings: CheckpointConfig, publisher: bool) -> None:
-    """After a periodic save is published: the job's rank 0 keeps the newest ``checkpoint.keep_last``
-    (see [Note: pruning never loses the checkpoint to resume from] in checkpoint/rotation.py)."""
-    if settings.keep_last and publisher and settings.save_dir:
-        prune(Path(settings.save_dir), settings.keep_last)
+def prune_periodic(settings: CheckpointConfig, directory: Path, publisher: bool) -> None:
+    """After a periodic save is published in ``directory`` (``save_dir``, or a tensor-parallel part of
+    it): its publisher keeps the newest ``checkpoint.keep_last`` (see [Note: pruning never loses the
+    checkpoint to resume from] in checkpoint/rotation.py)."""
+    if settings.keep_last and publisher:
+        prune(directory, settings.keep_last)

@@ -70,7 +70,9 @@ from ..sharding.stage3.gather_scheduler import GatherScheduler
 from ..sharding.stage3.gathered import GatheredParameters
 from ..sharding.stage3.strategy import Stage3
 from ..sharding.stage3.units import unit_label
+from ..checkpoint.format import CheckpointError
 from ..checkpoint.interface import CheckpointParts
+from ..checkpoint.tensor_parts import part_directory, write_tensor_split
 from ..optim.tensor_parallel_norm import TensorParallelNorm
 from ..tensor_parallel import SplitModel, split_stage
 from .checkpoint import StageCheckpointer, job_parts, load_pipeline, periodic_save_due, prune_periodic, save_pipeline
@@ -105,7 +107,11 @@ class PipelineEngine(Engine):
             self._tensor_norm = TensorParallelNorm(self.strategy.layout.buckets, self.strategy.params, groups.tensor,
                                                    self.split.split)
         self.pipe: Collectives = groups.pipe
-        self.job_comm = Collectives(groups.world)  # every rank of the job (checkpoints)
+        #: the ranks that save one checkpoint together: every rank, or those of one tensor index (see [Note:
+        #: a pipeline of tensor-parallel stages in a checkpoint] in pipeline/checkpoint.py)
+        self.job_comm = Collectives(groups.tensor_slice if groups.tensor_slice is not None else groups.world)
+        #: every rank of the job
+        self.world_comm = Collectives(groups.world)
         self.num_stages = groups.dims.pp
         self.stage_id = groups.stage
         self.schedule: PipeSchedule = SCHEDULES[config.pipeline.schedule]
@@ -167,31 +173,60 @@ class PipelineEngine(Engine):
         if async_save:
             raise PipelineUsageError("save_checkpoint(async_save=True): a pipelined model's checkpoints are "
                                      "written synchronously (docs/PIPELINE.md)")
-        self._refuse_tensor_checkpoints("save_checkpoint")
         tag_name = f"global_step{self.global_steps}" if tag is None else str(tag)
-        return save_pipeline(self._job_parts(), self.config.checkpoint, save_dir, tag_name, client_state, save_latest,
-                             exclude_frozen_parameters)
+        if self.split is not None:  # see the Note in pipeline/checkpoint.py: every stage's split parameters
+            dims = {k: v for stage in self.world_comm.all_gather_json(self._global_dims(), "tensor_split")
+                    for k, v in stage.items()}
+            if self.world_comm.world.is_main:
+                write_tensor_split(Path(save_dir), self.split.size, dims)
+        return save_pipeline(self._job_parts(), self.config.checkpoint, self._part_of(save_dir), tag_name, client_state,
+                             save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: Union[str, Path], tag: Any = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, load_rng_state: Optional[bool] = None,
                         ) -> tuple[Optional[Path], Any]:
         """Load a checkpoint saved by a pipeline of any split; returns ``(path, client_state)``."""
-        self._refuse_tensor_checkpoints("load_checkpoint")
         restore_rng = self.data_loader is not None if load_rng_state is None else load_rng_state
-        loaded = load_pipeline(self._job_parts(), load_dir, tag, load_module_strict, load_optimizer_states,
-                               load_lr_scheduler_states, load_module_only, restore_rng)
+        failed: Optional[BaseException] = None
+        try:
+            loaded = load_pipeline(self._job_parts(), load_dir, tag, load_module_strict, load_optimizer_states,
+                                   load_lr_scheduler_states, load_module_only, restore_rng)
+        except Exception as error:  # see [Note: a pipeline of tensor-parallel stages in a checkpoint]
+            if self.split is None:
+                raise
+            failed = error
+        if self.split is not None:
+            failures = torch.tensor([float(failed is not None)], device=self.world.device)
+            self.world_comm.all_reduce(failures, "checkpoint_load_failures")
+            if failed is not None:
+                raise failed
+            if float(failures.item()) > 0:
+                raise CheckpointError(f"load_checkpoint({str(load_dir)!r}): another tensor-parallel rank's load "
+                                      f"failed (its error names why); nothing was loaded on any rank that "
+                                      f"reads on")
         self._resume_at_boundary()
         self._module().tied.broadcast_from_owners(self._full_values)
         if self.data_iterator is not None and self.data_iterator is self.loader_iterator:
             self.data_iterator = None  # the next batch starts where the loaded loader position says
         return loaded
 
-    def _refuse_tensor_checkpoints(self, call: str) -> None:
-        if self.split is not None:
-            raise PipelineUsageError(f"{call}(): checkpoints of a pipeline whose stages are tensor parallel are "
-                                     f"not supported yet (docs/PIPELINE.md, \"Not yet\"); train without the "
-                                     f"tensor axis to save, or use full_state_dict()")
+    def _global_dims(self) -> dict[str, int]:
+        """The split parameters' dimensions by their job names (``PipelineModule.global_name``)."""
+        assert self.split is not None
+        return {self._module().global_name(name): dim for name, dim in self.split.dims.items()}
+
+    def _tensor_slice(self) -> Optional[tuple[int, int, dict[str, int]]]:
+        """Where this stage's linears are split: a load cuts each saved parameter at this size by name."""
+        if self.split is None:
+            return None
+        return self.pipeline_groups.tensor_index, self.split.size, self._global_dims()
+
+    def _part_of(self, directory: Union[str, Path]) -> Path:
+        """Where this rank's tensor index saves: the directory, or its ``mp_rank_XX`` part."""
+        if self.split is None:
+            return Path(directory)
+        return Path(directory) / part_directory(self.pipeline_groups.tensor_index)
 
     def _build_parts(self) -> None:
         super()._build_parts()
@@ -205,7 +240,7 @@ class PipelineEngine(Engine):
         if periodic_save_due(settings, self.global_steps):
             assert settings.save_dir is not None
             self.save_checkpoint(settings.save_dir)
-            prune_periodic(settings, self.job_comm.world.is_main)
+            prune_periodic(settings, self._part_of(settings.save_dir), self.job_comm.world.is_main)
 
     def _job_parts(self) -> CheckpointParts:
         return job_parts(self.checkpoint_parts(), self._module(), self.param_names, self.job_comm)
