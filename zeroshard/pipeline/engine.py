@@ -12,7 +12,9 @@ owner only, see [Note: tied weights across stages] in pipeline/tied.py), and the
 micro-batch exists on the last stage only, so an earlier stage backpropagates the gradient it
 receives (pipeline/executor.py).  At ZeRO stage 3 the stage's parameters are gathered once per
 batch and kept through its micro-batches' passes, unless ``pipeline.stage3_gather_per_micro_batch``
-asks for a gather per micro-batch and pass (see [Note: three axes]
+asks for a gather per micro-batch and pass (see [Note: a stage's parameters gathered once per batch]).
+
+[Note: three axes]
 With ``PipeModelDataParallelTopology(num_pp, num_mp, num_dp)`` each stage's ranks form ``num_dp``
 tensor-parallel groups of ``num_mp`` neighbours (distributed/parallel_dims.py): the ranks of a group
 build the same layers, and the engine splits the stage's linear layers over the group as
@@ -21,8 +23,6 @@ ZeRO engine takes the parameters.  Each tensor index of a stage then trains over
 group, each (data, tensor) index has its own pipeline, whose stages pass activations (replicated over
 the tensor group, each rank sending its own copy to its counterpart), and the gradient norm is the
 stage's over its tensor group (split parts once, replicated parameters once) summed over the stages.
-
-[Note: a stage's parameters gathered once per batch]).
 
 [Note: a stage's parameters gathered once per batch]
 Outside a pipeline, stage 3 gathers each unit for a forward and again for its backward, and releases
@@ -192,7 +192,8 @@ class PipelineEngine(Engine):
         try:
             loaded = load_pipeline(self._job_parts(), load_dir, tag, load_module_strict, load_optimizer_states,
                                    load_lr_scheduler_states, load_module_only, restore_rng)
-        except Exception as error:  # see [Note: a pipeline of tensor-parallel stages in a checkpoint]
+        except Exception as error:  # [Note: a pipeline of tensor-parallel stages in a checkpoint] in
+            # pipeline/checkpoint.py: every rank of the job learns whether each load succeeded
             if self.split is None:
                 raise
             failed = error

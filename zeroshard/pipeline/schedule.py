@@ -20,7 +20,7 @@ activations, whatever ``m``.  Hence 1F1B is the default, and more micro-batches 
 without costing memory.  Interleaved 1F1B (Megatron-LM's) gives each rank ``v`` chunks of ``1/v`` of its
 layers: the fill and the drain are made of chunk passes ``v`` times shorter, so the bubble falls to
 ``(p - 1) / (v * m + p - 1)``.  The price is ``v`` times as many point-to-point messages (each a
-``1/v``-size pass's activation, the same size as before), a first rank that holds more micro-batches'
+``1/v``-size pass's activation, as large as a whole stage's), a first rank that holds more micro-batches'
 activations in flight (its warm-up runs ``(v - 1) * p + 2 * (p - 1)`` chunk forwards, each a ``1/v``
 share of a stage's activations) and ``m`` a multiple of ``p``, since the chunks go round the ranks in
 groups of ``p`` micro-batches.
