@@ -173,7 +173,7 @@ def train_worker(rank: int, world: int, stage: int, schedule: str, chunks: int =
         for mine, theirs in zip(values, reference.modules[index].parameters()):
             errors.append(float((mine - theirs.detach()).norm() / theirs.detach().norm()))
     placement = (groups.stage, groups.data, groups.tensor_index, tuple(torch.distributed.get_process_group_ranks(
-        groups.tensor.world.group)), engine.world.world_size)
+        groups.tensor.world.group)), engine.world.world_size, groups.describe())
     engine.close()
     return {"losses": losses, "expected": expected, "errors": errors, "placement": placement}
 
@@ -184,9 +184,13 @@ def check_train(by_rank: list[dict[str, Any]], stage: int, schedule: str, chunks
             assert abs(got - want) <= 1e-5 * abs(want), (rank, out["losses"], out["expected"])
         assert out["errors"] and max(out["errors"]) <= 1e-5, (rank, out["errors"])
         # rank = (stage * dp + data) * tp + tensor: tensor-parallel ranks are neighbours
-        stage_, data, tensor, tensor_group, data_size = out["placement"]
+        stage_, data, tensor, tensor_group, data_size, layout = out["placement"]
         assert rank == (stage_ * DP + data) * TP + tensor and tensor_group == (rank - tensor, rank - tensor + 1)
         assert data_size == DP
+        # what the engine reports (logged at initialize())
+        assert layout == ("pipeline 2 x data 2 x tensor 2 over 8 ranks, numbered (stage * 2 + data) * 2 + tensor: "
+                          "tensor-parallel groups [[0, 1], [2, 3], [4, 5], [6, 7]], data-parallel groups "
+                          "[[0, 2], [1, 3], [4, 6], [5, 7]], pipelines [[0, 4], [1, 5], [2, 6], [3, 7]]"), layout
 
 
 def refusals_worker(rank: int, world: int) -> list[str]:

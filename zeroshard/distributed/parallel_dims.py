@@ -161,6 +161,15 @@ class ParallelGroups:
             self.p2p_gradients = _own_of(self.dims.pipelines(), self._pipeline, self.world.timeout_s)
         return self.p2p_gradients
 
+    def describe(self) -> str:
+        """The job's layout, the same on every rank: each axis's size and which ranks form its groups."""
+        dims = self.dims
+        tensor = [list(range(r, r + dims.tp)) for r in range(0, dims.world_size, dims.tp)]
+        data = [list(dims.data_parallel_ranks(s, t)) for s in range(dims.pp) for t in range(dims.tp)]
+        return (f"pipeline {dims.pp} x data {dims.dp} x tensor {dims.tp} over {dims.world_size} ranks, numbered "
+                f"(stage * {dims.dp} + data) * {dims.tp} + tensor: tensor-parallel groups {tensor}, data-parallel "
+                f"groups {data}, pipelines {[list(p) for p in dims.pipelines()]}")
+
     @property
     def is_first_stage(self) -> bool:
         return self.stage == 0

@@ -66,6 +66,7 @@ from ..config import ZeroshardConfig
 from ..distributed.collectives import Collectives
 from ..distributed.consistency import EngineUsageError
 from ..engine.engine import Engine, SchedulerSpec
+from ..logging import log_rank
 from ..sharding.stage3.gather_scheduler import GatherScheduler
 from ..sharding.stage3.gathered import GatheredParameters
 from ..sharding.stage3.strategy import Stage3
@@ -101,6 +102,7 @@ class PipelineEngine(Engine):
             self.split = split_stage(module, config.tensor_parallel, module.groups)
         super().__init__(module, config, module.groups.data_world, model_parameters, optimizer, lr_scheduler)
         groups = module.groups
+        log_rank(groups.describe())
         self._tensor_norm: Optional[TensorParallelNorm] = None
         if self.split is not None:
             assert groups.tensor is not None
