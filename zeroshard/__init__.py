@@ -31,6 +31,8 @@ from .version import __version__
 from .deepspeed import (accelerator, checkpointing, comm, git_version_info, moe, ops, pipe, publish_at_root, runtime,
                         utils, zero)
 
+from .deepspeed.utils import OnDevice
+
 publish_at_root(sys.modules[__name__])
 
 #: DeepSpeed's version parts and build identity at its root, answered with zeroshard's
@@ -41,7 +43,7 @@ __all__ = ["initialize", "Engine", "GatheredParameters", "Init", "init_distribut
            "ZeroshardConfig", "ConfigError", "CollectiveError", "model_state_bytes", "__version__",
            "add_config_arguments", "DeepSpeedEngine", "zero", "comm", "accelerator", "ops", "utils",
            "checkpointing", "runtime", "moe", "pipe", "git_version_info", "NonFiniteGradientError",
-           "install_as_deepspeed",
+           "install_as_deepspeed", "OnDevice",
            "load_pretrained", "PretrainedError", "ShardedParameterError", "tp_model_init"]
 
 

@@ -17,6 +17,7 @@ from .distributed.model_parallel import ModelParallelWorlds, check_mpu, model_pa
 from .distributed.world import World, init_distributed
 from .checkpoint.format import LATEST
 from .engine.engine import Engine, SchedulerSpec
+from .initialize_errors import InitializeArgumentError
 from .engine.tensor_parallel import TensorParallelEngine
 from .tensor_parallel import SplitModel, prepare_tensor_parallel
 from .logging import log_rank
@@ -51,7 +52,9 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     torchrun (``--max-restarts``) carries on where it was.
     """
     if model is None:
-        raise ValueError("initialize() needs model=")
+        positional = " (a module was passed as the first argument, which is args: pass it as model=)" \
+            if isinstance(args, nn.Module) else ""
+        raise InitializeArgumentError(f"initialize() needs model={positional}")
     if mesh_param is not None:
         raise ValueError("initialize(mesh_param=): zeroshard has no sequence parallelism; pass None")
     if mpu is not None and not isinstance(model, PipelineModule):

@@ -1,5 +1,6 @@
 """Config keys that real DeepSpeed configs carry have their effect: prescaled averaging equals the default
-average, csv_monitor writes DeepSpeed's one-file-per-metric CSVs, steps_per_print Infinity never logs,
+average, gradient_allreduce_op "sum" adds the ranks' gradients (against PyTorch), csv_monitor writes
+DeepSpeed's one-file-per-metric CSVs, steps_per_print Infinity never logs,
 ``seed`` decides every rank's random numbers and the data order.  Each family runs in one world that
 builds and closes an engine per case."""
 
@@ -122,3 +123,63 @@ def test_different_seeds_give_different_runs() -> None:
         assert not torch.equal(first[rank]["drawn"], other[rank]["drawn"]), rank
         assert first[rank]["losses"][0] != other[rank]["losses"][0], rank
     assert first[0]["losses"] != first[1]["losses"]  # the ranks read different parts of each batch
+
+
+SUM_LR = 0.5
+#: case -> (stage, extra config); "mean" is the control a summing engine must differ from
+ALLREDUCE_OP_CASES = {
+    "sum stage 0": (0, {"gradient_allreduce_op": "sum"}),
+    "sum stage 1": (1, {"gradient_allreduce_op": "SUM"}),
+    "sum stage 2": (2, {"gradient_allreduce_op": "sum"}),
+    "sum stage 2 prescaled": (2, {"gradient_allreduce_op": "sum", **PRESCALED}),
+    "mean stage 2": (2, {"gradient_allreduce_op": "mean"}),
+}
+
+
+def one_sgd_step_worker(rank: int, world: int, cases: dict[str, tuple[int, dict]]) -> dict[str, dict]:
+    """Every case: one optimizer step of plain SGD (no clipping), so the weights move by lr x the reduced
+    gradient exactly; rank 0's weights after it, by case."""
+    out = {}
+    for name, (stage, extra) in cases.items():
+        with case(config=name, stage=stage, world=world):
+            config = {**zero_config(stage, 2, 1), "gradient_clipping": 0.0,
+                      "optimizer": {"type": "SGD", "params": {"lr": SUM_LR}}, **extra}
+            engine, *_ = zeroshard.initialize(model=make_model(), config=config)
+            for x, y in rank_micro_batches(0, rank, world, 2, 1):
+                engine.backward(engine(x, y))
+            engine.step()
+            out[name] = engine.full_state_dict()
+            engine.close()
+    return out
+
+
+def sgd_reference(world: int, divide_by: int) -> dict:
+    """PyTorch alone: each rank's gradient computed on its own micro batch, summed over the ranks (and
+    divided by ``divide_by``), one SGD step."""
+    model = make_model()
+    grads: dict[str, torch.Tensor] = {}
+    for rank in range(world):
+        model.zero_grad()
+        for x, y in rank_micro_batches(0, rank, world, 2, 1):
+            model(x, y).backward()
+        for name, p in model.named_parameters():
+            if p.grad is not None:
+                grads[name] = grads.get(name, torch.zeros_like(p)) + p.grad
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in grads:
+                p.sub_(SUM_LR * grads[name] / divide_by)
+    return model.state_dict()
+
+
+def test_gradient_allreduce_op_sum_adds_the_ranks_gradients() -> None:
+    world = 2
+    states = run_world(one_sgd_step_worker, world, args=(ALLREDUCE_OP_CASES,), timeout=600)[0]
+    summed, averaged = sgd_reference(world, 1), sgd_reference(world, world)
+    failures = CaseFailures()
+    for name in ALLREDUCE_OP_CASES:
+        expected = averaged if name.startswith("mean") else summed
+        with failures.case(config=name, world=world):
+            for key, value in expected.items():
+                torch.testing.assert_close(states[name][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    failures.raise_any()

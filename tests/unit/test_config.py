@@ -241,3 +241,82 @@ def test_tag_validation_reads_deepspeeds_modes_in_any_case() -> None:
     assert load_config({"train_batch_size": 1}).checkpoint.tag_validation == "Warn"
     with pytest.raises(ConfigError, match="tag_validation"):
         load_config({"train_batch_size": 1, "checkpoint": {"tag_validation": "foobar"}})
+
+
+def test_gradient_allreduce_op_reads_deepspeeds_values_in_any_case() -> None:
+    assert load_config({}).gradient_allreduce_op == "mean"
+    assert load_config({"gradient_allreduce_op": "SUM"}).gradient_allreduce_op == "sum"
+    assert load_config({"gradient_allreduce_op": "Mean"}).gradient_allreduce_op == "mean"
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"gradient_allreduce_op": "max"}, 'Invalid gradient_allreduce_op "max"'),
+    ({"gradient_allreduce_op": 1}, "Invalid gradient_allreduce_op 1"),
+    ({"gradient_allreduce_op": "sum", "zero_optimization": {"stage": 3}}, "not supported with ZeRO stage 3"),
+    ({"gradient_allreduce_op": "sum", "zero_optimization": {"stage": 2, "zenflow": {}}}, "not supported with ZenFlow"),
+    ({"gradient_allreduce_op": "sum", "compile": {"deepcompile": True}}, "not supported with DeepCompile"),
+])
+def test_gradient_allreduce_op_refusals(raw, message) -> None:
+    assert message in err(raw)
+
+
+def test_gradient_allreduce_op_sum_divides_nothing() -> None:
+    import torch
+
+    from zeroshard.precision import PrecisionPolicy
+
+    for prescale in (False, True):
+        config = load_config({"gradient_allreduce_op": "sum", "prescale_gradients": prescale,
+                              "gradient_predivide_factor": 4.0})
+        policy = PrecisionPolicy.from_config(config)
+        grad = torch.full((3,), 6.0)
+        policy.before_reduction(grad, world_size=3)
+        policy.after_reduction(grad, world_size=3)
+        assert grad.tolist() == [6.0] * 3 and not policy.scales_after_reduction
+    mean = PrecisionPolicy.from_config(load_config({}))
+    grad = torch.full((3,), 6.0)
+    mean.before_reduction(grad, world_size=3)
+    assert grad.tolist() == [2.0] * 3
+
+
+HJSON_TEXT = """{
+  # comments, unquoted keys and no commas: HJSON, as DeepSpeed reads config files
+  train_micro_batch_size_per_gpu: 2
+  zero_optimization: {stage: 2}
+}"""
+
+
+def test_reads_an_hjson_file_when_hjson_is_installed(tmp_path) -> None:
+    pytest.importorskip("hjson")
+    path = tmp_path / "ds.json"
+    path.write_text(HJSON_TEXT)
+    config = load_config(str(path), world_size=1)
+    assert (config.train_micro_batch_size_per_gpu, config.stage) == (2, 2)
+    path.write_text("{ train_batch_size: [ }")
+    assert "neither valid JSON" in err(str(path))  # type: ignore[arg-type]
+
+
+def test_an_hjson_file_without_hjson_names_the_package(tmp_path, monkeypatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "hjson", None)  # the import fails, as without the package
+    path = tmp_path / "ds.json"
+    path.write_text(HJSON_TEXT)
+    message = err(str(path))  # type: ignore[arg-type]
+    assert "not valid JSON" in message and "pip install hjson" in message
+
+
+def test_elastic_checkpoint_asks_for_what_every_checkpoint_does(caplog) -> None:
+    """``elastic_checkpoint`` (checkpoints that load at another data-parallel degree) is what zeroshard's
+    checkpoints always do: accepted either way; at stage 3, where DeepSpeed deprecates it, with a warning."""
+    import logging
+
+    for stage in (1, 2, 3):
+        for value in (True, False):
+            with caplog.at_level(logging.WARNING, logger="zeroshard"):
+                caplog.clear()
+                load_config({"zero_optimization": {"stage": stage, "elastic_checkpoint": value}})
+            warned = any("elastic checkpointing is deprecated" in r.getMessage() for r in caplog.records)
+            assert warned == (stage == 3 and value), (stage, value)
+    with pytest.raises(ConfigError):
+        load_config({"zero_optimization": {"stage": 1, "elastic_checkpoint": "yes"}})

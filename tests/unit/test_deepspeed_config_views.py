@@ -15,6 +15,7 @@ from zeroshard.deepspeed.runtime.config_utils import (ScientificNotationEncoder,
 from zeroshard.deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config, get_float16_config
 from zeroshard.deepspeed.runtime.zero.config import DeepSpeedZeroConfig, ZeroStageEnum
 from zeroshard.deepspeed.runtime.zero.linear import zero3_linear_wrap
+from zeroshard.optim.fused_adam import DeepSpeedCPUAdam, FusedAdam
 
 RAW = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3, "gradient_clipping": 0.5,
        "steps_per_print": 7, "wall_clock_breakdown": True, "dataloader_drop_last": True,
@@ -72,8 +73,8 @@ def test_zero_view_answers_each_field_of_its_block() -> None:
     assert view.prefetch_bucket_size == block.stage3_prefetch_bucket_size == 1234
     assert view.reduce_bucket_size == block.reduce_bucket_size == 99
     assert view.overlap_comm == block.overlap_comm
-    assert view.offload_param == block.offload_param and view.offload_param.device == "cpu"
-    assert view.offload_optimizer == block.offload_optimizer
+    assert view.offload_param._block == block.offload_param and view.offload_param.device == "cpu"
+    assert view.offload_optimizer._block == block.offload_optimizer
     for name, default in DEFAULTS_THAT_MATCH["zero_optimization"].items():
         assert getattr(view, name.removeprefix("stage3_")) == default
     built = DeepSpeedZeroConfig(stage=2, prefetch_bucket_size=7, stage3_max_live_parameters=9)
@@ -112,14 +113,29 @@ def test_refused_fetch_by_all_reduce_says_why() -> None:
         DeepSpeedZeroConfig(stage=7)
 
 
-@pytest.mark.parametrize("torch_adam", [True, False])
-def test_torch_adam_is_accepted_and_builds_torchs_adam(torch_adam: bool) -> None:
+@pytest.mark.parametrize("type_name, torch_adam, on_host, built", [
+    ("AdamW", True, False, torch.optim.AdamW), ("AdamW", True, True, torch.optim.AdamW),
+    ("Adam", True, False, torch.optim.AdamW), ("AdamW", False, False, FusedAdam),
+    ("Adam", False, False, FusedAdam), ("Adam", False, True, DeepSpeedCPUAdam),
+])
+def test_torch_adam_picks_the_class_deepspeed_builds(type_name: str, torch_adam: bool, on_host: bool,
+                                                       built: type) -> None:
     from zeroshard.optim.builder import from_config
 
-    config = load_config({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": torch_adam}}})
+    config = load_config({"optimizer": {"type": type_name, "params": {"lr": 1e-3, "torch_adam": torch_adam}}})
     assert config.optimizer is not None
-    opt = from_config("AdamW", config.optimizer.params, [{"params": [torch.nn.Parameter(torch.zeros(2))]}])
-    assert isinstance(opt, torch.optim.AdamW)
+    opt = from_config(type_name, config.optimizer.params, [{"params": [torch.nn.Parameter(torch.zeros(2))]}],
+                      on_host=on_host)
+    assert type(opt) is built and opt.defaults["decoupled_weight_decay"] and opt.defaults["fused"]
+
+
+def test_adam_w_mode_false_builds_adams_l2_penalty() -> None:
+    from zeroshard.optim.builder import from_config
+
+    for torch_adam, built in ((False, FusedAdam), (True, torch.optim.Adam)):
+        params = {"adam_w_mode": False, "torch_adam": torch_adam}
+        opt = from_config("Adam", params, [{"params": [torch.nn.Parameter(torch.zeros(2))]}])
+        assert type(opt) is built and not opt.defaults["decoupled_weight_decay"]
 
 
 def test_config_utils() -> None:
@@ -135,3 +151,48 @@ def test_zero3_linear_wrap_is_torchs_linear() -> None:
     x, w, b = torch.randn(3, 4), torch.randn(5, 4), torch.randn(5)
     torch.testing.assert_close(zero3_linear_wrap(x, w, b), torch.nn.functional.linear(x, w, b))
     torch.testing.assert_close(zero3_linear_wrap(x, w), x @ w.T)
+
+
+def test_zero_config_class_parses_the_block_alone_with_deepspeeds_forms() -> None:
+    from zeroshard.deepspeed.runtime.zero.config import (DeepSpeedZeroOffloadOptimizerConfig,
+                                                         DeepSpeedZeroOffloadParamConfig)
+
+    assert DeepSpeedZeroConfig().offload_param is None and DeepSpeedZeroConfig().offload_optimizer is None
+    nulls = DeepSpeedZeroConfig(offload_param=None, offload_optimizer=None)
+    assert nulls.offload_param is None and nulls.offload_optimizer is None
+    given = DeepSpeedZeroConfig(offload_param={}, offload_optimizer={})
+    assert isinstance(given.offload_param, DeepSpeedZeroOffloadParamConfig) and given.offload_param.device == "none"
+    assert isinstance(given.offload_optimizer, DeepSpeedZeroOffloadOptimizerConfig)
+    # the deprecated switches are the blocks they stand for (stage 0 here: cross-block rules are the config's)
+    assert DeepSpeedZeroConfig(cpu_offload_param=True).offload_param.device == "cpu"
+    assert DeepSpeedZeroConfig(cpu_offload=True).offload_optimizer.device == "cpu"
+    assert DeepSpeedZeroOffloadParamConfig(device="cpu", pin_memory=True).pin_memory is True
+    assert DeepSpeedZeroConfig(stage=1).pipeline_loading_checkpoint is False
+
+
+def test_legacy_cpu_offload_switches_become_offload_blocks() -> None:
+    zero = load_config({"zero_optimization": {"stage": 2, "cpu_offload": True}}).zero_optimization
+    assert zero.offload_optimizer.device == "cpu"
+    assert load_config({"zero_optimization": {"stage": 2, "cpu_offload": False}}).zero_optimization \
+        .offload_optimizer.device == "none"
+    with pytest.raises(ConfigError, match="old spelling of offload_optimizer"):
+        load_config({"zero_optimization": {"stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "cpu"}}})
+    with pytest.raises(ConfigError, match="needs ZeRO stage 3"):  # the whole config's rule still holds
+        load_config({"zero_optimization": {"stage": 2, "cpu_offload_param": True}})
+    with pytest.raises(ConfigError, match="pipeline_loading_checkpoint"):
+        load_config({"zero_optimization": {"stage": 3, "pipeline_loading_checkpoint": True}})
+
+
+def test_leaf_module_block_reads_deepspeeds_forms() -> None:
+    from zeroshard.deepspeed.runtime.zero.leaf_module_config import (DEFAULT_LEAF_MODULE_CLASSES,
+                                                                     DeepSpeedZeroLeafModuleConfig)
+
+    assert DeepSpeedZeroConfig().leaf_module.classes == DEFAULT_LEAF_MODULE_CLASSES
+    leaf = DeepSpeedZeroConfig(leaf_module={"classes": "a.B", "names": ["x", "x", "y"], "name_suffixes": []})
+    block = leaf.leaf_module
+    assert (block.classes, block.names, block.name_suffixes) == (["a.B"], ["x", "y"], [])
+    assert DeepSpeedZeroLeafModuleConfig(names="z").names == ["z"]
+    with pytest.raises(ConfigError, match="a list of strings"):
+        load_config({"zero_optimization": {"leaf_module": {"names": [1]}}})
+    with pytest.raises(ConfigError, match="JSON array"):
+        load_config({"zero_optimization": {"leaf_module": {"names": {"a": 1}}}})

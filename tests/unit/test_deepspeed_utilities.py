@@ -161,3 +161,33 @@ def test_op_builders_build_nothing_and_say_what_zeroshard_uses() -> None:
         FusedAdamBuilder().load()
     with pytest.raises(OpNotBuiltError, match="no counterpart"):
         FusedLambBuilder().load()
+
+
+def test_leaf_module_config_marks_modules_at_initialize() -> None:
+    """``zero_optimization.leaf_module``: classes (short or qualified names), names and suffixes are
+    marked when the engine is built, as set_z3_leaf_modules would mark them."""
+    import torch
+    from torch import nn
+
+    import zeroshard
+    from zeroshard.deepspeed.utils.z3_leaf_module import z3_leaf_module
+
+    class Expert(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x)
+
+    model = nn.Sequential(Expert(), nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), nn.Linear(4, 4))
+    leaf = {"classes": [f"{Expert.__module__}.{Expert.__qualname__}"], "names": ["1.0"], "name_suffixes": ["2"]}
+    config = {"train_batch_size": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 3, "leaf_module": leaf}}
+    engine, *_ = zeroshard.initialize(model=model, config=config)
+    assert [z3_leaf_module(m) for m in (model[0], model[1][0], model[2], model[1], model[1][1], model[0].fc)] == [
+        True, True, True, False, False, False]
+    x = torch.randn(1, 4)
+    engine.backward(engine(x).sum())
+    engine.step()
+    engine.close()

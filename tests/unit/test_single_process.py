@@ -123,6 +123,94 @@ def test_callable_optimizer_and_scheduler() -> None:
     assert engine.get_lr() == [0.25]
 
 
+@pytest.mark.parametrize("optimizer", ["config", "callable"])
+def test_a_scheduler_built_before_initialize_drives_the_engines_optimizer(optimizer: str) -> None:
+    """A scheduler object built on a throwaway optimizer over the model's parameters, with the engine
+    building its own optimizer: the same object comes back, moved onto the engine's optimizer, and
+    training follows its schedule (see [Note: a scheduler built before initialize()] in
+    optim/scheduler_rebinding.py)."""
+    import warnings
+
+    model = nn.Linear(5, 3)
+    sched = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD(model.parameters(), lr=0.4), lambda s: 0.5 ** s)
+    config: dict = {"train_batch_size": 2}
+    if optimizer == "config":
+        config["optimizer"] = {"type": "SGD", "params": {"lr": 1.0}}
+    engine, opt, _, returned = zeroshard.initialize(
+        model=model, config=config, lr_scheduler=sched,
+        optimizer=None if optimizer == "config" else (lambda groups: torch.optim.SGD(groups, lr=1.0)))
+    assert returned is sched and sched.optimizer is opt
+    assert engine.get_lr() == [pytest.approx(0.4)] and opt.param_groups[0]["initial_lr"] == 0.4
+    before = model.weight.detach().clone()
+    x = torch.randn(2, 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's "scheduler stepped before its optimizer" warnings included
+        engine.backward(engine(x).sum())
+        engine.step()
+    assert engine.get_lr() == [pytest.approx(0.2)]
+    grad = x.sum(0).expand(3, 5)  # d(sum of outputs)/d weight: the same for each output row
+    torch.testing.assert_close(model.weight.detach(), before - 0.4 * grad)
+    engine.close()
+
+
+def test_a_scheduler_that_cannot_be_moved_is_refused() -> None:
+    from zeroshard.initialize_errors import InitializeArgumentError
+
+    model = nn.Linear(5, 3)
+    config = {"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 1.0}}}
+    elsewhere = torch.optim.lr_scheduler.StepLR(torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1), 1)
+    with pytest.raises(InitializeArgumentError, match="not the model's parameters"):
+        zeroshard.initialize(model=model, config=config, lr_scheduler=elsewhere)
+    model = nn.Linear(5, 3)
+    two_groups = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}], lr=0.1)
+    with pytest.raises(InitializeArgumentError, match="2 parameter groups"):
+        zeroshard.initialize(model=model, config=config, lr_scheduler=torch.optim.lr_scheduler.StepLR(two_groups, 1))
+    model = nn.Linear(5, 3)
+    passed = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(InitializeArgumentError, match="another optimizer than the one passed"):
+        zeroshard.initialize(model=model, config=config, optimizer=passed,
+                             lr_scheduler=torch.optim.lr_scheduler.StepLR(torch.optim.SGD(model.parameters()), 1))
+
+
+def test_initialize_without_a_model_is_an_assertion_error_too() -> None:
+    """DeepSpeed asserts; zeroshard's error is a ValueError and an AssertionError (see [Note: argument
+    errors that are also AssertionErrors])."""
+    config = {"train_batch_size": 1, "optimizer": {"type": "SGD", "params": {"lr": 1.0}}}
+    with pytest.raises(AssertionError, match="needs model="):
+        zeroshard.initialize(model=None, config=config)
+    with pytest.raises(ValueError, match="passed as the first argument"):
+        zeroshard.initialize(nn.Linear(2, 2), config=config)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_an_engine_without_an_optimizer_runs_forward_passes(stage: int) -> None:
+    """[Note: an engine without an optimizer] in optim/no_optimizer.py: the same outputs as the model, and
+    every call that trains refused by name."""
+    from zeroshard.initialize_errors import InitializeArgumentError
+    from zeroshard.optim.no_optimizer import NoOptimizerError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    expected = model(x).detach()
+    engine, optimizer, _, _ = zeroshard.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 3, "zero_optimization": {"stage": stage}})
+    with torch.no_grad():
+        assert torch.equal(engine(x), expected)
+    loss = engine(x).sum()
+    with pytest.raises(NoOptimizerError):
+        engine.backward(loss)
+    with pytest.raises(NoOptimizerError):
+        engine.step()
+    with pytest.raises(NoOptimizerError):
+        optimizer.step()
+    engine.close()
+    for config, why in (({"zero_optimization": {"stage": 1}}, "stage 1"),
+                        ({"zero_optimization": {"stage": stage}, "scheduler": {"type": "WarmupLR"}}, "a schedule")):
+        with pytest.raises(InitializeArgumentError):
+            zeroshard.initialize(model=nn.Linear(2, 2), config={"train_micro_batch_size_per_gpu": 1, **config})
+
+
 def test_zero_grad_drops_accumulated_gradients() -> None:
     torch.manual_seed(0)
     model = nn.Linear(4, 1, bias=False)
@@ -142,8 +230,8 @@ def test_zero_grad_drops_accumulated_gradients() -> None:
 
 
 def test_config_and_api_errors_are_clear() -> None:
-    with pytest.raises(ValueError, match="no optimizer"):
-        zeroshard.initialize(model=nn.Linear(2, 2), config={"train_batch_size": 1})
+    with pytest.raises(ValueError, match="got no optimizer"):  # stage 1: the optimizer's state is what it shards
+        zeroshard.initialize(model=nn.Linear(2, 2), config={"train_batch_size": 1, "zero_optimization": {"stage": 1}})
     frozen = nn.Linear(2, 2).requires_grad_(False)
     with pytest.raises(ValueError, match="nothing to train"):
         zeroshard.initialize(model=frozen, config={"train_batch_size": 1, "optimizer": {"type": "SGD"}})

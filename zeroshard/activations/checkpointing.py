@@ -93,6 +93,11 @@ def use_settings(settings: Optional[ActivationCheckpointingConfig]) -> None:
     _PROCESS.settings = settings or ActivationCheckpointingConfig()
 
 
+def current_process_settings() -> ActivationCheckpointingConfig:
+    """The process-wide settings (those :func:`use_settings` set last)."""
+    return _PROCESS.settings
+
+
 def take_profile() -> CheckpointProfile:
     """The process-wide timing totals gathered with ``profile: true`` since the previous call (then reset)."""
     return _PROCESS.take_profile()

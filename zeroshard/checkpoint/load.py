@@ -12,6 +12,15 @@ listed), and that it fits the model.  The ranks then agree: if any rank found a 
 raises (the failing one with the file and the reason, the others naming the failing ranks), and
 if the ranks opened different checkpoints (different ``latest``, different directories), every rank
 raises a DivergenceError.  Only then does any part's ``load_state_dict`` run.
+
+[Note: a directory with no latest checkpoint]
+Asked for the latest checkpoint (no tag) of a directory that has no ``latest`` file, a load loads
+nothing and returns ``(None, None)`` with a warning, as DeepSpeed's does: a training script calls
+``load_checkpoint(save_dir)`` on every start, the first one included, when nothing has been saved
+yet.  The ranks agree on it as on a problem, in the same all-reduce (a rank without ``latest`` adds
+``world + 1``, one with a problem 1, so the sum tells both counts apart): every rank loads nothing, or
+every rank raises naming how many ranks lacked the file (a node-local save one node cannot see).
+A named tag that does not exist, and a ``latest`` naming one, stay errors.
 """
 
 from __future__ import annotations
@@ -23,8 +32,9 @@ from typing import Any, Optional, Union
 
 import torch
 
+from ..logging import logger
 from ..sharding.layout import BucketLayout
-from .format import MANIFEST, CheckpointError, published_dir, rank_file, resolve_tag  # resolve_tag: public here
+from .format import LATEST, MANIFEST, CheckpointError, published_dir, rank_file, resolve_tag  # resolve_tag: public
 from .interface import CheckpointParts
 from .reader import CheckpointReader, chunk_saver
 from .tensor_parts import TENSOR_SPLIT_FILE, TensorPartsReader, is_tensor_parallel_job
@@ -101,19 +111,28 @@ def _check_node_local(parts: CheckpointParts, directory: Path, data: dict[str, A
                               f"node's files into one directory to reshard it")
 
 
-def _agree(parts: CheckpointParts, problem: Optional[str], identity: str) -> None:
-    """Every rank validated the same checkpoint without a problem, or every rank raises."""
-    if not parts.world.is_distributed:
-        if problem:
-            raise CheckpointError(problem)
-        return
-    failed = int(parts.comm.all_reduce_scalar(1.0 if problem else 0.0, "checkpoint_validated"))
+def _agree(parts: CheckpointParts, problem: Optional[str], identity: str, no_latest: bool = False) -> bool:
+    """Every rank validated the same checkpoint without a problem (False), or every rank found no
+    ``latest`` to load (True), or every rank raises (see [Note: a directory with no latest checkpoint])."""
+    n = parts.world.world_size if parts.world.is_distributed else 1
+    missing_weight = n + 1
+    mine = 1.0 if problem else float(missing_weight) if no_latest else 0.0
+    total = round(parts.comm.all_reduce_scalar(mine, "checkpoint_validated")) if parts.world.is_distributed \
+        else round(mine)
+    lacking, failed = divmod(total, missing_weight)
     if problem:
         raise CheckpointError(problem)
     if failed:
         raise CheckpointError(f"the checkpoint failed validation on {failed} other rank(s) (their error names "
                               f"the file); nothing was loaded")
-    parts.agree_on(identity)
+    if 0 < lacking < n:
+        raise CheckpointError(f"{lacking} of {n} ranks find no 'latest' file in the load directory: every rank "
+                              f"must see the same checkpoints (a node-local save is loaded on the same nodes); "
+                              f"nothing was loaded")
+    if lacking == n:
+        return True
+    parts.agree_on(identity)  # the same checkpoint on every rank, or a DivergenceError on every rank
+    return False
 
 
 def files_to_read(parts: CheckpointParts, reader: Reader) -> set[str]:
@@ -173,21 +192,29 @@ def _open_reader(parts: CheckpointParts, root: Path, tag: Optional[str], strict:
     return reader, hashlib.sha256(raw).hexdigest()
 
 
-def open_checkpoint(parts: CheckpointParts, load_dir: str | Path, tag: Optional[str], strict: bool) -> Reader:
-    """Resolve, read and validate the checkpoint on every rank (see [Note: a load is all or nothing])."""
+def open_checkpoint(parts: CheckpointParts, load_dir: str | Path, tag: Optional[str],
+                    strict: bool) -> Optional[Reader]:
+    """Resolve, read and validate the checkpoint on every rank (see [Note: a load is all or nothing]);
+    None where no tag was given and no rank has a ``latest`` file ([Note: a directory with no latest
+    checkpoint])."""
     reader: Optional[Reader] = None
     problem: Optional[str] = None
     identity = ""
+    root = Path(load_dir)
+    no_latest = tag is None and not is_tensor_parallel_job(root) and not (root / LATEST).is_file()
+    if not no_latest:
+        try:
+            reader, identity = _open_reader(parts, root, tag, strict)
+        except CheckpointError as err:
+            problem = str(err)
     try:
-        reader, identity = _open_reader(parts, Path(load_dir), tag, strict)
-    except CheckpointError as err:
-        problem = str(err)
-    try:
-        _agree(parts, problem, identity)
+        nothing = _agree(parts, problem, identity, no_latest)
     except BaseException:
         if reader is not None:
             reader.close()
         raise
+    if nothing:
+        return None
     assert reader is not None  # _agree raised otherwise
     return reader
 
@@ -198,9 +225,16 @@ def load_checkpoint(parts: CheckpointParts, load_dir: str | Path, tag: Optional[
                     restore_rng: bool = True) -> tuple[Optional[Path], Any]:
     """Load ``load_dir/tag`` (default: the tag named by ``latest``) into ``parts``; every rank calls it.
 
-    Returns ``(path, client_state)`` as DeepSpeed does.
+    Returns ``(path, client_state)`` as DeepSpeed does; ``(None, None)`` when no tag is given and the
+    directory has no ``latest`` ([Note: a directory with no latest checkpoint]).
     """
-    with open_checkpoint(parts, load_dir, tag, load_module_strict) as reader:
+    reader = open_checkpoint(parts, load_dir, tag, load_module_strict)
+    if reader is None:
+        if parts.world.rank == 0:
+            logger.warning(f"load_checkpoint: no '{LATEST}' file in {load_dir}, so there is no latest checkpoint "
+                           f"to load; nothing was loaded (pass tag= to load a particular one)")
+        return None, None
+    with reader:
         return _load(parts, reader, load_optimizer_states, load_lr_scheduler_states, load_module_only, restore_rng)
 
 

@@ -1,9 +1,16 @@
-"""``clone_tensors_for_torch_save`` (DeepSpeed's ``deepspeed.checkpoint.utils``): Accelerate calls it on a
-state dict before ``torch.save``, so that views do not drag their whole storage into the file."""
+"""DeepSpeed's ``deepspeed.checkpoint.utils``: ``clone_tensors_for_torch_save``, which Accelerate calls on a
+state dict before ``torch.save``, so that views do not drag their whole storage into the file; and
+``get_model_ckpt_name_for_rank``, the name DeepSpeed's own format gives a model-parallel rank's model
+states (tools that read DeepSpeed checkpoints build it; zeroshard's format is in format.py); and
+``make_executable``, for a script kept beside checkpoints."""
 
 from __future__ import annotations
 
+import os
+import stat
 from typing import Any
+
+from ..logging import logger
 
 import torch
 
@@ -17,3 +24,21 @@ def clone_tensors_for_torch_save(item: Any, device: torch.device = torch.device(
     if isinstance(item, (list, tuple)):
         return type(item)(clone_tensors_for_torch_save(v, device) for v in item)
     return item
+
+
+def get_model_ckpt_name_for_rank(base_folder: str | os.PathLike[str], mp_rank_str: str) -> str:
+    """``<base_folder>/mp_rank_<mp_rank_str>_model_states.pt`` (``mp_rank_str``: the rank as DeepSpeed
+    writes it, two digits, e.g. ``"00"``)."""
+    return os.path.join(os.fspath(base_folder), f"mp_rank_{mp_rank_str}_model_states.pt")
+
+
+def make_executable(path: str | os.PathLike[str]) -> bool:
+    """Add the owner's execute bit to ``path``; False, with an info line, where the file is missing or
+    the file system refuses permission changes (Azure file shares and other mounted stores do): a
+    script's mode is a convenience, never worth failing a save for."""
+    try:
+        os.chmod(path, os.stat(path).st_mode | stat.S_IEXEC)
+        return True
+    except (FileNotFoundError, PermissionError) as err:
+        logger.info(f"could not make {os.fspath(path)} executable ({err}); continuing without changing its mode")
+        return False

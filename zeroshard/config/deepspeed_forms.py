@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
+from ..logging import logger
 from .errors import ConfigError
+from .gradient_reduction import normalize_allreduce_op
 from .schema import OPTIMIZER_TYPES
 
 #: DeepSpeed keys zeroshard does not implement, with the DeepSpeed default that is zeroshard's own
@@ -22,11 +24,12 @@ from .schema import OPTIMIZER_TYPES
 DEFAULTS_THAT_MATCH: dict[str, dict[str, Any]] = {
     "": {"sparse_gradients": False, "memory_breakdown": False, "dump_state": False},
     "zero_optimization": {
-        "round_robin_gradients": False, "load_from_fp32_weights": True, "elastic_checkpoint": False,
+        "round_robin_gradients": False, "load_from_fp32_weights": True,
         "cpu_offload": False, "cpu_offload_param": False, "cpu_offload_use_pin_memory": False,
         "ignore_unused_parameters": True, "zero_quantized_weights": False,
         "zero_quantized_nontrainable_weights": False, "zero_quantized_gradients": False,
         "use_multi_rank_bucket_allreduce": True, "stage3_use_all_reduce_for_fetch_params": False,
+        "pipeline_loading_checkpoint": False,
     },
     "fp16": {"auto_cast": False, "fp16_master_weights_and_grads": False},
 }
@@ -58,6 +61,12 @@ REFUSED_OTHERWISE: dict[str, dict[str, str]] = {
     },
 }
 
+#: DeepSpeed keys that ask, whatever their value, for what zeroshard always does: dropped (by block).
+#: ``elastic_checkpoint`` asks for checkpoints that load at another data-parallel degree, which every
+#: zeroshard checkpoint does at every stage ([Note: chunks and resharding] in checkpoint/format.py);
+#: DeepSpeed deprecates it at stage 3, and zeroshard says so where DeepSpeed warns.
+WHATEVER_THE_VALUE: dict[str, tuple[str, ...]] = {"zero_optimization": ("elastic_checkpoint",)}
+
 _ALIASES = {("", "bfloat16"): "bf16",
             ("zero_optimization", "stage3_gather_fp16_weights_on_model_save"):
                 "stage3_gather_16bit_weights_on_model_save"}
@@ -66,11 +75,15 @@ _ALIASES = {("", "bfloat16"): "bf16",
 def normalize(raw: Mapping[str, Any]) -> dict[str, Any]:
     """The config with DeepSpeed's aliases renamed and inert keys dropped (see the Note)."""
     out = _block(dict(raw), "")
+    normalize_allreduce_op(out)
     zero = out.get("zero_optimization")
     if isinstance(zero, bool):  # DeepSpeed's legacy form: true means stage 1
         out["zero_optimization"] = {"stage": 1 if zero else 0}
     elif isinstance(zero, Mapping):
         out["zero_optimization"] = _block(dict(zero), "zero_optimization")
+        leaf = out["zero_optimization"].get("leaf_module")
+        if isinstance(leaf, Mapping):
+            out["zero_optimization"]["leaf_module"] = _leaf_module_lists(leaf)
     if isinstance(out.get("fp16"), Mapping):
         out["fp16"] = _block(dict(out["fp16"]), "fp16")
     optimizer = out.get("optimizer")
@@ -103,9 +116,51 @@ def _block(block: dict[str, Any], path: str) -> dict[str, Any]:
     for name, default in DEFAULTS_THAT_MATCH.get(path, {}).items():
         if name in block and block[name] == default and type(block[name]) is type(default):
             del block[name]
+    if path == "zero_optimization":
+        _legacy_offload_forms(block)
+        if block.get("elastic_checkpoint") is True and block.get("stage") == 3:
+            logger.warning("zero_optimization.elastic_checkpoint: ZeRO-3 elastic checkpointing is deprecated in "
+                           "DeepSpeed; zeroshard's checkpoints load at any data-parallel degree at every stage, so "
+                           "the key is not needed")
+    for name in WHATEVER_THE_VALUE.get(path, ()):
+        if isinstance(block.get(name), bool):
+            del block[name]
     for name, reason in REFUSED_OTHERWISE.get(path, {}).items():
         if name in block:
             default = DEFAULTS_THAT_MATCH[path][name]
             raise ConfigError(f"{path + '.' + name!r} = {json.dumps(block[name])} is not supported: {reason}; set "
                               f"it to {json.dumps(default)} or remove it")
     return block
+
+
+def _leaf_module_lists(block: Mapping[str, Any]) -> dict[str, Any]:
+    """``leaf_module`` as DeepSpeed reads it: a lone string is a list of one, and an entry named twice
+    counts once (first place kept)."""
+    out = dict(block)
+    for name, value in block.items():
+        if isinstance(value, str):
+            out[name] = [value]
+        elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+            out[name] = list(dict.fromkeys(value))
+    return out
+
+
+#: DeepSpeed's deprecated switches for offloading to host memory -> the block each one stands for
+_LEGACY_OFFLOAD = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
+
+
+def _legacy_offload_forms(zero: dict[str, Any]) -> None:
+    """DeepSpeed's other ways of writing the offload blocks, in place: a null block is no block, and the
+    deprecated ``cpu_offload: true`` / ``cpu_offload_param: true`` are ``{"device": "cpu"}`` blocks
+    (false is DeepSpeed's default, dropped with the other defaults)."""
+    for name in ("offload_optimizer", "offload_param"):
+        if name in zero and zero[name] is None:
+            del zero[name]
+    for legacy, name in _LEGACY_OFFLOAD.items():
+        if zero.get(legacy) is True:
+            if name in zero:
+                raise ConfigError(f"both 'zero_optimization.{legacy}' and 'zero_optimization.{name}' are set; "
+                                  f"{legacy}: true is DeepSpeed's old spelling of {name}: {{\"device\": \"cpu\"}}: "
+                                  f"keep {name!r}")
+            del zero[legacy]
+            zero[name] = {"device": "cpu"}

@@ -18,7 +18,8 @@ from typing import Any, Literal, Mapping, Union
 
 from .deepspeed_forms import normalize
 from .errors import ConfigError
-from .schema import NOT_SUPPORTED_YET, OptimizerConfig, SchedulerConfig, ZeroshardConfig
+from .gradient_reduction import check_allreduce_op
+from .schema import NOT_SUPPORTED_YET, OptimizerConfig, SchedulerConfig, ZeroConfig, ZeroshardConfig
 from .tensor_plan import check_tensor_parallel
 from .spec_params import OPTIMIZER_PARAMS, SCHEDULER_PARAMS, ParamSpec
 
@@ -40,10 +41,19 @@ def load_config(source: Union[str, os.PathLike, Mapping[str, Any], ZeroshardConf
         _check_offload(config)
         _check_checkpointing(config)
         _check_hybrid(config)
+        check_allreduce_op(config.gradient_allreduce_op, config.stage)
         check_tensor_parallel(config.tensor_parallel)
     if world_size is not None:
         config = resolve_batch_sizes(config, world_size)
     return config
+
+
+def load_zero_block(raw: Mapping[str, Any]) -> ZeroConfig:
+    """The ``zero_optimization`` block alone, DeepSpeed's spellings included, as DeepSpeed's ZeRO config
+    class parses it: the rules that relate it to the rest of a config (offload_param needs stage 3, ...)
+    are checked when a whole config is loaded, which is the only way one reaches an engine."""
+    block = normalize({"zero_optimization": dict(raw)})["zero_optimization"]
+    return _build(ZeroConfig, block, "zero_optimization")
 
 
 def read_config_source(source: Any) -> dict:
@@ -65,13 +75,30 @@ def _read(source: Any) -> dict:
     path = Path(source)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"config file {str(path)!r} is not valid JSON: {err}") from None
+    data = _parse(path.read_text(), path)
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a JSON object, not {type(data).__name__}")
     return data
+
+
+def _parse(text: str, path: Path) -> Any:
+    """A config file's object: JSON, or else HJSON (JSON with comments, unquoted keys and strings,
+    optional commas), which DeepSpeed reads its config files as, when the ``hjson`` package is
+    installed.  zeroshard does not require it: a plain JSON file, the usual case, never needs it."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        json_error = err
+    try:
+        import hjson
+    except ImportError:
+        raise ConfigError(f"config file {str(path)!r} is not valid JSON: {json_error} (for an HJSON file, install "
+                          f"the hjson package: pip install hjson)") from None
+    try:
+        return hjson.loads(text, object_pairs_hook=dict)
+    except hjson.HjsonDecodeError as err:
+        raise ConfigError(f"config file {str(path)!r} is neither valid JSON ({json_error}) nor valid HJSON "
+                          f"({err})") from None
 
 
 def _dotted(path: str, name: str) -> str:
@@ -153,6 +180,10 @@ def _scalar(hint: Any, value: Any, dotted: str) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{dotted!r} must be a string, got {_show(value)}")
         return value
+    if hint is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{dotted!r} must be a JSON array, got {_show(value)}")
+        return list(value)
     if hint is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{dotted!r} must be a JSON object, got {_show(value)}")

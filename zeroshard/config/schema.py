@@ -63,8 +63,9 @@ class OptimizerConfig:
         "false).")
     params: dict = key(
         {}, "Keyword arguments of the optimizer, checked per type. Adam/AdamW: `lr`, `betas`, `eps`, "
-        "`weight_decay`, `amsgrad` (`adam_w_mode` for Adam; `torch_adam` accepted with either value: the update is "
-        "always torch's); SGD: `lr`, `momentum`, `dampening`, `weight_decay`, "
+        "`weight_decay`, `amsgrad` (`adam_w_mode` for Adam; `torch_adam` picks the class as DeepSpeed does: true "
+        "torch's `Adam`/`AdamW`, false `FusedAdam`, or `DeepSpeedCPUAdam` under optimizer offload; every one "
+        "steps torch's fused kernel); SGD: `lr`, `momentum`, `dampening`, `weight_decay`, "
         "`nesterov`.", default_text="torch's")
 
 
@@ -268,6 +269,32 @@ class OffloadParamConfig:
         return self.nvme_path
 
 
+#: DeepSpeed's default leaf classes: Hugging Face mixture-of-experts blocks, whose forward runs the
+#: experts the router picks (see [Note: leaf modules] in sharding/stage3/units.py)
+DEFAULT_LEAF_MODULE_CLASSES: list[str] = [
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+]
+
+
+def strings(value: Any) -> str | None:
+    return None if all(isinstance(v, str) for v in value) else "a list of strings"
+
+
+@dataclass(frozen=True)
+class LeafModuleConfig:
+    """``zero_optimization.leaf_module``: the modules ``initialize()`` marks as leaves, as
+    ``set_z3_leaf_modules`` would (see [Note: leaf modules] in sharding/stage3/units.py); a lone string
+    is read as a list of one, as DeepSpeed reads it."""
+
+    classes: list = key(
+        DEFAULT_LEAF_MODULE_CLASSES, "Module classes to mark, by class name or fully qualified name (subclasses "
+        "not included).", strings, default_text="Mixtral's, Qwen2-MoE's and Qwen3-MoE's sparse MoE blocks")
+    names: list = key([], "Modules to mark, by their name in `named_modules()`.", strings)
+    name_suffixes: list = key([], "Modules to mark whose `named_modules()` name ends with one of these.", strings)
+
+
 @dataclass(frozen=True)
 class ZeroConfig:
     """``zero_optimization``: which training state is sharded and how gradients are communicated."""
@@ -309,6 +336,8 @@ class ZeroConfig:
         "elements.", non_negative)
     offload_optimizer: OffloadOptimizerConfig = key(OffloadOptimizerConfig(), "Optimizer offload (stages 1-3).")
     offload_param: OffloadParamConfig = key(OffloadParamConfig(), "Parameter offload (stage 3).")
+    leaf_module: LeafModuleConfig = key(
+        LeafModuleConfig(), "Modules stage 3 gathers whole, as one unit (marked at `initialize()`, every stage).")
     sub_group_size: int = key(1_000_000_000, "Offload: elements the optimizer updates (and swaps) at a time.",
                               positive)
     allgather_partitions: bool = key(
@@ -455,6 +484,10 @@ class ZeroshardConfig:
     gradient_predivide_factor: float = key(
         1.0, "With `prescale_gradients`: the divisor applied before the reduction (world size / factor after it).",
         positive)
+    gradient_allreduce_op: Literal["mean", "sum"] = key(
+        "mean", "How the data-parallel ranks' gradients are combined (any case): `mean` averages them; `sum` adds "
+        "them without dividing by the world size (for a loss already normalised over the global batch; "
+        "`prescale_gradients` then scales nothing). `sum` is refused at stage 3, as DeepSpeed refuses it.")
     zero_allow_untested_optimizer: bool = key(
         False, "Accepted with either value: zeroshard wraps any torch optimizer the same way, so none is untested "
         "(Hugging Face sets it).")
@@ -539,7 +572,7 @@ NOT_SUPPORTED_YET: dict[str, tuple[str, ...]] = {
     ),
     "zero_optimization": (
         "round_robin_gradients",
-        "load_from_fp32_weights", "elastic_checkpoint", "cpu_offload", "ignore_unused_parameters",
+        "load_from_fp32_weights", "ignore_unused_parameters", "pipeline_loading_checkpoint",
         "zero_quantized_weights", "zero_quantized_gradients", "use_multi_rank_bucket_allreduce",
         "stage3_use_all_reduce_for_fetch_params",
     ),

@@ -68,8 +68,8 @@ _ADAM_COMMON = {
     "betas": ParamSpec((0.9, 0.999), "betas"),
     "eps": ParamSpec(1e-8, "positive"),
     "amsgrad": ParamSpec(False, "bool"),
-    # DeepSpeed's choice between torch's Adam and its fused kernel: either way the update here is torch's
-    # (see [Note: one Adam whatever torch_adam says] in optim/builder.py)
+    # DeepSpeed's choice between torch's Adam classes and its fused kernel's: either way the update here is
+    # torch's fused one (see [Note: which Adam class the config builds] in optim/builder.py)
     "torch_adam": ParamSpec(False, "bool"),
 }
 

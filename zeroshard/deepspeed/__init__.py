@@ -20,12 +20,22 @@ from types import ModuleType
 
 #: DeepSpeed's module paths, relative to ``deepspeed`` (and to ``zeroshard``)
 DEEPSPEED_PATHS = ("accelerator", "checkpointing", "comm", "git_version_info", "moe", "moe.layer", "moe.utils", "ops",
-                   "ops.adam", "ops.op_builder", "pipe", "runtime", "runtime.config", "runtime.config_utils",
-                   "runtime.engine", "runtime.fp16", "runtime.fp16.unfused_optimizer", "runtime.lr_schedules",
+                   "ops.adam", "ops.op_builder", "pipe", "runtime", "runtime.activation_checkpointing",
+                   "runtime.activation_checkpointing.checkpointing",
+                   "runtime.activation_checkpointing.offload_activations", "runtime.config", "runtime.config_utils",
+                   "runtime.engine", "runtime.fp16", "runtime.fp16.fused_optimizer",
+                   "runtime.fp16.unfused_optimizer", "runtime.lr_schedules",
                    "runtime.precision_config", "runtime.utils",
-                   "runtime.zero", "runtime.zero.config", "runtime.zero.linear", "runtime.zero.partition_parameters",
-                   "utils", "utils.groups",
+                   "runtime.zero", "runtime.zero.config", "runtime.zero.leaf_module_config",
+                   "runtime.zero.linear", "runtime.zero.offload_config", "runtime.zero.partition_parameters",
+                   "runtime.zero.stage3", "runtime.zero.stage_1_and_2", "runtime.zero.tiling",
+                   "utils", "utils.groups", "utils.init_on_device", "utils.pin_memory_tracker",
                    "utils.tensor_fragment", "utils.torch", "utils.z3_leaf_module", "utils.zero_to_fp32", "zero")
+
+
+#: DeepSpeed paths that are another path's module under a second name, so no file of their own:
+#: ``runtime.activation_checkpointing.checkpointing`` is ``checkpointing`` (as in DeepSpeed)
+ALIASED_PATHS = ("runtime.activation_checkpointing.checkpointing",)
 
 
 def publish_at_root(root: ModuleType) -> None:

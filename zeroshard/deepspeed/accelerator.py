@@ -7,6 +7,7 @@ answer comes from torch itself (``torch.cuda.*``) or, on the CPU, from what zero
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import os
@@ -16,6 +17,7 @@ import torch
 
 from ..distributed.launch_env import local_world_size
 from ..engine.metrics import host_peak_bytes, proc_bytes
+from ..host.pinned_total import pin_host_tensor
 
 __all__ = ["get_accelerator", "is_current_accelerator_supported", "SUPPORTED_ACCELERATOR_LIST", "CPUAccelerator",
            "CUDAAccelerator"]
@@ -75,8 +77,41 @@ class CUDAAccelerator:
     def is_fp16_supported(self) -> bool:
         return True
 
-    def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.pin_memory()
+    def pin_memory(self, tensor: torch.Tensor, make_copy: bool = True, match_shape: bool = True) -> torch.Tensor:
+        """``tensor`` page-locked, counted in the process's pinned total (host/pinned_total.py).  With
+        ``make_copy=False`` the tensor is only a template: a fresh page-locked buffer of its shape
+        (``match_shape=False``: flat) and dtype, its values undefined."""
+        if make_copy:
+            return pin_host_tensor(tensor)
+        shape = tensor.shape if match_shape else (tensor.numel(),)
+        return pin_host_tensor(torch.empty(shape, dtype=tensor.dtype))
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_pinned()
+
+    def is_synchronized_device(self) -> bool:
+        """False: kernels run asynchronously on streams."""
+        return False
+
+    def on_accelerator(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cuda"
+
+    @property
+    def Stream(self) -> Any:  # noqa: N802 - DeepSpeed's name: the stream class
+        return torch.cuda.Stream
+
+    @property
+    def Event(self) -> Any:  # noqa: N802 - DeepSpeed's name: the event class
+        return torch.cuda.Event
+
+    def stream(self, stream: Any) -> Any:
+        return torch.cuda.stream(stream)
+
+    def current_stream(self, device_index: Optional[int] = None) -> Any:
+        return torch.cuda.current_stream(device_index)
+
+    def default_stream(self, device_index: Optional[int] = None) -> Any:
+        return torch.cuda.default_stream(device_index)
 
 
 class CPUAccelerator:
@@ -138,8 +173,38 @@ class CPUAccelerator:
     def is_fp16_supported(self) -> bool:
         return True
 
-    def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
+    def pin_memory(self, tensor: torch.Tensor, make_copy: bool = True, match_shape: bool = True) -> torch.Tensor:
+        """The tensor itself: page-locking only speeds copies to a GPU, and this process has none (so
+        nothing is counted as pinned either)."""
         return tensor
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_pinned()
+
+    def is_synchronized_device(self) -> bool:
+        """True: every operation has finished when it returns, there are no streams to overlap."""
+        return True
+
+    def on_accelerator(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cpu"
+
+    @property
+    def Stream(self) -> Any:  # noqa: N802 - DeepSpeed's name; None: the CPU has no streams
+        return None
+
+    @property
+    def Event(self) -> Any:  # noqa: N802 - DeepSpeed's name; None: the CPU has no events
+        return None
+
+    def stream(self, stream: Any) -> Any:
+        """No stream to switch to: a context that does nothing."""
+        return contextlib.nullcontext()
+
+    def current_stream(self, device_index: Optional[int] = None) -> Any:
+        return None
+
+    def default_stream(self, device_index: Optional[int] = None) -> Any:
+        return None
 
 
 def _numa_nodes_with_cores(root: str = "/sys/devices/system/node") -> int:

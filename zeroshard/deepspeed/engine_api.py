@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..checkpoint.background import wait_for_copies
+from ..checkpoint.utils import make_executable
 from ..sharding.stage3.gathered import GatheredParameters
 from .refused import refuse
 
@@ -179,6 +180,11 @@ class DeepSpeedEngineAPI:
     def destroy(self) -> None:
         """DeepSpeed's name for releasing the engine (Accelerate's ``free_memory()`` calls it)."""
         self._engine.close()
+
+    def _change_recovery_script_permissions(self, dst: str) -> None:
+        """DeepSpeed's step making the recovery script beside a checkpoint executable, where the file
+        system allows it (a refusal or a missing file is logged, not raised)."""
+        make_executable(dst)
 
     def offload_states(self, *args: Any, **kwargs: Any) -> None:
         """DeepSpeed's temporary move of the engine's states off the device (between RLHF phases)."""

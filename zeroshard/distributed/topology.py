@@ -135,12 +135,12 @@ def _own_group(comm: Collectives, topology: Topology, partition: list[list[int]]
                                          group=group, spans_nodes=topology.spans_nodes(ranks)))
 
 
-def _consecutive(n: int, size: int) -> list[list[int]]:
+def consecutive_blocks(n: int, size: int) -> list[list[int]]:
     """Blocks of ``size`` consecutive ranks."""
     return [list(range(start, start + size)) for start in range(0, n, size)]
 
 
-def _strided(n: int, size: int) -> list[list[int]]:
+def strided_groups(n: int, size: int) -> list[list[int]]:
     """The ranks at the same position of every block of ``size``."""
     return [list(range(position, n, size)) for position in range(size)]
 
@@ -149,8 +149,8 @@ def _blocks(comm: Collectives, topology: Topology, size: int, across: bool) -> t
     """This rank's block of ``size`` consecutive ranks and (``across``) its group of ranks at the same
     position in every block; every rank creates every group, blocks first, in rank order."""
     n = comm.world.world_size
-    block = _own_group(comm, topology, _consecutive(n, size))
-    return block, _own_group(comm, topology, _strided(n, size)) if across else None
+    block = _own_group(comm, topology, consecutive_blocks(n, size))
+    return block, _own_group(comm, topology, strided_groups(n, size)) if across else None
 
 
 def build_shard_groups(comm: Collectives, topology: Topology, mics_shard_size: int,
@@ -164,7 +164,8 @@ def build_shard_groups(comm: Collectives, topology: Topology, mics_shard_size: i
     if expert_parallel_size > 1:
         groups.expert_parallel, groups.expert_data = _blocks(comm, topology, expert_parallel_size, across=True)
         if gathers_in_passes:  # a second copy of the experts' groups, for their gradients alone
-            groups.expert_grads = _own_group(comm, topology, _strided(comm.world.world_size, expert_parallel_size))
+            experts_data = strided_groups(comm.world.world_size, expert_parallel_size)
+            groups.expert_grads = _own_group(comm, topology, experts_data)
     if gathers_in_passes and comm.world.is_distributed:
         size = groups.shard.world.world_size
         groups.grads, _ = _blocks(comm, topology, size, across=False)

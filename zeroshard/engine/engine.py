@@ -36,6 +36,7 @@ from ..distributed.consistency import Call, ConsistencyCheck, EngineUsageError
 from ..distributed.topology import Topology, build_shard_groups
 from ..distributed.world import World, release_at_exit
 from ..sharding.stage3.init_context import adopt_init_params, has_init_params
+from ..sharding.stage3.leaf_config import mark_configured_leaves
 from ..logging import log_rank
 from .metrics import MetricsWriter, PhaseTimers, device_peak_bytes, host_peak_bytes
 from ..host.host_allocator import HostMemoryPolicy
@@ -50,6 +51,7 @@ from .memory import memory_breakdown
 from ..experts.registry import is_expert_param
 from ..optim.param_groups import TrainableParams, collect_trainable
 from ..offload import OffloadIOError
+from ..optim.no_optimizer import NoOptimizer, no_optimizer_error
 from ..optim.nonfinite import NonFiniteGradientError, first_nonfinite_parameter, ranks_with_nonfinite_loss
 from ..optim.updaters import build_updater
 from ..offload.policy import OffloadPolicies
@@ -63,6 +65,8 @@ from ..checkpoint.interface import CheckpointParts
 from ..sharding import STRATEGIES
 from ..deepspeed.engine_api import DeepSpeedEngineAPI
 from .checkpoints import Attached, CheckpointSettings, EngineCheckpointer, TrainingParts
+from ..initialize_errors import InitializeArgumentError
+from ..optim.scheduler_rebinding import rebind_scheduler
 
 SchedulerSpec = Union[None, LRScheduler, Callable[[Optimizer], LRScheduler]]
 
@@ -154,6 +158,8 @@ class Engine:
         byte counts start from zero (set-up is not training traffic).
         """
         _refuse_a_wrapped_model(model)
+        # the config's leaf modules, marked before stage 3 plans its units from the marks
+        mark_configured_leaves(model, config.zero_optimization.leaf_module)
         replaced, from_init = _adopt_init_parameters(model, config, world)
         self._built_under_init = bool(replaced)
         if config.stage == 3:
@@ -301,6 +307,7 @@ class Engine:
         optimizer over it, and the LR schedule."""
         self.updater = build_updater(self.strategy, self.offload)
         self.strategy.add_reduced_listener(self.updater.grad_reduced)
+        self._optimizer_given = isinstance(optimizer, Optimizer)
         self.optimizer = self._optimizer_over_pieces(optimizer, options)
         self.updater.attach(self.optimizer)
         setattr(self.optimizer, "overflow", False)
@@ -325,17 +332,30 @@ class Engine:
             return optimizer
         if optimizer is not None:
             return from_user(optimizer, groups)
-        if self.config.optimizer is None:
-            raise ValueError("no optimizer: add an 'optimizer' block to the config or pass optimizer= to "
-                             "initialize()")
-        return from_config(self.config.optimizer.type, self.config.optimizer.params, groups)
+        if self.config.optimizer is None:  # see [Note: an engine without an optimizer] in optim/no_optimizer.py
+            if self.strategy.stage in (1, 2):
+                raise InitializeArgumentError(
+                    f"ZeRO stage {self.strategy.stage} shards the optimizer's state, and initialize() got no "
+                    f"optimizer: add an 'optimizer' block to the config or pass optimizer=, or use stage 0 or 3 "
+                    f"for an engine that runs forward passes only")
+            return NoOptimizer(groups)
+        return from_config(self.config.optimizer.type, self.config.optimizer.params, groups,
+                           on_host=self.offload.optimizer_on_host)
 
     def _build_scheduler(self, spec: SchedulerSpec) -> Optional[LRScheduler]:
+        if isinstance(self.optimizer, NoOptimizer) and (spec is not None or self.config.scheduler is not None):
+            raise InitializeArgumentError("initialize() got a learning-rate schedule but no optimizer: add an "
+                                          "'optimizer' block to the config or pass optimizer=")
         if isinstance(spec, LRScheduler):
-            if spec.optimizer is not self.optimizer:
-                raise ValueError("initialize(lr_scheduler=...) got a scheduler built on another optimizer; "
-                                 "build it on the optimizer you pass to initialize(), or pass a callable")
-            return spec
+            if spec.optimizer is self.optimizer:
+                return spec
+            if self._optimizer_given:
+                raise InitializeArgumentError(
+                    "initialize(lr_scheduler=...) got a scheduler built on another optimizer than the one passed "
+                    "as optimizer=; build it on that optimizer, or pass a callable lr_scheduler")
+            # built before the engine's optimizer existed (see [Note: a scheduler built before
+            # initialize()] in optim/scheduler_rebinding.py)
+            return rebind_scheduler(spec, self.optimizer, self.module.parameters())
         if spec is not None:
             return spec(self.optimizer)
         if self.config.scheduler is not None:
@@ -493,6 +513,8 @@ class Engine:
     def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True, retain_graph: bool = False) -> torch.Tensor:
         """Backpropagate ``loss / gradient_accumulation_steps`` (times the fp16 loss scale) and reduce
         gradients as the stage says.  ``scale_wrt_gas=False``: the caller already divided the loss."""
+        if isinstance(self.optimizer, NoOptimizer):  # every rank, before any collective
+            raise no_optimizer_error("backward()")
         started = time.perf_counter()
         # first: ranks may disagree; verified before the backward's first collective (see [Note: the
         # backward's check runs behind its compute] in distributed/consistency.py)
@@ -523,6 +545,8 @@ class Engine:
 
     def step(self) -> None:
         """Update the parameters at an accumulation boundary; otherwise only count the micro step."""
+        if isinstance(self.optimizer, NoOptimizer):
+            raise no_optimizer_error("step()")
         started = time.perf_counter()
         boundary = self.is_gradient_accumulation_boundary()
         if boundary or not self._backwards_since_step:  # first: another rank may be in its backward

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from ..distributed.collectives import Collectives
+from ..distributed.topology import consecutive_blocks, strided_groups
 
 
 class ExpertParallelError(ValueError):
@@ -43,6 +44,18 @@ def check_expert_parallel_size(ep_size: int, world_size: int) -> None:
     if world_size % ep_size:
         raise ExpertParallelError(f"MoE(ep_size={ep_size}) does not divide the data-parallel world of "
                                   f"{world_size} ranks: choose an ep_size that divides it")
+
+
+def expert_group_ranks(data_parallel_ranks: Sequence[int], ep_size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The expert-parallel blocks and the expert-data-parallel groups of one data-parallel world whose
+    ranks, in order, are ``data_parallel_ranks`` (global ranks), laid out as in [Note: experts sharded
+    over the ranks that hold them]: positions in the world cut into blocks of ``ep_size``, and the
+    positions alike in every block grouped."""
+    n = len(data_parallel_ranks)
+    check_expert_parallel_size(ep_size, n)
+    size = max(ep_size, 1)
+    return ([[data_parallel_ranks[p] for p in block] for block in consecutive_blocks(n, size)],
+            [[data_parallel_ranks[p] for p in group] for group in strided_groups(n, size)])
 
 
 @dataclass(frozen=True)

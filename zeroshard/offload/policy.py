@@ -158,5 +158,10 @@ class OffloadPolicies:
         return OffloadPolicies(optimizer_offload(zero), param_offload(zero), zero.sub_group_size)
 
     @property
+    def optimizer_on_host(self) -> bool:
+        """Whether the optimizer steps host memory (its state in host memory or swapped to NVMe)."""
+        return self.optimizer.place != Place.DEVICE
+
+    @property
     def uses_nvme(self) -> bool:
         return Place.NVME in (self.optimizer.place, self.params.place)

@@ -8,6 +8,7 @@ import torch
 from torch.optim import Optimizer
 
 from ..config.spec_params import OPTIMIZER_PARAMS, resolve
+from .fused_adam import DeepSpeedCPUAdam, FusedAdam
 
 
 def _foreach_kwargs() -> dict[str, Any]:
@@ -28,25 +29,32 @@ def _adam_kwargs() -> dict[str, Any]:
     return {"fused": True}
 
 
-def from_config(type_name: str, params: dict, groups: Sequence[dict]) -> Optimizer:
-    """An optimizer from the config's ``optimizer`` block.
+def from_config(type_name: str, params: dict, groups: Sequence[dict], on_host: bool = False) -> Optimizer:
+    """An optimizer from the config's ``optimizer`` block (``on_host``: the optimizer is offloaded, so
+    it steps host memory).
 
-    DeepSpeed's ``Adam`` applies decoupled weight decay unless ``adam_w_mode`` is false, so it maps to
-    ``torch.optim.AdamW``; with ``adam_w_mode: false`` it maps to ``torch.optim.Adam``.
+    DeepSpeed's ``Adam`` applies decoupled weight decay unless ``adam_w_mode`` is false (AdamW's rule);
+    with ``adam_w_mode: false`` it is Adam's L2 penalty.
 
-    [Note: one Adam whatever torch_adam says]
-    DeepSpeed's ``torch_adam`` picks torch's Adam (true) or its own fused kernel (false), two
-    implementations of one update rule.  zeroshard always steps torch's (fused where torch offers it),
-    so both values describe what happens here and both are accepted; the key is not passed on.
+    [Note: which Adam class the config builds]
+    DeepSpeed's ``torch_adam`` picks torch's ``Adam``/``AdamW`` classes (true) or its own fused kernel
+    (false, the default): ``FusedAdam``, or ``DeepSpeedCPUAdam`` where the optimizer runs on the host
+    (offload_optimizer).  zeroshard builds the class DeepSpeed would, so code that checks the type it
+    got back sees DeepSpeed's answer; every one of them is torch's fused kernel (optim/fused_adam.py),
+    one update rule, so the choice changes the class and nothing the weights see.
     """
     full = resolve(params, OPTIMIZER_PARAMS[type_name], f"optimizer.params ({type_name})")
     if type_name == "SGD":
         return torch.optim.SGD(groups, **full, **_foreach_kwargs())
-    adam_w = full.pop("adam_w_mode", True)
-    full.pop("torch_adam", None)
+    adam_w = type_name == "AdamW" or full.pop("adam_w_mode", True)
+    torch_adam = full.pop("torch_adam", False)
     full["betas"] = tuple(full["betas"])
-    cls = torch.optim.AdamW if (type_name == "AdamW" or adam_w) else torch.optim.Adam
-    return cls(groups, **full, **_adam_kwargs())
+    if torch_adam:
+        cls = torch.optim.AdamW if adam_w else torch.optim.Adam
+        return cls(groups, **full, **_adam_kwargs())
+    if on_host:
+        return DeepSpeedCPUAdam(groups, **full, adamw_mode=adam_w)
+    return FusedAdam(groups, **full, adam_w_mode=adam_w)
 
 
 def from_user(factory: Callable[..., Optimizer], groups: Sequence[dict]) -> Optimizer:

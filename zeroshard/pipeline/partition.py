@@ -53,12 +53,15 @@ def _parameter_count(layer: Any) -> int:
 
 
 def balanced_bounds(weights: Sequence[int], parts: int) -> list[int]:
-    """``parts + 1`` boundaries: part ``i`` holds layers ``bounds[i]:bounds[i+1]``, none empty, the
-    heaviest part as light as possible."""
+    """``parts + 1`` boundaries: part ``i`` holds items ``bounds[i]:bounds[i+1]``, the heaviest part as
+    light as possible.  With at least ``parts`` items none is empty; with fewer, each item is a part of
+    its own and the last parts are empty (as DeepSpeed's ``partition_balanced`` answers: a stage needs
+    a layer, so :func:`partition` refuses that case before it gets here)."""
     n = len(weights)
+    if parts < 1:
+        raise ValueError(f"{parts} parts: a partition needs at least one part")
     if n < parts:
-        raise TooFewLayersError(f"{n} layer(s) for {parts} pipeline stages: every stage needs at least one "
-                                f"layer; use fewer stages or split the model into more layers")
+        return [min(p, n) for p in range(parts + 1)]
     prefix = [0]
     for w in weights:
         prefix.append(prefix[-1] + w)

@@ -59,6 +59,9 @@ class PrecisionPolicy:
     #: [Note: averaging gradients over ranks])
     prescale: bool = False
     predivide_factor: float = 1.0
+    #: ``gradient_allreduce_op``: False sums the ranks' gradients instead of averaging them (see
+    #: [Note: averaging gradients over ranks])
+    average: bool = True
 
     def before_reduction(self, grad: torch.Tensor, world_size: int) -> None:
         """[Note: averaging gradients over ranks]
@@ -66,11 +69,15 @@ class PrecisionPolicy:
         sum (the summed values stay the size of one gradient: no overflow in 16 bits).  With
         ``prescale_gradients`` each rank divides by ``gradient_predivide_factor`` f before the sum and
         the result is multiplied by f / N after it, DeepSpeed's knob for keeping fp16 sums in range
-        for large N; the result is the same average up to rounding."""
+        for large N; the result is the same average up to rounding.  ``gradient_allreduce_op: "sum"``
+        (``average`` False) divides by nothing, before or after: the reduction's plain sum is the
+        gradient, as DeepSpeed gives it for losses that are already normalised over the global batch."""
         grad.div_(self.divisor(world_size))
 
     def divisor(self, world_size: int) -> float:
         """What each rank divides its gradients by before the sum (see [Note: averaging gradients over ranks])."""
+        if not self.average:
+            return 1.0
         return self.predivide_factor if self.prescale else world_size
 
     def store_divided(self, into: torch.Tensor, grad: torch.Tensor, world_size: int, accumulate: bool) -> None:
@@ -90,8 +97,13 @@ class PrecisionPolicy:
 
     def after_reduction(self, reduced: torch.Tensor, world_size: int) -> None:
         """The second half of [Note: averaging gradients over ranks] (nothing by default)."""
-        if self.prescale:
+        if self.scales_after_reduction:
             reduced.mul_(self.predivide_factor / world_size)
+
+    @property
+    def scales_after_reduction(self) -> bool:
+        """Whether :meth:`after_reduction` changes the reduced values (prescaled averages only)."""
+        return self.prescale and self.average
 
     @property
     def mixed(self) -> bool:
@@ -109,4 +121,4 @@ class PrecisionPolicy:
         accum = config.data_types.grad_accum_dtype or default_grad_accum(compute, comm,
                                                                          config.gradient_accumulation_steps)
         return cls(DTYPES[compute], DTYPES[comm], DTYPES[accum], config.prescale_gradients,
-                   config.gradient_predivide_factor)
+                   config.gradient_predivide_factor, average=config.gradient_allreduce_op == "mean")

@@ -110,8 +110,8 @@ class InPlaceChunks(GradientChunks):
     @staticmethod
     def fits(reduce_scatter: bool, precision: PrecisionPolicy) -> bool:
         """Whether the sum can accumulate in a kept chunk: a reduce-scatter (not an all-reduce) whose
-        result needs no scaling afterwards (no prescaled gradients), in the chunk's own dtype."""
-        return reduce_scatter and not precision.prescale and precision.comm == precision.grad_accum
+        result needs no scaling afterwards (no prescaled average), in the chunk's own dtype."""
+        return reduce_scatter and not precision.scales_after_reduction and precision.comm == precision.grad_accum
 
     def store(self, full: torch.Tensor, bucket: BucketLayout, slot: ParamSlot, grad: torch.Tensor,
               first: bool) -> None:

@@ -141,6 +141,11 @@ class DeepSpeedConfig:
         return self._config.gradient_predivide_factor
 
     @property
+    def gradient_allreduce_op(self) -> str:
+        """``mean`` or ``sum``, lower case (see config/gradient_reduction.py)."""
+        return self._config.gradient_allreduce_op
+
+    @property
     def gradient_clipping(self) -> float:
         return self._config.gradient_clipping
 

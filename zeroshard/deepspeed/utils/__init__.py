@@ -15,6 +15,7 @@ import torch as _torch
 
 from ...logging import current_rank, logger
 from . import groups, tensor_fragment, torch, zero_to_fp32
+from .init_on_device import OnDevice
 from .tensor_fragment import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
                               safe_get_local_fp32_param, safe_get_local_grad, safe_get_local_optimizer_state,
                               safe_set_full_fp32_param, safe_set_full_grad, safe_set_full_optimizer_state,
@@ -31,7 +32,7 @@ __all__ = ["groups", "logger", "log_dist", "RepeatingLoader", "set_random_seed",
            "safe_get_local_optimizer_state", "safe_set_local_optimizer_state", "safe_get_local_grad",
            "safe_set_local_grad", "z3_leaf_module", "set_z3_leaf_modules", "unset_z3_leaf_modules",
            "get_z3_leaf_modules", "z3_leaf_parameter", "set_z3_leaf_module", "set_z3_leaf_modules_by_name",
-           "set_z3_leaf_modules_by_suffix"]
+           "set_z3_leaf_modules_by_suffix", "OnDevice"]
 
 
 def log_dist(message: str, ranks: Optional[Iterable[int]] = None, level: int = logging.INFO) -> None:

@@ -5,7 +5,8 @@ the name of an MoE layer's ``expert_group_name``).  zeroshard builds the groups 
 ``initialize()`` (see [Note: experts sharded over the ranks that hold them] in experts/groups.py),
 and the engine registers them here; before that, or for a name no engine built, the accessors raise
 :class:`GroupsNotBuiltError`.  ``initialize(ep_size=...)``, DeepSpeed's old way to make these groups,
-raises as DeepSpeed's does: the size belongs to each ``MoE`` layer.
+raises as DeepSpeed's does: the size belongs to each ``MoE`` layer.  ``_get_expert_parallel_ranks``
+answers, without any process group, which ranks a job of given sizes puts in each group.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from ...experts.groups import ExpertGroupRecord, live_expert_groups
+from ...distributed.parallel_dims import ParallelDims
+from ...experts.groups import ExpertGroupRecord, ExpertParallelError, expert_group_ranks, live_expert_groups
 
 
 class GroupsNotBuiltError(RuntimeError):
@@ -26,6 +28,35 @@ def initialize(ep_size: int = 1, mpu: Any = None) -> None:
     raise GroupsNotBuiltError("deepspeed.utils.groups.initialize() is deprecated in DeepSpeed and not provided: "
                               "pass ep_size to deepspeed.moe.layer.MoE(..., ep_size=...), and initialize() "
                               "builds the groups")
+
+
+def _get_expert_parallel_ranks(world_size: int, tensor_parallel_size_: int, expert_parallel_size_: int,
+                               pipeline_parallel_size_: int = 1, use_data_before_expert_parallel_: bool = False
+                               ) -> tuple[list[list[int]], list[list[int]]]:
+    """Every expert-parallel group and every expert-data-parallel group of a job of ``world_size``
+    ranks with these tensor, expert and pipeline sizes, as global ranks: within each data-parallel
+    group (one per pipeline stage and tensor index, ranks numbered as in [Note: the order of the axes]
+    in distributed/parallel_dims.py), the experts' layout of experts/groups.py."""
+    if use_data_before_expert_parallel_:
+        raise ExpertParallelError("use_data_before_expert_parallel_=True (DeepSpeed's D + E layout) is not "
+                                  "supported: zeroshard lays expert groups out as blocks of consecutive "
+                                  "data-parallel ranks (E + D)")
+    model_size = tensor_parallel_size_ * pipeline_parallel_size_
+    if tensor_parallel_size_ < 1 or pipeline_parallel_size_ < 1 or world_size % model_size:
+        raise ExpertParallelError(f"tensor_parallel_size_={tensor_parallel_size_} x pipeline_parallel_size_="
+                                  f"{pipeline_parallel_size_} does not divide world_size={world_size}")
+    dims = ParallelDims(pp=pipeline_parallel_size_, dp=world_size // model_size, tp=tensor_parallel_size_)
+    if expert_parallel_size_ < 1 or dims.dp % expert_parallel_size_:
+        raise ExpertParallelError(f"expert_parallel_size_={expert_parallel_size_} does not divide the "
+                                  f"data-parallel size {dims.dp}")
+    exchange: list[list[int]] = []
+    experts_data: list[list[int]] = []
+    for stage in range(dims.pp):
+        for tensor in range(dims.tp):
+            blocks, same_experts = expert_group_ranks(dims.data_parallel_ranks(stage, tensor), expert_parallel_size_)
+            exchange += blocks
+            experts_data += same_experts
+    return exchange, experts_data
 
 
 def _record(group_name: Optional[str] = None) -> ExpertGroupRecord:

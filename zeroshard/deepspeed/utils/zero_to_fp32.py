@@ -2,10 +2,15 @@
 
 zeroshard's checkpoints keep fp32 values (the masters under mixed precision), so these read them
 straight from the shards (:mod:`zeroshard.checkpoint.consolidate`); no process group is needed.
+``get_optim_files`` / ``get_model_state_files`` list a DeepSpeed-format directory's per-rank files
+(``zero_<rank>_optim_states.pt``, ...), as tools that convert DeepSpeed checkpoints call them.
 """
 
 from __future__ import annotations
 
+import glob
+import os
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -15,7 +20,33 @@ from torch import nn
 from ...checkpoint.consolidate import consolidate, full_state_dict
 
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint",
-           "convert_zero_checkpoint_to_fp32_state_dict"]
+           "convert_zero_checkpoint_to_fp32_state_dict", "get_checkpoint_files", "get_optim_files",
+           "get_model_state_files"]
+
+
+def _natural_key(path: str) -> list[Any]:
+    """Digits compared as numbers, so rank 10's file sorts after rank 2's (a plain sort puts it
+    between 1 and 2, and the ranks' shards would be joined out of order)."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path)]
+
+
+def get_checkpoint_files(checkpoint_dir: str | os.PathLike[str], glob_pattern: str) -> list[str]:
+    """The files of ``checkpoint_dir`` matching ``glob_pattern``, in rank order; none is a
+    ``FileNotFoundError`` naming the pattern and the directory."""
+    files = sorted(glob.glob(os.path.join(os.fspath(checkpoint_dir), glob_pattern)), key=_natural_key)
+    if not files:
+        raise FileNotFoundError(f"no {glob_pattern} files in {os.fspath(checkpoint_dir)!r}")
+    return files
+
+
+def get_optim_files(checkpoint_dir: str | os.PathLike[str]) -> list[str]:
+    """Every rank's optimizer-state file (``*_optim_states.pt``) of a DeepSpeed checkpoint, in rank order."""
+    return get_checkpoint_files(checkpoint_dir, "*_optim_states.pt")
+
+
+def get_model_state_files(checkpoint_dir: str | os.PathLike[str]) -> list[str]:
+    """Every model-state file (``*_model_states.pt``) of a DeepSpeed checkpoint, in rank order."""
+    return get_checkpoint_files(checkpoint_dir, "*_model_states.pt")
 
 
 def _refuse_excluding(exclude_frozen_parameters: bool) -> None:

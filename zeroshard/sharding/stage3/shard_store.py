@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from ...distributed.collectives import Collectives
+from ...host.pinned_total import pin_host_tensor
 from ...offload.policy import OffloadPolicy, Place, SwapFailure
 from ..layout import BucketLayout, FlatLayout, ShardRanks
 
@@ -39,7 +40,7 @@ class ShardStore:
         self.device_shard = torch.zeros(sizes[Place.DEVICE], dtype=dtype, device=device)  # 1D: own chunks
         self.host_shard = torch.zeros(sizes[Place.HOST], dtype=dtype)
         if policy.pin_memory and torch.cuda.is_available() and sizes[Place.HOST]:
-            self.host_shard = self.host_shard.pin_memory()
+            self.host_shard = pin_host_tensor(self.host_shard)
         self.swap = policy.open_param_swap({b.index: b.shard_numel for b in layout.buckets
                                             if self.where[b.index] is Place.NVME}, dtype, comm)
 

@@ -8,11 +8,13 @@ from enum import IntEnum
 from typing import Any, Optional
 
 from ....config.deepspeed_forms import DEFAULTS_THAT_MATCH
-from ....config.loader import load_config
+from ....config.loader import load_zero_block
 from ....config.schema import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 from ..config_utils import BlockView
+from .leaf_module_config import DeepSpeedZeroLeafModuleConfig
 
-__all__ = ["DeepSpeedZeroConfig", "ZeroStageEnum"]
+__all__ = ["DeepSpeedZeroConfig", "DeepSpeedZeroOffloadParamConfig", "DeepSpeedZeroOffloadOptimizerConfig",
+           "ZeroStageEnum"]
 
 
 class ZeroStageEnum(IntEnum):
@@ -35,33 +37,79 @@ _RENAMED = {"prefetch_bucket_size": "stage3_prefetch_bucket_size",
 _DEFAULTS = {name.removeprefix("stage3_"): value for name, value in DEFAULTS_THAT_MATCH["zero_optimization"].items()}
 
 
-class DeepSpeedZeroConfig(BlockView):
-    """``zero_optimization`` under DeepSpeed's names.  ``DeepSpeedZeroConfig(stage=3, prefetch_bucket_size=...)``
-    parses the fields (DeepSpeed's names or the JSON keys) as the config loader does; every attribute reads
-    the parsed block.  ``offload_param`` / ``offload_optimizer`` are None when nothing is offloaded, as
-    DeepSpeed leaves them without the block, else zeroshard's block (``device``, ``nvme_path``,
-    ``pin_memory``, ``buffer_count``, ...)."""
+class _OffloadView(BlockView):
+    """An offload block under DeepSpeed's class name: made from keyword arguments (``device``, ``nvme_path``,
+    ``pin_memory``, ``buffer_count``, ...) through the loader, every attribute read from the parsed block."""
 
     __slots__ = ()
+    _KEY = ""
+
+    def __init__(self, **fields: Any) -> None:
+        super().__init__(getattr(load_zero_block({self._KEY: fields}), self._KEY))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._block, name)
+
+
+class DeepSpeedZeroOffloadParamConfig(_OffloadView):
+    """``zero_optimization.offload_param``."""
+
+    __slots__ = ()
+    _KEY = "offload_param"
+
+
+class DeepSpeedZeroOffloadOptimizerConfig(_OffloadView):
+    """``zero_optimization.offload_optimizer``."""
+
+    __slots__ = ()
+    _KEY = "offload_optimizer"
+
+
+class DeepSpeedZeroConfig(BlockView):
+    """``zero_optimization`` under DeepSpeed's names.  ``DeepSpeedZeroConfig(stage=3, prefetch_bucket_size=...)``
+    parses the block's fields (DeepSpeed's names, the JSON keys or their deprecated forms) as the config loader
+    does, as DeepSpeed's class parses them: alone, the rules relating them to the rest of a config being the
+    whole config's.  Every attribute reads the parsed block.  ``offload_param`` / ``offload_optimizer`` are
+    None when the block was not given and offloads nothing, as DeepSpeed leaves them without the block, else
+    a view of it (``device``, ``nvme_path``, ``pin_memory``, ``buffer_count``, ...)."""
+
+    __slots__ = ("_given",)
     _block: ZeroConfig
 
     def __init__(self, **fields: Any) -> None:
         raw = {_RENAMED.get(name, name): value for name, value in fields.items()}
-        super().__init__(load_config({"zero_optimization": raw}).zero_optimization)
+        super().__init__(load_zero_block(raw))
+        given = {name for name in ("offload_param", "offload_optimizer") if raw.get(name) is not None}
+        object.__setattr__(self, "_given", frozenset(given))
+
+    @classmethod
+    def of(cls, block: Any) -> Any:
+        view = super().of(block)
+        object.__setattr__(view, "_given", frozenset())
+        return view
 
     @property
     def stage(self) -> ZeroStageEnum:
         return ZeroStageEnum(self._block.stage)
 
     @property
-    def offload_param(self) -> Optional[OffloadParamConfig]:
-        block = self._block.offload_param
-        return None if block.device == "none" else block
+    def offload_param(self) -> Optional[DeepSpeedZeroOffloadParamConfig]:
+        return self._offload("offload_param", self._block.offload_param, DeepSpeedZeroOffloadParamConfig)
 
     @property
-    def offload_optimizer(self) -> Optional[OffloadOptimizerConfig]:
-        block = self._block.offload_optimizer
-        return None if block.device == "none" else block
+    def offload_optimizer(self) -> Optional[DeepSpeedZeroOffloadOptimizerConfig]:
+        return self._offload("offload_optimizer", self._block.offload_optimizer, DeepSpeedZeroOffloadOptimizerConfig)
+
+    def _offload(self, name: str, block: Any, view: type[_OffloadView]) -> Any:
+        if block.device == "none" and name not in self._given:
+            return None
+        return view.of(block)
+
+    @property
+    def leaf_module(self) -> DeepSpeedZeroLeafModuleConfig:
+        return DeepSpeedZeroLeafModuleConfig.of(self._block.leaf_module)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -69,4 +117,3 @@ class DeepSpeedZeroConfig(BlockView):
         if name in _DEFAULTS:
             return _DEFAULTS[name]
         return getattr(self._block, _RENAMED.get(name, name))
-

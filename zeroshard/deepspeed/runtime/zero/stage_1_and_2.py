@@ -1,0 +1,22 @@
+"""``deepspeed.runtime.zero.stage_1_and_2``: DeepSpeed's ZeRO 1-2 optimizer wrapper class, refused by name.
+
+DeepSpeed's engine wraps the user's optimizer in ``DeepSpeedZeroOptimizer`` at stages 1-2; zeroshard's
+stages are its sharding strategies (sharding/stage1.py, stage2.py) and ``engine.optimizer`` is the
+torch optimizer over this rank's shard, so no engine's optimizer is an instance of this class.  Code
+that imports it (isinstance checks) loads; building one raises, saying what to use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...refused import NotSupportedByZeroshard
+
+
+class DeepSpeedZeroOptimizer:
+    """Refused: ZeRO stages 1-2 are built by ``initialize()``, not by wrapping an optimizer."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise NotSupportedByZeroshard(
+            "DeepSpeedZeroOptimizer is DeepSpeed's stage 1-2 optimizer wrapper; zeroshard shards the optimizer "
+            "inside its engine: pass the optimizer to zeroshard.initialize() with zero_optimization.stage 1 or 2")
