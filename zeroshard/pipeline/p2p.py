@@ -9,7 +9,8 @@ the number of tensors and, for each, its dtype, whether it needs a gradient and 
 preceded by its length.  Gradients need no header: the stage that receives them made the tensors
 they belong to, and receives one gradient for each of its outputs that needs one.  Sends are
 ``isend`` and are waited for at the end of the batch, so a stage never blocks on a neighbour busy
-with its own passes; receives block, since the pass that follows needs them.
+with its own passes (a send found completed before then is let go at once, so that its tensor is
+freed); receives block, since the pass that follows needs them.
 
 Messages are matched in the order they are sent, per pair of ranks and direction: every schedule
 runs each rank's forwards in one order of (chunk, micro-batch) and its backwards in one order, the
@@ -91,7 +92,20 @@ class StageLink:
 
     def _isend(self, tensor: torch.Tensor, to: int, tag: int) -> None:
         tensor = tensor.detach().contiguous()
+        self._drop_completed_sends()
         self._sends.append((dist.isend(tensor, group=self._group_of(tag), group_dst=to, tag=tag), tensor))
+
+    def _drop_completed_sends(self) -> None:
+        """Let go of the sends that have completed (``wait()`` on a completed send returns at once, or
+        raises its error), so that a batch's sent activations and gradients are freed as they arrive,
+        not all kept until the batch's end."""
+        pending = []
+        for work, tensor in self._sends:
+            if work.is_completed():
+                work.wait()
+            else:
+                pending.append((work, tensor))
+        self._sends = pending
 
     def _recv(self, tensor: torch.Tensor, source: int, tag: int) -> torch.Tensor:
         work = dist.irecv(tensor, group=self._group_of(tag), group_src=source, tag=tag)
