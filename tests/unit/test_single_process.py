@@ -407,3 +407,28 @@ def test_stage3_parameters_answer_deepspeeds_attributes() -> None:
     with zeroshard.GatheredParameters([built.weight]):
         assert built.weight.ds_status is ZeroParamStatus.AVAILABLE
     assert not hasattr(built.weight.data, "ds_id")  # a view is not a parameter
+
+
+def test_an_init_built_model_moves_between_devices_and_keeps_its_values() -> None:
+    """``model.cpu()`` / ``.to(device)`` / ``.half()`` on a model built under ``zeroshard.Init`` convert each
+    rank's chunk (see [Note: what an Init-built parameter does with each operation] in
+    sharding/stage3/init_param.py), including writes through ``.data`` during nested constructors."""
+
+    class Parent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Parameter(torch.ones(5))
+            self.a.data = (self.a.data + 1).data
+
+    class Child(Parent):
+        def __init__(self) -> None:
+            super().__init__()
+            self.b = nn.Parameter(torch.arange(6.0).reshape(2, 3))
+            self.a.data = (self.a.data * 3).data
+
+    with zeroshard.Init():
+        model = Child().cpu().to("cpu")
+    half = model.b.half()
+    with zeroshard.GatheredParameters([model.a, model.b]):
+        assert model.a.tolist() == [6.0] * 5 and model.b.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    assert half.dtype == torch.float16 and half.shape == (2, 3)

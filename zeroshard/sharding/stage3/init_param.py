@@ -321,8 +321,9 @@ class InitShardedParameter(nn.Parameter):
         own = self.root()._zeroshard_shard
         with torch._C.DisableTorchFunctionSubclass():
             moved = func(own, *args[1:], **kwargs)
-            shaped = func(torch.empty(self.shape, dtype=self.dtype, device="meta"), *args[1:], **kwargs) \
-                if func is not torch.Tensor.to else torch.empty(self.shape, dtype=moved.dtype, device="meta")
+        # every conversion keeps the shape and gives the chunk's new dtype; the shape is held on the meta
+        # device, which a device conversion (``cpu()``, ``to(device)``) cannot run on
+        shaped = torch.empty(self.shape, dtype=moved.dtype, device="meta")
         if moved is own and func is not torch.Tensor.clone:
             return self
         result = InitShardedParameter(shaped.detach(), requires_grad=False)
