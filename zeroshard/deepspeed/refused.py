@@ -7,7 +7,7 @@ nothing.
 
 from __future__ import annotations
 
-from typing import NoReturn
+from typing import Any, NoReturn
 
 
 class NotSupportedByZeroshard(NotImplementedError):
@@ -16,3 +16,15 @@ class NotSupportedByZeroshard(NotImplementedError):
 
 def refuse(feature: str, reason: str, instead: str) -> NoReturn:
     raise NotSupportedByZeroshard(f"{feature} is not supported by zeroshard: {reason}. {instead}")
+
+
+def refused_wrapper(name: str, message: str) -> type:
+    """A DeepSpeed optimizer-wrapper class, under its name, that cannot be built: ``name(...)`` raises
+    :class:`NotSupportedByZeroshard` with ``message``.  zeroshard's engine keeps its masters and shards
+    itself and ``engine.optimizer`` is the torch optimizer over the shards, so no engine's optimizer is
+    an instance of it: code that imports the name (for ``isinstance`` checks) loads, and the check is false."""
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise NotSupportedByZeroshard(message)
+
+    return type(name, (), {"__init__": __init__, "__doc__": f"Refused: {message}"})

@@ -140,10 +140,6 @@ class PipelineModule(nn.Module):
         """The virtual stage of ``chunk`` on ``stage`` (default: this rank's)."""
         return chunk * self.num_stages + (self.stage_id if stage is None else stage)
 
-    def stage_of_layer(self, index: int) -> int:
-        """The stage that holds global layer ``index``."""
-        return self.chunk_of_layer(index)[0]
-
     def chunk_of_layer(self, index: int) -> tuple[int, int]:
         """``(stage, chunk)`` of global layer ``index``."""
         k = next(k for k in range(len(self.bounds) - 1) if self.bounds[k] <= index < self.bounds[k + 1])
@@ -305,10 +301,6 @@ class PipelineModule(nn.Module):
         if head == "tied_modules":
             return f"{self._tied_index[which]}.{tail}"
         raise KeyError(f"{name!r} is not a key of a PipelineModule's layers")
-
-    def stage_layers(self) -> tuple[int, int]:
-        """The indices ``[start, stop)`` of the layers this stage holds (its first chunk's, with virtual stages)."""
-        return self.bounds[self.stage_id], self.bounds[self.stage_id + 1]
 
     def layer_calls(self) -> dict[int, Callable[[Any], Any]]:
         """What each layer this stage holds runs, by global index, every chunk's."""

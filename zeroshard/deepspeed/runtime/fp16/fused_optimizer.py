@@ -7,16 +7,11 @@ an instance of this class; code that imports it (isinstance checks) loads, and b
 
 from __future__ import annotations
 
-from typing import Any
-
-from ...refused import NotSupportedByZeroshard
+from ...refused import refused_wrapper
 
 
-class FP16_Optimizer:
-    """Refused: zeroshard's fp16 masters live in its updater, not in an optimizer wrapper."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotSupportedByZeroshard(
-            "FP16_Optimizer is DeepSpeed's fused fp16 optimizer wrapper; zeroshard keeps the fp32 masters in its "
-            "engine's updater and engine.optimizer is the plain torch optimizer over the shards: build the "
-            "optimizer you want and pass it to zeroshard.initialize() with 'fp16': {'enabled': true}")
+FP16_Optimizer = refused_wrapper(
+    "FP16_Optimizer",
+    "FP16_Optimizer is DeepSpeed's fused fp16 optimizer wrapper; zeroshard keeps the fp32 masters in its "
+    "engine's updater and engine.optimizer is the plain torch optimizer over the shards: build the "
+    "optimizer you want and pass it to zeroshard.initialize() with 'fp16': {'enabled': true}")

@@ -9,16 +9,11 @@ are, and an ``isinstance`` check against it is false.
 
 from __future__ import annotations
 
-from typing import Any
-
-from ...refused import NotSupportedByZeroshard
+from ...refused import refused_wrapper
 
 
-class FP16_UnfusedOptimizer:
-    """Refused: zeroshard's fp16 masters live in its updater, not in an optimizer wrapper."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotSupportedByZeroshard(
-            "FP16_UnfusedOptimizer is DeepSpeed's fp16 optimizer wrapper; zeroshard keeps the fp32 masters in "
-            "its engine's updater and engine.optimizer is the plain torch optimizer over the shards: build the "
-            "optimizer you want and pass it to zeroshard.initialize() with 'fp16': {'enabled': true}")
+FP16_UnfusedOptimizer = refused_wrapper(
+    "FP16_UnfusedOptimizer",
+    "FP16_UnfusedOptimizer is DeepSpeed's fp16 optimizer wrapper; zeroshard keeps the fp32 masters in "
+    "its engine's updater and engine.optimizer is the plain torch optimizer over the shards: build the "
+    "optimizer you want and pass it to zeroshard.initialize() with 'fp16': {'enabled': true}")

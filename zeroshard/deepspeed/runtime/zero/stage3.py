@@ -8,16 +8,11 @@ Code that imports it (isinstance checks) loads; building one raises, saying what
 
 from __future__ import annotations
 
-from typing import Any
-
-from ...refused import NotSupportedByZeroshard
+from ...refused import refused_wrapper
 
 
-class DeepSpeedZeroOptimizer_Stage3:
-    """Refused: ZeRO stage 3 is built by ``initialize()``, not by wrapping an optimizer."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotSupportedByZeroshard(
-            "DeepSpeedZeroOptimizer_Stage3 is DeepSpeed's stage 3 optimizer wrapper; zeroshard shards the "
-            "optimizer inside its engine: pass the optimizer to zeroshard.initialize() with "
-            "zero_optimization.stage 3")
+DeepSpeedZeroOptimizer_Stage3 = refused_wrapper(
+    "DeepSpeedZeroOptimizer_Stage3",
+    "DeepSpeedZeroOptimizer_Stage3 is DeepSpeed's stage 3 optimizer wrapper; zeroshard shards the "
+    "optimizer inside its engine: pass the optimizer to zeroshard.initialize() with "
+    "zero_optimization.stage 3")

@@ -8,15 +8,10 @@ that imports it (isinstance checks) loads; building one raises, saying what to u
 
 from __future__ import annotations
 
-from typing import Any
-
-from ...refused import NotSupportedByZeroshard
+from ...refused import refused_wrapper
 
 
-class DeepSpeedZeroOptimizer:
-    """Refused: ZeRO stages 1-2 are built by ``initialize()``, not by wrapping an optimizer."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotSupportedByZeroshard(
-            "DeepSpeedZeroOptimizer is DeepSpeed's stage 1-2 optimizer wrapper; zeroshard shards the optimizer "
-            "inside its engine: pass the optimizer to zeroshard.initialize() with zero_optimization.stage 1 or 2")
+DeepSpeedZeroOptimizer = refused_wrapper(
+    "DeepSpeedZeroOptimizer",
+    "DeepSpeedZeroOptimizer is DeepSpeed's stage 1-2 optimizer wrapper; zeroshard shards the optimizer "
+    "inside its engine: pass the optimizer to zeroshard.initialize() with zero_optimization.stage 1 or 2")
