@@ -45,14 +45,20 @@ def cuda_env() -> dict[str, str]:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Extended tests (``@pytest.mark.slow``) run in CI (``CI=true``) or with ``ZEROSHARD_EXTENDED=1``;
-    a plain local ``bash test.sh`` skips them, saying how to run them.  Tests marked ``cuda`` run only
-    where the host has a GPU."""
+    a plain local ``bash test.sh`` skips them, saying how to run them.  Soak and crash sweeps
+    (``@pytest.mark.nightly``) run only with ``ZEROSHARD_NIGHTLY=1``: CI runs them in a step of their
+    own after the suite (``.ci/run``).  Tests marked ``cuda`` run only where the host has a GPU."""
     extended = os.environ.get("CI", "").lower() == "true" or os.environ.get("ZEROSHARD_EXTENDED") == "1"
+    nightly = os.environ.get("ZEROSHARD_NIGHTLY") == "1"
     skip_slow = pytest.mark.skip(reason="extended test: runs in CI (CI=true) or with ZEROSHARD_EXTENDED=1")
+    skip_nightly = pytest.mark.skip(reason="soak or crash sweep: runs with ZEROSHARD_NIGHTLY=1 (CI's second step)")
     skip_cuda = pytest.mark.skip(reason="needs a CUDA device (and torch built for CUDA)")
     has_cuda = host_has_cuda()
     for item in items:
-        if "slow" in item.keywords and not extended:
+        if "nightly" in item.keywords:
+            if not nightly:
+                item.add_marker(skip_nightly)
+        elif "slow" in item.keywords and not extended:
             item.add_marker(skip_slow)
         if "cuda" in item.keywords and not has_cuda:
             item.add_marker(skip_cuda)
