@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -109,17 +110,54 @@ def test_ranks_beyond_the_gpus_are_refused_before_launching() -> None:
 def test_host_reads_are_counted_where_they_happen_and_the_patches_undone() -> None:
     import torch
 
+    import zeroshard
     from zeroshard.tools.selftest.syncs import SyncCounter
 
+    root = Path(zeroshard.__file__).resolve().parents[1]  # sites are named relative to the package's parent
+    here = Path(__file__).resolve()
+    named = here.relative_to(root).as_posix() if here.is_relative_to(root) else __file__
     t = torch.ones(3)
+    line = sys._getframe().f_lineno + 2
     with SyncCounter(torch.device("cpu")) as counter:
         t.sum().item(), float(t[0]), bool(t[1]), t.tolist(), int(t[2])
     assert counter.reads == 5 and counter.device_syncs is None
-    [(site, reads)] = counter.sites.items()  # all five on the line above
-    assert site.startswith(f"{__file__}:") and reads == 5
+    assert counter.sites == {f"{named}:{line}": 5}  # all five on that one line
     assert not {"item", "__float__", "__bool__", "tolist", "__int__"} & set(torch.Tensor.__dict__)
     t[0].item()
     assert counter.reads == 5
+
+
+#: run from a copy of the checkout: counts a read on its own line 6 and one inside the package
+COUNT_IN_A_COPY = """import json, sys, torch
+from zeroshard.pipeline.p2p import decode_header, encode_header
+from zeroshard.tools.selftest.syncs import SyncCounter
+header = encode_header((torch.ones(2, 3),))
+with SyncCounter(torch.device("cpu")) as counter:
+    float(header[0]), decode_header(header)
+print(json.dumps(dict(counter.sites)))
+"""
+
+
+def test_sites_are_named_alike_in_a_checkout_folder_named_zeroshard(tmp_path: Path) -> None:
+    """A clone's folder is named after the package: a site is still named from the package's parent,
+    never by searching its path for the package's name."""
+    import shutil
+
+    import zeroshard
+
+    checkout = tmp_path / "zeroshard"  # what `git clone` names it
+    shutil.copytree(Path(zeroshard.__file__).parent, checkout / "zeroshard",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    script = checkout / "tests" / "count.py"
+    script.parent.mkdir()
+    script.write_text(COUNT_IN_A_COPY)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(checkout)})
+    assert proc.returncode == 0, proc.stderr
+    sites = json.loads(proc.stdout)
+    assert sites.pop("tests/count.py:6") == 1
+    [(site, reads)] = sites.items()  # decode_header's one read of the header
+    assert site.startswith("zeroshard/pipeline/p2p.py:") and reads == 1, sites
 
 
 @pytest.mark.cuda
