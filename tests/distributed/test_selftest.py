@@ -132,9 +132,10 @@ def test_host_reads_are_counted_where_they_happen_and_the_patches_undone() -> No
     import torch
 
     import zeroshard
-    from zeroshard.tools.selftest.syncs import SyncCounter
+    from zeroshard.tools.selftest.syncs import SOURCE_ROOT, SyncCounter
 
     root = Path(zeroshard.__file__).resolve().parents[1]  # sites are named relative to the package's parent
+    assert SOURCE_ROOT == root
     here = Path(__file__).resolve()
     named = here.relative_to(root).as_posix() if here.is_relative_to(root) else __file__
     t = torch.ones(3)

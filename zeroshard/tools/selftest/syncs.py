@@ -29,7 +29,7 @@ import torch
 #: the ``torch.Tensor`` methods that hand a value to the host
 READS = ("item", "__float__", "__int__", "__bool__", "tolist")
 #: the directory that holds the ``zeroshard`` package (a checkout's root, or site-packages), whatever
-#: its own name: sites are named relative to it
+#: its own name: sites are named relative to it (this file is zeroshard/tools/selftest/syncs.py)
 SOURCE_ROOT = Path(__file__).resolve().parents[3]
 
 
