@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +44,29 @@ def test_selftest_passes_on_two_cpu_ranks(tmp_path: Path) -> None:
     zero = [r for r in results["throughput"] if r["implementation"].startswith("stage")]
     assert [r["stage"] for r in zero] == [0, 1, 2, 3] and all(r["passed"] for r in zero)
     assert {r["implementation"] for r in results["throughput"]} >= {"ddp", "fsdp2"}
-    assert all(r["tokens_per_s"] > 0 and r["host_reads_per_step"] >= 0 for r in results["throughput"])
+    assert all(r["tokens_per_s"] > 0 for r in results["throughput"])
+    check_host_reads(results["throughput"])
     assert {(r["scope"], r["op"]) for r in results["bandwidth"]} == {("world", "all_gather"),
                                                                       ("world", "reduce_scatter")}
+
+
+def check_host_reads(throughput: list[dict[str, Any]]) -> None:
+    """On CPU every read is counted: none in DDP's and FSDP2's steps; in a zeroshard step the engine's one
+    read of the step ([Note: one host read per optimizer step] in engine/engine.py), one read of each
+    consistency check's gathered table (backward and step, and forward at stage 3), and at stage 3 only
+    the gather rounds' tables."""
+    for r in throughput:
+        steps, by_file = r["counted_steps"], Counter[str]()
+        for site, reads in r["host_read_sites"].items():
+            by_file[site.rpartition(":")[0]] += reads
+        assert r["host_reads_per_step"] == sum(by_file.values()) / steps, r
+        if not r["implementation"].startswith("stage"):
+            assert by_file == {}, r
+            continue
+        rounds = by_file.pop("zeroshard/sharding/stage3/gather_agreement.py", 0)
+        assert (rounds > 0) == (r["stage"] == 3), r
+        assert by_file == {"zeroshard/engine/engine.py": steps,
+                           "zeroshard/distributed/consistency.py": (3 if r["stage"] == 3 else 2) * steps}, r
 
 
 def passing_results() -> dict[str, Any]:
@@ -109,17 +131,55 @@ def test_ranks_beyond_the_gpus_are_refused_before_launching() -> None:
 def test_host_reads_are_counted_where_they_happen_and_the_patches_undone() -> None:
     import torch
 
-    from zeroshard.tools.selftest.syncs import SyncCounter
+    import zeroshard
+    from zeroshard.tools.selftest.syncs import SOURCE_ROOT, SyncCounter
 
+    root = Path(zeroshard.__file__).resolve().parents[1]  # sites are named relative to the package's parent
+    assert SOURCE_ROOT == root
+    here = Path(__file__).resolve()
+    named = here.relative_to(root).as_posix() if here.is_relative_to(root) else __file__
     t = torch.ones(3)
+    line = sys._getframe().f_lineno + 2
     with SyncCounter(torch.device("cpu")) as counter:
         t.sum().item(), float(t[0]), bool(t[1]), t.tolist(), int(t[2])
     assert counter.reads == 5 and counter.device_syncs is None
-    [(site, reads)] = counter.sites.items()  # all five on the line above
-    assert site.startswith(f"{__file__}:") and reads == 5
+    assert counter.sites == {f"{named}:{line}": 5}  # all five on that one line
     assert not {"item", "__float__", "__bool__", "tolist", "__int__"} & set(torch.Tensor.__dict__)
     t[0].item()
     assert counter.reads == 5
+
+
+#: run from a copy of the checkout: counts a read on its own line 6 and one inside the package
+COUNT_IN_A_COPY = """import json, sys, torch
+from zeroshard.pipeline.p2p import decode_header, encode_header
+from zeroshard.tools.selftest.syncs import SyncCounter
+header = encode_header((torch.ones(2, 3),))
+with SyncCounter(torch.device("cpu")) as counter:
+    float(header[0]), decode_header(header)
+print(json.dumps(dict(counter.sites)))
+"""
+
+
+def test_sites_are_named_alike_in_a_checkout_folder_named_zeroshard(tmp_path: Path) -> None:
+    """A clone's folder is named after the package: a site is still named from the package's parent,
+    never by searching its path for the package's name."""
+    import shutil
+
+    import zeroshard
+
+    checkout = tmp_path / "zeroshard"  # what `git clone` names it
+    shutil.copytree(Path(zeroshard.__file__).parent, checkout / "zeroshard",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    script = checkout / "tests" / "count.py"
+    script.parent.mkdir()
+    script.write_text(COUNT_IN_A_COPY)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(checkout)})
+    assert proc.returncode == 0, proc.stderr
+    sites = json.loads(proc.stdout)
+    assert sites.pop("tests/count.py:6") == 1
+    [(site, reads)] = sites.items()  # decode_header's one read of the header
+    assert site.startswith("zeroshard/pipeline/p2p.py:") and reads == 1, sites
 
 
 @pytest.mark.cuda

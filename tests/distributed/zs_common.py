@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zeroshard
 from zeroshard.tools.demo.model import GPT, GPTConfig
+from zeroshard.tools.selftest.syncs import site_path
 
 # A vocabulary no world size divides, a tied embedding, and a frozen layer (see make_model).
 TINY = GPTConfig(vocab_size=61, seq_len=8, d_model=16, n_layer=2, n_head=2, attn_bias=False)
@@ -127,7 +128,8 @@ HOST_ONLY = ("distributed/consistency.py", "sharding/stage3/gather_agreement.py"
 @contextlib.contextmanager
 def host_reads() -> Iterator[collections.Counter]:
     """Count the host reads of tensor values zeroshard makes inside the block, by ``module:function``
-    of the innermost zeroshard frame (reads of modules in ``HOST_ONLY`` left out)."""
+    of the innermost frame in the package's own files (``site_path``: wherever the checkout is, whatever
+    its folder's name; reads of modules in ``HOST_ONLY`` left out)."""
     found: collections.Counter = collections.Counter()
     originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
 
@@ -136,9 +138,9 @@ def host_reads() -> Iterator[collections.Counter]:
 
         def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             for frame in reversed(traceback.extract_stack()[:-1]):
-                path = frame.filename.replace("\\", "/")
-                if "/zeroshard/" in path and "/tests/" not in path:
-                    module = path.rsplit("/zeroshard/", 1)[1]
+                site = site_path(frame.filename)  # zeroshard/... for the package's own files only
+                if site.startswith("zeroshard/"):
+                    module = site.removeprefix("zeroshard/")
                     if not module.startswith(HOST_ONLY):
                         found[f"{module}:{frame.name}"] += 1
                     break

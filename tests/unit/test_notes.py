@@ -206,3 +206,35 @@ def test_notes_say_why_not_what_happened() -> None:
     benchmarks/RESULTS.md."""
     _, _, history = check(_sources())
     assert not history, "notes that tell history:\n" + "\n".join(history)
+
+
+#: a citation of benchmarks/RESULTS.md: ``section "X"``, then maybe ``paragraph "Y"`` or ``subsection "Y"``
+RESULTS_CITATION = re.compile(r'RESULTS\.md,? section "([^"]+)"(?:, (paragraph|subsection) "([^"]+)")?')
+
+
+def results_citations(path: str, source: str) -> list[tuple[str, str, Optional[str], Optional[str]]]:
+    """(path, section, paragraph or subsection kind, its title) of each citation in ``source``, read
+    across wrapped lines, comment markers, backticks and adjacent string literals."""
+    text = source.replace("`", "")
+    text = re.sub(r'"\s*\n\s*"', "", text)  # "...", newline, "..." joined as Python joins them
+    text = re.sub(r"\s*\n\s*(?:#\s*)?", " ", text).replace('\\"', '"')
+    return [(path, m.group(1), m.group(2), m.group(3)) for m in RESULTS_CITATION.finditer(text)]
+
+
+def test_every_citation_of_results_finds_its_section_and_paragraph() -> None:
+    """A note keeps the why and cites the figures by section (and paragraph) of benchmarks/RESULTS.md:
+    each cited heading starts with the section's title, and a cited paragraph opens in bold in it."""
+    results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    sections = re.split(r"^(?=## )", results, flags=re.MULTILINE)  # each with its ### subsections
+    citations = [c for path, source in _sources().items() if path.startswith("zeroshard/")
+                 for c in results_citations(path, source)]
+    assert len(citations) >= 10  # the notes do cite it
+    broken = []
+    for path, section, kind, title in citations:
+        found = [s for s in sections if re.search(rf"^#{{2,3}} {re.escape(section)}", s, flags=re.MULTILINE)]
+        if not found:
+            broken.append(f'{path}: section "{section}": no heading of benchmarks/RESULTS.md starts so')
+        elif title is not None and not any((f"**{title}" if kind == "paragraph" else f"### {title}") in s
+                                           for s in found):
+            broken.append(f'{path}: section "{section}" has no {kind} "{title}"')
+    assert not broken, "citations of benchmarks/RESULTS.md that find nothing:\n" + "\n".join(broken)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -9,6 +11,8 @@ from torch import nn
 import zeroshard
 from zeroshard.pipe import LayerSpec, PipelineModule
 from zeroshard.pipeline import GPipe, OneFOneB, PartitionMethodError, PipelineUsageError, TooFewLayersError
+from zeroshard.pipeline import executor
+from zeroshard.pipeline.executor import BatchTiming, StageClock
 from zeroshard.pipeline.p2p import decode_header, encode_header
 from zeroshard.pipeline.partition import partition
 from zeroshard.pipeline.schedule import (Backward, Forward, InterleavedOneFOneB, ScheduleDeadlockError,
@@ -219,7 +223,24 @@ def test_stage3_batch_gathers_and_timing_in_one_process() -> None:
         assert held == [not per_micro_batch] * 6 and not engine.batch_gathers.held
         assert engine.storage.gathered_bytes() == 0  # released before the step
         timing = engine.last_batch_timing
-        assert timing is not None and timing.busy_s > 0 and timing.idle_s >= 0
-        assert timing.recv_s == 0 and 0 <= timing.idle_fraction < 1  # one stage receives nothing
+        assert timing is not None and timing.busy_s > 0  # one stage receives nothing; its idle is its waits
+        assert timing.recv_s == 0 and timing.idle_s == timing.recv_s + timing.send_s + timing.sync_s
+        assert timing.idle_fraction == timing.idle_s / (timing.busy_s + timing.idle_s)
         engine.close()
     assert losses[False] == losses[True] and losses[False][1] < losses[False][0]
+
+
+def test_a_stage_clock_counts_the_batch_waits_as_idle_and_the_rest_as_busy(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr(executor.time, "perf_counter", lambda: now[0])
+    link = SimpleNamespace(recv_seconds=1.0, send_seconds=2.0)  # before the batch: not its waits
+    clock = StageClock(link)  # type: ignore[arg-type]
+    link.recv_seconds += 0.5
+    link.send_seconds += 0.25
+    now[0] = 101.0
+    clock.synced(100.5)  # a cross-stage collective from 100.5 to 101
+    now[0] = 104.0
+    assert clock.timing() == BatchTiming(busy_s=2.75, idle_s=1.25, recv_s=0.5, send_s=0.25, sync_s=0.5)
+    assert clock.timing().idle_fraction == 1.25 / 4
+    link.recv_seconds += 10.0  # waits over the batch's wall time (another thread's): all of it idle
+    assert (clock.timing().busy_s, clock.timing().idle_s) == (0.0, 4.0)

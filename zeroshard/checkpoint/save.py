@@ -48,10 +48,11 @@ class StagingBuffers:
     """Host copies of a rank's checkpoint tensors for asynchronous saves, kept from one save to the next.
 
     An asynchronous save copies the rank's whole state before training goes on; copied into fresh
-    memory, every page of it is first touched then (measured: 0.98 s of the 91M model's 1.6 s
-    synchronous save, on a VM where a first touch is slow), copied into the previous save's buffers,
-    only the copy is paid.  At most one asynchronous save is in flight, and the next save waits for it,
-    so the buffers are free again when the next capture reuses them.  They cost host memory equal
+    memory, every page of it is first touched then, most of a synchronous save's time on a machine where
+    a first touch is slow (benchmarks/RESULTS.md, section "Asynchronous checkpoint saves", paragraph
+    "Staging buffers kept between saves"); copied into the previous save's buffers, only the copy is
+    paid.  At most one asynchronous save is in flight, and the next save waits for it, so the buffers
+    are free again when the next capture reuses them.  They cost host memory equal
     to the rank's checkpoint from the first asynchronous save on (``release()`` gives it back), as
     DeepSpeed's decoupled writer keeps its buffers.
 

@@ -4,8 +4,8 @@
 In ring arithmetic an all-reduce is a reduce-scatter followed by an all-gather, which is why ZeRO stages
 1-2 communicate what DDP does.  gloo's own reduce-scatter and all-gather do not keep that promise: both
 flatten their inputs into temporaries, and their algorithms are not the ring, so on one bucket together
-they take more than twice its all-reduce's time, and a stage-1/2 step would spend more than twice DDP's
-time in collectives.  Sent as the ring's messages (``isend``/``irecv`` to the neighbours, N-1 steps of
+they take far longer than its all-reduce, and a stage-1/2 step would spend far longer than DDP's in
+collectives.  Sent as the ring's messages (``isend``/``irecv`` to the neighbours, N-1 steps of
 one chunk each), a reduce-scatter and an all-gather together take about one all-reduce's time.  The
 message size matters more than anything else (``piece_bytes``): a piece that fits the cache is received,
 added and sent on while it is still there, so zeroshard sends 1 MiB (collectives.PIECE_BYTES), at which

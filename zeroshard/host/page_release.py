@@ -13,12 +13,12 @@ next gather] in host/page_reserve.py), and what the reserve cannot hold is dropp
 in, and no other allocation can move into the hole.  What is released is therefore really gone from
 the process: with ``host_memory_trim`` stage 3 peaks lower than with its units' buffers on the heap.
 The buffers ask for transparent huge pages (``MADV_HUGEPAGE``), so that faulting a 27 MiB unit back in
-costs 14 faults instead of 6912, which refills a dropped buffer more than twice as fast.
+costs 14 faults instead of 6912, which refills a dropped buffer much faster.
 
 What faulting back in costs depends on the host.  On a virtual machine whose guest reports free
 memory to the hypervisor (virtio-balloon free page reporting), pages that stay free for about two
-seconds go to the host, and touching them again costs a fault there as well: a refill takes more than
-twice as long two seconds after the drop as right after it.  A unit released in one backward is
+seconds go to the host, and touching them again costs a fault there as well: a refill takes far longer
+two seconds after the drop than right after it.  A unit released in one backward is
 gathered again in the next forward, seconds later, when the pages it dropped are cold: the reason the
 reserve moves pages instead of dropping them.  The figures (huge pages, refill rates, stage 3's peak)
 are in benchmarks/RESULTS.md, section "What faulting released pages back in costs"

@@ -21,11 +21,11 @@ sharding/stage3/sharded_params.py) and fills the rest of the unit from the reser
 releases each unit: the slot's pages go home to the store (handed over again), the rest is parked, and
 the gradient chunk it produces is filled from the reserve; the step gives the gradient chunks back
 (parked); the next forward's gathers take what is parked.  The capacity is what one forward gathers
-beyond the chunks its units borrow (174 MiB at 91M, world 2): exactly what the gathers take from the
-reserve.  The store's pages move straight into the slot because they could not usefully be parked:
-prefetch launches every gather of a forward before the first unit lends its chunk, so pages parked at
-lending would wait through the forward's end, where stage 3 peaks, and dropped instead they would leave
-half of a forward's gathers to fault in.  Between steps the parked pages count in the process's RSS
+beyond the chunks its units borrow: exactly what the gathers take from the reserve.  The store's
+pages move straight into the slot because they could not usefully be parked: prefetch launches every
+gather of a forward before the first unit lends its chunk, so pages parked at lending would wait
+through the forward's end, where stage 3 peaks, and dropped instead they would leave half of a
+forward's gathers to fault in.  Between steps the parked pages count in the process's RSS
 (``memory_breakdown()["parked_pages"]``); at the forward's end the gathers have taken them.  A forward
 then faults in next to no pages, and the reserve does not raise the peak RSS (measured in
 benchmarks/RESULTS.md, section "What faulting released pages back in costs", paragraph "Stage 3's

@@ -23,8 +23,8 @@ def _foreach_kwargs() -> dict[str, Any]:
 def _adam_kwargs() -> dict[str, Any]:
     """Adam/AdamW: torch's fused kernel (CPU and CUDA), one pass over memory per tensor.
 
-    Measured on CPU (benchmarks/bench_offload.py): 4.8x the foreach implementation's parameters per
-    second, which matters most where the update runs on the host (optimizer offload).
+    Several times the foreach implementation's parameters per second on CPU (benchmarks/RESULTS.md,
+    section "Offload"), which matters most where the update runs on the host (optimizer offload).
     """
     return {"fused": True}
 

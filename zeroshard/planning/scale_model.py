@@ -82,24 +82,15 @@ Volumes, exactly: the ZeRO paper's stage 3 moves 1.5x the communication of data 
 backward gather, reduce-scatter: M each) and hpZ's as 2M (the backward gather stays in the node):
 ``traffic_per_step`` gives 3(N-1)/N M and 2(N-1)/N M at K = 1 (with K micro steps: (K+1)/(3K)).
 
-Times, approximately: ZeRO++ reports, on 384 V100s (24 nodes of 16), 1K tokens per GPU, that its three
-techniques together (0.75M across nodes: qwZ halves the forward gather, hpZ keeps the backward gather
-in the node, qgZ sends 0.25M of gradients) are 28-36% faster than ZeRO-3 at 400 Gb/s per node, up to
-2.2x (about 2x on average) at 100 Gb/s, and as fast at 200 Gb/s as ZeRO-3 at 800 Gb/s.  Given those
-volumes (hpZ's from :func:`traffic_per_step`, qwZ/qgZ's as hand-built :class:`CollectiveTraffic`), an
-18B model, activation checkpointing, 150 GB/s NVSwitch and an assumed 50 achieved TFLOPS per V100 (the
-papers give plots, so that figure is an assumption), this model predicts a ZeRO++ speedup of
-2.36x overlapped / 2.15x with no overlap at 100 Gb/s (published: up to 2.2x, within 7%);
-1.00x overlapped / 1.35x with no overlap at 400 Gb/s (published 1.28-1.36x: it matches the
-no-overlap bound: ZeRO-3's 2.2 s of network per step overlaps the 2.9 s of compute far less than
-perfectly); ZeRO++ at 200 Gb/s and ZeRO-3 at 800 Gb/s both 2.95 s (published: equal).  hpZ alone:
-1.44x at 100 Gb/s.  So: communication-bound predictions are within ~10%; where communication and
-compute are about equal, read the step time as lying between ``step s`` and ``compute s + comm s``.
-MiCS (Zhang et al., VLDB 2022) reports near-linear scaling (99.4% weak-scaling efficiency for a
-100B model on 512 GPUs): here a MiCS rank's per-micro-step traffic does not depend on the number of
-nodes, and the replica all-reduce (2(R-1)/R of a shard, at most 2x from R = 2 to any R) hides
-behind the last backward, so the predicted weak scaling is 100% while that all-reduce fits there
-(the table in docs/MULTI_NODE.md: MiCS step times equal from 16 to 512 GPUs).
+Times, approximately: the model's predictions for ZeRO++'s published runs (384 V100s at 100-800 Gb/s
+per node) and MiCS's weak scaling, beside the published figures, are in benchmarks/RESULTS.md, section
+"The scale model against published figures".  They show where to trust it: where communication bounds
+the step, the prediction follows the published speedups; where communication and compute take about
+as long, real overlap is far from perfect, so read the step time as lying between ``step s`` and
+``compute s + comm s`` (the no-overlap bound).  A MiCS rank's per-micro-step traffic does not depend on
+the number of nodes, and the replica all-reduce (2(R-1)/R of a shard, at most 2x from R = 2 to any R)
+hides behind the last backward, so the predicted weak scaling is perfect while that all-reduce fits
+there (the table in docs/MULTI_NODE.md: MiCS step times equal from 16 to 512 GPUs).
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ error (see [Note: reading a sharded parameter outside forward] in sharding/stage
 [Note: a gathered unit borrows this rank's chunk]
 A gathered unit's full buffer holds this rank's chunk in its own slot, and the store holds the same
 values a second time: at DeepSpeed's default reuse distance every unit stays gathered from its forward
-to its backward, so at the backward peak a rank holds its whole shard twice (174 MiB of a 91M-parameter
-model at world 2).  So a gathered unit *borrows* the chunk: where pages can move (host memory on Linux,
+to its backward, so at the backward peak a rank would hold its whole shard twice (4Ψ/N bytes more in
+fp32).  So a gathered unit *borrows* the chunk: where pages can move (host memory on Linux,
 see [Note: released pages move to the next gather] in host/page_reserve.py), the gather moves the
 store's whole pages under the chunk into the full buffer's slot (the buffer is placed so that the slot
 lies at the chunk's offset within a page: :meth:`_allocate_full`) and sends from the slot, and

@@ -36,7 +36,7 @@ def progress_bar(total: int, enabled: bool) -> tqdm:
 
 
 def default_config(stage: int, steps: int, precision: str = "fp32", lr: float = 3e-3) -> dict:
-    # fp32 by default: at this model size bf16 is no faster on CPU (benchmarks/RESULTS.md, main job)
+    # fp32 by default: at this model size bf16 is no faster on CPU (benchmarks/RESULTS.md, section "Main job")
     mixed = {precision: {"enabled": True}} if precision != "fp32" else {}
     return {
         **mixed,

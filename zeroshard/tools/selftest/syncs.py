@@ -15,9 +15,12 @@ the CPU can no longer queue work ahead: the step's kernels run with gaps between
 
 from __future__ import annotations
 
+import functools
+import os
 import sys
 import warnings
 from collections import Counter
+from pathlib import Path
 from types import FrameType
 from typing import Any, Callable, Optional
 
@@ -25,6 +28,19 @@ import torch
 
 #: the ``torch.Tensor`` methods that hand a value to the host
 READS = ("item", "__float__", "__int__", "__bool__", "tolist")
+#: the directory that holds the ``zeroshard`` package (a checkout's root, or site-packages), whatever
+#: its own name: sites are named relative to it (this file is zeroshard/tools/selftest/syncs.py)
+SOURCE_ROOT = Path(__file__).resolve().parents[3]
+
+
+@functools.lru_cache(maxsize=None)
+def site_path(filename: str) -> str:
+    """``filename`` (a code object's) relative to ``SOURCE_ROOT`` with ``/`` separators, such as
+    ``zeroshard/engine/engine.py``; a file outside that directory keeps its path as given."""
+    try:
+        return Path(os.path.realpath(filename)).relative_to(SOURCE_ROOT).as_posix()
+    except ValueError:
+        return filename
 
 
 class SyncCounter:
@@ -59,9 +75,7 @@ class SyncCounter:
 
     def _count(self, caller: FrameType) -> None:
         self.reads += 1
-        path = caller.f_code.co_filename
-        package = path.rfind("zeroshard/")
-        self.sites[f"{path[package:] if package >= 0 else path}:{caller.f_lineno}"] += 1
+        self.sites[f"{site_path(caller.f_code.co_filename)}:{caller.f_lineno}"] += 1
 
     def __enter__(self) -> "SyncCounter":
         for name in READS:
