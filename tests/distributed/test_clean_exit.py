@@ -34,7 +34,7 @@ print("finished", flush=True)
 """
 
 
-@pytest.mark.slow  # extended: runs in CI (see conftest.py)
+@pytest.mark.nightly  # a sweep: CI runs it in its second step (see conftest.py)
 def test_ten_finished_runs_in_a_row_all_exit_zero(tmp_path) -> None:
     script = tmp_path / "job.py"
     script.write_text(JOB)

@@ -25,7 +25,7 @@ def launch(out: Path, victim: int, kill_at: int, restarts: int) -> subprocess.Co
     return subprocess.run(command, capture_output=True, text=True, timeout=240)
 
 
-@pytest.mark.slow  # extended: runs in CI (see conftest.py)
+@pytest.mark.nightly  # a sweep: CI runs it in its second step (see conftest.py)
 def test_a_rank_killed_at_a_random_step_resumes_bitwise_five_times_in_a_row(tmp_path: Path) -> None:
     reference = launch(tmp_path / "reference", victim=0, kill_at=-1, restarts=0)
     assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]

@@ -67,7 +67,7 @@ def run(code: str, *args: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-@pytest.mark.slow  # extended: runs in CI (see conftest.py)
+@pytest.mark.nightly  # a sweep: CI runs it in its second step (see conftest.py)
 def test_a_crash_at_any_filesystem_operation_leaves_a_loadable_checkpoint(tmp_path) -> None:
     """Re-saving the tag ``latest`` names, the delicate case (a new tag's save killed midway is in
     tests/distributed/test_checkpoint.py)."""
