@@ -340,10 +340,11 @@ class ParallelGroups:
             self.tensor_mesh = tensor_device_mesh(dims, world.device.type)["tensor"]
             self.tensor = Collectives(dataclasses.replace(world, rank=self.tensor_index, world_size=dims.tp,
                                                           group=self.tensor_mesh.get_group(), parts=()))
-            slices = [sorted(r for r in range(dims.world_size) if dims.tensor_index(r) == t) for t in range(dims.tp)]
-            self.tensor_slice = dataclasses.replace(
-                world, rank=slices[self.tensor_index].index(world.rank), world_size=len(slices[0]),
-                group=_own_of(slices, self.tensor_index, timeout), parts=())
+            rows = dims.groups("tensor")
+            slices = list(zip(*rows))  # the mesh's columns: one tensor index, every row
+            row, _ = dims.group_of("tensor", world.rank)
+            self.tensor_slice = dataclasses.replace(world, rank=row, world_size=len(rows),
+                                                    group=_own_of(slices, self.tensor_index, timeout), parts=())
         #: the gradients' own point-to-point group, with virtual stages (:meth:`gradient_p2p`)
         self.p2p_gradients: Optional[dist.ProcessGroup] = None
         self._subgroups: dict[tuple[int, ...], Optional[dist.ProcessGroup]] = {}

@@ -215,11 +215,11 @@ class Engine:
         self.saves = BackgroundSaves(self.world)  # asynchronous checkpoint saves
         zero = self.config.zero_optimization
         #: every parallel axis of the job (distributed/parallel_dims.py)
-        self.axes = axes if axes is not None else ParallelDims.for_job(
+        self.parallel_dims = axes if axes is not None else ParallelDims.for_job(
             world.world_size, mics_shard_size=zero.mics_shard_size, hpz_partition_size=zero.zero_hpz_partition_size,
             ep=expert_parallel_size(self.module))
         self.expert_parallel_size = self._expert_parallel_size(world)
-        self.shard_groups = build_shard_groups(self.comm, self.topology, self.axes,
+        self.shard_groups = build_shard_groups(self.comm, self.topology, self.parallel_dims,
                                                STRATEGIES[self.config.stage].traits.gathers_in_passes)
         bind_expert_groups(self.module, self.shard_groups.expert_parallel, self.comm)
         exchange, experts_data = self.shard_groups.expert_parallel, self.shard_groups.expert_data
@@ -231,9 +231,9 @@ class Engine:
         """The model's MoE layers' ``ep_size``, the job's expert axis (see [Note: experts sharded over
         the ranks that hold them] in experts/groups.py)."""
         ep_size = expert_parallel_size(self.module)
-        if ep_size != self.axes.ep:
+        if ep_size != self.parallel_dims.ep:
             raise ExpertParallelError(f"the model's MoE layers have ep_size={ep_size}, but the job's axes were "
-                                      f"built with an expert axis of {self.axes.ep}")
+                                      f"built with an expert axis of {self.parallel_dims.ep}")
         zero = self.config.zero_optimization
         if ep_size > 1 and (zero.mics_shard_size > 0 or zero.zero_hpz_partition_size > 1 or world.parts):
             raise ExpertParallelError(
