@@ -85,10 +85,10 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
             raise ValueError("initialize(mpu=...) with tensor_parallel.autotp_size: the model splits its own layers "
                              "(mpu) or zeroshard splits them (autotp_size), not both")
         worlds = model_parallel_worlds(mpu, world)
-        axes = job_axes(parsed, world, worlds.dims.tp, model)
+        axes = _job_axes(parsed, world, worlds.dims.tp, model)
         worlds = dataclasses.replace(worlds, dims=axes)
     else:  # tensor parallelism from the config, or from tp_model_init() (zeroshard/tensor_parallel/)
-        axes = job_axes(parsed, world, tensor_parallel_size(model, parsed.tensor_parallel), model)
+        axes = _job_axes(parsed, world, tensor_parallel_size(model, parsed.tensor_parallel), model)
         prepared = prepare_tensor_parallel(model, parsed.tensor_parallel, world, axes)
         if prepared is not None:
             worlds, mpu, split, batch_check = prepared
@@ -140,7 +140,7 @@ def _initialize_pipeline(model: "PipelineModule", config: ZeroshardConfig, model
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
-def job_axes(config: ZeroshardConfig, world: World, tensor_parallel: int, model: nn.Module) -> ParallelDims:
+def _job_axes(config: ZeroshardConfig, world: World, tensor_parallel: int, model: nn.Module) -> ParallelDims:
     """Every parallel axis of a job without a pipeline (distributed/parallel_dims.py), built once and
     validated here: ``world`` (the whole job) cut into ``tensor_parallel`` ranks per data-parallel rank,
     the config's MiCS / hpZ sizes and the expert axis of ``model``'s MoE layers; a size that does not
