@@ -14,12 +14,14 @@ from .config import ConfigError, ZeroshardConfig, load_config, resolve_batch_siz
 from .engine.data import DistributedLoader, build_loader
 from .distributed.launch_env import DEFAULT_PORT
 from .distributed.model_parallel import ModelParallelWorlds, check_mpu, model_parallel_worlds
+from .distributed.parallel_dims import ParallelDims
 from .distributed.world import World, init_distributed
 from .checkpoint.format import LATEST
 from .engine.engine import Engine, SchedulerSpec
 from .initialize_errors import InitializeArgumentError
 from .engine.tensor_parallel import TensorParallelEngine
-from .tensor_parallel import SplitModel, prepare_tensor_parallel
+from .experts.layer import expert_parallel_size
+from .tensor_parallel import SplitModel, prepare_tensor_parallel, tensor_parallel_size
 from .logging import log_rank
 from .pipeline import PipelineConfigError, PipelineEngine, PipelineModule
 from .pipeline.module import PipelineMPU
@@ -83,8 +85,11 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
             raise ValueError("initialize(mpu=...) with tensor_parallel.autotp_size: the model splits its own layers "
                              "(mpu) or zeroshard splits them (autotp_size), not both")
         worlds = model_parallel_worlds(mpu, world)
+        axes = _job_axes(parsed, world, worlds.dims.tp, model)
+        worlds = dataclasses.replace(worlds, dims=axes)
     else:  # tensor parallelism from the config, or from tp_model_init() (zeroshard/tensor_parallel/)
-        prepared = prepare_tensor_parallel(model, parsed.tensor_parallel, world)
+        axes = _job_axes(parsed, world, tensor_parallel_size(model, parsed.tensor_parallel), model)
+        prepared = prepare_tensor_parallel(model, parsed.tensor_parallel, world, axes)
         if prepared is not None:
             worlds, mpu, split, batch_check = prepared
     if worlds is not None:
@@ -92,7 +97,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     parsed = resolve_batch_sizes(parsed, world.world_size)
     if parsed.seed is not None:
         torch.manual_seed(parsed.seed)
-    engine = Engine(model, parsed, world, model_parameters, optimizer, lr_scheduler) if worlds is None \
+    engine = Engine(model, parsed, world, model_parameters, optimizer, lr_scheduler, axes=axes) if worlds is None \
         else TensorParallelEngine(model, parsed, worlds, mpu, model_parameters, optimizer, lr_scheduler, split)
     if split is not None:
         engine.hold_hook(batch_check)
@@ -120,7 +125,9 @@ def _initialize_pipeline(model: "PipelineModule", config: ZeroshardConfig, model
     resume_dir = _resume_dir(resume_from, config)  # a missing save_dir is named before anything is built
     if config.seed is not None:
         torch.manual_seed(config.seed)
-    engine = PipelineEngine(model, config, model_parameters, optimizer, lr_scheduler)
+    # the topology's axes with the stages' expert axis; the pipeline refuses MiCS and hpZ (pipeline/checks.py)
+    axes = dataclasses.replace(model.groups.dims, ep=expert_parallel_size(model))
+    engine = PipelineEngine(model, config, model_parameters, optimizer, lr_scheduler, axes=axes)
     loader = None
     if training_data is not None:
         loader = build_loader(training_data, engine.train_micro_batch_size_per_gpu(), engine.world, collate_fn,
@@ -131,6 +138,16 @@ def _initialize_pipeline(model: "PipelineModule", config: ZeroshardConfig, model
         path, _ = engine.load_checkpoint(resume_dir, load_rng_state=True)
         log_rank(f"resumed from {path} at step {engine.global_steps}")
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _job_axes(config: ZeroshardConfig, world: World, tensor_parallel: int, model: nn.Module) -> ParallelDims:
+    """Every parallel axis of a job without a pipeline (distributed/parallel_dims.py), built once and
+    validated here: ``world`` (the whole job) cut into ``tensor_parallel`` ranks per data-parallel rank,
+    the config's MiCS / hpZ sizes and the expert axis of ``model``'s MoE layers; a size that does not
+    divide what it cuts is refused by name, the same on every rank."""
+    zero = config.zero_optimization
+    return ParallelDims.for_job(world.world_size, tp=tensor_parallel, mics_shard_size=zero.mics_shard_size,
+                                hpz_partition_size=zero.zero_hpz_partition_size, ep=expert_parallel_size(model))
 
 
 def _own_checkpoints(engine: Engine, directory: Path) -> Path:

@@ -66,6 +66,8 @@ def check_mpu(mpu: Any) -> tuple[str, ...]:
 class ModelParallelWorlds:
     """This rank's place in a tensor x data parallel job, read from its mpu."""
 
+    #: the job's axes (``initialize()`` replaces the mpu's sizes with the axes it builds); an mpu's own
+    #: groups may number the ranks otherwise, so the engine takes only the data axis's cuts from them
     dims: ParallelDims
     #: the data-parallel world an engine trains over (with every data-parallel group as its parts)
     data_world: World

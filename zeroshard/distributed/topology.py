@@ -14,8 +14,11 @@ of S ranks, which torchrun's numbering puts on one node (the ranks of a node are
   consecutive ranks of the node, and every later gather until the next step gathers from it, inside
   the group.
 
-Groups are consecutive blocks of S ranks: they follow node boundaries when S divides the ranks per
-node (or the reverse).  Every rank creates every group, in the same order, as ``new_group`` requires.
+Groups are consecutive blocks of S ranks, cut by the job's axes (:meth:`ParallelDims.positions`, see
+[Note: the order of the axes] in distributed/parallel_dims.py): they follow node boundaries when S
+divides the ranks per node (or the reverse).  A size that does not divide the world is refused when the
+axes are built (``ParallelDims.for_job``).  Every rank creates every group, in the same order, as
+``new_group`` requires.
 """
 
 from __future__ import annotations
@@ -24,12 +27,13 @@ import dataclasses
 import os
 import socket
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .collectives import Collectives, CommLedger
+from .parallel_dims import ParallelDims
 from .world import World, new_side_group
 
 
@@ -117,58 +121,43 @@ class ShardGroups:
                 dist.destroy_process_group(group)
 
 
-def _new_group(world: World, ranks: list[int]) -> Optional[dist.ProcessGroup]:
+def _new_group(world: World, ranks: Sequence[int]) -> Optional[dist.ProcessGroup]:
     return new_side_group(world, ranks)
 
 
-def _own_group(comm: Collectives, topology: Topology, partition: list[list[int]]) -> Collectives:
+def _own_group(comm: Collectives, topology: Topology, partition: Sequence[Sequence[int]]) -> Collectives:
     """Every group of ``partition`` created, in order, as every rank must; this rank's one."""
     world = comm.world
     mine: Optional[tuple[Optional[dist.ProcessGroup], list[int]]] = None
     for ranks in partition:
         group = _new_group(world, ranks)
         if world.rank in ranks:
-            mine = (group, ranks)
+            mine = (group, list(ranks))
     assert mine is not None, "the partition covers every rank"
     group, ranks = mine
     return comm.over(dataclasses.replace(world, rank=ranks.index(world.rank), world_size=len(ranks),
                                          group=group, spans_nodes=topology.spans_nodes(ranks)))
 
 
-def consecutive_blocks(n: int, size: int) -> list[list[int]]:
-    """Blocks of ``size`` consecutive ranks."""
-    return [list(range(start, start + size)) for start in range(0, n, size)]
-
-
-def strided_groups(n: int, size: int) -> list[list[int]]:
-    """The ranks at the same position of every block of ``size``."""
-    return [list(range(position, n, size)) for position in range(size)]
-
-
-def _blocks(comm: Collectives, topology: Topology, size: int, across: bool) -> tuple[Collectives, Optional[Collectives]]:
-    """This rank's block of ``size`` consecutive ranks and (``across``) its group of ranks at the same
-    position in every block; every rank creates every group, blocks first, in rank order."""
+def build_shard_groups(comm: Collectives, topology: Topology, axes: ParallelDims,
+                       gathers_in_passes: bool = False) -> ShardGroups:
+    """The engine's :class:`ShardGroups` over ``comm``'s world, the ZeRO world of ``axes`` (its ranks
+    numbered by position): MiCS's shard and replica groups (``axes.dp_replicate`` > 1), hpZ's secondary
+    partitions (``axes.hpz`` > 1) and the expert groups (``axes.ep`` > 1), each from
+    :meth:`ParallelDims.positions`.  ``gathers_in_passes`` (stage 3): with the groups its gather rounds
+    need."""
     n = comm.world.world_size
-    block = _own_group(comm, topology, consecutive_blocks(n, size))
-    return block, _own_group(comm, topology, strided_groups(n, size)) if across else None
-
-
-def build_shard_groups(comm: Collectives, topology: Topology, mics_shard_size: int,
-                       hpz_partition_size: int, gathers_in_passes: bool = False,
-                       expert_parallel_size: int = 1) -> ShardGroups:
-    """The engine's :class:`ShardGroups` for the config's ``mics_shard_size`` (-1: off) and
-    ``zero_hpz_partition_size`` (1: off); a size that does not divide the world is refused.
-    ``gathers_in_passes`` (stage 3): with the groups its gather rounds need; ``expert_parallel_size``
-    (the model's MoE layers' ``ep_size``): with the expert groups."""
-    groups = _sharding_groups(comm, topology, mics_shard_size, hpz_partition_size)
-    if expert_parallel_size > 1:
-        groups.expert_parallel, groups.expert_data = _blocks(comm, topology, expert_parallel_size, across=True)
+    if n != axes.zero_size:
+        raise ValueError(f"the engine's world has {n} ranks, but the axes {axes.describe()} shard over "
+                         f"{axes.zero_size}")
+    groups = _sharding_groups(comm, topology, axes)
+    if axes.ep > 1:
+        groups.expert_parallel = _own_group(comm, topology, axes.positions("expert"))
+        groups.expert_data = _own_group(comm, topology, axes.positions("expert_data"))
         if gathers_in_passes:  # a second copy of the experts' groups, for their gradients alone
-            experts_data = strided_groups(comm.world.world_size, expert_parallel_size)
-            groups.expert_grads = _own_group(comm, topology, experts_data)
+            groups.expert_grads = _own_group(comm, topology, axes.positions("expert_data"))
     if gathers_in_passes and comm.world.is_distributed:
-        size = groups.shard.world.world_size
-        groups.grads, _ = _blocks(comm, topology, size, across=False)
+        groups.grads = _own_group(comm, topology, axes.positions("shard"))
         rounds = new_side_group(comm.world, backend="gloo")
         # counted apart: the rounds are bookkeeping, not ZeRO's traffic; launched behind the engine's gate
         # (see [Note: the backward's check runs behind its compute] in distributed/consistency.py)
@@ -177,17 +166,10 @@ def build_shard_groups(comm: Collectives, topology: Topology, mics_shard_size: i
     return groups
 
 
-def _sharding_groups(comm: Collectives, topology: Topology, mics_shard_size: int,
-                     hpz_partition_size: int) -> ShardGroups:
-    n = comm.world.world_size
-    for key, size in (("mics_shard_size", mics_shard_size), ("zero_hpz_partition_size", hpz_partition_size)):
-        if size > 1 and n % size:
-            raise ValueError(f"zero_optimization.{key} = {size} does not divide the world size {n}: choose a "
-                             f"divisor of {n}, usually the number of ranks per node")
-    if mics_shard_size > 0 and mics_shard_size < n:
-        shard, replicas = _blocks(comm, topology, mics_shard_size, across=True)
-        return ShardGroups(shard, comm, replicas=replicas)
-    if 1 < hpz_partition_size < n:
-        secondary, _ = _blocks(comm, topology, hpz_partition_size, across=False)
-        return ShardGroups(comm, comm, secondary=secondary)
+def _sharding_groups(comm: Collectives, topology: Topology, axes: ParallelDims) -> ShardGroups:
+    if axes.dp_replicate > 1:
+        shard = _own_group(comm, topology, axes.positions("shard"))
+        return ShardGroups(shard, comm, replicas=_own_group(comm, topology, axes.positions("replicate")))
+    if 1 < axes.hpz < axes.zero_size:
+        return ShardGroups(comm, comm, secondary=_own_group(comm, topology, axes.positions("secondary")))
     return ShardGroups(comm, comm)

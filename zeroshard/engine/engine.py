@@ -33,6 +33,7 @@ from ..config import ZeroshardConfig
 from ..config.schema import ActivationCheckpointingConfig
 from ..distributed.collectives import Collectives
 from ..distributed.consistency import Call, ConsistencyCheck, EngineUsageError
+from ..distributed.parallel_dims import ParallelDims
 from ..distributed.topology import Topology, build_shard_groups
 from ..distributed.world import World, release_at_exit
 from ..sharding.stage3.init_context import adopt_init_params, has_init_params
@@ -43,8 +44,7 @@ from ..host.host_allocator import HostMemoryPolicy
 from ..host.page_memory import HostPageMemory
 from ..optim import build_scheduler, clip_coefficient, from_config, from_user, global_grad_norm
 from ..optim.clipping import ExpertsNorm
-from ..experts.groups import (ExpertGroupRecord, ExpertParallelError, check_expert_parallel_size,
-                              register_expert_groups)
+from ..experts.groups import ExpertGroupRecord, ExpertParallelError, register_expert_groups
 from ..experts.checkpoint import ExpertPlacement, with_every_expert
 from ..experts.layer import bind_expert_groups, expert_parallel_size
 from .memory import memory_breakdown
@@ -145,8 +145,9 @@ class Engine:
 
     def __init__(self, model: nn.Module, config: ZeroshardConfig, world: World,
                  model_parameters: Any = None, optimizer: Any = None,
-                 lr_scheduler: SchedulerSpec = None) -> None:
-        """Take ``model`` over (see [Note: an engine's lifetime]).
+                 lr_scheduler: SchedulerSpec = None, *, axes: Optional[ParallelDims] = None) -> None:
+        """Take ``model`` over (see [Note: an engine's lifetime]).  ``axes``: the job's parallel axes,
+        ``world`` their ZeRO world (``initialize()`` builds them); by default ``world``'s alone.
 
         [Note: the order an engine is built in]
         Each step uses what the steps before it built: the policies the config decides; the world
@@ -171,7 +172,7 @@ class Engine:
         self.config = config
         self.counters = TrainingCounters()
         self._decide_policies(config, world.device)
-        self._build_groups(world)
+        self._build_groups(world, axes)
         trainable = collect_trainable(model, model_parameters,
                                       optimizer if isinstance(optimizer, Optimizer) else None, replaced)
         self.param_names = trainable.names
@@ -203,21 +204,23 @@ class Engine:
             HostPageMemory() if config.zero_optimization.host_page_reuse and HostPageMemory.serves(device)
             else DeviceMemory())
 
-    def _build_groups(self, world: World) -> None:
+    def _build_groups(self, world: World, axes: Optional[ParallelDims] = None) -> None:
         """The world (which ranks share a node), its collectives, the consistency check, the group of
-        asynchronous saves and the groups the training state is sharded over (hybrid sharding: see
-        distributed/topology.py)."""
+        asynchronous saves and the groups the training state is sharded over, from the job's axes
+        (hybrid sharding and experts: see distributed/topology.py)."""
         self.topology = Topology.discover(world)
         self.world = dataclasses.replace(world, spans_nodes=self.topology.spans_nodes(range(world.world_size)))
         self.comm = Collectives(self.world)
         self._agree = ConsistencyCheck(self.comm)
         self.saves = BackgroundSaves(self.world)  # asynchronous checkpoint saves
         zero = self.config.zero_optimization
+        #: every parallel axis of the job (distributed/parallel_dims.py)
+        self.parallel_dims = axes if axes is not None else ParallelDims.for_job(
+            world.world_size, mics_shard_size=zero.mics_shard_size, hpz_partition_size=zero.zero_hpz_partition_size,
+            ep=expert_parallel_size(self.module))
         self.expert_parallel_size = self._expert_parallel_size(world)
-        self.shard_groups = build_shard_groups(self.comm, self.topology, zero.mics_shard_size,
-                                               zero.zero_hpz_partition_size,
-                                               STRATEGIES[self.config.stage].traits.gathers_in_passes,
-                                               self.expert_parallel_size)
+        self.shard_groups = build_shard_groups(self.comm, self.topology, self.parallel_dims,
+                                               STRATEGIES[self.config.stage].traits.gathers_in_passes)
         bind_expert_groups(self.module, self.shard_groups.expert_parallel, self.comm)
         exchange, experts_data = self.shard_groups.expert_parallel, self.shard_groups.expert_data
         #: DeepSpeed's deepspeed.utils.groups answers with these while the engine lives
@@ -225,10 +228,12 @@ class Engine:
             exchange, experts_data, self.comm)) if exchange is not None and experts_data is not None else None
 
     def _expert_parallel_size(self, world: World) -> int:
-        """The model's MoE layers' ``ep_size``, checked against the job (see [Note: experts sharded over
+        """The model's MoE layers' ``ep_size``, the job's expert axis (see [Note: experts sharded over
         the ranks that hold them] in experts/groups.py)."""
         ep_size = expert_parallel_size(self.module)
-        check_expert_parallel_size(ep_size, world.world_size)
+        if ep_size != self.parallel_dims.ep:
+            raise ExpertParallelError(f"the model's MoE layers have ep_size={ep_size}, but the job's axes were "
+                                      f"built with an expert axis of {self.parallel_dims.ep}")
         zero = self.config.zero_optimization
         if ep_size > 1 and (zero.mics_shard_size > 0 or zero.zero_hpz_partition_size > 1 or world.parts):
             raise ExpertParallelError(

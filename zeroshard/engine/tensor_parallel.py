@@ -61,7 +61,7 @@ class TensorParallelEngine(Engine):
         if ckpt.save_dir is not None:  # periodic saves of this rank's part
             config = dataclasses.replace(config, checkpoint=dataclasses.replace(
                 ckpt, save_dir=str(Path(ckpt.save_dir) / part_directory(self.tensor_rank))))
-        super().__init__(model, config, worlds.data_world, model_parameters, optimizer, lr_scheduler)
+        super().__init__(model, config, worlds.data_world, model_parameters, optimizer, lr_scheduler, axes=worlds.dims)
         self._norm = TensorParallelNorm(self.strategy.layout.buckets, self.strategy.params, self.tensor,
                                         split.split if split is not None else None)
         if ckpt.save_dir is not None:  # periodic saves: how the model is split, beside its parts

@@ -5,7 +5,9 @@ With ``ep_size`` P > 1 the ranks of a data-parallel world of N are cut, as DeepS
 into blocks of P consecutive ranks (the *expert-parallel* groups): inside a block each rank holds
 ``num_experts / P`` experts of every MoE layer, rank e the e-th share, and tokens travel to their
 expert's rank and back by all-to-all.  The ranks at the same position of every block hold the same
-experts (the *expert-data-parallel* groups, N / P ranks).  ZeRO treats the two kinds of parameters
+experts (the *expert-data-parallel* groups, N / P ranks); the job's axes lay both out
+(``ParallelDims.positions``: ``expert``, ``expert_data``; see [Note: the order of the axes] in
+distributed/parallel_dims.py).  ZeRO treats the two kinds of parameters
 apart, in buckets of their own: the dense parameters are sharded over all N ranks as usual, each
 expert bucket over its expert-data-parallel group only (``BucketLayout.experts``; the strategy reduces
 and gathers it there, ``ShardingStrategy.comm_of``), so an expert's state is split N / P ways (not at
@@ -23,39 +25,15 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from ..distributed.collectives import Collectives
-from ..distributed.topology import consecutive_blocks, strided_groups
+from ..distributed.parallel_dims import ExpertParallelError
 
-
-class ExpertParallelError(ValueError):
-    """An expert-parallel size the job cannot use: not dividing the world or the experts, several sizes
-    in one model, or a feature expert parallelism does not combine with."""
-
-
-def check_expert_parallel_size(ep_size: int, world_size: int) -> None:
-    """Refuse, on every rank alike, an ``ep_size`` this job cannot use."""
-    if ep_size <= 1:
-        return
-    if world_size % ep_size:
-        raise ExpertParallelError(f"MoE(ep_size={ep_size}) does not divide the data-parallel world of "
-                                  f"{world_size} ranks: choose an ep_size that divides it")
-
-
-def expert_group_ranks(data_parallel_ranks: Sequence[int], ep_size: int) -> tuple[list[list[int]], list[list[int]]]:
-    """The expert-parallel blocks and the expert-data-parallel groups of one data-parallel world whose
-    ranks, in order, are ``data_parallel_ranks`` (global ranks), laid out as in [Note: experts sharded
-    over the ranks that hold them]: positions in the world cut into blocks of ``ep_size``, and the
-    positions alike in every block grouped."""
-    n = len(data_parallel_ranks)
-    check_expert_parallel_size(ep_size, n)
-    size = max(ep_size, 1)
-    return ([[data_parallel_ranks[p] for p in block] for block in consecutive_blocks(n, size)],
-            [[data_parallel_ranks[p] for p in group] for group in strided_groups(n, size)])
+__all__ = ["ExpertParallelError", "ExpertGroupRecord", "register_expert_groups", "live_expert_groups", "exchange"]
 
 
 @dataclass(frozen=True)

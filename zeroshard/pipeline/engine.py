@@ -65,6 +65,7 @@ import torch
 from ..config import ZeroshardConfig
 from ..distributed.collectives import Collectives
 from ..distributed.consistency import EngineUsageError
+from ..distributed.parallel_dims import ParallelDims
 from ..engine.engine import Engine, SchedulerSpec
 from ..logging import log_rank
 from ..sharding.stage3.gather_scheduler import GatherScheduler
@@ -93,14 +94,16 @@ class PipelineEngine(Engine):
     """Trains a :class:`PipelineModule`: ``train_batch()`` and ``eval_batch()``, DeepSpeed's names."""
 
     def __init__(self, module: PipelineModule, config: ZeroshardConfig, model_parameters: Any = None,
-                 optimizer: Any = None, lr_scheduler: SchedulerSpec = None) -> None:
+                 optimizer: Any = None, lr_scheduler: SchedulerSpec = None, *,
+                 axes: Optional[ParallelDims] = None) -> None:
         config = pipeline_config(config, module)
         self.pipeline_groups = module.groups
         #: tensor parallelism inside each stage: how its linear layers were split (None: not split)
         self.split: Optional[SplitModel] = None
         if module.groups.dims.tp > 1:  # see [Note: three axes] in pipeline/engine.py
             self.split = split_stage(module, config.tensor_parallel, module.groups)
-        super().__init__(module, config, module.groups.data_world, model_parameters, optimizer, lr_scheduler)
+        super().__init__(module, config, module.groups.data_world, model_parameters, optimizer, lr_scheduler,
+                         axes=axes)
         groups = module.groups
         log_rank(groups.describe())
         self._tensor_norm: Optional[TensorParallelNorm] = None

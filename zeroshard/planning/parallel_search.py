@@ -93,8 +93,7 @@ def tensor_parallel_traffic(req: EstimateRequest, dims: ParallelDims, ranks_per_
     if not layers:
         raise EstimateError("tensor-parallel bytes per step need the layers (--layers or --hf-config)")
     assert per_layer is not None and req.tensor is not None
-    groups = [[dims.rank_of(s, d, t) for t in range(dims.tp)] for s in range(dims.pp) for d in range(dims.dp)]
-    group = group_placement(groups, ranks_per_node)
+    group = group_placement(dims.groups("tensor"), ranks_per_node)
     calls = (req.tensor.row_layers + req.tensor.column_layers) * layers * req.micro_steps
     return [CollectiveTraffic("tensor_all_reduce", "tensor_all_reduce", Phase.CRITICAL_PATH, calls, group.size,
                               group.crosses_nodes, group.ranks_per_node,
@@ -110,8 +109,7 @@ def pipeline_traffic(req: EstimateRequest, dims: ParallelDims, ranks_per_node: i
     if sent is None:
         _needs_activation_shape(req, "pipeline")
     assert sent is not None
-    pairs = [[dims.rank_of(s, d, t), dims.rank_of(s + 1, d, t)]
-             for s in range(dims.pp - 1) for d in range(dims.dp) for t in range(dims.tp)]
+    pairs = [pipeline[s:s + 2] for pipeline in dims.pipelines() for s in range(dims.pp - 1)]
     pair = group_placement(pairs, ranks_per_node)
     return [CollectiveTraffic("pipeline_p2p", "pipeline_p2p", Phase.CRITICAL_PATH, 2 * req.micro_steps, 2,
                               pair.crosses_nodes, pair.ranks_per_node, round(sent))]

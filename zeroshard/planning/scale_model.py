@@ -194,27 +194,6 @@ def group_placement(members: Sequence[Sequence[int]], ranks_per_node: int) -> _G
     return _Group(size, True, min(crossing))
 
 
-def _data_parallel_groups(dims: ParallelDims, index_groups: Sequence[range]) -> list[list[int]]:
-    """The global ranks of groups given by data-parallel indices, at every pipeline stage and tensor
-    index (the layout of [Note: the order of the axes] in distributed/parallel_dims.py)."""
-    return [[dims.rank_of(stage, d, tensor) for d in indices]
-            for stage in range(dims.pp) for tensor in range(dims.tp) for indices in index_groups]
-
-
-def _blocks(size: int, dims: ParallelDims, ranks_per_node: int) -> _Group:
-    """Groups of ``size`` consecutive data-parallel ranks (a MiCS shard group, an hpZ partition, the
-    whole data-parallel group)."""
-    blocks = [range(s, s + size) for s in range(0, dims.dp, size)]
-    return group_placement(_data_parallel_groups(dims, blocks), ranks_per_node)
-
-
-def _strided(stride: int, dims: ParallelDims, ranks_per_node: int) -> _Group:
-    """Groups of the data-parallel ranks at the same position in every block of ``stride`` (MiCS
-    replica groups)."""
-    return group_placement(_data_parallel_groups(dims, [range(p, dims.dp, stride) for p in range(stride)]),
-                           ranks_per_node)
-
-
 @dataclass(frozen=True)
 class _ZeroGroups:
     """Where a rank's ZeRO collectives run: the data-parallel group, the MiCS shard group (the
@@ -227,10 +206,17 @@ class _ZeroGroups:
 
 
 def _zero_groups(dims: ParallelDims, ranks_per_node: int, mics: Optional[int], hpz: Optional[int]) -> _ZeroGroups:
-    data = _blocks(dims.dp, dims, ranks_per_node)
-    return _ZeroGroups(data, _blocks(mics, dims, ranks_per_node) if mics is not None else data,
-                       _blocks(hpz, dims, ranks_per_node) if hpz is not None else None,
-                       _strided(mics, dims, ranks_per_node) if mics is not None and mics < dims.dp else None)
+    """Each group's placement, from the job's axes with MiCS's replicas and hpZ's partition (the rank
+    lists of [Note: the order of the axes] in distributed/parallel_dims.py)."""
+    axes = dataclasses.replace(dims, dp_replicate=dims.dp // mics if mics is not None else 1, hpz=hpz or 1)
+
+    def placed(kind: str) -> _Group:
+        return group_placement(axes.groups(kind), ranks_per_node)
+
+    data = placed("zero")
+    return _ZeroGroups(data, placed("shard") if mics is not None else data,
+                       placed("secondary") if hpz is not None else None,
+                       placed("replicate") if mics is not None and mics < dims.dp else None)
 
 
 def _sent(kind: str, group: int, full_bytes: int) -> int:

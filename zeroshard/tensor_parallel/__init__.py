@@ -4,6 +4,7 @@ of neighbouring ranks with torch's DTensor, ZeRO over each tensor-parallel rank'
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import torch
@@ -12,7 +13,8 @@ from torch import nn
 from ..config.schema import TensorParallelConfig
 from ..distributed.collectives import Collectives
 from ..distributed.model_parallel import ModelParallelWorlds, model_parallel_worlds
-from ..distributed.world import World
+from ..distributed.parallel_dims import ParallelDims
+from ..distributed.world import World, init_distributed
 from ..logging import log_rank
 from .batch_check import TensorParallelBatchError, check_batches
 from .groups import TensorParallelGroups, TensorParallelSizeError
@@ -20,11 +22,13 @@ from .plan import TensorPlan, TensorPlanError, plan_linears
 from .split import SplitModel, split_model, split_of
 
 __all__ = ["TensorParallelBatchError", "TensorParallelGroups", "TensorParallelSizeError", "TensorPlan",
-           "TensorPlanError", "SplitModel", "split_of", "tp_model_init", "prepare_tensor_parallel", "split_stage"]
+           "TensorPlanError", "SplitModel", "split_of", "tp_model_init", "prepare_tensor_parallel", "split_stage",
+           "tensor_parallel_size"]
 
 
-def _split(model: nn.Module, block: TensorParallelConfig, device: torch.device) -> SplitModel:
-    groups = TensorParallelGroups(block.autotp_size, device)
+def _split(model: nn.Module, block: TensorParallelConfig, axes: ParallelDims, rank: int,
+           device: torch.device) -> SplitModel:
+    groups = TensorParallelGroups(axes, rank, device)
     plan = plan_linears(model, block)
     record = split_model(model, plan, groups)
     log_rank(plan.describe(block.autotp_size))
@@ -48,25 +52,33 @@ def tp_model_init(model: nn.Module, tp_size: int, dtype: Optional[torch.dtype] =
     if dtype is not None:
         model.to(dtype)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    _split(model, block, device)
+    world = init_distributed()
+    _split(model, block, ParallelDims.for_job(world.world_size, tp=tp_size), world.rank, device)
     return model
 
 
-def prepare_tensor_parallel(model: nn.Module, block: TensorParallelConfig, world: World
-                            ) -> Optional[tuple[ModelParallelWorlds, TensorParallelGroups, SplitModel, Any]]:
-    """For ``initialize()``: the model split (now, or by ``tp_model_init`` before), the worlds its engine
-    trains over, and the batch check's hook (the engine removes it); None when the job has no tensor
-    parallelism from the config."""
+def tensor_parallel_size(model: nn.Module, block: TensorParallelConfig) -> int:
+    """The tensor axis's size of a job training ``model``: how ``tp_model_init`` split it, else the
+    config's ``autotp_size`` (1: none); a split that contradicts the config is refused."""
     record = split_of(model)
-    size = block.autotp_size
-    if record is None and size <= 1:
-        return None
-    if record is not None and size > 1 and size != record.size:
+    if record is not None and block.autotp_size > 1 and block.autotp_size != record.size:
         raise TensorParallelSizeError(f"the model was split over {record.size} ranks by tp_model_init(), but the "
-                                      f"config says tensor_parallel.autotp_size = {size}")
+                                      f"config says tensor_parallel.autotp_size = {block.autotp_size}")
+    return record.size if record is not None else max(block.autotp_size, 1)
+
+
+def prepare_tensor_parallel(model: nn.Module, block: TensorParallelConfig, world: World, axes: ParallelDims
+                            ) -> Optional[tuple[ModelParallelWorlds, TensorParallelGroups, SplitModel, Any]]:
+    """For ``initialize()``: the model split over the tensor axis of ``axes``, the job's axes (now, or by
+    ``tp_model_init`` before), the worlds its engine trains over (their ``dims``: ``axes``), and the
+    batch check's hook (the engine removes it); None when the job has no tensor parallelism from the
+    config."""
+    record = split_of(model)
+    if record is None and axes.tp == 1:
+        return None
     if record is None:
-        record = _split(model, block, world.device)
-    worlds = model_parallel_worlds(record.groups, world)
+        record = _split(model, block, axes, world.rank, world.device)
+    worlds = dataclasses.replace(model_parallel_worlds(record.groups, world), dims=axes)
     hook = check_batches(model, Collectives(world), record.size)
     return worlds, record.groups, record, hook
 

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from ...distributed.parallel_dims import ParallelDims
-from ...experts.groups import ExpertGroupRecord, ExpertParallelError, expert_group_ranks, live_expert_groups
+from ...experts.groups import ExpertGroupRecord, ExpertParallelError, live_expert_groups
 
 
 class GroupsNotBuiltError(RuntimeError):
@@ -34,9 +34,9 @@ def _get_expert_parallel_ranks(world_size: int, tensor_parallel_size_: int, expe
                                pipeline_parallel_size_: int = 1, use_data_before_expert_parallel_: bool = False
                                ) -> tuple[list[list[int]], list[list[int]]]:
     """Every expert-parallel group and every expert-data-parallel group of a job of ``world_size``
-    ranks with these tensor, expert and pipeline sizes, as global ranks: within each data-parallel
-    group (one per pipeline stage and tensor index, ranks numbered as in [Note: the order of the axes]
-    in distributed/parallel_dims.py), the experts' layout of experts/groups.py."""
+    ranks with these tensor, expert and pipeline sizes, as global ranks: the job's axes' expert groups
+    (``ParallelDims.groups``), within each data-parallel group (one per pipeline stage and tensor index,
+    ranks numbered as in [Note: the order of the axes] in distributed/parallel_dims.py)."""
     if use_data_before_expert_parallel_:
         raise ExpertParallelError("use_data_before_expert_parallel_=True (DeepSpeed's D + E layout) is not "
                                   "supported: zeroshard lays expert groups out as blocks of consecutive "
@@ -45,18 +45,12 @@ def _get_expert_parallel_ranks(world_size: int, tensor_parallel_size_: int, expe
     if tensor_parallel_size_ < 1 or pipeline_parallel_size_ < 1 or world_size % model_size:
         raise ExpertParallelError(f"tensor_parallel_size_={tensor_parallel_size_} x pipeline_parallel_size_="
                                   f"{pipeline_parallel_size_} does not divide world_size={world_size}")
-    dims = ParallelDims(pp=pipeline_parallel_size_, dp=world_size // model_size, tp=tensor_parallel_size_)
-    if expert_parallel_size_ < 1 or dims.dp % expert_parallel_size_:
+    if expert_parallel_size_ < 1 or (world_size // model_size) % expert_parallel_size_:
         raise ExpertParallelError(f"expert_parallel_size_={expert_parallel_size_} does not divide the "
-                                  f"data-parallel size {dims.dp}")
-    exchange: list[list[int]] = []
-    experts_data: list[list[int]] = []
-    for stage in range(dims.pp):
-        for tensor in range(dims.tp):
-            blocks, same_experts = expert_group_ranks(dims.data_parallel_ranks(stage, tensor), expert_parallel_size_)
-            exchange += blocks
-            experts_data += same_experts
-    return exchange, experts_data
+                                  f"data-parallel size {world_size // model_size}")
+    dims = ParallelDims(pp=pipeline_parallel_size_, dp=world_size // model_size, tp=tensor_parallel_size_,
+                        ep=expert_parallel_size_)
+    return [list(g) for g in dims.groups("expert")], [list(g) for g in dims.groups("expert_data")]
 
 
 def _record(group_name: Optional[str] = None) -> ExpertGroupRecord:
