@@ -17,7 +17,7 @@ from .distributed.model_parallel import ModelParallelWorlds, check_mpu, model_pa
 from .distributed.world import World, init_distributed
 from .checkpoint.format import LATEST
 from .engine.engine import Engine, SchedulerSpec
-from .initialize_errors import InitializeArgumentError
+from .errors import InitializeArgumentError
 from .engine.tensor_parallel import TensorParallelEngine
 from .tensor_parallel import SplitModel, prepare_tensor_parallel
 from .logging import log_rank

@@ -154,7 +154,7 @@ def test_a_scheduler_built_before_initialize_drives_the_engines_optimizer(optimi
 
 
 def test_a_scheduler_that_cannot_be_moved_is_refused() -> None:
-    from zeroshard.initialize_errors import InitializeArgumentError
+    from zeroshard.errors import InitializeArgumentError
 
     model = nn.Linear(5, 3)
     config = {"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 1.0}}}
@@ -186,7 +186,7 @@ def test_initialize_without_a_model_is_an_assertion_error_too() -> None:
 def test_an_engine_without_an_optimizer_runs_forward_passes(stage: int) -> None:
     """[Note: an engine without an optimizer] in optim/no_optimizer.py: the same outputs as the model, and
     every call that trains refused by name."""
-    from zeroshard.initialize_errors import InitializeArgumentError
+    from zeroshard.errors import InitializeArgumentError
     from zeroshard.optim.no_optimizer import NoOptimizerError
 
     torch.manual_seed(0)

@@ -65,7 +65,7 @@ from ..checkpoint.interface import CheckpointParts
 from ..sharding import STRATEGIES
 from ..deepspeed.engine_api import DeepSpeedEngineAPI
 from .checkpoints import Attached, CheckpointSettings, EngineCheckpointer, TrainingParts
-from ..initialize_errors import InitializeArgumentError
+from ..errors import InitializeArgumentError
 from ..optim.scheduler_rebinding import rebind_scheduler
 
 SchedulerSpec = Union[None, LRScheduler, Callable[[Optimizer], LRScheduler]]
