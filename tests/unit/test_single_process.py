@@ -432,3 +432,32 @@ def test_an_init_built_model_moves_between_devices_and_keeps_its_values() -> Non
     with zeroshard.GatheredParameters([model.a, model.b]):
         assert model.a.tolist() == [6.0] * 5 and model.b.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
     assert half.dtype == torch.float16 and half.shape == (2, 3)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gathered_parameters_that_modify_wait_on_the_engines_copy_gate(stage: int) -> None:
+    """A ``GatheredParameters`` block that writes (``modifier_rank``) first waits until the engine's
+    asynchronous save has copied the state, through the gate the engine gave its storage; a block that
+    only reads does not wait."""
+    engine, _, _, _ = zeroshard.initialize(model=GPT(CFG), config={
+        "train_batch_size": 4, "optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": stage}})
+    assert engine.storage.copy_gate is engine.saves  # given when the engine was built
+
+    class Gate:
+        waits = 0
+
+        def copying(self) -> bool:
+            return False
+
+        def wait_for_copies(self) -> None:
+            Gate.waits += 1
+
+    engine.storage.set_copy_gate(Gate())
+    params = list(engine.module.parameters())
+    with zeroshard.GatheredParameters(params):
+        pass
+    assert Gate.waits == 0
+    with zeroshard.GatheredParameters(params, modifier_rank=0):
+        pass
+    assert Gate.waits == 1  # once per storage, however many buckets
+    engine.close()
