@@ -11,6 +11,9 @@ count too: a lazy import hides a dependency from Python, not from a reader.  The
   CLI's ``zeroshard run --as-deepspeed`` front end).
 - **Checkpoints never import the engine.**  ``zeroshard/checkpoint/`` sees the engine's state through the
   protocols of ``checkpoint/interface.py``; nothing in it imports ``zeroshard.engine``.
+- **Lower layers never import higher ones** (``_BELOW``): ``host/`` and ``device/`` serve every other
+  part, ``offload/`` serves ``sharding/`` (through ``offload/policy.py``), and ``sharding/`` is handed
+  what it needs of checkpoints and the engine (a buffer memory, a copy gate) when it is built.
 
 Each failure lists every offending ``file -> module``.
 """
@@ -18,7 +21,9 @@ Each failure lists every offending ``file -> module``.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
+from typing import Iterable
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "zeroshard"
@@ -29,6 +34,15 @@ _PENDING = {("zeroshard/engine/engine.py", "zeroshard.deepspeed.engine_api")}
 
 #: files outside ``zeroshard/deepspeed/`` that may import it (a trailing ``/``: every file under that folder)
 _FACE_IMPORTERS = ("zeroshard/__init__.py", "zeroshard/tools/")
+
+#: package -> the packages above it, which it never imports
+_BELOW = {
+    "checkpoint": ("engine",),
+    "sharding": ("checkpoint", "engine"),
+    "offload": ("sharding", "checkpoint", "engine"),
+    "host": ("sharding", "offload", "checkpoint", "engine"),
+    "device": ("sharding", "offload", "checkpoint", "engine"),
+}
 
 Edge = tuple[str, str]  # (file relative to the repository root, module it imports)
 
@@ -67,18 +81,20 @@ def imports_of(rel_path: str, source: str, modules: set[str]) -> set[str]:
     return found
 
 
-def edges(package: Path = PACKAGE) -> set[Edge]:
+@functools.lru_cache(maxsize=1)
+def edges(package: Path = PACKAGE) -> frozenset[Edge]:
     """Every import between the package's modules."""
     files = {path.relative_to(ROOT).as_posix(): path for path in sorted(package.rglob("*.py"))}
     modules = {_module_name(rel) for rel in files}
-    return {(rel, target) for rel, path in files.items() for target in imports_of(rel, path.read_text(), modules)}
+    return frozenset((rel, target) for rel, path in files.items()
+                     for target in imports_of(rel, path.read_text(), modules))
 
 
 def _under(module: str, package: str) -> bool:
     return module == package or module.startswith(package + ".")
 
 
-def face_violations(found: set[Edge]) -> set[Edge]:
+def face_violations(found: Iterable[Edge]) -> set[Edge]:
     """Imports of ``zeroshard.deepspeed`` from outside it, bar its allowed importers."""
     return {(path, target) for path, target in found
             if _under(target, "zeroshard.deepspeed") and not path.startswith("zeroshard/deepspeed/")
@@ -86,10 +102,10 @@ def face_violations(found: set[Edge]) -> set[Edge]:
                         for allowed in _FACE_IMPORTERS)}
 
 
-def checkpoint_violations(found: set[Edge]) -> set[Edge]:
-    """Imports of ``zeroshard.engine`` from ``zeroshard/checkpoint/``."""
+def upward_imports(found: Iterable[Edge], lower: str, higher: str) -> set[Edge]:
+    """Imports of ``zeroshard.<higher>`` from ``zeroshard/<lower>/``."""
     return {(path, target) for path, target in found
-            if path.startswith("zeroshard/checkpoint/") and _under(target, "zeroshard.engine")}
+            if path.startswith(f"zeroshard/{lower}/") and _under(target, f"zeroshard.{higher}")}
 
 
 def _listed(violations: set[Edge]) -> str:
@@ -102,8 +118,14 @@ def test_the_core_never_imports_the_deepspeed_face() -> None:
 
 
 def test_checkpoints_never_import_the_engine() -> None:
-    offenders = checkpoint_violations(edges()) - _PENDING
+    offenders = upward_imports(edges(), "checkpoint", "engine") - _PENDING
     assert not offenders, "checkpoint/ imports engine/:\n" + _listed(offenders)
+
+
+def test_lower_layers_never_import_higher_ones() -> None:
+    offenders = {v for lower, higher in _BELOW.items() for above in higher
+                 for v in upward_imports(edges(), lower, above)} - _PENDING
+    assert not offenders, "a lower layer imports a higher one:\n" + _listed(offenders)
 
 
 def test_each_pending_exception_still_exists() -> None:
@@ -127,7 +149,7 @@ def test_the_walk_sees_every_kind_of_import() -> None:
         == {"zeroshard.deepspeed.refused"}
     probe = {("zeroshard/checkpoint/probe.py", target) for target in found}
     assert face_violations(probe) == {p for p in probe if "deepspeed" in p[1]}
-    assert checkpoint_violations(probe) == {p for p in probe if "engine" in p[1]}
+    assert upward_imports(probe, "checkpoint", "engine") == {p for p in probe if "engine" in p[1]}
     assert not face_violations({("zeroshard/tools/cli.py", "zeroshard.deepspeed.launcher"),
                                 ("zeroshard/__init__.py", "zeroshard.deepspeed"),
                                 ("zeroshard/deepspeed/comm.py", "zeroshard.deepspeed.utils")})
