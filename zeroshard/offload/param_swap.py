@@ -6,8 +6,8 @@ staging buffers of ``buffer_size`` elements bound the writes in flight.  Reads a
 I/O thread in submission order, so a gather always reads the last update.
 
 [Note: staging buffers between a GPU and the swap files]
-Where the run trains on a GPU the staging buffers are page-locked and the copies between them and the GPU
-do not wait (``non_blocking``): a copy to the device is queued on the stream and the buffer is not
+Where the run trains on a GPU the staging buffers are page-locked and the copies between them and the
+GPU do not wait (``non_blocking``): a copy to the device is queued on the stream and the buffer is not
 reused until a CUDA event recorded after it has passed; a copy from the device is waited for by the
 I/O thread, before it writes the buffer, not by the training thread.  A pageable copy would stop the
 training thread until the GPU has run everything queued before it, at every shard read or written.

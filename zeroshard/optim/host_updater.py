@@ -33,8 +33,8 @@ class HostUpdater(MasterUpdater):
         # filled as buckets are reduced; page-locked whenever gradients come from a GPU (``pin_memory``
         # decides for the masters and optimizer state): a pageable target would make every bucket's copy
         # wait for the GPU, inside backward
-        self.device = strategy.world.device_policy
-        pinned = masters.is_pinned() or self.device.pin_host_memory
+        self.device_policy = strategy.world.device_policy
+        pinned = masters.is_pinned() or self.device_policy.pin_host_memory
         self.host_grads = torch.zeros(masters.numel(), dtype=torch.float32, pin_memory=pinned)
         self._copies: list[Any] = []  # the device's events
 
@@ -47,7 +47,7 @@ class HostUpdater(MasterUpdater):
         source = self.strategy.owned_grad(bucket)
         target.copy_(source, non_blocking=target.is_pinned())
         # on the stream backward ran on: waited for in step_grads (the source is on the run's device)
-        event = self.device.record_event() if target.is_pinned() else None
+        event = self.device_policy.record_event() if target.is_pinned() else None
         if event is not None:
             self._copies.append(event)
 

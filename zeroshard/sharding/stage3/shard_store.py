@@ -2,9 +2,9 @@
 
 [Note: parameter offload]
 Without ``offload_param`` every chunk sits in one device tensor.  With ``device: cpu`` the chunks of
-non-persistent buckets sit in host memory (page-locked with ``pin_memory`` when the run trains on a GPU) and are copied
-into the device's full buffer only for their all-gather.  With ``device: nvme`` the first chunks, up to
-``max_in_cpu`` elements, stay in host memory and the rest live in swap files
+non-persistent buckets sit in host memory (page-locked with ``pin_memory`` when the run trains on a
+GPU) and are copied into the device's full buffer only for their all-gather.  With ``device: nvme``
+the first chunks, up to ``max_in_cpu`` elements, stay in host memory and the rest live in swap files
 (:class:`~zeroshard.offload.param_swap.ParamSwap`).  Persistent buckets are whole on every rank
 anyway and stay on the device.  Which bucket goes where is the :class:`OffloadPolicy`'s decision.
 """
