@@ -18,7 +18,7 @@ from .distributed.parallel_dims import ParallelDims
 from .distributed.world import World, init_distributed
 from .checkpoint.format import LATEST
 from .engine.engine import Engine, SchedulerSpec
-from .initialize_errors import InitializeArgumentError
+from .errors import InitializeArgumentError
 from .engine.tensor_parallel import TensorParallelEngine
 from .experts.layer import expert_parallel_size
 from .tensor_parallel import SplitModel, prepare_tensor_parallel, tensor_parallel_size

@@ -476,7 +476,7 @@ WRONG_MODELS = {"shape": "shape mismatch: tok.weight (checkpoint (61, 16), model
 # the default cases, one for the extended ones.  Each case works in a directory of its own.
 
 #: (stage, host_page_reuse) of each resume case; false is the GPU's path on the CPU (see [Note: one
-#: buffer memory per engine] in sharding/buffer_memory.py)
+#: buffer memory per engine] in host/buffer_memory.py)
 RESUME_CASES = {"world2": ((2, True), (3, True), (3, False)), "world2_extended": ((0, True), (1, True))}
 LOAD_FLAG_STAGES = (2, 3)
 

@@ -119,7 +119,7 @@ def check_stage3_shards_the_frozen_base_and_trains_lora_as_one_process(
         results: list[dict], directory: Path, loaded: dict[str, torch.Tensor], host_page_reuse: bool = True) -> None:
     """``loaded``: what a plain stage-2 single process loaded from the first LoRA case's "mid" save
     (``load_into_stage2``).  With ``host_page_reuse`` false (the GPU's path: [Note: one buffer memory per
-    engine] in sharding/buffer_memory.py) a released bucket's storage is freed, to the byte, and the run
+    engine] in host/buffer_memory.py) a released bucket's storage is freed, to the byte, and the run
     saves bitwise what the host's path saves."""
     world = len(results)
     expected = reference(world)

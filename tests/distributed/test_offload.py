@@ -401,7 +401,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
 
 PARITY: list[Case] = [("offloaded_runs_equal_non_offloaded_bitwise", {"stage": stage}) for stage in (1, 2, 3)]
 #: ``host_page_reuse: False``: the GPU's path on the CPU (see [Note: one buffer memory per engine] in
-#: sharding/buffer_memory.py), beside the host's in the same world
+#: host/buffer_memory.py), beside the host's in the same world
 DEVICE_PATH = {"host_page_reuse": False}
 # [Note: a case that may break its world runs last]
 # A case that ends in an error on purpose (a swap file damaged under a live engine) leaves that engine

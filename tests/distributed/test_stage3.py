@@ -569,7 +569,7 @@ CHECKS: dict[str, Callable[..., None]] = {
 
 #: by world size, in the order they run
 #: ``host_page_reuse: False``: the GPU's path on the CPU (see [Note: one buffer memory per engine] in
-#: sharding/buffer_memory.py), run beside the host's in the same worlds
+#: host/buffer_memory.py), run beside the host's in the same worlds
 DEVICE_PATH = {"host_page_reuse": False}
 DEFAULT_CASES: dict[int, list[Case]] = {
     2: [("releases_a_units_pages_and_keeps_its_buffer", {}),

@@ -1,5 +1,5 @@
 """The buffer memory an engine chooses once (see [Note: one buffer memory per engine] in
-sharding/buffer_memory.py): the device's frees a released buffer's storage and allocates it again when
+host/buffer_memory.py): the device's frees a released buffer's storage and allocates it again when
 the buffer is taken, and an engine with ``host_page_reuse`` false takes that path on the CPU without
 ever touching the host's page functions."""
 
@@ -14,7 +14,7 @@ import zeroshard
 from zeroshard.host import libc
 from zeroshard.host.page_memory import HostPageMemory
 from zeroshard.host.page_reserve import PageReserve
-from zeroshard.sharding.buffer_memory import DeviceMemory
+from zeroshard.host.buffer_memory import DeviceMemory
 from zeroshard.sharding.buffer_pool import BufferPool, KeptBuffers
 from zeroshard.tools.demo.model import GPT, GPTConfig
 

@@ -142,7 +142,7 @@ def test_accelerator_support_and_cpu_device_count(monkeypatch: pytest.MonkeyPatc
     monkeypatch.delenv("LOCAL_SIZE")
     assert cpu.device_count() == 2  # then torchrun's
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    from zeroshard.deepspeed import accelerator
+    from zeroshard.device import accelerator
 
     for node, cores in (("node0", "0-3\n"), ("node1", "4-7\n"), ("node2", "\n")):  # node2: memory only
         (tmp_path / node).mkdir()

@@ -1,9 +1,10 @@
 """The CUDA path's decisions, checked on the CPU: how a collective is waited for, which device a rank
-trains on, a LOCAL_RANK beyond the host's devices (pure functions), and the order in which stage 3
-moves a model to the device (one process)."""
+trains on, a LOCAL_RANK beyond the host's devices, what the world's device policy answers (pure
+functions), and the order in which stage 3 moves a model to the device (one process)."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from typing import Any, Optional
 
@@ -11,8 +12,9 @@ import pytest
 import torch
 
 import zeroshard
+from zeroshard.device import CUDADevice, HostDevice, device_policy
 from zeroshard.distributed.collectives import CommCounter, PendingCollective
-from zeroshard.distributed.world import LocalRankError, backend_for, check_local_rank, choose_device
+from zeroshard.distributed.world import LocalRankError, World, backend_for, check_local_rank, choose_device
 from zeroshard.engine import placement
 from zeroshard.sharding.stage3.shard_store import ShardStore
 from zeroshard.tools.demo.model import GPT, GPTConfig
@@ -77,6 +79,24 @@ def test_a_local_rank_beyond_the_devices_is_refused_with_what_to_do(monkeypatch:
         check_local_rank(2, 2)
     check_local_rank(1, 2)
     assert choose_device("gloo", True, 1, 5) == torch.device("cpu")  # no device asked for: nothing to check
+
+
+def test_the_world_holds_the_policy_of_its_device() -> None:
+    """The parts ask ``world.device_policy`` (see [Note: the device decided once] in device/policy.py): a
+    GPU run page-locks its host buffers and records events after copies that do not wait; a CPU run,
+    also on a GPU host (a gloo world), does neither."""
+    gpu = World(0, 2, 1, torch.device("cuda", 1), "nccl")
+    assert gpu.device_policy == CUDADevice(torch.device("cuda", 1))
+    assert gpu.device_policy.is_accelerator and gpu.device_policy.pin_host_memory
+    cpu = dataclasses.replace(gpu, device=torch.device("cpu"), backend="gloo")  # follows the device it is given
+    assert cpu.device_policy == HostDevice(torch.device("cpu")) == device_policy(torch.device("cpu"))
+    assert not cpu.device_policy.is_accelerator and not cpu.device_policy.pin_host_memory
+    assert cpu.device_policy.record_event() is None and cpu.device_policy.peak_bytes() == 0
+    cpu.device_policy.synchronize()
+    state = cpu.device_policy.rng_state()
+    torch.rand(3)
+    cpu.device_policy.set_rng_state(state)
+    assert torch.equal(cpu.device_policy.rng_state(), state)
 
 
 def test_stage3_moves_parameters_to_the_device_as_their_buckets_fill(monkeypatch: pytest.MonkeyPatch) -> None:

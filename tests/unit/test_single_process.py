@@ -154,7 +154,7 @@ def test_a_scheduler_built_before_initialize_drives_the_engines_optimizer(optimi
 
 
 def test_a_scheduler_that_cannot_be_moved_is_refused() -> None:
-    from zeroshard.initialize_errors import InitializeArgumentError
+    from zeroshard.errors import InitializeArgumentError
 
     model = nn.Linear(5, 3)
     config = {"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 1.0}}}
@@ -186,7 +186,7 @@ def test_initialize_without_a_model_is_an_assertion_error_too() -> None:
 def test_an_engine_without_an_optimizer_runs_forward_passes(stage: int) -> None:
     """[Note: an engine without an optimizer] in optim/no_optimizer.py: the same outputs as the model, and
     every call that trains refused by name."""
-    from zeroshard.initialize_errors import InitializeArgumentError
+    from zeroshard.errors import InitializeArgumentError
     from zeroshard.optim.no_optimizer import NoOptimizerError
 
     torch.manual_seed(0)
@@ -432,3 +432,32 @@ def test_an_init_built_model_moves_between_devices_and_keeps_its_values() -> Non
     with zeroshard.GatheredParameters([model.a, model.b]):
         assert model.a.tolist() == [6.0] * 5 and model.b.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
     assert half.dtype == torch.float16 and half.shape == (2, 3)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gathered_parameters_that_modify_wait_on_the_engines_copy_gate(stage: int) -> None:
+    """A ``GatheredParameters`` block that writes (``modifier_rank``) first waits until the engine's
+    asynchronous save has copied the state, through the gate the engine gave its storage; a block that
+    only reads does not wait."""
+    engine, _, _, _ = zeroshard.initialize(model=GPT(CFG), config={
+        "train_batch_size": 4, "optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": stage}})
+    assert engine.storage.copy_gate is engine.saves  # given when the engine was built
+
+    class Gate:
+        waits = 0
+
+        def copying(self) -> bool:
+            return False
+
+        def wait_for_copies(self) -> None:
+            Gate.waits += 1
+
+    engine.storage.set_copy_gate(Gate())
+    params = list(engine.module.parameters())
+    with zeroshard.GatheredParameters(params):
+        pass
+    assert Gate.waits == 0
+    with zeroshard.GatheredParameters(params, modifier_rank=0):
+        pass
+    assert Gate.waits == 1  # once per storage, however many buckets
+    engine.close()

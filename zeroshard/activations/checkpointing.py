@@ -42,6 +42,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ..config.schema import ActivationCheckpointingConfig
+from ..device.policy import device_policy
 
 
 @dataclass
@@ -103,11 +104,6 @@ def take_profile() -> CheckpointProfile:
     return _PROCESS.take_profile()
 
 
-def _synchronize(device: Optional[torch.device]) -> None:
-    if device is not None and device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool = False, **kwargs: Any) -> Any:
     """Run ``function(*args, **kwargs)`` without keeping its activations; recompute them in backward.
 
@@ -119,11 +115,14 @@ def checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool = F
     context = current()
     settings, profile = context.settings, context.profile
     device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+    # the region runs where its inputs are: their device's policy, not the engine's (a region may run
+    # outside any engine)
+    policy = device_policy(device) if device is not None else None
     calls = [0]
     # cpu_checkpointing hands torch's checkpoint host tensors only, so it would preserve the CPU's
     # random state alone: the device's (dropout on a GPU) is saved and restored here.
     device_rng: dict[str, torch.Tensor] = {}
-    own_device_rng = settings.cpu_checkpointing and device is not None and device.type == "cuda"
+    own_device_rng = settings.cpu_checkpointing and policy is not None and policy.is_accelerator
 
     def run(inner: tuple[Any, ...]) -> Any:
         if settings.cpu_checkpointing and device is not None:
@@ -133,22 +132,22 @@ def checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool = F
     def region(*inner: Any) -> Any:
         recomputing = calls[0] > 0
         calls[0] += 1
-        if settings.synchronize_checkpoint_boundary:
-            _synchronize(device)
+        if settings.synchronize_checkpoint_boundary and policy is not None:
+            policy.synchronize()
         started = time.perf_counter()
         try:
             if not own_device_rng:
                 return run(inner)
-            assert device is not None
+            assert device is not None and policy is not None
             if not recomputing:
-                device_rng["state"] = torch.cuda.get_rng_state(device)
+                device_rng["state"] = policy.rng_state()
                 return run(inner)
             with torch.random.fork_rng(devices=[device]):
-                torch.cuda.set_rng_state(device_rng["state"], device)
+                policy.set_rng_state(device_rng["state"])
                 return run(inner)
         finally:
-            if settings.synchronize_checkpoint_boundary:
-                _synchronize(device)
+            if settings.synchronize_checkpoint_boundary and policy is not None:
+                policy.synchronize()
             if settings.profile:
                 elapsed = time.perf_counter() - started
                 if recomputing:

@@ -36,7 +36,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from ..deepspeed.accelerator import get_accelerator
+from ..device.accelerator import get_accelerator
 
 #: a pooled host buffer fits any tensor of the same shape, dtype and layout (it is dense, so the
 #: source's strides do not matter), pinned or not

@@ -97,6 +97,11 @@ class BackgroundSaves:
         """Whether the save in flight is still copying the state (stage 3 lends no chunk meanwhile)."""
         return self._copied is not None and not self._copied.is_set()
 
+    def wait_for_copies(self) -> None:
+        """Block until the save in flight has copied the state (before anything writes it)."""
+        if self._copied is not None:
+            self._copied.wait()
+
     @property
     def in_flight(self) -> bool:
         """Whether a save is still being written (without waiting for it)."""

@@ -10,13 +10,15 @@ any part's ``load_state_dict`` runs (see [Note: a load is all or nothing] in che
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
+from torch import nn
 
 from ..distributed.collectives import Collectives
 from ..distributed.world import World
 from ..sharding.layout import BucketLayout, FlatLayout
+from ..sharding.storage import ParameterStorage
 
 
 class Stateful(Protocol):
@@ -145,3 +147,20 @@ class CheckpointParts:
     #: read at this size: [Note: a tensor-parallel checkpoint read at another size] in
     #: checkpoint/tensor_parts.py)
     tensor_slice: Optional[tuple[int, int, dict[str, int]]] = None
+
+
+class LiveEngine(Protocol):
+    """What ``load_pretrained`` fills in a live engine (checkpoint/pretrained.py): the wrapped model, the
+    storage its trained parameters live in, the frozen parameters it keeps whole, and its checkpoint
+    parts (whose shards take the owned chunks and publish them)."""
+
+    @property
+    def module(self) -> nn.Module: ...
+
+    @property
+    def storage(self) -> ParameterStorage: ...
+
+    @property
+    def frozen_params(self) -> Sequence[torch.Tensor]: ...
+
+    def checkpoint_parts(self) -> CheckpointParts: ...

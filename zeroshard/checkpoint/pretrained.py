@@ -26,17 +26,15 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
-from .background import wait_for_copies
 from ..sharding.stage3.init_param import InitShardedParameter
 from ..sharding.storage import HOMES
-
-if TYPE_CHECKING:
-    from ..engine.engine import Engine
+from .background import wait_for_copies
+from .interface import LiveEngine
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -138,7 +136,7 @@ def _saved_name(index: SafetensorsIndex, candidates: list[str], shape: tuple[int
     raise PretrainedError(f"the checkpoint has no tensor for {' / '.join(candidates)}")
 
 
-def load_pretrained(target: Union["Engine", nn.Module], directory: Union[str, Path]) -> None:
+def load_pretrained(target: Union[LiveEngine, nn.Module], directory: Union[str, Path]) -> None:
     """Fill ``target``'s parameters and persistent buffers from the safetensors checkpoint in
     ``directory`` (or the ``.safetensors`` file it names), each rank reading only what it keeps (see
     [Note: reading only one's own slices]).
@@ -148,13 +146,11 @@ def load_pretrained(target: Union["Engine", nn.Module], directory: Union[str, Pa
     checkpoint (a missing one raises :class:`PretrainedError` naming it, before anything changes);
     buffers it does not hold keep their values.
     """
-    from ..engine.engine import Engine  # noqa: F811 - the runtime class, for isinstance
-
     with SafetensorsIndex(directory) as index:
-        if isinstance(target, Engine):
-            _into_engine(target, index)
-        else:
+        if isinstance(target, nn.Module):
             _into_module(target, index)
+        else:
+            _into_engine(target, index)
 
 
 def _into_module(model: nn.Module, index: SafetensorsIndex) -> None:
@@ -183,7 +179,7 @@ def _unique(tensors: Any) -> list[torch.Tensor]:
     return list(seen.values())
 
 
-def _into_engine(engine: "Engine", index: SafetensorsIndex) -> None:
+def _into_engine(engine: LiveEngine, index: SafetensorsIndex) -> None:
     wait_for_copies()  # see [Note: asynchronous saves] in checkpoint/background.py
     module = engine.module
     storage = engine.storage

@@ -2,20 +2,16 @@
 
 A DeepSpeed script that reaches one of these gets an error at the line that uses it, not an
 ``AttributeError`` deep inside an import or, worse, a name that accepts its arguments and does
-nothing.
+nothing.  The error itself is the core's (``zeroshard/errors.py``), which raises it too.
 """
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import Any
 
+from ..errors import NotSupportedByZeroshard, refuse
 
-class NotSupportedByZeroshard(NotImplementedError):
-    """A DeepSpeed feature that zeroshard deliberately does not provide."""
-
-
-def refuse(feature: str, reason: str, instead: str) -> NoReturn:
-    raise NotSupportedByZeroshard(f"{feature} is not supported by zeroshard: {reason}. {instead}")
+__all__ = ["NotSupportedByZeroshard", "refuse", "refused_wrapper"]
 
 
 def refused_wrapper(name: str, message: str) -> type:

@@ -15,12 +15,13 @@ import os
 import sys
 import types
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from ..device.policy import DevicePolicy, device_policy
 from .launch_env import DEFAULT_PORT, discover
 from .rendezvous import check_joined, plan
 
@@ -48,6 +49,12 @@ class World:
     #: a world of one that issues its collectives as a larger world would (config
     #: ``collectives_in_a_world_of_one``; only with a process group)
     collectives_at_one: bool = False
+    #: what the parts ask of ``device``, derived from it when the world is made (see [Note: the device
+    #: decided once] in device/policy.py)
+    device_policy: DevicePolicy = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "device_policy", device_policy(self.device))
 
     @property
     def is_distributed(self) -> bool:

@@ -39,7 +39,7 @@ from ..distributed.world import World, release_at_exit
 from ..sharding.stage3.init_context import adopt_init_params, has_init_params
 from ..sharding.stage3.leaf_config import mark_configured_leaves
 from ..logging import log_rank
-from .metrics import MetricsWriter, PhaseTimers, device_peak_bytes, host_peak_bytes
+from .metrics import MetricsWriter, PhaseTimers, host_peak_bytes
 from ..host.host_allocator import HostMemoryPolicy
 from ..host.page_memory import HostPageMemory
 from ..optim import build_scheduler, clip_coefficient, from_config, from_user, global_grad_norm
@@ -65,7 +65,7 @@ from ..checkpoint.interface import CheckpointParts
 from ..sharding import STRATEGIES
 from ..deepspeed.engine_api import DeepSpeedEngineAPI
 from .checkpoints import Attached, CheckpointSettings, EngineCheckpointer, TrainingParts
-from ..initialize_errors import InitializeArgumentError
+from ..errors import InitializeArgumentError
 from ..optim.scheduler_rebinding import rebind_scheduler
 
 SchedulerSpec = Union[None, LRScheduler, Callable[[Optimizer], LRScheduler]]
@@ -199,7 +199,7 @@ class Engine:
         self.loss_scaler = LossScaler.from_config(config)
         self.offload = OffloadPolicies.from_config(config.zero_optimization)
         # given to the storage, the stage and its pools, which never ask the device again (see [Note: one
-        # buffer memory per engine] in sharding/buffer_memory.py)
+        # buffer memory per engine] in host/buffer_memory.py)
         self.buffer_memory: BufferMemory = (
             HostPageMemory() if config.zero_optimization.host_page_reuse and HostPageMemory.serves(device)
             else DeviceMemory())
@@ -279,7 +279,7 @@ class Engine:
                                          self.shard_groups.expert_parallel) \
             if self.shard_groups.expert_parallel is not None else None
         self.storage = self.strategy.storage
-        self.storage.read_chunks_elsewhere_while(self.saves.copying)  # an asynchronous save's copy
+        self.storage.set_copy_gate(self.saves)  # an asynchronous save's copy
 
     def _keep_frozen_parameters_whole(self, frozen: list[nn.Parameter], from_init: FromInit) -> None:
         """Frozen parameters the storage does not hold stay whole in their modules (all of them below
@@ -854,7 +854,7 @@ class Engine:
             "grad_norm": self._grad_norm, "samples_per_s": steps * self.train_batch_size() / elapsed,
             "tokens_per_s": tokens_per_s, "tflops": 6 * self.strategy.layout.numel * tokens_per_s / 1e12,
             "comm_mib": (comm_bytes - self._window_comm[0]) / 2**20, "comm_s": comm_seconds - self._window_comm[1],
-            "host_peak_mib": host_peak_bytes() / 2**20, "device_peak_mib": device_peak_bytes(self.world.device) / 2**20,
+            "host_peak_mib": host_peak_bytes() / 2**20, "device_peak_mib": self.world.device_policy.peak_bytes() / 2**20,
             "loss_scale": self.loss_scaler.scale, "skipped_steps": self.skipped_steps,
         }
         if self.config.wall_clock_breakdown:

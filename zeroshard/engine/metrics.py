@@ -14,28 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
+from ..host.process_memory import host_peak_bytes
 
-
-def proc_bytes(path: str, field: str) -> Optional[int]:
-    """A ``field: N kB`` line of a /proc file, in bytes (None where /proc or the field is missing)."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def host_peak_bytes() -> int:
-    """This process's RSS high-water mark (VmHWM; 0 where /proc is not available)."""
-    return proc_bytes("/proc/self/status", "VmHWM") or 0
-
-
-def device_peak_bytes(device: torch.device) -> int:
-    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0
+__all__ = ["MetricsWriter", "PhaseTimers", "host_peak_bytes"]
 
 
 @dataclass

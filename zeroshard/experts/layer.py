@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..deepspeed.refused import NotSupportedByZeroshard
 from ..distributed.collectives import Collectives
+from ..errors import NotSupportedByZeroshard
 from .gating import TopKGate
 from .groups import ExpertParallelError, exchange
 from .registry import EXPERT_GROUP_NAME, register_expert_params

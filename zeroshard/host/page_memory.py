@@ -5,14 +5,14 @@ run and gives back its pages when released (``madvise``: [Note: releasing a gath
 host/page_release.py); released pages are parked in a :class:`~.page_reserve.PageReserve` and moved under
 the next buffer refilled ([Note: released pages move to the next gather] in host/page_reserve.py).
 Where it serves (:meth:`HostPageMemory.serves`) and ``zero_optimization.host_page_reuse`` is on, the
-engine chooses it ([Note: one buffer memory per engine] in sharding/buffer_memory.py).
+engine chooses it ([Note: one buffer memory per engine] in host/buffer_memory.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..sharding.buffer_memory import BufferMemory
+from .buffer_memory import BufferMemory
 from .page_release import can_release_pages, held_bytes, prefer_huge_pages, release_pages
 from .page_reserve import PageReserve
 

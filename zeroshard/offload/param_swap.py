@@ -6,8 +6,8 @@ staging buffers of ``buffer_size`` elements bound the writes in flight.  Reads a
 I/O thread in submission order, so a gather always reads the last update.
 
 [Note: staging buffers between a GPU and the swap files]
-Where CUDA is available the staging buffers are page-locked and the copies between them and the GPU
-do not wait (``non_blocking``): a copy to the device is queued on the stream and the buffer is not
+Where the run trains on a GPU the staging buffers are page-locked and the copies between them and the
+GPU do not wait (``non_blocking``): a copy to the device is queued on the stream and the buffer is not
 reused until a CUDA event recorded after it has passed; a copy from the device is waited for by the
 I/O thread, before it writes the buffer, not by the training thread.  A pageable copy would stop the
 training thread until the GPU has run everything queued before it, at every shard read or written.
@@ -43,7 +43,8 @@ class ParamSwap(SwapSpace):
         preflight_nvme(comm, nvme_path, config_key, sum(shard_numels.values()) * size, buffer_count * staging * size)
         super().__init__(nvme_path, comm.world.rank, "params")
         self.buffer_count = buffer_count
-        pinned = torch.cuda.is_available()  # see [Note: staging buffers between a GPU and the swap files]
+        # see [Note: staging buffers between a GPU and the swap files]
+        pinned = comm.world.device_policy.pin_host_memory
         #: free staging buffers, each with the event after which no copy to the device reads it (or None)
         self._free: list[tuple[torch.Tensor, Optional[Any]]] = [
             (torch.empty(staging, dtype=dtype, pin_memory=pinned), None) for _ in range(buffer_count)]

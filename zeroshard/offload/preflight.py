@@ -12,7 +12,7 @@ import tempfile
 from typing import Optional
 
 from ..distributed.collectives import Collectives
-from ..engine.metrics import proc_bytes
+from ..host.process_memory import proc_bytes
 
 
 class OffloadPreflightError(RuntimeError):

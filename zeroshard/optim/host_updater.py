@@ -8,7 +8,7 @@ offload/master_swap.py) and publishes each into the parameters.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,9 +33,10 @@ class HostUpdater(MasterUpdater):
         # filled as buckets are reduced; page-locked whenever gradients come from a GPU (``pin_memory``
         # decides for the masters and optimizer state): a pageable target would make every bucket's copy
         # wait for the GPU, inside backward
-        pinned = masters.is_pinned() or strategy.world.device.type == "cuda"
+        self.device_policy = strategy.world.device_policy
+        pinned = masters.is_pinned() or self.device_policy.pin_host_memory
         self.host_grads = torch.zeros(masters.numel(), dtype=torch.float32, pin_memory=pinned)
-        self._copies: list[torch.cuda.Event] = []
+        self._copies: list[Any] = []  # the device's events
 
     def spans(self, numel: int) -> list[tuple[int, int]]:
         return split_pieces(numel, self.sub_group_size)
@@ -45,9 +46,9 @@ class HostUpdater(MasterUpdater):
         target = self.master_weights.view_of(self.host_grads, bucket)
         source = self.strategy.owned_grad(bucket)
         target.copy_(source, non_blocking=target.is_pinned())
-        if source.is_cuda and target.is_pinned():  # on the stream backward ran on: waited for in step_grads
-            event = torch.cuda.Event()
-            event.record()
+        # on the stream backward ran on: waited for in step_grads (the source is on the run's device)
+        event = self.device_policy.record_event() if target.is_pinned() else None
+        if event is not None:
             self._copies.append(event)
 
     def step_grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -22,7 +22,7 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
-from ..initialize_errors import InitializeArgumentError
+from ..errors import InitializeArgumentError
 
 #: group keys a momentum-cycling scheduler (OneCycleLR, CyclicLR) writes besides the learning rate
 _MOMENTUM_KEYS = ("momentum", "betas")

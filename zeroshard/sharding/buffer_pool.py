@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .buffer_memory import BufferMemory
+from ..host.buffer_memory import BufferMemory
 
 
 class BufferPool:

@@ -13,11 +13,11 @@ from typing import Callable, Collection, Optional, Sequence
 import torch
 
 from ..distributed.collectives import Collectives
+from ..host.buffer_memory import BufferMemory
 from ..offload.policy import SwapFailure
-from .buffer_memory import BufferMemory
 from .layout import BucketLayout, FlatLayout
 from .master_weights import MasterWeights
-from .storage import HOMES, ParamHome
+from .storage import HOMES, CopyGate, NoCopies, ParamHome
 
 
 def bucket_values(bucket: BucketLayout, values_of: Callable[[int], torch.Tensor], into: torch.Tensor,
@@ -63,6 +63,7 @@ class FlatParameters:
         self.masters = masters
         #: the flat buffer is never released; the strategy's bucket pools take their buffers from here
         self.buffer_memory = buffer_memory
+        self.copy_gate: CopyGate = NoCopies()
         #: waits until these buckets' values are current (None: all), set by a strategy whose post-step
         #: gather runs into the next forward (see [Note: the parameter gather
         #: runs into the next forward] in sharding/strategy.py)
@@ -116,8 +117,9 @@ class FlatParameters:
     def take_back_chunks(self) -> None:
         """Stages 0-2 lend no chunk: each lives in the one flat buffer."""
 
-    def read_chunks_elsewhere_while(self, busy: Callable[[], bool]) -> None:
-        """Stages 0-2 lend no chunk: nothing to hold back."""
+    def set_copy_gate(self, gate: CopyGate) -> None:
+        """Stages 0-2 lend no chunk: nothing to hold back while it copies."""
+        self.copy_gate = gate
 
     def take_failure(self) -> SwapFailure:
         """Stages 0-2 never swap parameters."""

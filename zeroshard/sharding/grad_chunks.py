@@ -22,8 +22,8 @@ from typing import Collection, Optional, Sequence
 
 import torch
 
+from ..host.buffer_memory import BufferMemory
 from ..precision import PrecisionPolicy
-from .buffer_memory import BufferMemory
 from .buffer_pool import KeptBuffers
 from .layout import BucketLayout, ParamSlot, ShardRanks
 

@@ -27,6 +27,8 @@ class MasterWeights:
 
     def __init__(self, layout: FlatLayout, ranks: ShardRanks, whole_buckets: bool, device: torch.device,
                  pin_memory: bool = False, spill: Optional[MasterSwap] = None) -> None:
+        """``pin_memory``: page-locked (allocated so, not copied) for asynchronous copies to and from a
+        GPU; the caller decides it (host masters on a run whose device pins host memory)."""
         self.layout = layout
         self._ranges = owned_spans(layout, ranks, whole_buckets)
         self._offsets: list[int] = []
@@ -35,10 +37,8 @@ class MasterWeights:
             self._offsets.append(total)
             total += end - start
         self.spill = spill
-        # page-locked (allocated so, not copied) for asynchronous copies to and from a GPU
-        pin = pin_memory and device.type == "cpu" and torch.cuda.is_available() and spill is None
         self.data = torch.zeros(0 if spill is not None else total, dtype=torch.float32, device=device,
-                                pin_memory=pin)
+                                pin_memory=pin_memory and spill is None)
 
     def chunk(self, bucket: BucketLayout) -> torch.Tensor:
         return self.view_of(self.data, bucket)

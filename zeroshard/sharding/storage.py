@@ -21,10 +21,31 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..distributed.collectives import Collectives
+from ..host.buffer_memory import BufferMemory
 from ..offload.policy import SwapFailure
-from .buffer_memory import BufferMemory
 from .layout import BucketLayout, FlatLayout
 from .master_weights import MasterWeights
+
+
+class CopyGate(Protocol):
+    """What copies a storage's state outside training (an asynchronous save: see [Note: asynchronous
+    saves] in checkpoint/background.py), as the engine hands it to the storage it builds."""
+
+    def copying(self) -> bool:
+        """Whether a copy of the state is under way now."""
+
+    def wait_for_copies(self) -> None:
+        """Block until no copy is under way (before the state is written)."""
+
+
+class NoCopies:
+    """The gate of a storage nothing copies outside training (one no engine saves)."""
+
+    def copying(self) -> bool:
+        return False
+
+    def wait_for_copies(self) -> None:
+        """Nothing to wait for."""
 
 
 class ParameterStorage(Protocol):
@@ -38,8 +59,11 @@ class ParameterStorage(Protocol):
     device: torch.device  # the training device
     masters: Optional[MasterWeights]  # fp32 masters of the owned chunks, if any
     #: how buffers kept for the run give back their memory and get it again, chosen once by the engine
-    #: ([Note: one buffer memory per engine] in sharding/buffer_memory.py)
+    #: ([Note: one buffer memory per engine] in host/buffer_memory.py)
     buffer_memory: BufferMemory
+    #: what copies the state outside training, given by the engine (:meth:`set_copy_gate`); whatever
+    #: writes the parameters from outside training waits on it first (``GatheredParameters``)
+    copy_gate: CopyGate
 
     @property
     def full(self) -> list[torch.Tensor]:
@@ -66,8 +90,8 @@ class ParameterStorage(Protocol):
         borrows this rank's chunk] in sharding/stage3/sharded_params.py), before the chunks are read or
         written as a whole (the optimizer step, a save or a load).  Nothing to do at stages 0-2."""
 
-    def read_chunks_elsewhere_while(self, busy: Callable[[], bool]) -> None:
-        """Stage 3 lends no chunk while ``busy()`` (an asynchronous save copying them)."""
+    def set_copy_gate(self, gate: CopyGate) -> None:
+        """``gate`` copies the state outside training from now on (stage 3 lends no chunk while it copies)."""
 
     def commit_full(self, index: int) -> None:
         """The full bucket was modified in place: the owned chunk (and the masters) follow it."""

@@ -30,9 +30,9 @@ from ..config import ZeroConfig
 from ..distributed.collectives import Collectives, PendingCollective
 from ..distributed.topology import ShardGroups
 from ..distributed.world import World
-from ..offload.policy import OffloadPolicies, OffloadPolicy
+from ..host.buffer_memory import BufferMemory
+from ..offload.policy import OffloadPolicies, OffloadPolicy, Place
 from ..precision import PrecisionPolicy
-from .buffer_memory import BufferMemory
 from .flat_params import FlatParameters
 from .layout import BUCKETS_PER_MODEL, capped_bucket_numel, BucketLayout, FlatLayout, ParamSlot, ShardRanks, plan_buckets
 from .master_weights import MasterWeights, owned_spans
@@ -304,7 +304,7 @@ class ShardingStrategy(ABC):
         """Lay out the trainable parameters and take them over (stages 0-2: one flat buffer), sharded
         over ``groups.shard``; ``frozen`` (name, parameter) pairs stay whole at stages 0-2, as in DDP;
         ``buffer_memory``: the engine's (see [Note: one buffer memory per engine] in
-        sharding/buffer_memory.py); ``experts``: the indices of experts' parameters (expert
+        host/buffer_memory.py); ``experts``: the indices of experts' parameters (expert
         parallelism), in buckets of their own over ``groups.expert_data``."""
         comm = groups.shard
         bucket_numel = capped_bucket_numel(zero.reduce_bucket_size, sum(p.numel() for p in params),
@@ -332,8 +332,9 @@ class ShardingStrategy(ABC):
         whole_buckets = cls.traits.owns_whole_buckets
         spans = owned_spans(layout, ranks, whole_buckets)
         spill = policy.open_master_swap(spans, offload.sub_group_size, comm)
+        in_host = policy.place is not Place.DEVICE
         return MasterWeights(layout, ranks, whole_buckets, policy.masters_device(device),
-                             policy.pin_memory, spill)
+                             policy.pin_memory and in_host and comm.world.device_policy.pin_host_memory, spill)
 
     def before_forward(self) -> None:
         """Called at the start of every engine forward."""

@@ -25,7 +25,6 @@ from torch import nn
 
 from ...distributed.collectives import Collectives
 from ...distributed.world import init_distributed
-from ...checkpoint.background import wait_for_copies
 from .init_param import InitShardedParameter
 from ..storage import HOMES, ParameterStorage
 
@@ -60,7 +59,8 @@ class GatheredParameters:
 
     def __enter__(self) -> "GatheredParameters":
         if self.enabled and self.modifier_rank is not None:
-            wait_for_copies()  # the block may write parameters an asynchronous save is copying
+            for storage in {id(s): s for s, _ in self._buckets}.values():
+                storage.copy_gate.wait_for_copies()  # the block may write what an asynchronous save copies
         if self.enabled:
             for storage, index in self._buckets:
                 storage.pin(index, f"gathered_parameters{index}")

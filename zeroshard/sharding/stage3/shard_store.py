@@ -2,9 +2,9 @@
 
 [Note: parameter offload]
 Without ``offload_param`` every chunk sits in one device tensor.  With ``device: cpu`` the chunks of
-non-persistent buckets sit in host memory (page-locked with ``pin_memory`` on CUDA) and are copied
-into the device's full buffer only for their all-gather.  With ``device: nvme`` the first chunks, up to
-``max_in_cpu`` elements, stay in host memory and the rest live in swap files
+non-persistent buckets sit in host memory (page-locked with ``pin_memory`` when the run trains on a
+GPU) and are copied into the device's full buffer only for their all-gather.  With ``device: nvme``
+the first chunks, up to ``max_in_cpu`` elements, stay in host memory and the rest live in swap files
 (:class:`~zeroshard.offload.param_swap.ParamSwap`).  Persistent buckets are whole on every rank
 anyway and stay on the device.  Which bucket goes where is the :class:`OffloadPolicy`'s decision.
 """
@@ -39,7 +39,7 @@ class ShardStore:
                 sizes[place] += bucket.shard_numel
         self.device_shard = torch.zeros(sizes[Place.DEVICE], dtype=dtype, device=device)  # 1D: own chunks
         self.host_shard = torch.zeros(sizes[Place.HOST], dtype=dtype)
-        if policy.pin_memory and torch.cuda.is_available() and sizes[Place.HOST]:
+        if policy.pin_memory and comm.world.device_policy.pin_host_memory and sizes[Place.HOST]:
             self.host_shard = pin_host_tensor(self.host_shard)
         self.swap = policy.open_param_swap({b.index: b.shard_numel for b in layout.buckets
                                             if self.where[b.index] is Place.NVME}, dtype, comm)

@@ -5,7 +5,7 @@ Autograd saves parameters for backward (a Linear saves its weight).  Dropping ou
 gathered buffer would free nothing, and replacing ``param.data`` would leave autograd with a stale
 tensor.  Instead every parameter is, once and for all, a view into its bucket's full buffer, and
 releasing a bucket gives its memory back while the *storage* object stays, as the engine's buffer
-memory does it ([Note: one buffer memory per engine] in sharding/buffer_memory.py): in host memory on
+memory does it ([Note: one buffer memory per engine] in host/buffer_memory.py): in host memory on
 Linux its pages go (``madvise``, see [Note: releasing a gathered unit's pages] in host/page_release.py),
 elsewhere the storage shrinks to zero bytes (``untyped_storage().resize_(0)``) and gathering re-grows
 it.  Either way every view (the parameter, autograd's saved copies) keeps its shape, and gathering
@@ -29,7 +29,7 @@ reserve.  Whatever reads or writes the chunks as a whole first takes every lent 
 (:meth:`take_back_chunks`): the optimizer step (it steps the store in place) and ``checkpoint_parts``
 (saves, loads, pretrained weights); writes to one chunk (:meth:`commit_full`, the updater's pieces,
 :meth:`shard_view`) take that chunk back.  Nothing is lent while something outside training reads the
-chunks (an asynchronous save's copy, :meth:`read_chunks_elsewhere_while`), nor for chunks offloaded to
+chunks (an asynchronous save's copy, the engine's :meth:`set_copy_gate`), nor for chunks offloaded to
 host memory or NVMe (``offload_param``), nor for persistent buckets, nor where the buffer memory does
 not release pages (``BufferMemory.releases_pages``: device memory).  Moving the chunk's pages instead of
 filling the slot from elsewhere leaves a forward with next to no page faults to take (measured in
@@ -40,31 +40,27 @@ moved, not faulted").
 from __future__ import annotations
 
 from enum import Enum
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
 from ...distributed.collectives import Collectives, PendingCollective
+from ...host.buffer_memory import BufferMemory
 from ...host.libc import PAGE
 from ...host.page_release import whole_pages_of
 from ...offload.policy import NoOffload, OffloadPolicy, Place, SwapFailure
-from ..buffer_memory import BufferMemory
 from ..flat_params import bucket_values
 from ..layout import BucketLayout, FlatLayout, ShardRanks
 from ..master_weights import MasterWeights
 from .shard_store import ShardStore
 from .param_status import ZeroParamStatus
 from .placeholder import ShardedParameterPlaceholder
-from ..storage import HOMES, InitialValues, ParamHome
+from ..storage import HOMES, CopyGate, InitialValues, NoCopies, ParamHome
 
 # What a released parameter's own .data becomes: zero elements, so that a stale reference to the
 # Parameter object reads nothing rather than freed memory.
 _EMPTY = torch.empty(0)
-
-
-def _never() -> bool:
-    return False
 
 
 class GatherState(Enum):
@@ -111,12 +107,12 @@ class ShardedParameters:
         self._secondary_valid: set[int] = set()
         self._primary_pending: set[int] = set()
         #: how a released full buffer gives back its memory and a gather gets it again (chosen once by
-        #: the engine: [Note: one buffer memory per engine] in sharding/buffer_memory.py)
+        #: the engine: [Note: one buffer memory per engine] in host/buffer_memory.py)
         self.buffer_memory = buffer_memory
         #: buckets whose own chunk lives only in the full buffer's slot (see [Note: a gathered unit
         #: borrows this rank's chunk]); and what says the chunks are being read outside training
         self._lent: set[int] = set()
-        self._read_elsewhere: Callable[[], bool] = _never
+        self.copy_gate: CopyGate = NoCopies()
         buffer_memory.keep_for_run(self.store.device_shard)  # a lent chunk's memory comes back at its release
         # released memory waits for the next buffer filled (see [Note: released pages move to the next
         # gather] in host/page_reserve.py): at most what one forward's gathers need beyond the chunks
@@ -367,16 +363,16 @@ class ShardedParameters:
             self.release(index)
 
     # ------------------------------------------------------------------ lending the own chunk
-    def read_chunks_elsewhere_while(self, busy: Callable[[], bool]) -> None:
-        """While ``busy()``, something outside training reads the chunks (an asynchronous save's copy):
-        no chunk is lent then (see [Note: a gathered unit borrows this rank's chunk])."""
-        self._read_elsewhere = busy
+    def set_copy_gate(self, gate: CopyGate) -> None:
+        """While ``gate.copying()``, something outside training reads the chunks (an asynchronous save's
+        copy): no chunk is lent then (see [Note: a gathered unit borrows this rank's chunk])."""
+        self.copy_gate = gate
 
     def _may_lend(self, index: int) -> bool:
         """Whether bucket ``index``'s chunk may be lent to its full buffer now (see the Note above)."""
         return (index not in self._lent and index not in self.persistent and self.buffer_memory.releases_pages
                 and self.store.where[index] is Place.DEVICE  # offloaded: the chunk is elsewhere anyway
-                and not self._read_elsewhere())
+                and not self.copy_gate.copying())
 
     def lend_chunk(self, index: int) -> None:
         """Bucket ``index`` is gathered for training: its full buffer's slot becomes the only copy of

@@ -18,11 +18,11 @@ from torch import nn
 
 from ...config import ZeroConfig
 from ...distributed.topology import ShardGroups
+from ...host.buffer_memory import BufferMemory
 from ...offload.policy import OffloadPolicies, Place
 from ...precision import PrecisionPolicy
 from .gather_agreement import GatherAgreement, parameters_reached
 from .gather_scheduler import GatherScheduler
-from ..buffer_memory import BufferMemory
 from ..grad_chunks import KeptChunkBuffers
 from ..layout import BucketLayout
 from .sharded_params import ShardedParameters
