@@ -2,7 +2,10 @@
 
 The model-state part is :func:`zeroshard.planning.model_state_bytes`, the same function the engine's
 ``memory_breakdown()`` reports its formula with (and a test checks the two against each other on real
-runs).  On top come an activation estimate and the communication buffers the config implies.
+runs).  On top come an activation estimate and the communication buffers the config implies, and the
+bytes the parallel layouts exchange.  What is asked (``EstimateRequest``, the layouts' shapes and their
+checks) is ``planning/estimate_request.py``'s, imported from here too; the table ``zeroshard estimate``
+prints is ``planning/estimate_report.py``'s.
 
 [Note: the activation estimate]
 For a transformer layer in 16-bit training, activations take about ``s*b*h*(34 + 5*a*s/h)`` bytes
@@ -62,124 +65,25 @@ expert parallelism is refused, as zeroshard refuses it in training.
 from __future__ import annotations
 
 import dataclasses
-import math
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 from ..sharding import STRATEGIES
 from ..sharding.layout import capped_bucket_numel
 from .accounting import model_state_bytes, secondary_param_bytes
+from .estimate_request import (EstimateError, EstimateRequest, ModelShape, MoEShape, PipelineShape, TensorShape,
+                               check_parallel, check_tensor, data_parallel_size, moe_from_hf_config,
+                               pipeline_stage_count, tensor_parallel_size, tensor_rank_params)
 
 GB = 1e9  # the seeds' tables use decimal gigabytes
 
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What activations depend on (all optional: without them activations are left out)."""
-
-    hidden: Optional[int] = None
-    layers: Optional[int] = None
-    heads: Optional[int] = None
-
-
-class EstimateError(ValueError):
-    """A parallel layout the estimate (and zeroshard) cannot use: a size that does not divide the
-    ranks or the experts, an unsupported combination."""
-
-
-def _schedules() -> dict[str, Any]:
-    """The pipeline's schedules by name, imported when first needed: the pipeline package imports the
-    engine, which imports this module's accounting."""
-    from ..pipeline.schedule import SCHEDULES
-
-    return SCHEDULES
-
-
-@dataclass(frozen=True)
-class PipelineShape:
-    """Pipeline parallelism: ``stages`` P, ``schedule`` "1f1b", "gpipe" or "interleaved_1f1b" with
-    ``chunks`` v per stage (see [Note: pipeline and expert parallel estimates]); the micro-batches m of a
-    step are ``EstimateRequest.micro_steps``."""
-
-    stages: int
-    schedule: str = "1f1b"
-    #: ``pipeline.stage3_gather_per_micro_batch``: False (zeroshard's default) gathers a stage's
-    #: parameters once per batch at ZeRO stage 3 and holds them through it
-    gather_per_micro_batch: bool = False
-    #: chunks of layers per stage (``PipelineModule(virtual_stages=v)``, the interleaved schedule)
-    chunks: int = 1
-
-    def holds_gathered_parameters(self, stage: int) -> bool:
-        """Whether a ZeRO ``stage`` engine of a pipeline stage holds its parameters gathered for the whole
-        batch (see [Note: a stage's parameters gathered once per batch] in pipeline/engine.py)."""
-        return stage == 3 and self.stages > 1 and not self.gather_per_micro_batch
-
-    def bubble(self, micro_batches: int) -> float:
-        """The fraction of a step each stage idles while the pipeline fills and drains."""
-        return _schedules()[self.schedule].bubble_fraction(self.stages, micro_batches, self.chunks)
-
-    def in_flight(self, micro_batches: int, stage_index: int = 0) -> float:
-        """Micro-batches whose activations stage ``stage_index`` holds at once (with chunks, each chunk's
-        share counts ``1/chunks``): the schedule's own order of passes, counted."""
-        from ..pipeline.schedule import Forward
-
-        live = peak = 0
-        for action in _schedules()[self.schedule].actions(stage_index, self.stages, micro_batches, self.chunks):
-            live += 1 if isinstance(action, Forward) else -1
-            peak = max(peak, live)
-        return peak / self.chunks
-
-
-@dataclass(frozen=True)
-class MoEShape:
-    """MoE layers as DeepSpeed's ``MoE``: ``num_experts`` E of ``expert_params`` parameters each in
-    each of ``moe_layers`` layers, ``ep_size`` P, top-``topk`` routing (see [Note: pipeline and expert
-    parallel estimates])."""
-
-    num_experts: int
-    expert_params: float
-    moe_layers: int
-    ep_size: int = 1
-    topk: int = 1
-    capacity_factor: float = 1.0
-    min_capacity: int = 4
-
-    @property
-    def total_params(self) -> float:
-        """Ψ_e: every expert of every MoE layer."""
-        return self.num_experts * self.expert_params * self.moe_layers
-
-    def capacity(self, tokens: int) -> int:
-        """Slots per expert for ``tokens`` tokens of a rank, as ``experts/gating.py``'s ``capacity_for``."""
-        factor = 2 * self.capacity_factor if self.topk == 2 else self.capacity_factor
-        return max(math.ceil(tokens / self.num_experts * factor), self.min_capacity)
-
-
-@dataclass(frozen=True)
-class TensorShape:
-    """AutoTP: ``size`` T; ``split_params`` X, the parameters split over the T ranks (None: from the
-    model's shape, with ``kv_heads`` (default: the heads) and ``ffn`` (default 4 x hidden)); see
-    [Note: tensor parallel estimates]."""
-
-    size: int
-    split_params: Optional[float] = None
-    kv_heads: Optional[int] = None
-    ffn: Optional[int] = None
-    #: column-parallel layers per transformer layer (q, k, v, gate, up), each an all-reduce in backward
-    column_layers: int = 5
-    #: row-parallel layers per transformer layer (o, down), each an all-reduce in forward
-    row_layers: int = 2
-
-    def split(self, shape: ModelShape) -> Optional[float]:
-        """X: as given, else a Llama-style decoder's linear parameters (None without hidden and layers)."""
-        if self.split_params is not None:
-            return self.split_params
-        h, layers = shape.hidden, shape.layers
-        if not (h and layers):
-            return None
-        kv_width = h * self.kv_heads / shape.heads if self.kv_heads and shape.heads else h
-        ffn = self.ffn or 4 * h
-        return layers * (2 * h * h + 2 * h * kv_width + 3 * h * ffn)
+__all__ = ["GB", "StageEstimate", "state_parts", "stage_layers", "activation_bytes", "compute_bytes",
+           "pipeline_p2p_bytes", "all_to_all_bytes", "tensor_parallel_bytes", "buffer_bytes", "prefetch_bytes",
+           "gathered_stage_bytes", "estimate_stage", "estimate_hybrid", "estimate_all", "recommend",
+           # estimate_request.py's, imported from here too
+           "ModelShape", "EstimateError", "PipelineShape", "MoEShape", "TensorShape", "EstimateRequest",
+           "moe_from_hf_config", "check_parallel", "check_tensor", "tensor_rank_params", "tensor_parallel_size",
+           "pipeline_stage_count", "data_parallel_size"]
 
 
 @dataclass(frozen=True)
@@ -202,134 +106,6 @@ class StageEstimate:
     @property
     def total(self) -> float:
         return self.model_states + self.activations + self.buffers + self.secondary_params
-
-
-@dataclass(frozen=True)
-class EstimateRequest:
-    num_params: float
-    world_size: int
-    precision: str = "mixed"  # "mixed" (bf16/fp16 + fp32 Adam) or "fp32"
-    offload: Optional[str] = None  # None, "optimizer" or "params"
-    micro_batch: Optional[int] = None
-    seq_len: Optional[int] = None
-    checkpointing: bool = False
-    shape: ModelShape = field(default_factory=ModelShape)
-    reduce_bucket_size: float = 5e8
-    prefetch_bucket_size: float = 5e7
-    #: the fraction of parameters that train (LoRA: ~0.01); the rest are frozen (see estimate_stage)
-    trainable: float = 1.0
-    #: bytes per gradient element held; None: the precision's (2 mixed, 4 fp32).  4 under bf16 when
-    #: gradients accumulate in fp32 ([Note: the dtypes of mixed precision] in precision/policy.py)
-    grad_bytes: Optional[int] = None
-    #: micro steps (micro-batches) per optimizer step: the gradient accumulation steps
-    micro_steps: int = 1
-    #: pipeline parallelism (None: none); the rows are then the first stage's
-    pipeline: Optional[PipelineShape] = None
-    #: MoE layers (None: a dense model)
-    moe: Optional[MoEShape] = None
-    #: tensor parallelism (AutoTP; None: none)
-    tensor: Optional[TensorShape] = None
-
-
-def check_parallel(req: EstimateRequest) -> None:
-    """Refuse a pipeline or expert-parallel layout that does not fit the ranks, the experts or zeroshard."""
-    n, pp = req.world_size, req.pipeline
-    if req.tensor is not None:
-        check_tensor(req)
-    if pp is not None:
-        t = tensor_parallel_size(req)
-        if pp.stages < 1 or n // t % pp.stages:
-            within = f"{n} ranks" if t == 1 else f"{n // t} ranks left by --tp {t}"
-            raise EstimateError(f"--pp {pp.stages} does not divide the {within}: the world is pipeline stages x "
-                                f"data-parallel ranks, so choose a divisor of {n // t}")
-        if req.micro_steps < 1:
-            raise EstimateError(f"{req.micro_steps} micro-batches: a pipeline runs at least 1 per step")
-        from ..pipeline.schedule import ScheduleShapeError
-
-        schedules = _schedules()
-        if pp.schedule not in schedules:
-            raise EstimateError(f"schedule {pp.schedule!r}: expected one of {', '.join(schedules)}")
-        try:
-            schedules[pp.schedule].check(pp.stages, req.micro_steps, pp.chunks)
-        except ScheduleShapeError as error:
-            raise EstimateError(str(error)) from None
-        if req.shape.layers is not None and req.shape.layers < pp.stages:
-            raise EstimateError(f"--pp {pp.stages} with {req.shape.layers} layers: every stage needs a layer")
-    moe = req.moe
-    if moe is None:
-        return
-    dp = n // pp.stages if pp is not None else n
-    if moe.num_experts < 1:
-        raise EstimateError(f"--experts {moe.num_experts}: an MoE layer needs at least one expert")
-    if moe.topk not in (1, 2):
-        raise EstimateError(f"--topk {moe.topk}: zeroshard's MoE routes each token to 1 or 2 experts")
-    if moe.ep_size < 1 or moe.num_experts % moe.ep_size:
-        raise EstimateError(f"--ep {moe.ep_size} does not divide the {moe.num_experts} experts: each rank of an "
-                            f"expert-parallel group holds experts / ep of them")
-    if dp % moe.ep_size:
-        raise EstimateError(f"--ep {moe.ep_size} does not divide the {dp} data-parallel ranks: choose a divisor "
-                            f"of both {dp} and {moe.num_experts}")
-    if moe.ep_size > 1 and pp is not None and pp.stages > 1:
-        raise EstimateError(f"--ep {moe.ep_size} with --pp {pp.stages}: zeroshard does not run expert "
-                            f"parallelism inside a pipeline yet (--ep 1 keeps the experts data parallel)")
-    if moe.expert_params < 0 or moe.moe_layers < 0:
-        raise EstimateError("--expert-params and --moe-layers cannot be negative")
-    if moe.total_params > req.num_params:
-        raise EstimateError(f"the experts ({moe.num_experts} x {moe.expert_params:.4g} parameters x "
-                            f"{moe.moe_layers} MoE layers = {moe.total_params:.4g}) outnumber the model's "
-                            f"{req.num_params:.4g} parameters: --params counts dense and expert parameters")
-
-
-def check_tensor(req: EstimateRequest) -> None:
-    """Refuse a tensor-parallel size that does not divide the ranks or the heads, or a combination
-    zeroshard does not train."""
-    tp, n = req.tensor, req.world_size
-    assert tp is not None
-    t = tp.size
-    if t < 1 or n % t:
-        raise EstimateError(f"--tp {t} does not divide the {n} ranks: the world is tensor-parallel x data-parallel "
-                            f"ranks, so choose a divisor of {n}")
-    for flag, what, heads in (("--heads", "attention", req.shape.heads), ("--kv-heads", "key/value", tp.kv_heads)):
-        if heads is not None and heads % t:
-            raise EstimateError(f"--tp {t} does not divide the {heads} {what} heads ({flag}): each rank computes "
-                                f"whole heads; choose a divisor of {heads}")
-    if t > 1 and req.moe is not None:
-        if req.moe.ep_size > 1:
-            raise EstimateError(f"--tp {t} with --ep {req.moe.ep_size}: zeroshard does not run tensor parallelism "
-                                f"with expert parallelism")
-        raise EstimateError(f"--tp {t} with --experts: the estimate does not split MoE layers over tensor-parallel "
-                            f"ranks (count the experts in --params and the split part in --tp-params without "
-                            f"--experts)")
-    x = tp.split(req.shape)
-    if x is None:
-        raise EstimateError(f"--tp {t} needs the split parameters: --tp-params X, or --hidden and --layers "
-                            f"(with --ffn, --heads, --kv-heads) to count a Llama-style decoder's linear layers")
-    if not 0 <= x <= req.num_params:
-        raise EstimateError(f"{x:.4g} split parameters (--tp-params, or counted from --hidden/--layers/--ffn) but the "
-                            f"model has {req.num_params:.4g}: give --tp-params between 0 and --params")
-
-
-def tensor_rank_params(req: EstimateRequest) -> float:
-    """Ψ_rank = X/T + (Ψ - X): a tensor-parallel rank's share of the split parameters and all the rest."""
-    assert req.tensor is not None
-    x = req.tensor.split(req.shape)
-    assert x is not None, "check_parallel refuses --tp without the split parameters"
-    return x / req.tensor.size + (req.num_params - x)
-
-
-def tensor_parallel_size(req: EstimateRequest) -> int:
-    """T: 1 without tensor parallelism."""
-    return req.tensor.size if req.tensor is not None else 1
-
-
-def pipeline_stage_count(req: EstimateRequest) -> int:
-    """P: 1 without a pipeline."""
-    return req.pipeline.stages if req.pipeline is not None else 1
-
-
-def data_parallel_size(req: EstimateRequest) -> int:
-    """The ranks ZeRO shards a rank's model states over: N / (T x P)."""
-    return req.world_size // (tensor_parallel_size(req) * pipeline_stage_count(req))
 
 
 def state_parts(req: EstimateRequest) -> list[tuple[float, int]]:
@@ -511,148 +287,3 @@ def recommend(estimates: list[StageEstimate], gpu_memory_gb: Optional[float], he
         if e.total <= gpu_memory_gb * GB * (1 - headroom):
             return e.stage
     return None
-
-
-def format_table(req: EstimateRequest, estimates: list[StageEstimate], gpu_memory_gb: Optional[float]) -> str:
-    precision = "mixed precision (16-bit params/grads, fp32 Adam)" if req.precision == "mixed" else "fp32 (Adam)"
-    held_in_fp32 = req.precision == "mixed" and req.grad_bytes == 4
-    lines = [f"{req.num_params:.3g} parameters, {req.world_size} ranks, {precision}"
-             + (", gradients held in fp32" if held_in_fp32 else "")
-             + (f", offload {req.offload}" if req.offload else "")
-             + (f", {req.trainable:g} of them trainable (the rest frozen)" if req.trainable < 1 else "")
-             + "; per rank, decimal GB",
-             *_parallel_header(req),
-             "",
-             "| stage | params | grads | optimizer | model states | activations | buffers | total | host (offload) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for e in estimates:
-        lines.append(f"| {e.stage} | {e.params / GB:g} | {e.grads / GB:g} | "
-                     f"{e.optimizer / GB:g} | "
-                     f"{e.model_states / GB:g} | {e.activations / GB:.4g} | {e.buffers / GB:.4g} | "
-                     f"{e.total / GB:.4g} | {e.host / GB:g} |")
-    lines += _parallel_footer(req)
-    if gpu_memory_gb is not None:
-        best = recommend(estimates, gpu_memory_gb)
-        lines.append("")
-        lines.append(f"recommendation: ZeRO stage {best} is the lowest that fits {gpu_memory_gb:g} GB with 10% headroom"
-                     if best is not None else
-                     f"recommendation: no stage fits {gpu_memory_gb:g} GB; add ranks, offload, or checkpoint activations")
-    return "\n".join(lines)
-
-
-def _micro_batches(count: float) -> str:
-    return f"{count:g} micro-batch" + ("" if count == 1 else "es")
-
-
-def _parallel_header(req: EstimateRequest) -> list[str]:
-    """The table's lines on the pipeline's and the MoE layers' layout (none without them)."""
-    lines = []
-    pp, moe, m = req.pipeline, req.moe, req.micro_steps
-    if pp is not None:
-        layers = stage_layers(req)
-        held = f" of {layers} layers" if layers else ""
-        dp = data_parallel_size(req)
-        lines.append(f"pipeline: {pp.stages} stages x {dp} data-parallel ranks, {pp.schedule}, {_micro_batches(m)} "
-                     f"per step; a stage holds {req.num_params / pp.stages:.4g} parameters"
-                     f"{' (before the tensor split)' if req.tensor is not None else ''}, ZeRO over its {dp} ranks; "
-                     f"rows: the first stage, activations of {_micro_batches(pp.in_flight(m))}{held} in flight")
-    if moe is not None:
-        ranks = req.world_size // (pp.stages if pp is not None else 1)
-        lines.append(f"MoE: {moe.moe_layers} layers x {moe.num_experts} experts x {moe.expert_params:.4g} parameters "
-                     f"= {moe.total_params:.4g} expert + {req.num_params - moe.total_params:.4g} dense, "
-                     f"top-{moe.topk}, ep {moe.ep_size}: a rank holds {moe.num_experts // moe.ep_size} of each layer's "
-                     f"{moe.num_experts} experts, their state sharded over the {ranks // moe.ep_size} ranks "
-                     f"holding them")
-    tp = req.tensor
-    if tp is not None:
-        x = tp.split(req.shape)
-        assert x is not None
-        dp = data_parallel_size(req)
-        counted = "--tp-params" if tp.split_params is not None else _counted_split(req)
-        per_stage = (f", {tensor_rank_params(req) / pp.stages:.4g} of them in a stage of the pipeline"
-                     if pp is not None else "")
-        lines.append(f"tensor parallel: {tp.size} tensor-parallel x {dp} data-parallel ranks; {x:.4g} of the "
-                     f"{req.num_params:.4g} parameters split ({counted}), the rest whole: a rank holds "
-                     f"X/T + (Ψ - X) = {tensor_rank_params(req):.4g} parameters{per_stage}, ZeRO over its {dp} "
-                     f"data-parallel ranks")
-        if activation_bytes(req):
-            lines.append(f"activations: s*b*h*(10 + 24/T + 5*a*s/(h*T)) per layer (T = {tp.size}: attention and MLP "
-                         f"intermediates split, layer inputs and norms whole)")
-    return lines
-
-
-def _counted_split(req: EstimateRequest) -> str:
-    """How the default X was counted, for the table's header."""
-    tp, h, heads = req.tensor, req.shape.hidden, req.shape.heads
-    assert tp is not None and h is not None
-    kv = tp.kv_heads or heads
-    attention = "4h^2" if kv is None or kv == heads else f"2h^2 + 2h^2 x {kv}/{heads} kv heads"
-    ffn = f"ffn {tp.ffn}" if tp.ffn else f"ffn 4h = {4 * h}"
-    return f"{req.shape.layers} layers x ({attention} + 3h x ffn), h {h}, {ffn}: a Llama-style decoder's linear layers"
-
-
-def _parallel_footer(req: EstimateRequest) -> list[str]:
-    """The table's lines on the pipeline bubble and the bytes between stages and between experts."""
-    lines = []
-    pp, moe, m, dtype = req.pipeline, req.moe, req.micro_steps, compute_bytes(req)
-    size = f"{req.micro_batch} x {req.seq_len} x {req.shape.hidden} x {dtype} bytes"
-    missing = "give --micro-batch, --seq-len and --hidden for the bytes"
-    if pp is not None:
-        lines.append("")
-        formula = "(P-1)/(m+P-1)" if pp.chunks == 1 else f"(P-1)/({pp.chunks}m+P-1)"
-        lines.append(f"pipeline bubble: {formula} = {pp.bubble(m):.1%} of each step idle ({pp.stages} stages, "
-                     f"{_micro_batches(m)})")
-        p2p = pipeline_p2p_bytes(req)
-        boundaries = f"{pp.stages - 1} {'boundary' if pp.stages == 2 else 'boundaries'}"
-        lines.append(f"between stages: {p2p / GB:.4g} GB per boundary per step ({_micro_batches(m)} x {size}, forward "
-                     f"and as much backward), {boundaries}" if p2p is not None else f"between stages: {missing}")
-    if moe is not None:
-        lines.append("")
-        exchanged = all_to_all_bytes(req)
-        if moe.ep_size == 1:
-            lines.append("all-to-all: none (--ep 1: every rank holds every expert)")
-        elif exchanged is None:
-            lines.append(f"all-to-all: {missing}")
-        else:
-            assert req.micro_batch is not None and req.seq_len is not None
-            capacity = moe.capacity(req.micro_batch * req.seq_len)
-            lines.append(f"all-to-all: {exchanged / GB:.4g} GB per MoE layer per micro-batch per rank "
-                         f"(4 x {moe.ep_size - 1}/{moe.ep_size} x {moe.num_experts} experts x capacity {capacity} x "
-                         f"{req.shape.hidden} x {dtype} bytes), {exchanged * moe.moe_layers * m / GB:.4g} GB per rank "
-                         f"per step ({moe.moe_layers} layers x {_micro_batches(m)})")
-    tp = req.tensor
-    if tp is not None:
-        lines.append("")
-        sent = tensor_parallel_bytes(req)
-        if tp.size == 1:
-            lines.append("tensor-parallel all-reduce: none (--tp 1)")
-        elif sent is None:
-            lines.append(f"tensor-parallel all-reduce: {missing}")
-        else:
-            layers = stage_layers(req)  # a pipeline stage's layers
-            held = " of a stage" if req.pipeline is not None else ""
-            per_step = (f", {sent * layers * m / GB:.4g} GB per rank per step ({layers} layers{held} x "
-                        f"{_micro_batches(m)})" if layers else ", give --layers for the bytes per step")
-            lines.append(f"tensor-parallel all-reduce: {sent / GB:.4g} GB per layer per micro-batch per rank "
-                         f"({tp.row_layers + tp.column_layers} all-reduces, {tp.row_layers} forward + "
-                         f"{tp.column_layers} backward, x 2 x {tp.size - 1}/{tp.size} x {size})"
-                         f"{per_step}; over DTensor, not in the buffers")
-    return lines
-
-
-def moe_from_hf_config(config: dict) -> Optional[dict]:
-    """Experts, parameters per expert, MoE layers and top-k of a Mixtral, Qwen2/3-MoE or OLMoE style
-    Hugging Face config (None for a dense one).  An expert is a SwiGLU MLP, 3 x hidden x its
-    intermediate size (``moe_intermediate_size``, else ``intermediate_size``); Qwen-MoE's layers are
-    those outside ``mlp_only_layers`` at every ``decoder_sparse_step``-th position, the others' every
-    layer.  A shared expert (Qwen2-MoE) trains with every token: it counts as dense."""
-    experts = config.get("num_local_experts") or config.get("num_experts")
-    hidden, layers = config.get("hidden_size"), config.get("num_hidden_layers")
-    ffn = config.get("moe_intermediate_size") or config.get("intermediate_size")
-    if not (experts and hidden and layers and ffn):
-        return None
-    step = config.get("decoder_sparse_step") or 1
-    dense_only = set(config.get("mlp_only_layers") or ())
-    moe_layers = sum(1 for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
-    return {"num_experts": int(experts), "expert_params": 3 * hidden * ffn, "moe_layers": moe_layers,
-            "topk": int(config.get("num_experts_per_tok") or 1)}

@@ -54,8 +54,8 @@ import dataclasses
 from typing import Optional, Sequence
 
 from ..distributed.parallel_dims import ParallelDims
-from .estimator import (GB, EstimateError, EstimateRequest, PipelineShape, TensorShape, check_parallel,
-                        pipeline_p2p_bytes, stage_layers, tensor_parallel_bytes)
+from .estimate_request import EstimateError, EstimateRequest, PipelineShape, TensorShape, check_parallel
+from .estimator import GB, pipeline_p2p_bytes, stage_layers, tensor_parallel_bytes
 from .scale_model import (Cluster, CollectiveTraffic, Phase, ScaleEstimate, Sharding, default_shardings,
                           group_placement, recommend_scale, sharding_estimate)
 

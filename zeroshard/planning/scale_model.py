@@ -103,8 +103,8 @@ from enum import Enum
 from typing import Optional, Sequence, Union
 
 from ..distributed.parallel_dims import ParallelDims
-from .estimator import (GB, EstimateRequest, StageEstimate, data_parallel_size, estimate_hybrid, pipeline_stage_count,
-                        state_parts, tensor_parallel_size)
+from .estimate_request import EstimateRequest, data_parallel_size, pipeline_stage_count, tensor_parallel_size
+from .estimator import GB, StageEstimate, estimate_hybrid, state_parts
 
 __all__ = ["Phase", "CollectiveTraffic", "Traffic", "group_placement", "traffic_per_step", "Sharding", "Cluster",
            "StepTime", "ScaleEstimate", "compute_seconds", "bubble_factor", "step_time", "default_shardings",

@@ -33,7 +33,7 @@ from .selftest.command import add_parser as add_selftest_parser
 if TYPE_CHECKING:
     from ..config import ZeroshardConfig
     from ..planning import Cluster, EstimateRequest
-    from ..planning.estimator import MoEShape, PipelineShape, TensorShape
+    from ..planning.estimate_request import MoEShape, PipelineShape, TensorShape
 
 
 def _demo_nproc(requested: Optional[int], cuda_devices: int) -> int:
@@ -92,7 +92,7 @@ def _model_numbers(args: argparse.Namespace) -> tuple[float, dict, Optional[dict
 
     import torch
 
-    from ..planning.estimator import moe_from_hf_config
+    from ..planning.estimate_request import moe_from_hf_config
 
     shape: dict = {}
     moe: Optional[dict] = None
@@ -209,7 +209,7 @@ _TP_FLAGS = ("tp", "tp_params", "kv_heads", "ffn")
 
 def _pipeline(args: argparse.Namespace, config: "ZeroshardConfig") -> Optional["PipelineShape"]:
     """--pp and --schedule (default: the config's ``pipeline`` section) as a PipelineShape; None: none."""
-    from ..planning.estimator import PipelineShape
+    from ..planning.estimate_request import PipelineShape
 
     stages = args.pp if args.pp is not None else config.pipeline.stages
     if stages is None:
@@ -224,7 +224,7 @@ def _pipeline(args: argparse.Namespace, config: "ZeroshardConfig") -> Optional["
 def _tensor(args: argparse.Namespace, config: "ZeroshardConfig", derived: dict) -> Optional["TensorShape"]:
     """--tp (default: the config's ``tensor_parallel.autotp_size`` when above 1), --tp-params, --kv-heads
     and --ffn (defaults from an --hf-config) as a TensorShape; None: no tensor parallelism."""
-    from ..planning.estimator import TensorShape
+    from ..planning.estimate_request import TensorShape
 
     size = args.tp if args.tp is not None else (config.tensor_parallel.autotp_size or None)
     if size is None or (args.tp is None and size == 1):
@@ -239,7 +239,7 @@ def _tensor(args: argparse.Namespace, config: "ZeroshardConfig", derived: dict) 
 def _tensor_split(args: argparse.Namespace, derived: dict) -> "TensorShape":
     """What --tp-params, --kv-heads and --ffn (defaults from an --hf-config) say about the split
     parameters, for a tensor-parallel size of 1 until one is chosen."""
-    from ..planning.estimator import TensorShape
+    from ..planning.estimate_request import TensorShape
 
     kv_heads = args.kv_heads if args.kv_heads is not None else derived.get("kv_heads")
     return TensorShape(1, args.tp_params, kv_heads, args.ffn if args.ffn is not None else derived.get("ffn"))
@@ -247,7 +247,7 @@ def _tensor_split(args: argparse.Namespace, derived: dict) -> "TensorShape":
 
 def _moe(args: argparse.Namespace, derived: Optional[dict], layers: Optional[int]) -> Optional["MoEShape"]:
     """The MoE flags, completed from a Mixtral-style --hf-config, as a MoEShape; None when none is given."""
-    from ..planning.estimator import MoEShape
+    from ..planning.estimate_request import MoEShape
 
     given = [n for n in _MOE_FLAGS if getattr(args, n) is not None]
     if not given:
@@ -277,7 +277,7 @@ def _moe(args: argparse.Namespace, derived: Optional[dict], layers: Optional[int
 def _estimate(args: argparse.Namespace) -> int:
     from ..config import load_config
     from ..planning import EstimateRequest, ModelShape, estimate_all, format_table
-    from ..planning.estimator import EstimateError, check_parallel
+    from ..planning.estimate_request import EstimateError, check_parallel
 
     scale = _scale_mode(args)
     experts = [_flag(n) for n in _MOE_FLAGS if getattr(args, n) is not None]
@@ -345,7 +345,7 @@ def _layout_table(args: argparse.Namespace, req: "EstimateRequest", cluster: "Cl
     their axis; ``split`` says how the tensor-parallel sizes split the model), else the one --tp / --pp
     give, with each of its shardings."""
     from ..distributed.parallel_dims import ParallelDims
-    from ..planning.estimator import EstimateError, pipeline_stage_count, tensor_parallel_size
+    from ..planning.estimate_request import EstimateError, pipeline_stage_count, tensor_parallel_size
     from ..planning.parallel_search import (format_layout_table, layout_estimates, layout_shardings, refused_layouts,
                                             search_layouts)
 
