@@ -25,6 +25,7 @@ from .tensor_parallel import SplitModel, prepare_tensor_parallel, tensor_paralle
 from .logging import log_rank
 from .pipeline import PipelineConfigError, PipelineEngine, PipelineModule
 from .pipeline.module import PipelineMPU
+from .sequence.groups import SequenceParallelError, check_sequence_axes
 
 
 def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: Any = None,
@@ -45,7 +46,8 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     ``dist_init_required=False``: one must exist.
     ``mpu``: the model splits its own layers across tensor-parallel ranks (Megatron's); each rank's
     part is trained with ZeRO over its data-parallel group (docs/DEEPSPEED_AND_HUGGING_FACE.md,
-    "Tensor parallelism through mpu").  ``mesh_param`` must be None: zeroshard has no sequence parallelism.
+    "Tensor parallelism through mpu").  ``mesh_param`` must be None: sequence parallelism comes from the config's
+    ``sequence_parallel_size`` (docs/SEQUENCE_PARALLEL.md), whose ranks see the same samples from the loader.
     A :class:`~zeroshard.pipeline.PipelineModule` model gets a pipeline engine (docs/PIPELINE.md).
 
     ``resume_from`` (zeroshard's): a checkpoint directory whose ``latest`` checkpoint is loaded, RNG
@@ -58,7 +60,8 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
             if isinstance(args, nn.Module) else ""
         raise InitializeArgumentError(f"initialize() needs model={positional}")
     if mesh_param is not None:
-        raise ValueError("initialize(mesh_param=): zeroshard has no sequence parallelism; pass None")
+        raise ValueError("initialize(mesh_param=): a device mesh is not taken; pass None and set the config's "
+                         "sequence_parallel_size for sequence parallelism")
     if mpu is not None and not isinstance(model, PipelineModule):
         check_mpu(mpu)  # before anything else: a wrong object is named at once
     source = _config_source(config, config_params, args)
@@ -85,7 +88,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
             raise ValueError("initialize(mpu=...) with tensor_parallel.autotp_size: the model splits its own layers "
                              "(mpu) or zeroshard splits them (autotp_size), not both")
         worlds = model_parallel_worlds(mpu, world)
-        axes = _job_axes(parsed, world, worlds.dims.tp, model)
+        axes = _job_axes(parsed, world, worlds.dims.tp, model, model_parallel=True)
         worlds = dataclasses.replace(worlds, dims=axes)
     else:  # tensor parallelism from the config, or from tp_model_init() (zeroshard/tensor_parallel/)
         axes = _job_axes(parsed, world, tensor_parallel_size(model, parsed.tensor_parallel), model)
@@ -94,7 +97,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
             worlds, mpu, split, batch_check = prepared
     if worlds is not None:
         world = worlds.data_world  # batch sizes and the loader are per data-parallel rank
-    parsed = resolve_batch_sizes(parsed, world.world_size)
+    parsed = resolve_batch_sizes(parsed, world.world_size // axes.sp)  # data-parallel ranks (DeepSpeed's rule)
     if parsed.seed is not None:
         torch.manual_seed(parsed.seed)
     engine = Engine(model, parsed, world, model_parameters, optimizer, lr_scheduler, axes=axes) if worlds is None \
@@ -103,8 +106,8 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
         engine.hold_hook(batch_check)
     loader = None
     if training_data is not None:
-        loader = build_loader(training_data, engine.train_micro_batch_size_per_gpu(), world, collate_fn,
-                              seed=parsed.seed or 0, drop_last=parsed.dataloader_drop_last)
+        loader = build_loader(training_data, engine.train_micro_batch_size_per_gpu(), _data_axis(world, axes),
+                              collate_fn, seed=parsed.seed or 0, drop_last=parsed.dataloader_drop_last)
         engine.data_loader = loader
     resume_dir = _resume_dir(resume_from, parsed)
     if resume_dir is not None and (_own_checkpoints(engine, resume_dir) / LATEST).is_file():
@@ -123,6 +126,9 @@ def _initialize_pipeline(model: "PipelineModule", config: ZeroshardConfig, model
     whole pipeline (pipeline/checkpoint.py), RNG and loader position included, once the loader is attached;
     training starts fresh when there is none yet."""
     resume_dir = _resume_dir(resume_from, config)  # a missing save_dir is named before anything is built
+    if config.sequence_parallel_size > 1:
+        raise SequenceParallelError(f"sequence_parallel_size = {config.sequence_parallel_size} with a PipelineModule "
+                                    f"(pipeline parallelism) is not supported yet")
     if config.seed is not None:
         torch.manual_seed(config.seed)
     # the topology's axes with the stages' expert axis; the pipeline refuses MiCS and hpZ (pipeline/checks.py)
@@ -140,14 +146,27 @@ def _initialize_pipeline(model: "PipelineModule", config: ZeroshardConfig, model
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
-def _job_axes(config: ZeroshardConfig, world: World, tensor_parallel: int, model: nn.Module) -> ParallelDims:
+def _job_axes(config: ZeroshardConfig, world: World, tensor_parallel: int, model: nn.Module,
+              model_parallel: bool = False) -> ParallelDims:
     """Every parallel axis of a job without a pipeline (distributed/parallel_dims.py), built once and
     validated here: ``world`` (the whole job) cut into ``tensor_parallel`` ranks per data-parallel rank,
-    the config's MiCS / hpZ sizes and the expert axis of ``model``'s MoE layers; a size that does not
-    divide what it cuts is refused by name, the same on every rank."""
+    the config's sequence-parallel, MiCS and hpZ sizes and the expert axis of ``model``'s MoE layers; a
+    size that does not divide what it cuts, or a sequence axis beside an axis it does not combine with
+    (``model_parallel``: an mpu's), is refused by name, the same on every rank."""
     zero = config.zero_optimization
-    return ParallelDims.for_job(world.world_size, tp=tensor_parallel, mics_shard_size=zero.mics_shard_size,
-                                hpz_partition_size=zero.zero_hpz_partition_size, ep=expert_parallel_size(model))
+    axes = ParallelDims.for_job(world.world_size, tp=tensor_parallel, sp=config.sequence_parallel_size,
+                                mics_shard_size=zero.mics_shard_size, hpz_partition_size=zero.zero_hpz_partition_size,
+                                ep=expert_parallel_size(model))
+    check_sequence_axes(axes, model_parallel=model_parallel)
+    return axes
+
+
+def _data_axis(world: World, axes: ParallelDims) -> World:
+    """The loader's world: one replica per data-parallel index, the ranks of a sequence group alike (each
+    takes its slice of the same samples)."""
+    if axes.sp == 1:
+        return world
+    return dataclasses.replace(world, rank=axes.coords(world.rank).data, world_size=axes.dp)
 
 
 def _own_checkpoints(engine: Engine, directory: Path) -> Path:

@@ -463,6 +463,11 @@ class ZeroshardConfig:
                                                         optional_positive, default_text="derived")
     gradient_accumulation_steps: Optional[int] = key(None, "Micro steps per optimizer step.",
                                                      optional_positive, default_text="derived (1)")
+    sequence_parallel_size: int = key(
+        1, "DeepSpeed-Ulysses sequence parallelism (docs/SEQUENCE_PARALLEL.md): the ranks that split each sequence "
+        "(consecutive ranks; 1: off). They hold the same parameters, ZeRO shards over data x sequence and averages "
+        "gradients over both, and the batch keys count data-parallel ranks (world size / this). Must divide the "
+        "world size; pipeline, tensor and expert parallelism with it are refused (not supported yet).", positive)
     gradient_clipping: float = key(0.0, "Clip the global (all-shard) gradient norm to this value; 0 turns it off.",
                                    non_negative)
     steps_per_print: float = key(

@@ -163,8 +163,9 @@ class ParallelDims:
             raise TensorParallelSizeError(f"tensor_parallel.autotp_size = {tp} does not divide the {base.dp} "
                                           f"ranks of the job: choose a divisor of {base.dp}")
         if sp < 1 or base.dp // tp % sp:
-            raise SequenceParallelSizeError(f"sequence parallel size {sp} does not divide the {base.dp // tp} "
-                                            f"ranks left by pipeline {pp} x tensor {tp}")
+            raise SequenceParallelSizeError(f"sequence_parallel_size = {sp} does not divide the {base.dp // tp} "
+                                            f"ranks left by pipeline {pp} x tensor {tp}: choose a divisor of "
+                                            f"{base.dp // tp}")
         zero = base.dp // tp
         for key, size in (("mics_shard_size", mics_shard_size), ("zero_hpz_partition_size", hpz_partition_size)):
             if size > 1 and zero % size:

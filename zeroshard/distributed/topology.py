@@ -94,6 +94,8 @@ class ShardGroups:
     expert_data: Optional[Collectives] = None
     #: stage 3: the expert-data-parallel ranks again, for the experts' gradient reduce-scatters alone
     expert_grads: Optional[Collectives] = None
+    #: sequence parallelism: the ranks that split each sequence (blocks of ``sp`` consecutive ranks)
+    sequence: Optional[Collectives] = None
 
     @property
     def data_parallel_size(self) -> int:
@@ -101,7 +103,7 @@ class ShardGroups:
 
     def _side(self) -> list[Collectives]:
         return [c for c in (self.shard, self.replicas, self.secondary, self.grads, self.rounds,
-                            self.expert_parallel, self.expert_data, self.expert_grads)
+                            self.expert_parallel, self.expert_data, self.expert_grads, self.sequence)
                 if c is not None and c.world.group is not None]
 
     def release(self) -> None:
@@ -143,7 +145,8 @@ def build_shard_groups(comm: Collectives, topology: Topology, axes: ParallelDims
                        gathers_in_passes: bool = False) -> ShardGroups:
     """The engine's :class:`ShardGroups` over ``comm``'s world, the ZeRO world of ``axes`` (its ranks
     numbered by position): MiCS's shard and replica groups (``axes.dp_replicate`` > 1), hpZ's secondary
-    partitions (``axes.hpz`` > 1) and the expert groups (``axes.ep`` > 1), each from
+    partitions (``axes.hpz`` > 1), the expert groups (``axes.ep`` > 1) and the sequence groups
+    (``axes.sp`` > 1), each from
     :meth:`ParallelDims.positions`.  ``gathers_in_passes`` (stage 3): with the groups its gather rounds
     need."""
     n = comm.world.world_size
@@ -151,6 +154,8 @@ def build_shard_groups(comm: Collectives, topology: Topology, axes: ParallelDims
         raise ValueError(f"the engine's world has {n} ranks, but the axes {axes.describe()} shard over "
                          f"{axes.zero_size}")
     groups = _sharding_groups(comm, topology, axes)
+    if axes.sp > 1:
+        groups.sequence = _own_group(comm, topology, axes.positions("sequence"))
     if axes.ep > 1:
         groups.expert_parallel = _own_group(comm, topology, axes.positions("expert"))
         groups.expert_data = _own_group(comm, topology, axes.positions("expert_data"))

@@ -57,6 +57,7 @@ from ..optim.updaters import build_updater
 from ..offload.policy import OffloadPolicies
 from ..sharding.buffer_memory import BufferMemory, DeviceMemory
 from ..sharding.storage import HOMES, InitialValues, ParameterStorage
+from ..sequence.groups import register_sequence_groups
 from ..precision import LossScaler, PrecisionPolicy
 from .counters import TrainingCounters
 from .placement import defer_to_device
@@ -226,6 +227,8 @@ class Engine:
         #: DeepSpeed's deepspeed.utils.groups answers with these while the engine lives
         self._expert_groups = register_expert_groups(self.expert_parallel_size, ExpertGroupRecord(
             exchange, experts_data, self.comm)) if exchange is not None and experts_data is not None else None
+        #: DistributedAttention and deepspeed.utils.groups use this sequence group while the engine lives
+        self._sequence_groups = register_sequence_groups(self.shard_groups.sequence, self.comm)
 
     def _expert_parallel_size(self, world: World) -> int:
         """The model's MoE layers' ``ep_size``, the job's expert axis (see [Note: experts sharded over
@@ -734,6 +737,7 @@ class Engine:
         self.updater.close()
         self.storage.close()
         self.buffer_memory.drop_all()  # parked pages go back to the system
+        self._sequence_groups = None  # a model handed back attends over whole sequences
         _ENGINE_OF.pop(self.module, None)
 
     def zero_grad(self) -> None:

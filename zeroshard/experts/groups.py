@@ -1,4 +1,5 @@
-"""Expert parallelism: which ranks exchange tokens, which hold the same experts, and the exchange itself.
+"""Expert parallelism: which ranks exchange tokens and which hold the same experts (the exchange itself:
+distributed/exchange.py).
 
 [Note: experts sharded over the ranks that hold them]
 With ``ep_size`` P > 1 the ranks of a data-parallel world of N are cut, as DeepSpeed numbers them,
@@ -25,12 +26,10 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Optional
-
-import torch
-from torch import Tensor
+from typing import Optional
 
 from ..distributed.collectives import Collectives
+from ..distributed.exchange import exchange
 from ..distributed.parallel_dims import ExpertParallelError
 
 __all__ = ["ExpertParallelError", "ExpertGroupRecord", "register_expert_groups", "live_expert_groups", "exchange"]
@@ -66,28 +65,3 @@ def register_expert_groups(ep_size: int, record: ExpertGroupRecord) -> _Holder:
 def live_expert_groups() -> dict[str, ExpertGroupRecord]:
     """The groups of the live engines, by name."""
     return {name: holder.record for name, holder in list(_LIVE.items())}
-
-
-class _AllToAll(torch.autograd.Function):
-    """An all-to-all of equal chunks along the first dimension whose backward is the reverse all-to-all."""
-
-    @staticmethod
-    def forward(ctx: Any, comm: Collectives, label: str, values: Tensor) -> Tensor:  # type: ignore[override]
-        ctx.comm, ctx.label = comm, label
-        values = values.contiguous()  # before empty_like, which would keep a transposed input's strides
-        out = torch.empty_like(values)
-        comm.all_to_all(out, values, label)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[None, None, Tensor]:  # type: ignore[override]
-        grad = grad.contiguous()
-        out = torch.empty_like(grad)
-        ctx.comm.all_to_all(out, grad, f"{ctx.label}_grad")
-        return None, None, out
-
-
-def exchange(comm: Collectives, values: Tensor, label: str) -> Tensor:
-    """Chunk r of ``values`` (first dimension, ``comm``'s size equal parts) goes to rank r; returns the
-    chunks received, in rank order; differentiable."""
-    return _AllToAll.apply(comm, label, values)

@@ -1,10 +1,13 @@
-"""``deepspeed.utils.groups``: the process groups of the live engine's expert and data parallelism.
+"""``deepspeed.utils.groups``: the process groups of the live engine's expert, sequence and data parallelism.
 
 DeepSpeed's MoE code and scripts built on it ask this module for the groups by name (``ep_size_P``,
 the name of an MoE layer's ``expert_group_name``).  zeroshard builds the groups once per engine, at
 ``initialize()`` (see [Note: experts sharded over the ranks that hold them] in experts/groups.py),
 and the engine registers them here; before that, or for a name no engine built, the accessors raise
-:class:`GroupsNotBuiltError`.  ``initialize(ep_size=...)``, DeepSpeed's old way to make these groups,
+:class:`GroupsNotBuiltError`.  The sequence-parallel accessors answer from the live engine's axes
+(``sequence_parallel_size``, zeroshard/sequence/groups.py): the group that splits each sequence, and the
+group of data x sequence ranks ZeRO shards over; a job without a sequence axis answers as one of
+``sequence_parallel_size`` 1, as DeepSpeed does.  ``initialize(ep_size=...)``, DeepSpeed's old way to make these groups,
 raises as DeepSpeed's does: the size belongs to each ``MoE`` layer.  ``_get_expert_parallel_ranks``
 answers, without any process group, which ranks a job of given sizes puts in each group.
 """
@@ -17,6 +20,7 @@ import torch.distributed as dist
 
 from ...distributed.parallel_dims import ParallelDims
 from ...experts.groups import ExpertGroupRecord, ExpertParallelError, live_expert_groups
+from ...sequence.groups import live_sequence_groups
 
 
 class GroupsNotBuiltError(RuntimeError):
@@ -138,3 +142,36 @@ def _get_max_expert_size_name() -> str:
 
 def _get_world_group() -> Any:
     return dist.group.WORLD
+
+
+def _get_sequence_parallel_group() -> Any:
+    """The live engine's group of the ranks that split each sequence; None without a sequence axis."""
+    groups = live_sequence_groups()
+    return None if groups is None else _group(groups.sequence.world.group)
+
+
+def _get_sequence_parallel_world_size() -> int:
+    groups = live_sequence_groups()
+    return 1 if groups is None else groups.sequence.world.world_size
+
+
+def _get_sequence_parallel_rank() -> int:
+    groups = live_sequence_groups()
+    return 0 if groups is None else groups.sequence.world.rank
+
+
+def _get_sequence_data_parallel_group() -> Any:
+    """The ranks ZeRO shards over and averages gradients over: data x sequence (the engine's world)."""
+    groups = live_sequence_groups()
+    return dist.group.WORLD if groups is None else _group(groups.sequence_data.world.group)
+
+
+def _get_sequence_data_parallel_world_size() -> int:
+    groups = live_sequence_groups()
+    return (dist.get_world_size() if dist.is_initialized() else 1) if groups is None \
+        else groups.sequence_data.world.world_size
+
+
+def _get_sequence_data_parallel_rank() -> int:
+    groups = live_sequence_groups()
+    return (dist.get_rank() if dist.is_initialized() else 0) if groups is None else groups.sequence_data.world.rank

@@ -1,0 +1,224 @@
+"""Sequence parallelism (DeepSpeed-Ulysses) trains like one process on the whole sequences.
+
+A small causal attention model (token and position embeddings, two blocks of attention through
+``DistributedAttention`` with torch's ``scaled_dot_product_attention`` as the local attention and an
+MLP, a head) trains 3 steps with ``sequence_parallel_size`` 2 at ZeRO stages 0-3: each rank holds its
+slice of every sequence of its data-parallel index's batch, and its loss is the mean over its own
+tokens ([Note: the loss and the gradient average under sequence parallelism] in zeroshard/sequence/layer.py).
+The oracle is one process training the same model on every data-parallel index's whole sequences at
+once (fp32, 1e-5 relative): with plain SGD, which is not scale-invariant, so a gradient off by the
+sequence degree shows, and with AdamW.  The mean of the ranks' losses equals the oracle's loss at every
+step, ``deepspeed.utils.groups`` answers from the engine's axes, and the exchanges are counted in the
+engine's ledger.  Grouped-query attention with fewer key/value heads than ranks replicates them.
+Refused by name on every rank: heads that do not split over the ranks, a degree that does not divide
+the world, and a sequence axis with pipeline or tensor parallelism.
+
+The default suite runs the world of two (sequence 2 x data 1); the world of four (sequence 2 x data 2)
+is an extended test.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import zeroshard
+from zeroshard.deepspeed.utils import groups as ds_groups
+from zeroshard.distributed.parallel_dims import SequenceParallelSizeError
+from zeroshard.sequence import DistributedAttention, SequenceParallelError
+from zeroshard.tools.testing import check_family, run_family
+
+V, D, HEADS, LAYERS, SEQ, ROWS, STEPS, SP = 23, 16, 4, 2, 8, 2, 3, 2
+OPTIMIZERS = {"SGD": {"type": "SGD", "params": {"lr": 0.5}},
+              "AdamW": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}}}
+
+
+class LocalAttention(nn.Module):
+    """Causal attention over whole sequences, ``[b, s, heads, head_dim]`` in and out; key/value heads
+    fewer than the query heads are shared by consecutive query heads (grouped-query attention)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if k.shape[1] != q.shape[1]:
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+
+
+class Block(nn.Module):
+    def __init__(self, kv_heads: int) -> None:
+        super().__init__()
+        self.kv_heads, self.head_dim = kv_heads, D // HEADS
+        self.norm1, self.norm2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        # no bias: a key bias has no gradient but rounding noise (softmax ignores a shift shared by every
+        # key), which AdamW's first steps blow up to the learning rate
+        self.qkv = nn.Linear(D, D + 2 * kv_heads * self.head_dim, bias=False)
+        self.out = nn.Linear(D, D)
+        self.attention = DistributedAttention(LocalAttention(), None, scatter_idx=2, gather_idx=1)
+        self.mlp = nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        kv = self.kv_heads * self.head_dim
+        q, k, v = self.qkv(self.norm1(x)).split([D, kv, kv], dim=-1)
+        q = q.view(b, s, HEADS, self.head_dim)
+        k, v = (t.view(b, s, self.kv_heads, self.head_dim) for t in (k, v))
+        x = x + self.out(self.attention(q, k, v).reshape(b, s, D))
+        return x + self.mlp(self.norm2(x))
+
+
+class AttentionModel(nn.Module):
+    def __init__(self, kv_heads: int = HEADS) -> None:
+        super().__init__()
+        self.embed, self.position = nn.Embedding(V, D), nn.Embedding(SEQ, D)
+        self.blocks = nn.ModuleList(Block(kv_heads) for _ in range(LAYERS))
+        self.head = nn.Linear(D, V)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.position(positions)
+        for block in self.blocks:
+            x = block(x)
+        return nn.functional.cross_entropy(self.head(x).reshape(-1, V), labels.reshape(-1))
+
+
+def model(kv_heads: int = HEADS) -> AttentionModel:
+    torch.manual_seed(0)
+    return AttentionModel(kv_heads)
+
+
+def batch(step: int, data: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + data)
+    return torch.randint(0, V, (ROWS, SEQ), generator=g), torch.randint(0, V, (ROWS, SEQ), generator=g)
+
+
+def local_slice(step: int, data: int, seq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank ``seq`` of a sequence group's share of data-parallel index ``data``'s batch: consecutive slices."""
+    tokens, labels = batch(step, data)
+    part = slice(seq * SEQ // SP, (seq + 1) * SEQ // SP)
+    positions = torch.arange(SEQ)[part].expand(ROWS, -1)
+    return tokens[:, part], positions, labels[:, part]
+
+
+def reference(optimizer: str, dp: int, kv_heads: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process on every data-parallel index's whole sequences at once."""
+    net = model(kv_heads)
+    spec = OPTIMIZERS[optimizer]
+    opt = getattr(torch.optim, spec["type"])(net.parameters(), **spec["params"])
+    losses = []
+    for step in range(STEPS):
+        tokens, labels = (torch.cat(parts) for parts in zip(*(batch(step, d) for d in range(dp))))
+        loss = net(tokens, torch.arange(SEQ).expand(len(tokens), -1), labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}, losses
+
+
+def config(stage: int, optimizer: str, **extra: Any) -> dict[str, Any]:
+    return {"train_micro_batch_size_per_gpu": ROWS, "sequence_parallel_size": SP, "collective_timeout": 60,
+            "optimizer": OPTIMIZERS[optimizer],
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 300,
+                                  "stage3_param_persistence_threshold": 0}, **extra}
+
+
+def train_worker(rank: int, world: int, stage: int, optimizer: str, kv_heads: int = HEADS) -> dict[str, Any]:
+    expected, expected_losses = reference(optimizer, world // SP, kv_heads)
+    net = model(kv_heads)
+    engine, _, _, _ = zeroshard.initialize(model=net, config=config(stage, optimizer))
+    log = engine.comm.ledger.start_log()
+    where = engine.parallel_dims.coords(rank)
+    losses = []
+    for step in range(STEPS):
+        loss = engine(*local_slice(step, where.data, where.seq))
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    state = engine.full_state_dict(rank0_only=False)
+    worst = max(float((state[n] - v).abs().max()) / (float(v.abs().max()) or 1.0) for n, v in expected.items())
+    accessors = (ds_groups._get_sequence_parallel_world_size(), ds_groups._get_sequence_parallel_rank(),
+                 ds_groups._get_sequence_data_parallel_world_size(), ds_groups._get_sequence_data_parallel_rank(),
+                 torch.distributed.get_process_group_ranks(ds_groups._get_sequence_parallel_group()))
+    exchanges = sorted({(r.label, r.group_size) for r in log if r.label.startswith("sequence_")})
+    engine.close()
+    return {"worst": worst, "losses": losses, "expected_losses": expected_losses, "accessors": accessors,
+            "exchanges": exchanges, "train_batch_size": engine.train_batch_size(), "sp": where.seq,
+            "after_close": ds_groups._get_sequence_parallel_world_size()}
+
+
+def check_train(by_rank: list[dict[str, Any]], stage: int, optimizer: str, kv_heads: int = HEADS) -> None:
+    world = len(by_rank)
+    for rank, result in enumerate(by_rank):
+        assert result["worst"] <= 1e-5, f"rank {rank}: the weights are off by {result['worst']:.2e}"
+        first = rank - rank % SP
+        assert result["accessors"] == (SP, rank % SP, world, rank, [first, first + 1]), result["accessors"]
+        assert result["train_batch_size"] == ROWS * world // SP  # the batch keys count data-parallel ranks
+        assert result["after_close"] == 1, "a closed engine's sequence group still answers"
+        labels = {label for label, _ in result["exchanges"]}
+        assert labels == {f"sequence_{n}{g}" for n in ("query", "key", "value", "context") for g in ("", "_grad")}
+        assert {size for _, size in result["exchanges"]} == {SP}
+    for step in range(STEPS):
+        mean = sum(r["losses"][step] for r in by_rank) / world
+        expected = by_rank[0]["expected_losses"][step]
+        assert abs(mean - expected) <= 1e-5 * abs(expected), (step, mean, expected)
+
+
+def refusals_worker(rank: int, world: int) -> dict[str, str]:
+    """Each refusal's message, on every rank: a degree that does not divide the world, a sequence axis
+    beside tensor parallelism (where the world has room for both), and query or key/value heads that do
+    not split over the group, refused before any exchange (so no rank waits in one)."""
+    out = {}
+    attempts = {"degree": {"sequence_parallel_size": 3}}
+    if world % (2 * SP) == 0:
+        attempts["tensor"] = {"tensor_parallel": {"autotp_size": 2}}
+    for name, extra in attempts.items():
+        try:
+            zeroshard.initialize(model=model(), config=config(0, "SGD", **extra))[0].close()
+            out[name] = "accepted"
+        except (SequenceParallelError, SequenceParallelSizeError) as err:
+            out[name] = str(err)
+    layer = DistributedAttention(LocalAttention(), torch.distributed.new_group(list(range(world))), 2, 1)
+    for name, (heads, kv_heads) in {"query heads": (3, 3), "key/value heads": (4, 3)}.items():
+        try:
+            layer(torch.zeros(1, 2, heads, 2), *[torch.zeros(1, 2, kv_heads, 2)] * 2)
+            out[name] = "accepted"
+        except SequenceParallelError as err:
+            out[name] = str(err)
+    return out
+
+
+def check_refusals(by_rank: list[dict[str, str]]) -> None:
+    world = len(by_rank)
+    for result in by_rank:
+        assert "sequence_parallel_size = 3 does not divide" in result["degree"], result
+        if world % (2 * SP) == 0:
+            assert "sequence_parallel_size = 2 with tensor parallelism is not supported yet" in result["tensor"]
+        assert f"3 query heads (dimension 2 of (1, 2, 3, 2)) do not split over sequence_parallel_size {world}" \
+            in result["query heads"], result
+        assert "3 key heads" in result["key/value heads"], result
+
+
+WORKERS = {"train": train_worker, "refusals": refusals_worker}
+CHECKS = {"train": check_train, "refusals": check_refusals}
+
+
+def cases(optimizers_at: dict[int, str], kv_heads: int) -> list[tuple[str, dict[str, Any]]]:
+    trained = [("train", {"stage": stage, "optimizer": "SGD"}) for stage in range(4)]
+    more = [("train", {"stage": stage, "optimizer": name}) for stage, name in optimizers_at.items()]
+    gqa = [("train", {"stage": 2, "optimizer": "SGD", "kv_heads": kv_heads})]
+    return trained + more + gqa + [("refusals", {})]
+
+
+def test_sequence_parallel_matches_one_process_at_sequence_2() -> None:
+    """Sequence 2 x data 1: every stage with SGD, AdamW at stage 1, one key/value head (replicated)."""
+    family = cases({1: "AdamW"}, kv_heads=1)
+    check_family(family, run_family(SP, family, WORKERS), CHECKS, world=SP)
+
+
+@pytest.mark.slow
+def test_sequence_parallel_matches_one_process_at_sequence_2_data_2() -> None:
+    """Sequence 2 x data 2: every stage with SGD, AdamW at stage 3, two key/value heads (one a rank)."""
+    family = cases({3: "AdamW"}, kv_heads=2)
+    check_family(family, run_family(2 * SP, family, WORKERS), CHECKS, world=2 * SP)

@@ -1,0 +1,11 @@
+"""Sequence parallelism, DeepSpeed-Ulysses (docs/SEQUENCE_PARALLEL.md): every sequence split across the
+ranks of a sequence-parallel group, attention computed on a share of the heads over whole sequences
+(layer.py: ``DistributedAttention``, DeepSpeed's ``deepspeed.sequence.layer``), the all-to-all that trades
+one split for the other (all_to_all.py), and the live engine's groups (groups.py)."""
+
+from .all_to_all import sequence_all_to_all
+from .groups import SequenceParallelError, check_sequence_axes, live_sequence_groups
+from .layer import DistributedAttention
+
+__all__ = ["DistributedAttention", "SequenceParallelError", "sequence_all_to_all", "check_sequence_axes",
+           "live_sequence_groups"]
