@@ -101,6 +101,7 @@ PUBLIC = {
     "zeroshard.checkpoint": ["consolidate", "describe", "CheckpointReader", "CheckpointError"],
     "zeroshard.planning": ["model_state_bytes", "estimate_all", "scale_estimates"],
     "zeroshard.engine": ["Engine", "ModelChangedError"],
+    "zeroshard.sequence": ["DistributedAttention", "SequenceParallelError"],
     "zeroshard.tools.testing": ["run_world"],
     "zeroshard.tools.demo.model": ["GPT", "GPTConfig", "demo_gpt"],
 }
@@ -158,5 +159,7 @@ def test_deepspeed_submodules_resolve_once_under_install_as_deepspeed() -> None:
             "from zeroshard.deepspeed import DEEPSPEED_PATHS\n"
             "for p in DEEPSPEED_PATHS:\n"
             "    assert importlib.import_module('deepspeed.' + p) is importlib.import_module('zeroshard.deepspeed.' + p), p\n"
-            "import deepspeed; assert deepspeed is zeroshard\n")
+            "import deepspeed; assert deepspeed is zeroshard\n"
+            "from deepspeed.sequence.layer import DistributedAttention\n"
+            "assert DistributedAttention is zeroshard.sequence.DistributedAttention\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -9,7 +9,10 @@ deepspeed`` scripts, ``from zeroshard.zero import Init`` and ``install_as_deepsp
 ``deepspeed.x`` to ``zeroshard.x``) all reach them.  Each is registered in ``sys.modules`` under both
 names, one module object under two names: a submodule imported by its root name is never executed a
 second time, and a patch of a module attribute reaches the code that reads it.  A test checks that
-every module of this package that is a DeepSpeed path is in :data:`DEEPSPEED_PATHS`.
+every module of this package that is a DeepSpeed path is in :data:`DEEPSPEED_PATHS`.  DeepSpeed's
+``sequence.layer`` is the exception: zeroshard's own sequence parallelism has DeepSpeed's folder name,
+so ``zeroshard.sequence`` is the core's package, and ``deepspeed.sequence.layer`` reaches its
+``layer.py`` (``DistributedAttention``) directly, with no module here to publish over it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,70 @@
+"""Sequence parallelism's pieces that need no world: the config key, the axes it combines with, and
+``DistributedAttention`` without a sequence group (the world of several ranks is
+tests/distributed/test_sequence_parallel.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from zeroshard.config import ConfigError, load_config
+from zeroshard.deepspeed.utils import groups as ds_groups
+from zeroshard.distributed.parallel_dims import ParallelDims, SequenceParallelSizeError
+from zeroshard.sequence import DistributedAttention, SequenceParallelError, check_sequence_axes
+
+
+class Doubling(nn.Module):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return scale * (q + k + v)
+
+
+def test_the_config_key_is_top_level_and_positive() -> None:
+    assert load_config({"train_micro_batch_size_per_gpu": 1}).sequence_parallel_size == 1
+    assert load_config({"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 4}).sequence_parallel_size == 4
+    with pytest.raises(ConfigError, match="sequence_parallel_size"):
+        load_config({"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 0})
+
+
+def test_a_degree_that_does_not_divide_the_world_is_refused_by_name() -> None:
+    with pytest.raises(SequenceParallelSizeError, match="sequence_parallel_size = 3 does not divide the 4 ranks"):
+        ParallelDims.for_job(4, sp=3)
+    axes = ParallelDims.for_job(8, sp=2)
+    assert (axes.dp, axes.sp, axes.zero_size) == (4, 2, 8)
+    assert axes.positions("sequence") == [(0, 1), (2, 3), (4, 5), (6, 7)]
+
+
+@pytest.mark.parametrize("sizes, named", [({"pp": 2}, "pipeline parallelism"), ({"tp": 2}, "tensor parallelism"),
+                                          ({"ep": 2}, "expert parallelism")])
+def test_axes_sequence_parallelism_does_not_combine_with_yet_are_refused(sizes: dict, named: str) -> None:
+    axes = ParallelDims.for_job(8, sp=2, **sizes)
+    with pytest.raises(SequenceParallelError, match=f"sequence_parallel_size = 2 with {named}"):
+        check_sequence_axes(axes)
+    check_sequence_axes(ParallelDims.for_job(8, **sizes))  # without a sequence axis: nothing to refuse
+
+
+def test_an_mpu_beside_a_sequence_axis_is_refused() -> None:
+    with pytest.raises(SequenceParallelError, match="tensor parallelism"):
+        check_sequence_axes(ParallelDims.for_job(4, sp=2), model_parallel=True)
+    check_sequence_axes(ParallelDims.for_job(4, sp=2))
+
+
+def test_without_a_sequence_group_the_layer_is_the_local_attention() -> None:
+    layer = DistributedAttention(Doubling(), None, scatter_idx=2, gather_idx=1)
+    q = torch.randn(2, 5, 3, 4)
+    torch.testing.assert_close(layer(q, q, q, 2.0), 6.0 * q)
+    torch.testing.assert_close(layer(q, q, q, scale=0.5, batch_dim_idx=0), 1.5 * q)
+    with pytest.raises(SequenceParallelError, match="batch_dim_idx=1 with gather_idx=1"):
+        layer(q, q, q, batch_dim_idx=1)
+    with pytest.raises(SequenceParallelError, match="rotary_pos_emb"):
+        layer(q, q, q, rotary_pos_emb=(q, q))
+    with pytest.raises(SequenceParallelError, match="sp_stream"):
+        DistributedAttention(Doubling(), None, sp_stream=object())
+
+
+def test_the_deepspeed_accessors_answer_a_degree_of_one_without_an_engine() -> None:
+    assert ds_groups._get_sequence_parallel_group() is None
+    assert ds_groups._get_sequence_parallel_world_size() == 1
+    assert ds_groups._get_sequence_parallel_rank() == 0
+    assert ds_groups._get_sequence_data_parallel_world_size() == 1
+    assert ds_groups._get_sequence_data_parallel_rank() == 0
