@@ -8,8 +8,9 @@ tokens ([Note: the loss and the gradient average under sequence parallelism] in 
 The oracle is one process training the same model on every data-parallel index's whole sequences at
 once (fp32, 1e-5 relative): with plain SGD, which is not scale-invariant, so a gradient off by the
 sequence degree shows, and with AdamW.  The mean of the ranks' losses equals the oracle's loss at every
-step, ``deepspeed.utils.groups`` answers from the engine's axes, and the exchanges are counted in the
-engine's ledger.  Grouped-query attention with fewer key/value heads than ranks replicates them.
+step, ``deepspeed.utils.groups`` answers from the engine's axes, the exchanges are counted in the
+engine's ledger, and the loader of ``initialize(training_data=...)`` gives a sequence group's ranks the
+same samples.  Grouped-query attention with fewer key/value heads than ranks replicates them.
 Refused by name on every rank: heads that do not split over the ranks, a degree that does not divide
 the world, and a sequence axis with pipeline or tensor parallelism.
 
@@ -200,15 +201,34 @@ def check_refusals(by_rank: list[dict[str, str]]) -> None:
         assert "3 key heads" in result["key/value heads"], result
 
 
-WORKERS = {"train": train_worker, "refusals": refusals_worker}
-CHECKS = {"train": check_train, "refusals": check_refusals}
+def loader_worker(rank: int, world: int) -> list[int]:
+    """The first batch ``initialize(training_data=...)``'s loader hands this rank."""
+    data = torch.utils.data.TensorDataset(torch.arange(4 * world))
+    engine, _, loader, _ = zeroshard.initialize(model=model(), training_data=data, config=config(0, "SGD"))
+    assert loader is not None
+    (first,) = next(iter(loader))
+    engine.close()
+    return first.tolist()
+
+
+def check_loader(by_rank: list[list[int]]) -> None:
+    """The ranks of a sequence group take the same samples; the data-parallel indices, different ones."""
+    world = len(by_rank)
+    for rank, samples in enumerate(by_rank):
+        assert len(samples) == ROWS and samples == by_rank[rank - rank % SP], by_rank
+    firsts = [by_rank[d * SP] for d in range(world // SP)]
+    assert len({tuple(s) for s in firsts}) == world // SP, by_rank
+
+
+WORKERS = {"train": train_worker, "refusals": refusals_worker, "loader": loader_worker}
+CHECKS = {"train": check_train, "refusals": check_refusals, "loader": check_loader}
 
 
 def cases(optimizers_at: dict[int, str], kv_heads: int) -> list[tuple[str, dict[str, Any]]]:
     trained = [("train", {"stage": stage, "optimizer": "SGD"}) for stage in range(4)]
     more = [("train", {"stage": stage, "optimizer": name}) for stage, name in optimizers_at.items()]
     gqa = [("train", {"stage": 2, "optimizer": "SGD", "kv_heads": kv_heads})]
-    return trained + more + gqa + [("refusals", {})]
+    return trained + more + gqa + [("refusals", {}), ("loader", {})]
 
 
 def test_sequence_parallel_matches_one_process_at_sequence_2() -> None:
