@@ -69,8 +69,10 @@ class DistributedAttention(nn.Module):
     def forward(self, query: Tensor, key: Tensor, value: Tensor, *args: Any, batch_dim_idx: Optional[int] = None,
                 rotary_pos_emb: Any = None, **kwargs: Any) -> Tensor:
         """The context of ``query`` over the whole sequences, in the inputs' layout; ``args`` and ``kwargs``
-        go to the local attention.  ``batch_dim_idx`` (DeepSpeed's newer keyword) is the dimension the
-        layout already says (the one of ``gather_idx`` 0 or 1 that is not the sequence's)."""
+        go to the local attention, as DeepSpeed's ``forward(query, key, value, *args, **kwargs)`` hands them
+        on.  ``batch_dim_idx`` (DeepSpeed's newer argument, taken here by keyword only: a fourth positional
+        argument goes to the local attention) must be the dimension the layout already says, the one of
+        0 and 1 that ``gather_idx`` (the sequence's) is not."""
         if rotary_pos_emb is not None:
             raise SequenceParallelError("DistributedAttention(rotary_pos_emb=...) is not supported: apply the "
                                         "rotary embedding to query and key before the layer")
