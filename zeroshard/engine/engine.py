@@ -218,7 +218,7 @@ class Engine:
         #: every parallel axis of the job (distributed/parallel_dims.py)
         self.parallel_dims = axes if axes is not None else ParallelDims.for_job(
             world.world_size, mics_shard_size=zero.mics_shard_size, hpz_partition_size=zero.zero_hpz_partition_size,
-            ep=expert_parallel_size(self.module))
+            ep=expert_parallel_size(self.module), sp=self.config.sequence_parallel_size)
         self.expert_parallel_size = self._expert_parallel_size(world)
         self.shard_groups = build_shard_groups(self.comm, self.topology, self.parallel_dims,
                                                STRATEGIES[self.config.stage].traits.gathers_in_passes)
