@@ -123,9 +123,9 @@ def train_worker(rank: int, world: int, optimizer: str, param: str, nvme: str, s
         engine.step()
         if i:
             times.append(time.perf_counter() - start)
-            phases.append(engine._timers.take())
+            phases.append(engine.metrics.timers.take())
         else:
-            engine._timers.take()
+            engine.metrics.timers.take()
     mb = engine.memory_breakdown()
     return {"params": engine.storage.layout.numel, "median_step_s": statistics.median(times),
             "phases_s": {k: statistics.median(p[k] for p in phases) for k in phases[0]},
