@@ -10,9 +10,9 @@ DeepSpeed's vocabulary and every DeepSpeed name zeroshard provides can be found 
 engine answers a name it does not define with :meth:`DeepSpeedEngineAPI.answer` (see [Note: DeepSpeed's
 names on the engine] in engine/engine.py): this module registers the class as the engine's facade of
 extra names when it is imported (``zeroshard/deepspeed/__init__.py`` imports it, and ``import
-zeroshard`` that package), so the engine imports nothing of zeroshard/deepspeed.  DeepSpeed's names that the engine's own code calls, or that
-read its private state (``train_batch_size()``, ``get_lr()``, ``get_global_grad_norm()``, the
-checkpoint methods, ...), are the engine's own methods.
+zeroshard`` imports that package), so the engine imports nothing of zeroshard/deepspeed.  DeepSpeed's
+names that the engine's own code calls, or that read its private state (``train_batch_size()``,
+``get_lr()``, ``get_global_grad_norm()``, the checkpoint methods, ...), are the engine's own methods.
 """
 
 from __future__ import annotations

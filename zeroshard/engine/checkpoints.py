@@ -174,7 +174,8 @@ class EngineCheckpointer:
         save is published (see [Note: pruning never loses the checkpoint to resume from] in
         checkpoint/rotation.py)."""
         ckpt = self.settings.checkpoint
-        if self.settings.saves_periodically and ckpt.save_dir and ckpt.save_interval and self.parts.counters.global_steps % ckpt.save_interval == 0:
+        if self.settings.saves_periodically and ckpt.save_dir and ckpt.save_interval \
+                and self.parts.counters.global_steps % ckpt.save_interval == 0:
             publisher = self.world.local_rank == 0 if ckpt.use_node_local_storage else self.world.is_main
             root, keep = Path(ckpt.save_dir), ckpt.keep_last
 

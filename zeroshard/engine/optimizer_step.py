@@ -170,7 +170,8 @@ class OptimizerStep:
         """
         if not self.offload.uses_nvme:
             return
-        failures = [f for f in (self.updater.take_failure(), self.strategy.storage.take_failure()) if f is not None]
+        failures = [f for f in (self.updater.take_failure(), self.strategy.storage.take_failure())
+                    if f is not None]
         failed = self.comm.all_reduce_scalar(float(bool(failures)), "offload_io_check") \
             if self.comm.world.is_distributed else float(bool(failures))
         if failures:

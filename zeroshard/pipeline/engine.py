@@ -96,12 +96,11 @@ class PipelineEngine(Engine):
     def __init__(self, module: PipelineModule, config: ZeroshardConfig, model_parameters: Any = None,
                  optimizer: Any = None, lr_scheduler: SchedulerSpec = None) -> None:
         config = pipeline_config(config, module)
-        self.pipeline_groups = module.groups
+        self.pipeline_groups = groups = module.groups
         #: tensor parallelism inside each stage: how its linear layers were split (None: not split)
         self.split: Optional[SplitModel] = None
-        if module.groups.dims.tp > 1:  # see [Note: three axes] in pipeline/engine.py
-            self.split = split_stage(module, config.tensor_parallel, module.groups)
-        groups = module.groups
+        if groups.dims.tp > 1:  # see [Note: three axes] in pipeline/engine.py
+            self.split = split_stage(module, config.tensor_parallel, groups)
         #: the gradient norm summed over the stages (see [Note: ZeRO inside a pipeline stage])
         self.stages_norm = StagesNorm(groups.pipe, groups.dims.pp)
         #: with tensor parallelism: this rank's slice of the stage, under the layers' global names
@@ -183,10 +182,11 @@ class PipelineEngine(Engine):
             raise PipelineUsageError("save_checkpoint(async_save=True): a pipelined model's checkpoints are "
                                      "written synchronously (docs/PIPELINE.md)")
         tag_name = f"global_step{self.global_steps}" if tag is None else str(tag)
-        if self.tensor_slices is not None:  # see the Note in pipeline/checkpoint.py: every stage's split parameters
-            dims = {k: v for stage in self.world_comm.all_gather_json(self.tensor_slices.job_dims(), "tensor_split")
+        slices = self.tensor_slices
+        if slices is not None:  # see the Note in pipeline/checkpoint.py: every stage's split parameters
+            dims = {k: v for stage in self.world_comm.all_gather_json(slices.job_dims(), "tensor_split")
                     for k, v in stage.items()}
-            self.tensor_slices.record_split(Path(save_dir), dims)
+            slices.record_split(Path(save_dir), dims)
         return save_pipeline(self._job_parts(), self.config.checkpoint, self._part_of(save_dir), tag_name, client_state,
                              save_latest, exclude_frozen_parameters)
 
