@@ -2,8 +2,8 @@
 parallelism and over tensor x data x pipeline layouts."""
 
 from .accounting import StageMemory, hybrid_model_state_bytes, model_state_bytes, secondary_param_bytes
-from .estimator import (EstimateRequest, ModelShape, StageEstimate, estimate_all, estimate_hybrid, format_table,
-                        recommend)
+from .estimator import EstimateRequest, ModelShape, StageEstimate, estimate_all, estimate_hybrid, recommend
+from .estimate_table import format_table
 from .scale_model import (Cluster, CollectiveTraffic, Phase, ScaleEstimate, Sharding, StepTime, Traffic,
                           bubble_factor, default_shardings, format_scale_table, parse_bandwidth, recommend_scale,
                           scale_estimates, sharding_estimate, step_time, traffic_per_step)
