@@ -54,6 +54,7 @@ from ..sharding.buffer_memory import BufferMemory, DeviceMemory
 from ..sharding.storage import InitialValues
 from ..precision import LossScaler, PrecisionPolicy
 from .counters import Counter, TrainingCounters
+# ModelAlreadyWrappedError, ModelChangedError and register_extra_names are also the engine's names at this path
 from .lifetime import ENGINE_OF, ModelAlreadyWrappedError, ModelChangedError, check_unchanged, refuse_a_wrapped_model
 from .placement import defer_to_device, keep_frozen_whole
 from ..checkpoint.background import BackgroundSaves
