@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zeroshard  # noqa: E402
 from zeroshard.tools.demo.model import GPT, GPTConfig  # noqa: E402
-from zeroshard.engine.metrics import host_peak_bytes  # noqa: E402
+from zeroshard.host.process_memory import host_peak_bytes  # noqa: E402
 from zeroshard.tools.testing import run_world  # noqa: E402
 
 
@@ -123,9 +123,9 @@ def train_worker(rank: int, world: int, optimizer: str, param: str, nvme: str, s
         engine.step()
         if i:
             times.append(time.perf_counter() - start)
-            phases.append(engine._timers.take())
+            phases.append(engine.metrics.timers.take())
         else:
-            engine._timers.take()
+            engine.metrics.timers.take()
     mb = engine.memory_breakdown()
     return {"params": engine.storage.layout.numel, "median_step_s": statistics.median(times),
             "phases_s": {k: statistics.median(p[k] for p in phases) for k in phases[0]},

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import zeroshard  # noqa: E402
 from zeroshard.checkpointing import checkpoint_modules  # noqa: E402
 from zeroshard.tools.demo.model import GPT, Block, GPTConfig  # noqa: E402
-from zeroshard.engine.metrics import host_peak_bytes  # noqa: E402
+from zeroshard.host.process_memory import host_peak_bytes  # noqa: E402
 from zeroshard.tools.testing import run_world  # noqa: E402
 
 PRECISIONS = {

@@ -19,9 +19,9 @@ from .distributed.world import World, init_distributed
 from .checkpoint.format import LATEST
 from .engine.engine import Engine, SchedulerSpec
 from .errors import InitializeArgumentError
-from .engine.tensor_parallel import TensorParallelEngine
 from .experts.layer import expert_parallel_size
 from .tensor_parallel import SplitModel, prepare_tensor_parallel, tensor_parallel_size
+from .tensor_parallel.engine import tensor_parallel_engine
 from .logging import log_rank
 from .pipeline import PipelineConfigError, PipelineEngine, PipelineModule
 from .pipeline.module import PipelineMPU
@@ -101,7 +101,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     if parsed.seed is not None:
         torch.manual_seed(parsed.seed)
     engine = Engine(model, parsed, world, model_parameters, optimizer, lr_scheduler, axes=axes) if worlds is None \
-        else TensorParallelEngine(model, parsed, worlds, mpu, model_parameters, optimizer, lr_scheduler, split)
+        else tensor_parallel_engine(model, parsed, worlds, model_parameters, optimizer, lr_scheduler, split)
     if split is not None:
         engine.hold_hook(batch_check)
     loader = None
@@ -171,7 +171,7 @@ def _data_axis(world: World, axes: ParallelDims) -> World:
 
 def _own_checkpoints(engine: Engine, directory: Path) -> Path:
     """Where this rank's checkpoints are in ``directory``: a tensor-parallel rank's part of it."""
-    return engine.part_of(directory) if isinstance(engine, TensorParallelEngine) else directory
+    return Path(engine.model_slice.own_directory(directory))
 
 
 def _issuing_collectives_at_one(world: World) -> World:

@@ -626,7 +626,7 @@ def tower_worker(rank: int, world: int, directory: str) -> None:
 CONSOLIDATE_AND_MEASURE = """
 import sys
 from zeroshard.checkpoint import consolidate
-from zeroshard.engine.metrics import host_peak_bytes
+from zeroshard.host.process_memory import host_peak_bytes
 before = int(open('/proc/self/statm').read().split()[1]) * 4096
 consolidate(sys.argv[1], sys.argv[2])
 print(host_peak_bytes() - before)

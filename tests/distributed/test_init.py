@@ -15,7 +15,7 @@ from torch import nn
 from zs_common import TINY, make_model
 
 import zeroshard
-from zeroshard.engine.metrics import host_peak_bytes
+from zeroshard.host.process_memory import host_peak_bytes
 from zeroshard.tools.demo.model import GPT
 from zeroshard.tools.testing import Case, CaseFailures, check_family, run_family, run_world
 

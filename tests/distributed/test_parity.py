@@ -71,8 +71,8 @@ def check(results: list[dict], world: int, cases: list[tuple[int, str]]) -> None
                 for ours, theirs in zip(norms, ref_norms):
                     assert ours == pytest.approx(theirs, rel=1e-5)
                 # a steady-state optimizer step of `accum` micro steps reads one device value on the
-                # host (see [Note: one host read per optimizer step] in zeroshard/engine/engine.py)
-                assert reads == {"engine/engine.py:_optimizer_step": 1}, f"host reads in one step: {reads}"
+                # host (see [Note: one host read per optimizer step] in zeroshard/engine/optimizer_step.py)
+                assert reads == {"engine/optimizer_step.py:run": 1}, f"host reads in one step: {reads}"
                 # a world of one issues nothing, unless told to issue what a larger world would
                 assert (issued > 0) == (world > 1 or variant == "at_one"), f"{issued:.2e} s in collectives"
     failures.raise_any()

@@ -172,6 +172,15 @@ def train_worker(rank: int, world: int, stage: int, schedule: str, chunks: int =
     for index, values in full_parameters(module).items():
         for mine, theirs in zip(values, reference.modules[index].parameters()):
             errors.append(float((mine - theirs.detach()).norm() / theirs.detach().norm()))
+    # full_state_dict(): the stage's split tensors joined over its tensor group, by the tensor-parallel
+    # slice part a plain tensor-parallel model's engine uses too (tensor_parallel/slices.py)
+    want = reference_state(reference)
+    for name, value in engine.full_state_dict(rank0_only=False).items():
+        theirs = want.get(module.global_name(name))
+        if theirs is not None and theirs.shape == value.shape:
+            errors.append(float((value - theirs.detach()).norm() / theirs.detach().norm()))
+        elif theirs is not None:
+            errors.append(float("inf"))  # a split tensor not joined
     placement = (groups.stage, groups.data, groups.tensor_index, tuple(torch.distributed.get_process_group_ranks(
         groups.tensor.world.group)), engine.world.world_size, groups.describe())
     engine.close()

@@ -28,10 +28,6 @@ from typing import Iterable
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "zeroshard"
 
-#: imports that break a rule today and are on their way out, as (file, module it imports): each is removed
-#: here when its import goes, and the rules then hold with none
-_PENDING = {("zeroshard/engine/engine.py", "zeroshard.deepspeed.engine_api")}
-
 #: files outside ``zeroshard/deepspeed/`` that may import it (a trailing ``/``: every file under that folder)
 _FACE_IMPORTERS = ("zeroshard/__init__.py", "zeroshard/tools/")
 
@@ -113,25 +109,19 @@ def _listed(violations: set[Edge]) -> str:
 
 
 def test_the_core_never_imports_the_deepspeed_face() -> None:
-    offenders = face_violations(edges()) - _PENDING
+    offenders = face_violations(edges())
     assert not offenders, "the core imports the DeepSpeed face:\n" + _listed(offenders)
 
 
 def test_checkpoints_never_import_the_engine() -> None:
-    offenders = upward_imports(edges(), "checkpoint", "engine") - _PENDING
+    offenders = upward_imports(edges(), "checkpoint", "engine")
     assert not offenders, "checkpoint/ imports engine/:\n" + _listed(offenders)
 
 
 def test_lower_layers_never_import_higher_ones() -> None:
     offenders = {v for lower, higher in _BELOW.items() for above in higher
-                 for v in upward_imports(edges(), lower, above)} - _PENDING
+                 for v in upward_imports(edges(), lower, above)}
     assert not offenders, "a lower layer imports a higher one:\n" + _listed(offenders)
-
-
-def test_each_pending_exception_still_exists() -> None:
-    """An exception whose import has gone leaves ``_PENDING``, so that the rules hold without it."""
-    gone = _PENDING - edges()
-    assert not gone, "remove from _PENDING, the import has gone:\n" + _listed(gone)
 
 
 def test_the_walk_sees_every_kind_of_import() -> None:

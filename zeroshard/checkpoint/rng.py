@@ -1,6 +1,6 @@
 """This process's random number generators (torch's CPU generator and every CUDA device's), captured and
 put back: ``load_checkpoint`` uses it to leave them alone unless asked (see [Note: who owns the random
-number generators on resume] in engine/engine.py)."""
+number generators on resume] in engine/checkpoints.py)."""
 
 from __future__ import annotations
 

@@ -21,6 +21,8 @@ import importlib
 import sys
 from types import ModuleType
 
+from . import engine_api  # noqa: F401  (registers DeepSpeed's accessors on every engine)
+
 #: DeepSpeed's module paths, relative to ``deepspeed`` (and to ``zeroshard``)
 DEEPSPEED_PATHS = ("accelerator", "checkpointing", "comm", "git_version_info", "moe", "moe.layer", "moe.utils", "ops",
                    "ops.adam", "ops.op_builder", "pipe", "runtime", "runtime.activation_checkpointing",

@@ -4,13 +4,15 @@
 zeroshard's engine is written in its own terms (a world, a precision policy, a sharding strategy);
 DeepSpeed's users reach it through DeepSpeed's names (``engine.fp16_enabled()``, ``engine.local_rank``,
 ``engine.zero_optimization_stage()``, any module attribute through the engine).  Those names live
-here, in :class:`DeepSpeedEngineAPI`, a part the engine owns, each one a one-line reading of the few
+here, in :class:`DeepSpeedEngineAPI`, a part of every engine, each one a one-line reading of the few
 public things of the engine that :class:`EngineView` lists, so that the engine itself never grows
 DeepSpeed's vocabulary and every DeepSpeed name zeroshard provides can be found in one place.  The
 engine answers a name it does not define with :meth:`DeepSpeedEngineAPI.answer` (see [Note: DeepSpeed's
-names on the engine] in engine/engine.py).  DeepSpeed's names that the engine's own code calls, or that
-read its private state (``train_batch_size()``, ``get_lr()``, ``get_global_grad_norm()``, the
-checkpoint methods, ...), are the engine's own methods.
+names on the engine] in engine/engine.py): this module registers the class as the engine's facade of
+extra names when it is imported (``zeroshard/deepspeed/__init__.py`` imports it, and ``import
+zeroshard`` imports that package), so the engine imports nothing of zeroshard/deepspeed.  DeepSpeed's
+names that the engine's own code calls, or that read its private state (``train_batch_size()``,
+``get_lr()``, ``get_global_grad_norm()``, the checkpoint methods, ...), are the engine's own methods.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from torch import nn
 
 from ..checkpoint.background import wait_for_copies
 from ..checkpoint.utils import make_executable
+from ..engine.parts import register_extra_names
 from ..sharding.stage3.gathered import GatheredParameters
 from .refused import refuse
 
-if TYPE_CHECKING:  # only for the types below; the engine imports this module, not the reverse
+if TYPE_CHECKING:  # only for the types below
     from ..config import ZeroshardConfig
     from ..distributed.world import World
     from ..precision import PrecisionPolicy
@@ -198,3 +201,5 @@ class DeepSpeedEngineAPI:
 
 #: the names the engine answers from :class:`DeepSpeedEngineAPI` (any other name it lacks is the module's)
 ACCESSORS = frozenset(name for name in vars(DeepSpeedEngineAPI) if not name.startswith("__")) - {"answer"}
+
+register_extra_names(DeepSpeedEngineAPI)

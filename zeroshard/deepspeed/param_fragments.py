@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Iterator, Optional
 import torch
 
 from ..checkpoint.background import wait_for_copies
-from ..engine.engine import _ENGINE_OF
+from ..engine.lifetime import ENGINE_OF
 from ..offload.policy import Place
 from ..optim.host_updater import HostUpdater
 from ..optim.updater import Piece
@@ -49,7 +49,7 @@ class GradientsUnavailableError(RuntimeError):
 
 
 def _live_engines() -> Iterator["Engine"]:
-    for ref in list(_ENGINE_OF.values()):
+    for ref in list(ENGINE_OF.values()):
         engine = ref()
         if engine is not None:
             yield engine

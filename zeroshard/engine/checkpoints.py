@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # only for the types below; the engine imports this module, n
     from ..optim.updater import ShardUpdater
     from ..precision import LossScaler, PrecisionPolicy
     from ..sharding import ShardingStrategy
+    from ..sharding.strategy import StageTraits
 
 
 @dataclass(frozen=True)
@@ -89,14 +90,18 @@ class CheckpointSettings:
     #: thread at a time reads)
     copy_later: bool
 
+    #: whether the engine's optimizer steps make the config's periodic saves (a pipeline stage's do
+    #: not: the whole pipeline saves after its batch)
+    saves_periodically: bool = True
+
     @staticmethod
-    def from_config(config: "ZeroshardConfig", precision: "PrecisionPolicy",
-                    offload: "OffloadPolicies") -> "CheckpointSettings":
+    def from_config(config: "ZeroshardConfig", traits: "StageTraits", precision: "PrecisionPolicy",
+                    offload: "OffloadPolicies", saves_periodically: bool = True) -> "CheckpointSettings":
         return CheckpointSettings(
             config.checkpoint,
-            config.stage < 3 or config.zero_optimization.stage3_gather_16bit_weights_on_model_save,
+            not traits.shards_parameters or config.zero_optimization.stage3_gather_16bit_weights_on_model_save,
             precision.compute if precision.mixed else torch.bfloat16,
-            not offload.uses_nvme)
+            not offload.uses_nvme, saves_periodically)
 
 
 class EngineCheckpointer:
@@ -169,7 +174,8 @@ class EngineCheckpointer:
         save is published (see [Note: pruning never loses the checkpoint to resume from] in
         checkpoint/rotation.py)."""
         ckpt = self.settings.checkpoint
-        if ckpt.save_dir and ckpt.save_interval and self.parts.counters.global_steps % ckpt.save_interval == 0:
+        if self.settings.saves_periodically and ckpt.save_dir and ckpt.save_interval \
+                and self.parts.counters.global_steps % ckpt.save_interval == 0:
             publisher = self.world.local_rank == 0 if ckpt.use_node_local_storage else self.world.is_main
             root, keep = Path(ckpt.save_dir), ckpt.keep_last
 
@@ -181,8 +187,15 @@ class EngineCheckpointer:
     def load(self, load_dir: Union[str, Path], tag: Any, load_module_strict: bool, load_optimizer_states: bool,
              load_lr_scheduler_states: bool, load_module_only: bool, load_rng_state: Optional[bool],
              ) -> tuple[Optional[Path], Any]:
-        """``Engine.load_checkpoint`` (the RNG rule: [Note: who owns the random number generators on
-        resume] in engine/engine.py)."""
+        """``Engine.load_checkpoint``.
+
+        [Note: who owns the random number generators on resume]
+        ``load_rng_state=None`` (the default) restores torch's RNG states from the checkpoint only
+        when this engine owns the data pipeline (``initialize(training_data=...)``): then resume is
+        bitwise, data order included.  A script with its own loader keeps its own seeding, as under
+        DeepSpeed, whose ``load_checkpoint`` never touches the global generators: a DeepSpeed script
+        therefore resumes with the data order it had there.  ``True``/``False`` decide explicitly.
+        """
         load_dir = checked_directory(load_dir, "load_checkpoint", "load_dir")
         restore_rng = self.attached().data_loader is not None if load_rng_state is None else load_rng_state
         self.saves.wait()  # a load reads what is published: an asynchronous save in flight finishes first

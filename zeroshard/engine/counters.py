@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Optional
 
 
 @dataclass
@@ -34,3 +34,16 @@ class TrainingCounters:
         shift every later one.
         """
         self.micro_steps = self.global_steps * gradient_accumulation_steps
+
+
+class Counter:
+    """An engine attribute that is one of its :class:`TrainingCounters` (DeepSpeed's ``global_steps``, ...)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, engine: Any, owner: Optional[type] = None) -> int:
+        return int(getattr(engine.counters, self.name))
+
+    def __set__(self, engine: Any, value: int) -> None:
+        setattr(engine.counters, self.name, value)

@@ -1,4 +1,5 @@
-"""Stage 3 moves a model's parameters to the training device one at a time, as their buckets are filled.
+"""Where the model's parameters go: stage 3 moves them to the training device one at a time, as their
+buckets are filled; frozen parameters the storage does not hold stay whole.
 
 [Note: stage 3 moves parameters to the device as their buckets fill]
 ``model.to(device)`` would put the whole fp32 model on every GPU before stage 3 shards it: a model
@@ -18,10 +19,15 @@ the same order (the buckets' order), as every broadcast requires.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 from torch import nn
+
+from ..sharding.storage import HOMES
+
+if TYPE_CHECKING:
+    from ..precision import PrecisionPolicy
 
 
 def defer_to_device(params: Iterable[nn.Parameter], device: torch.device,
@@ -55,3 +61,33 @@ def _mover(values: list[torch.Tensor], device: torch.device,
 def to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
     """One parameter's values on ``device`` (the tensor itself when it is there already)."""
     return values.to(device)
+
+
+def keep_frozen_whole(frozen: list[nn.Parameter], from_init: dict[int, Callable[[], torch.Tensor]],
+                      model: nn.Module, precision: "PrecisionPolicy") -> list[nn.Parameter]:
+    """The frozen parameters the storage does not hold, which stay whole in their modules (all of them
+    below stage 3; see [Note: frozen parameters at stage 3] in sharding/stage3/units.py), with full
+    values, in the compute dtype like the rest of the model."""
+    whole = [p for p in frozen if HOMES.home_of(p) is None]
+    with torch.no_grad():
+        for p in whole:
+            if id(p) in from_init:  # built under Init, or moved at stage 3: its values now, in order
+                p.data = from_init[id(p)]().clone()
+    _convert_rest_of_model(whole, model, precision)
+    return whole
+
+
+def _convert_rest_of_model(frozen: list[nn.Parameter], model: nn.Module, precision: "PrecisionPolicy") -> None:
+    """Mixed precision: frozen parameters and floating-point buffers compute in 16 bits too, as
+    DeepSpeed's ``module.half()`` / ``bfloat16()`` makes them (the trainable ones already do)."""
+    if not precision.mixed:
+        return
+    dtype = precision.compute
+    with torch.no_grad():
+        for p in frozen:
+            if p.is_floating_point():
+                p.data = p.data.to(dtype)
+        for module in model.modules():
+            for name, b in module._buffers.items():
+                if b is not None and b.is_floating_point():
+                    module._buffers[name] = b.to(dtype)

@@ -1,6 +1,6 @@
 """Buffer memory in host memory on Linux: pages released, parked and moved, buffers kept in place.
 
-The host's :class:`~zeroshard.sharding.buffer_memory.BufferMemory`: a buffer keeps its address for the
+The host's :class:`~zeroshard.host.buffer_memory.BufferMemory`: a buffer keeps its address for the
 run and gives back its pages when released (``madvise``: [Note: releasing a gathered unit's pages] in
 host/page_release.py); released pages are parked in a :class:`~.page_reserve.PageReserve` and moved under
 the next buffer refilled ([Note: released pages move to the next gather] in host/page_reserve.py).

@@ -15,7 +15,7 @@ def _foreach_kwargs() -> dict[str, Any]:
     """torch's multi-tensor (foreach) kernels: measured faster than the per-tensor loop on CPU too.
 
     The engine steps one bucket's chunk at a time (see [Note: stepping bucket by bucket] in
-    engine/engine.py), so foreach's temporaries are the size of one chunk, never of the whole shard.
+    engine/optimizer_step.py), so foreach's temporaries are the size of one chunk, never of the whole shard.
     """
     return {"foreach": True}
 

@@ -9,7 +9,7 @@ Each bucket's norm is a device tensor, and the squares are summed on the device 
 order, into one tensor that is all-reduced once: reading a bucket's norm on the host (``float()``)
 would make the host wait for the GPU at every bucket, so that nothing is queued ahead of the GPU while
 it computes the next.  The engine reads the finished norm once per optimizer step (see [Note: one
-host read per optimizer step] in engine/engine.py).  The arithmetic is the one of a host sum of
+host read per optimizer step] in engine/optimizer_step.py).  The arithmetic is the one of a host sum of
 doubles: each bucket's fp32 norm widened to float64 and squared, added one bucket after another.
 """
 

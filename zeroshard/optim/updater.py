@@ -2,7 +2,7 @@
 
 [Note: pieces]
 The torch optimizer steps *pieces*: 1D tensors wrapped as Parameters, stepped bucket by bucket (see
-[Note: stepping bucket by bucket] in engine/engine.py).  Where a piece's values live depends on the run:
+[Note: stepping bucket by bucket] in engine/optimizer_step.py).  Where a piece's values live depends on the run:
 
 - fp32 without offload (:class:`ParamUpdater`): one piece per bucket, a view of the owned parameters;
 - mixed precision (:class:`MasterUpdater`), or ``offload_optimizer.device: cpu``

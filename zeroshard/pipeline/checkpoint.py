@@ -35,7 +35,6 @@ from ..checkpoint.rotation import prune
 from ..checkpoint.save import save_checkpoint
 from ..config.schema import CheckpointConfig
 from ..distributed.collectives import Collectives
-from ..engine.checkpoints import EngineCheckpointer
 from .module import PipelineModule
 
 
@@ -80,20 +79,6 @@ def load_pipeline(parts: CheckpointParts, load_dir: Union[str, Path], tag: Any, 
     load_dir = checked_directory(load_dir, "load_checkpoint", "load_dir")
     return load_checkpoint(parts, load_dir, None if tag is None else str(tag), strict, load_optimizer_states,
                            load_lr_scheduler_states, load_module_only, restore_rng)
-
-
-class StageCheckpointer(EngineCheckpointer):
-    """A stage engine's checkpointer: a periodic save is the whole pipeline's, made after the batch
-    (``PipelineEngine._save_periodically``), never one stage's, so the stage engine's ``step()``, which
-    runs in the middle of the batch, saves nothing."""
-
-    @classmethod
-    def of(cls, checkpointer: EngineCheckpointer) -> "StageCheckpointer":
-        c = checkpointer
-        return cls(c.parts, c.world, c.comm, c.agree, c.saves, c.settings, c.attached, c.resume_at_boundary)
-
-    def save_periodically(self) -> None:
-        """Nothing: see the class."""
 
 
 def periodic_save_due(settings: CheckpointConfig, global_steps: int) -> bool:

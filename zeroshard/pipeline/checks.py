@@ -49,7 +49,7 @@ def check_pipeline_config(config: ZeroshardConfig, module: PipelineModule) -> No
                                   "prefetch does not follow; keep the default (one gather per batch), or use "
                                   "one chunk per stage")
     refused = {
-        # a swap failure stops the failing stage's ranks only (engine._raise_swap_failures agrees over the
+        # a swap failure stops the failing stage's ranks only (OptimizerStep.raise_swap_failures agrees over the
         # stage's data-parallel group), and the other stages would wait for them
         "zero_optimization.offload_optimizer.device: nvme (cpu is supported)": zero.offload_optimizer.device == "nvme",
         "zero_optimization.offload_param.device: nvme (cpu is supported)": zero.offload_param.device == "nvme",

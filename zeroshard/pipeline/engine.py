@@ -48,7 +48,7 @@ already carries the scale.  An earlier stage's backward starts from those gradie
 hands its engine (the vector-Jacobian product as one sum) goes through :class:`_ReceivedGradients`,
 whose gradient is 1 whatever the engine multiplies it by, so the scale is not applied a second
 time.  Each stage's engine keeps its own loss scaler, and they stay equal: whether a step overflows
-is read from the gradient norm, which is summed over the stages (``_model_grad_norm``) as well as over
+is read from the gradient norm, which is summed over the stages (``StagesNorm``) as well as over
 the stage's data-parallel ranks, so an inf or NaN on any rank of any stage makes every rank of the
 job skip the same step and lower its scale the same way.  The losses ``train_batch`` returns are the
 loss function's own, never scaled.
@@ -67,20 +67,21 @@ from ..distributed.collectives import Collectives
 from ..distributed.consistency import EngineUsageError
 from ..distributed.parallel_dims import ParallelDims
 from ..engine.engine import Engine, SchedulerSpec
+from ..engine.parts import EngineParts
 from ..logging import log_rank
 from ..sharding.stage3.gather_scheduler import GatherScheduler
 from ..sharding.stage3.gathered import GatheredParameters
-from ..sharding.stage3.strategy import Stage3
 from ..sharding.stage3.units import unit_label
 from ..checkpoint.format import CheckpointError
 from ..checkpoint.interface import CheckpointParts
-from ..checkpoint.tensor_parts import part_directory, write_tensor_split
-from ..optim.tensor_parallel_norm import TensorParallelNorm
 from ..tensor_parallel import SplitModel, split_stage
-from .checkpoint import StageCheckpointer, job_parts, load_pipeline, periodic_save_due, prune_periodic, save_pipeline
+from ..tensor_parallel.engine import tensor_parallel_parts
+from ..tensor_parallel.slices import TensorAxis, TensorSlice
+from .checkpoint import job_parts, load_pipeline, periodic_save_due, prune_periodic, save_pipeline
 from .checks import pipeline_config
 from .executor import BatchRun, BatchTiming, StageClock, batches_from
 from .module import PipelineModule
+from .norm import StagesNorm
 from .p2p import StageLink
 from .schedule import SCHEDULES, ForwardOnly, PipeSchedule
 
@@ -97,20 +98,26 @@ class PipelineEngine(Engine):
                  optimizer: Any = None, lr_scheduler: SchedulerSpec = None, *,
                  axes: Optional[ParallelDims] = None) -> None:
         config = pipeline_config(config, module)
-        self.pipeline_groups = module.groups
+        self.pipeline_groups = groups = module.groups
         #: tensor parallelism inside each stage: how its linear layers were split (None: not split)
         self.split: Optional[SplitModel] = None
-        if module.groups.dims.tp > 1:  # see [Note: three axes] in pipeline/engine.py
-            self.split = split_stage(module, config.tensor_parallel, module.groups)
-        super().__init__(module, config, module.groups.data_world, model_parameters, optimizer, lr_scheduler,
-                         axes=axes)
-        groups = module.groups
-        log_rank(groups.describe())
-        self._tensor_norm: Optional[TensorParallelNorm] = None
-        if self.split is not None:
+        if groups.dims.tp > 1:  # see [Note: three axes] in pipeline/engine.py
+            self.split = split_stage(module, config.tensor_parallel, groups)
+        #: the gradient norm summed over the stages (see [Note: ZeRO inside a pipeline stage])
+        self.stages_norm = StagesNorm(groups.pipe, groups.dims.pp)
+        #: with tensor parallelism: this rank's slice of the stage, under the layers' global names
+        self.tensor_slices: Optional[TensorSlice] = None
+        # a periodic save is the whole pipeline's, after the batch (``_save_periodically``), never one
+        # stage's engine's in the middle of the batch
+        parts = EngineParts(norm_across=self.stages_norm, saves_periodically=False)
+        if self.split is not None:  # the tensor-parallel parts of a plain model, under the job's names
             assert groups.tensor is not None
-            self._tensor_norm = TensorParallelNorm(self.strategy.layout.buckets, self.strategy.params, groups.tensor,
-                                                   self.split.split)
+            self.tensor_slices = TensorSlice(TensorAxis(groups.tensor, groups.tensor_index, self.split.size,
+                                                        self.split, module.global_name))
+            parts = tensor_parallel_parts(self.tensor_slices, self.stages_norm, saves_periodically=False)
+        super().__init__(module, config, groups.data_world, model_parameters, optimizer, lr_scheduler, parts,
+                         axes=axes)
+        log_rank(groups.describe())
         self.pipe: Collectives = groups.pipe
         #: the ranks that save one checkpoint together: every rank, or those of one tensor index (see [Note:
         #: a pipeline of tensor-parallel stages in a checkpoint] in pipeline/checkpoint.py)
@@ -131,11 +138,10 @@ class PipelineEngine(Engine):
         #: where this rank's time went in its last ``train_batch`` (see [Note: the measured bubble] in
         #: pipeline/executor.py); None before the first
         self.last_batch_timing: Optional[BatchTiming] = None
-        self._clock: Optional[StageClock] = None
         #: stage 3: the units held gathered for a batch (see [Note: a stage's parameters gathered once
         #: per batch]); empty below stage 3 or per micro-batch
-        self.batch_gathers = BatchGathers(self.strategy.scheduler if isinstance(self.strategy, Stage3)
-                                          and not config.pipeline.stage3_gather_per_micro_batch else None)
+        self.batch_gathers = BatchGathers(None if config.pipeline.stage3_gather_per_micro_batch
+                                          else self.strategy.gather_scheduler())
         if self.precision.mixed:  # see [Note: tied copies under mixed precision] in pipeline/tied.py
             module.tied.use_compute_dtype(self.precision.compute)
             module.tied.broadcast_from_owners(self._full_values)
@@ -179,11 +185,11 @@ class PipelineEngine(Engine):
             raise PipelineUsageError("save_checkpoint(async_save=True): a pipelined model's checkpoints are "
                                      "written synchronously (docs/PIPELINE.md)")
         tag_name = f"global_step{self.global_steps}" if tag is None else str(tag)
-        if self.split is not None:  # see the Note in pipeline/checkpoint.py: every stage's split parameters
-            dims = {k: v for stage in self.world_comm.all_gather_json(self._global_dims(), "tensor_split")
+        slices = self.tensor_slices
+        if slices is not None:  # see the Note in pipeline/checkpoint.py: every stage's split parameters
+            dims = {k: v for stage in self.world_comm.all_gather_json(slices.job_dims(), "tensor_split")
                     for k, v in stage.items()}
-            if self.world_comm.world.is_main:
-                write_tensor_split(Path(save_dir), self.split.size, dims)
+            slices.record_split(Path(save_dir), dims)
         return save_pipeline(self._job_parts(), self.config.checkpoint, self._part_of(save_dir), tag_name, client_state,
                              save_latest, exclude_frozen_parameters)
 
@@ -217,26 +223,9 @@ class PipelineEngine(Engine):
             self.data_iterator = None  # the next batch starts where the loaded loader position says
         return loaded
 
-    def _global_dims(self) -> dict[str, int]:
-        """The split parameters' dimensions by their job names (``PipelineModule.global_name``)."""
-        assert self.split is not None
-        return {self._module().global_name(name): dim for name, dim in self.split.dims.items()}
-
-    def _tensor_slice(self) -> Optional[tuple[int, int, dict[str, int]]]:
-        """Where this stage's linears are split: a load cuts each saved parameter at this size by name."""
-        if self.split is None:
-            return None
-        return self.pipeline_groups.tensor_index, self.split.size, self._global_dims()
-
     def _part_of(self, directory: Union[str, Path]) -> Path:
         """Where this rank's tensor index saves: the directory, or its ``mp_rank_XX`` part."""
-        if self.split is None:
-            return Path(directory)
-        return Path(directory) / part_directory(self.pipeline_groups.tensor_index)
-
-    def _build_parts(self) -> None:
-        super()._build_parts()
-        self.checkpointer = StageCheckpointer.of(self.checkpointer)  # periodic saves: _save_periodically
+        return Path(self.model_slice.own_directory(directory))
 
     def _save_periodically(self) -> None:
         """``checkpoint.save_interval``: the whole pipeline's checkpoint ``global_step<N>`` in
@@ -258,7 +247,7 @@ class PipelineEngine(Engine):
     def stage_backward(self, value: torch.Tensor, is_loss: bool, boundary: bool) -> None:
         # the executor knows which backward is the batch's last on this rank; with chunks, a micro-batch
         # has one backward per chunk and the engine's count of micro steps cannot tell
-        self._boundary_override = boundary
+        self.set_gradient_accumulation_boundary(boundary)
         if is_loss:
             super().backward(value)
         else:  # see [Note: the loss scale along a pipeline]
@@ -269,24 +258,7 @@ class PipelineEngine(Engine):
 
     def stage_step(self) -> None:
         super().step()
-        self._boundary_override = None
-
-    def _model_grad_norm(self, grads: list[torch.Tensor], comm: Optional[Collectives]) -> torch.Tensor:
-        """The stage's norm (over its tensor-parallel ranks too), summed in squares over the stages of the
-        pipeline (see [Note: ZeRO inside a pipeline stage])."""
-        if self._tensor_norm is not None:
-            norm = self._tensor_norm(grads, comm, self.strategy.comm.world.rank, self.world.device)
-        else:
-            norm = super()._model_grad_norm(grads, comm)
-        if self.num_stages == 1:
-            return norm
-        squared = norm.square()
-        started = time.perf_counter()
-        self.pipe.all_reduce(squared, "pipeline_grad_norm")
-        if self._clock is not None:  # the stages wait for each other here ([Note: the measured bubble] in
-            # pipeline/executor.py)
-            self._clock.synced(started)
-        return squared.sqrt_()
+        self.set_gradient_accumulation_boundary(None)
 
     # ------------------------------------------------------------------ batches
     def _module(self) -> PipelineModule:
@@ -307,7 +279,7 @@ class PipelineEngine(Engine):
         module = self._module()
         self.module.train()
         micro = self.gradient_accumulation_steps()
-        self._clock = clock = StageClock(self.link)
+        self.stages_norm.clock = clock = StageClock(self.link)
         run = BatchRun(self, self.link, module.tied, micro, batches_from(self._iterator(data_iter), self.batch_fn),
                        module.loss_fn, training=True, clock=clock, chunks=self.chunks)
         try:
@@ -322,8 +294,8 @@ class PipelineEngine(Engine):
             clock.synced(started)
         finally:
             self.batch_gathers.release()  # a batch that raised: nothing stays pinned
-            self._clock = None
-            self._boundary_override = None
+            self.stages_norm.clock = None
+            self.set_gradient_accumulation_boundary(None)
         self.last_batch_timing = clock.timing()
         self._save_periodically()
         return loss

@@ -20,7 +20,7 @@ class Stage1(FullGradientStrategy):
     """
 
     traits = StageTraits(stage=1, grads_are_sharded=True, owns_whole_buckets=False, forward_communicates=False,
-                         gathers_in_passes=False)
+                         gathers_in_passes=False, needs_optimizer=True)
 
     def hook_model(self, model: nn.Module) -> None:
         """With ``overlap_param_gather``, the post-step gather runs on into the next forward ([Note: the

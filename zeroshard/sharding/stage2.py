@@ -28,7 +28,8 @@ class Stage2(ShardedGradientStrategy):
     """
 
     traits = StageTraits(stage=2, grads_are_sharded=True, owns_whole_buckets=False, forward_communicates=False,
-                         gathers_in_passes=False, buckets_per_model=2 * BUCKETS_PER_MODEL)
+                         gathers_in_passes=False, needs_optimizer=True,
+                         buckets_per_model=2 * BUCKETS_PER_MODEL)
 
     def __init__(self, storage: FlatParameters, params: Sequence[nn.Parameter], groups: ShardGroups,
                  zero: ZeroConfig, precision: PrecisionPolicy = PrecisionPolicy()) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, ClassVar, Collection, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Collection, Optional, Sequence
 
 import torch
 from torch import nn
@@ -37,6 +37,9 @@ from .flat_params import FlatParameters
 from .layout import BUCKETS_PER_MODEL, capped_bucket_numel, BucketLayout, FlatLayout, ParamSlot, ShardRanks, plan_buckets
 from .master_weights import MasterWeights, owned_spans
 from .storage import InitialValues, ParameterStorage
+
+if TYPE_CHECKING:
+    from .stage3.gather_scheduler import GatherScheduler
 
 
 def shard_ranks(groups: ShardGroups) -> ShardRanks:
@@ -101,6 +104,13 @@ class StageTraits:
     #: whether forward and backward gather parameters: ``build_shard_groups`` adds the groups their
     #: rounds need (see [Note: ranks agree on every gather] in sharding/stage3/gather_agreement.py)
     gathers_in_passes: bool
+    #: whether each rank holds only its chunk of the parameters (stage 3): a model built under
+    #: ``zeroshard.Init`` is adopted as it is, the model goes to the device bucket by bucket, and full
+    #: weights are gathered for ``save_16bit_model`` only when the config asks
+    shards_parameters: bool = False
+    #: whether the stage has nothing to do without an optimizer (stages 1-2 shard only what training
+    #: needs: see [Note: an engine without an optimizer] in optim/no_optimizer.py)
+    needs_optimizer: bool = False
     #: the fewest buckets a model is cut into (see [Note: buckets smaller than the model] in sharding/layout.py)
     buckets_per_model: int = BUCKETS_PER_MODEL
     #: launched gradient buckets allowed in flight before the oldest is waited for (see ``_retire``)
@@ -158,6 +168,11 @@ class ShardingStrategy(ABC):
     def stage(self) -> int:
         """The ZeRO stage number."""
         return self.traits.stage
+
+    def gather_scheduler(self) -> Optional["GatherScheduler"]:
+        """What gathers parameters in forward and backward (``traits.gathers_in_passes``); None where
+        nothing does."""
+        return None
 
     def comm_of(self, bucket: BucketLayout) -> Collectives:
         """The group ``bucket`` is sharded over: the shard group, or for experts' buckets the ranks that

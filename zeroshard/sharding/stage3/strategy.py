@@ -43,7 +43,8 @@ class Stage3(ShardedGradientStrategy):
     """
 
     traits = StageTraits(stage=3, grads_are_sharded=True, owns_whole_buckets=False, forward_communicates=True,
-                         gathers_in_passes=True, max_buckets_in_flight=1)
+                         gathers_in_passes=True, shards_parameters=True,
+                         max_buckets_in_flight=1)
     storage: ShardedParameters
     grad_chunks: KeptChunkBuffers
 
@@ -63,6 +64,9 @@ class Stage3(ShardedGradientStrategy):
         self.scheduler = GatherScheduler(storage, plan.units, zero, model, agreement)
         #: whether every rank's backward is over, so that waiting for a reduction cannot deadlock
         self._rounds_over = True
+
+    def gather_scheduler(self) -> GatherScheduler:
+        return self.scheduler
 
     @classmethod
     def build(cls, model: nn.Module, params: Sequence[nn.Parameter], names: Sequence[str],

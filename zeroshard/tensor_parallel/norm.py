@@ -1,4 +1,5 @@
-"""The gradient norm of a model whose layers are split across tensor-parallel ranks.
+"""The gradient norm of a model whose layers are split across tensor-parallel ranks (an engine part:
+``GradientNorm`` in engine/parts.py).
 
 [Note: split and replicated parameters in the norm]
 Under tensor parallelism each rank of a tensor-parallel group holds part of some parameters (a
@@ -15,12 +16,16 @@ device] in optim/clipping.py explains, and summed over the ZeRO shard group befo
 
 from __future__ import annotations
 
-from typing import Collection, Optional, Sequence
+from typing import TYPE_CHECKING, Collection, Optional, Sequence
 
 import torch
 
 from ..distributed.collectives import Collectives
 from ..sharding.layout import BucketLayout
+
+if TYPE_CHECKING:
+    from ..sharding import ShardingStrategy
+    from .slices import TensorAxis
 
 #: the attributes a tensor-parallel model sets on the parameters it splits (Megatron's, DeepSpeed's)
 SPLIT_MARKS = ("tensor_model_parallel", "model_parallel")
@@ -40,17 +45,27 @@ class TensorParallelNorm:
     replicated parameters in the norm])."""
 
     def __init__(self, buckets: Sequence[BucketLayout], params: Sequence[torch.Tensor], tensor: Collectives,
-                 split: Optional[Collection[int]] = None) -> None:
-        """``split``: the ids of the split parameters, where zeroshard split them (else the model's marks)."""
+                 split: Optional[Collection[int]], shard_rank: int, device: torch.device) -> None:
+        """``split``: the ids of the split parameters, where zeroshard split them (else the model's marks);
+        ``shard_rank``: this rank's index in its shard group."""
         self.buckets = list(buckets)
         self.split = [id(p) in split if split is not None else is_split(p) for p in params]
         self.tensor = tensor
+        self.shard_rank = shard_rank
+        self.device = device
         self._runs: dict[tuple[int, int, int], Runs] = {}
 
-    def __call__(self, grads: Sequence[torch.Tensor], shard_comm: Optional[Collectives], shard_rank: int,
-                 device: torch.device) -> torch.Tensor:
+    @staticmethod
+    def over(axis: "TensorAxis", strategy: "ShardingStrategy", device: torch.device) -> "TensorParallelNorm":
+        """The norm of an engine's model over ``axis``'s group (a ``NormBuilder``, engine/parts.py)."""
+        return TensorParallelNorm(strategy.layout.buckets, strategy.params, axis.comm,
+                                  axis.split.split if axis.split is not None else None, strategy.comm.world.rank,
+                                  device)
+
+    def __call__(self, grads: Sequence[torch.Tensor], shard_comm: Optional[Collectives]) -> torch.Tensor:
         """The norm, a float64 tensor of one element; ``shard_comm``: the owned chunks are ZeRO shards."""
-        where = grads[0].device if grads else device
+        shard_rank = self.shard_rank
+        where = grads[0].device if grads else self.device
         split = torch.zeros(1, dtype=torch.float64, device=where)
         whole = torch.zeros(1, dtype=torch.float64, device=where)
         counts_whole = self.tensor.world.rank == 0
