@@ -10,7 +10,8 @@ once (fp32, 1e-5 relative): with plain SGD, which is not scale-invariant, so a g
 sequence degree shows, and with AdamW.  The mean of the ranks' losses equals the oracle's loss at every
 step, ``deepspeed.utils.groups`` answers from the engine's axes, the exchanges are counted in the
 engine's ledger, and the loader of ``initialize(training_data=...)`` gives a sequence group's ranks the
-same samples.  Grouped-query attention with fewer key/value heads than ranks replicates them.
+same samples.  Grouped-query attention with fewer key/value heads than ranks replicates them; over a
+process group of the user's the two exchanges invert each other exactly.
 Refused by name on every rank: heads that do not split over the ranks, a degree that does not divide
 the world, and a sequence axis with pipeline or tensor parallelism.
 
@@ -46,6 +47,11 @@ class LocalAttention(nn.Module):
         if k.shape[1] != q.shape[1]:
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
         return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+
+
+class Elementwise(nn.Module):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return q * k + v
 
 
 class Block(nn.Module):
@@ -180,7 +186,14 @@ def refusals_worker(rank: int, world: int) -> dict[str, str]:
             out[name] = "accepted"
         except (SequenceParallelError, SequenceParallelSizeError) as err:
             out[name] = str(err)
-    layer = DistributedAttention(LocalAttention(), torch.distributed.new_group(list(range(world))), 2, 1)
+    group = torch.distributed.new_group(list(range(world)))
+    # over a process group of the user's: an attention that works position by position and head by head
+    # gives back exactly its local result, whatever the exchanges did in between
+    elementwise = DistributedAttention(Elementwise(), group, scatter_idx=2, gather_idx=0)
+    q, k, v = (torch.randn(3, 2, 2 * world, 4, generator=torch.Generator().manual_seed(10 * rank + i))
+               for i in range(3))
+    out["round trip"] = str(torch.equal(elementwise(q, k, v), q * k + v))
+    layer = DistributedAttention(LocalAttention(), group, 2, 1)
     for name, (heads, kv_heads) in {"query heads": (3, 3), "key/value heads": (4, 3)}.items():
         try:
             layer(torch.zeros(1, 2, heads, 2), *[torch.zeros(1, 2, kv_heads, 2)] * 2)
@@ -199,6 +212,7 @@ def check_refusals(by_rank: list[dict[str, str]]) -> None:
         assert f"3 query heads (dimension 2 of (1, 2, 3, 2)) do not split over sequence_parallel_size {world}" \
             in result["query heads"], result
         assert "3 key heads" in result["key/value heads"], result
+        assert result["round trip"] == "True", "the exchanges over a user's group do not invert each other"
 
 
 def loader_worker(rank: int, world: int) -> list[int]:
