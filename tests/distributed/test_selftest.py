@@ -52,7 +52,7 @@ def test_selftest_passes_on_two_cpu_ranks(tmp_path: Path) -> None:
 
 def check_host_reads(throughput: list[dict[str, Any]]) -> None:
     """On CPU every read is counted: none in DDP's and FSDP2's steps; in a zeroshard step the engine's one
-    read of the step ([Note: one host read per optimizer step] in engine/engine.py), one read of each
+    read of the step ([Note: one host read per optimizer step] in engine/optimizer_step.py), one read of each
     consistency check's gathered table (backward and step, and forward at stage 3), and at stage 3 only
     the gather rounds' tables."""
     for r in throughput:
@@ -65,7 +65,7 @@ def check_host_reads(throughput: list[dict[str, Any]]) -> None:
             continue
         rounds = by_file.pop("zeroshard/sharding/stage3/gather_agreement.py", 0)
         assert (rounds > 0) == (r["stage"] == 3), r
-        assert by_file == {"zeroshard/engine/engine.py": steps,
+        assert by_file == {"zeroshard/engine/optimizer_step.py": steps,
                            "zeroshard/distributed/consistency.py": (3 if r["stage"] == 3 else 2) * steps}, r
 
 
