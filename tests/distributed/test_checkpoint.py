@@ -295,7 +295,7 @@ def load_latest_worker(rank: int, world: int, directories: list[str]) -> list[st
     return names
 
 
-@pytest.mark.slow  # extended: runs in CI (see conftest.py)
+@pytest.mark.nightly  # a crash sweep: CI runs it in its second step (see conftest.py)
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:
     """A killed rank needs a world of its own, one per kind of save; one world then loads both."""
     saves = {"sync": tmp_path / "sync", "async": tmp_path / "async"}

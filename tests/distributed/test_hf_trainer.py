@@ -65,7 +65,7 @@ def ddp_run(trainer_runs: SharedLaunches, world: int) -> dict:
 
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.nightly), 2])  # world 1: a repeated variant
 @pytest.mark.parametrize("stage", [2, 3])
 def test_trainer_with_a_deepspeed_config_equals_ddp(trainer_runs, stage, world) -> None:
     result = trainer_runs("--stage", str(stage), nproc=world)

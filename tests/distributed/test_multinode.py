@@ -70,7 +70,7 @@ def reference(steps: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
-@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.nightly), 3])  # stage 2: a repeated variant
 def test_two_agents_as_two_nodes_train_as_one_process(stage: int, tmp_path: Path) -> None:
     check_two_node_run(tmp_path, stage, run_two_agents(tmp_path, stage))
     placements = [json.loads((tmp_path / f"placement{r}.json").read_text()) for r in range(4)]
@@ -78,7 +78,7 @@ def test_two_agents_as_two_nodes_train_as_one_process(stage: int, tmp_path: Path
 
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
-@pytest.mark.parametrize("hybrid", ["mics", pytest.param("hpz", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("hybrid", ["mics", pytest.param("hpz", marks=pytest.mark.nightly)])  # hpz: a repeated variant
 def test_two_agents_with_hybrid_sharding_train_as_one_process(hybrid: str, tmp_path: Path) -> None:
     """MiCS and hpZ with a group per node (torchrun's nodes): the same weights as one process; MiCS
     sends across nodes only the once-per-step all-reduce of each gradient shard (fp32: 2 (R-1)/R x 4
@@ -151,7 +151,7 @@ def check_two_node_run(tmp_path: Path, stage: int, agents: list[subprocess.Compl
 
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.nightly), 3])  # stage 1: a repeated variant
 def test_node_local_checkpoints_resume_exactly_with_each_node_reading_only_its_own(stage: int,
                                                                                   tmp_path: Path) -> None:
     """checkpoint.use_node_local_storage: each "node" saves into a directory only it uses; a new job
