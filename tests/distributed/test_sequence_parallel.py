@@ -14,7 +14,8 @@ same samples.  Grouped-query attention with fewer key/value heads than ranks rep
 process group of the user's the two exchanges invert each other exactly.  With ``sequence_parallel.mode``
 ``"ring"`` the same model trains the same way through the ring (zeroshard/sequence/ring.py), with a head
 count the degree does not divide (3 heads at degree 2) and, in the world of four, a degree above the head
-count (2 heads at degree 4); its messages are counted in the ledger.
+count (2 heads at degree 4); its messages are counted in the ledger, and it refuses, before any message,
+arguments for the local attention and key/value heads that do not divide the query heads.
 Refused by name on every rank: heads that do not split over the ranks, a degree that does not divide
 the world, and a sequence axis with pipeline or tensor parallelism.
 
@@ -154,10 +155,26 @@ def train_worker(rank: int, world: int, stage: int, optimizer: str, kv_heads: in
                  ds_groups._get_sequence_data_parallel_world_size(), ds_groups._get_sequence_data_parallel_rank(),
                  torch.distributed.get_process_group_ranks(ds_groups._get_sequence_parallel_group()))
     exchanges = sorted({(r.label, r.group_size) for r in log if r.label.startswith("sequence_")})
+    refused = ring_refusals(net.blocks[0].attention, heads) if mode == "ring" else {}
     engine.close()
     return {"worst": worst, "losses": losses, "expected_losses": expected_losses, "accessors": accessors,
             "exchanges": exchanges, "train_batch_size": engine.train_batch_size(), "sp": where.seq,
-            "after_close": ds_groups._get_sequence_parallel_world_size()}
+            "after_close": ds_groups._get_sequence_parallel_world_size(), "refused": refused}
+
+
+def ring_refusals(layer: DistributedAttention, heads: int) -> dict[str, str]:
+    """What the ring refuses before any message: arguments for the local attention, and key/value heads
+    that do not divide the query heads."""
+    out = {}
+    q = torch.zeros(1, 2, heads, 4)
+    for name, call in {"arguments": lambda: layer(q, q, q, 0.5),
+                       "heads": lambda: layer(q, *[torch.zeros(1, 2, heads + 1, 4)] * 2)}.items():
+        try:
+            call()
+            out[name] = "accepted"
+        except SequenceParallelError as err:
+            out[name] = str(err)
+    return out
 
 
 def check_train(by_rank: list[dict[str, Any]], stage: int, optimizer: str, kv_heads: int = HEADS,
@@ -174,6 +191,9 @@ def check_train(by_rank: list[dict[str, Any]], stage: int, optimizer: str, kv_he
         labels = {label for label, _ in result["exchanges"]}
         assert labels == {f"sequence_{n}{g}" for n in names for g in ("", "_grad")}, labels
         assert {size for _, size in result["exchanges"]} == {sp}
+        if mode == "ring":
+            assert "cannot hand arguments to the local attention" in result["refused"]["arguments"], result
+            assert f"{heads} query heads are not a multiple of {heads + 1}" in result["refused"]["heads"], result
     for step in range(STEPS):
         mean = sum(r["losses"][step] for r in by_rank) / world
         expected = by_rank[0]["expected_losses"][step]

@@ -480,10 +480,11 @@ class ZeroshardConfig:
     gradient_accumulation_steps: Optional[int] = key(None, "Micro steps per optimizer step.",
                                                      optional_positive, default_text="derived (1)")
     sequence_parallel_size: int = key(
-        1, "Sequence parallelism (docs/SEQUENCE_PARALLEL.md; DeepSpeed-Ulysses, or a ring: `sequence_parallel.mode`): the ranks that split each sequence "
-        "(consecutive ranks; 1: off). They hold the same parameters, ZeRO shards over data x sequence and averages "
-        "gradients over both, and the batch keys count data-parallel ranks (world size / this). Must divide the "
-        "world size; pipeline, tensor and expert parallelism with it are refused (not supported yet).", positive)
+        1, "Sequence parallelism (docs/SEQUENCE_PARALLEL.md; DeepSpeed-Ulysses, or a ring: "
+        "`sequence_parallel.mode`): the ranks that split each sequence (consecutive ranks; 1: off). They hold the "
+        "same parameters, ZeRO shards over data x sequence and averages gradients over both, and the batch keys "
+        "count data-parallel ranks (world size / this). Must divide the world size; pipeline, tensor and expert "
+        "parallelism with it are refused (not supported yet).", positive)
     sequence_parallel: SequenceParallelConfig = key(
         SequenceParallelConfig(), "zeroshard's own block: how attention runs over the split sequences (Ulysses' "
         "all-to-all or a ring).")

@@ -121,7 +121,7 @@ class DistributedAttention(nn.Module):
             raise SequenceParallelError(
                 f"DistributedAttention: {query.shape[heads]} query heads are not a multiple of "
                 f"{key.shape[heads]} key/value heads")
-        context = ring_attention(comm, *(t.permute(order) for t in (query, key, value)), causal)
+        context = ring_attention(comm, query.permute(order), key.permute(order), value.permute(order), causal)
         return context.permute(torch.argsort(torch.tensor(order)).tolist())
 
     def _heads_for(self, comm: Collectives, values: Tensor, name: str) -> Tensor:
