@@ -14,7 +14,8 @@ same samples.  Grouped-query attention with fewer key/value heads than ranks rep
 process group of the user's the two exchanges invert each other exactly.  With ``sequence_parallel.mode``
 ``"ring"`` the same model trains the same way through the ring (zeroshard/sequence/ring.py), with a head
 count the degree does not divide (3 heads at degree 2) and, in the world of four, a degree above the head
-count (2 heads at degree 4); its messages are counted in the ledger, and it refuses, before any message,
+count (2 heads at degree 4), in the consecutive layout and with head-tail sharding (each rank holding
+chunks r and 2P - 1 - r of its sequences); its messages are counted in the ledger, and it refuses, before any message,
 arguments for the local attention and key/value heads that do not divide the query heads.
 Refused by name on every rank: heads that do not split over the ranks, a degree that does not divide
 the world, and a sequence axis with pipeline or tensor parallelism.
@@ -34,7 +35,7 @@ from torch import nn
 import zeroshard
 from zeroshard.deepspeed.utils import groups as ds_groups
 from zeroshard.distributed.parallel_dims import SequenceParallelSizeError
-from zeroshard.sequence import DistributedAttention, SequenceParallelError
+from zeroshard.sequence import DistributedAttention, SequenceParallelError, sequence_positions
 from zeroshard.tools.testing import check_family, run_family
 
 V, D, HEADS, LAYERS, SEQ, ROWS, STEPS, SP = 23, 16, 4, 2, 8, 2, 3, 2
@@ -104,11 +105,13 @@ def batch(step: int, data: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, V, (ROWS, SEQ), generator=g), torch.randint(0, V, (ROWS, SEQ), generator=g)
 
 
-def local_slice(step: int, data: int, seq: int, sp: int = SP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rank ``seq`` of a sequence group's share of data-parallel index ``data``'s batch: consecutive slices."""
+def local_slice(step: int, data: int, seq: int, sp: int = SP,
+                balanced: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank ``seq`` of a sequence group's share of data-parallel index ``data``'s batch: consecutive slices,
+    or with ``balanced`` the ring's head-tail chunks."""
     tokens, labels = batch(step, data)
-    part = slice(seq * SEQ // sp, (seq + 1) * SEQ // sp)
-    positions = torch.arange(SEQ)[part].expand(ROWS, -1)
+    part = sequence_positions(SEQ, seq, sp, balanced)
+    positions = part.expand(ROWS, -1)
     return tokens[:, part], positions, labels[:, part]
 
 
@@ -136,16 +139,17 @@ def config(stage: int, optimizer: str, sp: int = SP, **extra: Any) -> dict[str, 
 
 
 def train_worker(rank: int, world: int, stage: int, optimizer: str, kv_heads: int = HEADS, heads: int = HEADS,
-                 mode: str = "ulysses", sp: int = SP) -> dict[str, Any]:
+                 mode: str = "ulysses", sp: int = SP, balanced: bool = False) -> dict[str, Any]:
     expected, expected_losses = reference(optimizer, world // sp, kv_heads, heads)
     net = model(kv_heads, heads)
     engine, _, _, _ = zeroshard.initialize(model=net, config=config(stage, optimizer, sp,
-                                                                    sequence_parallel={"mode": mode}))
+                                                                    sequence_parallel={"mode": mode,
+                                                                                       "load_balance": balanced}))
     log = engine.comm.ledger.start_log()
     where = engine.parallel_dims.coords(rank)
     losses = []
     for step in range(STEPS):
-        loss = engine(*local_slice(step, where.data, where.seq, sp))
+        loss = engine(*local_slice(step, where.data, where.seq, sp, balanced))
         engine.backward(loss)
         engine.step()
         losses.append(float(loss.detach()))
@@ -178,7 +182,7 @@ def ring_refusals(layer: DistributedAttention, heads: int) -> dict[str, str]:
 
 
 def check_train(by_rank: list[dict[str, Any]], stage: int, optimizer: str, kv_heads: int = HEADS,
-                heads: int = HEADS, mode: str = "ulysses", sp: int = SP) -> None:
+                heads: int = HEADS, mode: str = "ulysses", sp: int = SP, balanced: bool = False) -> None:
     world = len(by_rank)
     names = ("ring_kv",) if mode == "ring" else ("query", "key", "value", "context")
     for rank, result in enumerate(by_rank):
@@ -277,10 +281,10 @@ def cases(optimizers_at: dict[int, str], kv_heads: int,
 
 def test_sequence_parallel_matches_one_process_at_sequence_2() -> None:
     """Sequence 2 x data 1: every stage with SGD, AdamW at stage 1, one key/value head (replicated); the
-    ring at stages 0 and 3 with 3 heads (which degree 2 does not divide), and at stage 1 with grouped
-    key/value heads (4 query heads over 1)."""
+    ring at stages 0 and 3 with 3 heads (which degree 2 does not divide; head-tail sharding at stage 3),
+    and at stage 1 with grouped key/value heads (4 query heads over 1)."""
     family = cases({1: "AdamW"}, kv_heads=1, ring=[{"stage": 0, "heads": 3, "kv_heads": 3},
-                                                   {"stage": 3, "heads": 3, "kv_heads": 3},
+                                                   {"stage": 3, "heads": 3, "kv_heads": 3, "balanced": True},
                                                    {"stage": 1, "kv_heads": 1}])
     check_family(family, run_family(SP, family, WORKERS), CHECKS, world=SP)
 
@@ -288,7 +292,8 @@ def test_sequence_parallel_matches_one_process_at_sequence_2() -> None:
 @pytest.mark.slow
 def test_sequence_parallel_matches_one_process_at_sequence_2_data_2() -> None:
     """Sequence 2 x data 2: every stage with SGD, AdamW at stage 3, two key/value heads (one a rank); the
-    ring at sequence 4 x data 1 with 2 heads, a degree above the head count, at stages 0 and 3."""
-    family = cases({3: "AdamW"}, kv_heads=2, ring=[{"stage": stage, "heads": 2, "kv_heads": 2, "sp": 2 * SP}
-                                                   for stage in (0, 3)])
+    ring at sequence 4 x data 1 with 2 heads, a degree above the head count, at stages 0 and 3 (head-tail
+    sharding at stage 3)."""
+    family = cases({3: "AdamW"}, kv_heads=2, ring=[{"stage": stage, "heads": 2, "kv_heads": 2, "sp": 2 * SP,
+                                                    "balanced": stage == 3} for stage in (0, 3)])
     check_family(family, run_family(2 * SP, family, WORKERS), CHECKS, world=2 * SP)

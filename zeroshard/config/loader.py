@@ -268,6 +268,9 @@ def _check_sequence_parallel(config: ZeroshardConfig) -> None:
     if block.mode == "ulysses" and not block.causal:
         raise ConfigError("'sequence_parallel.causal' = false has no effect with mode \"ulysses\" (the local "
                           "attention decides the mask there); remove it, or set 'sequence_parallel.mode' to \"ring\"")
+    if block.mode == "ulysses" and block.load_balance:
+        raise ConfigError("'sequence_parallel.load_balance' needs 'sequence_parallel.mode' \"ring\" (Ulysses holds "
+                          "consecutive slices); remove it, or set the mode to \"ring\"")
 
 
 def _check_params(config: ZeroshardConfig) -> None:

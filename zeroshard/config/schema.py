@@ -210,6 +210,11 @@ class SequenceParallelConfig:
     causal: bool = key(
         True, "With `mode` `ring`: each position attends only to itself and the positions before it (false: to "
         "every position). With `ulysses` the local attention decides the mask, and `false` is refused.")
+    load_balance: bool = key(
+        False, "With `mode` `ring` (and `causal`): head-tail sharding, each rank's causal work equal. The sequence "
+        "is cut into 2 x `sequence_parallel_size` chunks and rank r holds chunks r and 2P - 1 - r, in that order: "
+        "the data must be cut the same way (`zeroshard.sequence.sequence_positions`). False: rank r holds the "
+        "r-th consecutive slice. Refused with `ulysses`.")
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from ..distributed.collectives import Collectives
 from .all_to_all import sequence_all_to_all
 from .groups import SequenceParallelError, sequence_attention, sequence_collectives
+from .policy import SequenceAttention
 from .ring import ring_attention
 
 __all__ = ["DistributedAttention"]
@@ -58,8 +59,9 @@ class DistributedAttention(nn.Module):
 
     With ``sequence_parallel.mode`` ``"ring"`` in the live engine's config, the layer computes
     ``softmax(q k^T / sqrt(head_dim)) v`` itself by a ring over the group (sequence/ring.py; causal as
-    ``sequence_parallel.causal`` says) and does not call the local attention, whose extra arguments are
-    then refused; any number of heads runs at any degree, key/value heads dividing the query heads.
+    ``sequence_parallel.causal`` says; with ``sequence_parallel.load_balance`` each rank holds the
+    positions ``sequence_positions`` gives) and does not call the local attention, whose extra arguments
+    are then refused; any number of heads runs at any degree, key/value heads dividing the query heads.
     """
 
     def __init__(self, local_attention: nn.Module, sequence_process_group: Any = None, scatter_idx: int = 2,
@@ -94,7 +96,7 @@ class DistributedAttention(nn.Module):
             return self.local_attn(query, key, value, *args, **kwargs)
         attention = sequence_attention()
         if attention.ring:
-            return self._ring(comm, attention.causal, query, key, value, args, kwargs)
+            return self._ring(comm, attention, query, key, value, args, kwargs)
         query = self._heads_for(comm, query, "query")  # before any exchange: every rank refuses alike
         key, value = self._heads_for(comm, key, "key"), self._heads_for(comm, value, "value")
         scatter, gather = self.scatter_idx, self.gather_idx
@@ -103,7 +105,7 @@ class DistributedAttention(nn.Module):
         context = self.local_attn(q, k, v, *args, **kwargs)
         return sequence_all_to_all(comm, context, gather, scatter, "sequence_context")
 
-    def _ring(self, comm: Collectives, causal: bool, query: Tensor, key: Tensor, value: Tensor,
+    def _ring(self, comm: Collectives, attention: SequenceAttention, query: Tensor, key: Tensor, value: Tensor,
               args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
         """The attention by a ring: the inputs turned to ``[b, heads, s/P, head_dim]`` and the context
         turned back to their layout.  Refused, before any message, what the ring cannot honour."""
@@ -121,7 +123,12 @@ class DistributedAttention(nn.Module):
             raise SequenceParallelError(
                 f"DistributedAttention: {query.shape[heads]} query heads are not a multiple of "
                 f"{key.shape[heads]} key/value heads")
-        context = ring_attention(comm, query.permute(order), key.permute(order), value.permute(order), causal)
+        if attention.balanced and query.shape[seq] % 2:
+            raise SequenceParallelError(
+                f"DistributedAttention: sequence_parallel.load_balance cuts each rank's slice into two chunks, but "
+                f"it holds {query.shape[seq]} positions (dimension {seq} of {tuple(query.shape)})")
+        context = ring_attention(comm, query.permute(order), key.permute(order), value.permute(order),
+                                 attention.causal, attention.balanced)
         return context.permute(torch.argsort(torch.tensor(order)).tolist())
 
     def _heads_for(self, comm: Collectives, values: Tensor, name: str) -> Tensor:

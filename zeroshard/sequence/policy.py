@@ -19,10 +19,13 @@ class SequenceAttention:
     ring: bool = False
     #: with ``ring``: whether a position attends only to itself and the positions before it
     causal: bool = True
+    #: with ``ring``: head-tail sharding (see [Note: head-tail sharding balances the causal ring] in
+    #: sequence/ring.py)
+    balanced: bool = False
 
     @staticmethod
     def from_config(block: SequenceParallelConfig) -> "SequenceAttention":
-        return SequenceAttention(ring=block.mode == "ring", causal=block.causal)
+        return SequenceAttention(ring=block.mode == "ring", causal=block.causal, balanced=block.load_balance)
 
 
 #: the default, and the mode of a group with no engine behind it
