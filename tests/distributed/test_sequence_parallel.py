@@ -15,13 +15,14 @@ process group of the user's the two exchanges invert each other exactly.  With `
 ``"ring"`` the same model trains the same way through the ring (zeroshard/sequence/ring.py), with a head
 count the degree does not divide (3 heads at degree 2) and, in the world of four, a degree above the head
 count (2 heads at degree 4), in the consecutive layout and with head-tail sharding (each rank holding
-chunks r and 2P - 1 - r of its sequences); its messages are counted in the ledger, and it refuses, before any message,
-arguments for the local attention and key/value heads that do not divide the query heads.
+chunks r and 2P - 1 - r of its sequences); its bytes are counted in the ledger as
+docs/SEQUENCE_PARALLEL.md says, and it refuses, before any message, arguments for the local attention
+and key/value heads that do not divide the query heads.
 Refused by name on every rank: heads that do not split over the ranks, a degree that does not divide
 the world, and a sequence axis with pipeline or tensor parallelism.
 
-The default suite runs the world of two (sequence 2 x data 1); the world of four (sequence 2 x data 2)
-is an extended test.
+The default suite runs the world of two (sequence 2 x data 1); the world of four (sequence 2 x data 2,
+and the ring at sequence 4 x data 1) is an extended test.
 """
 
 from __future__ import annotations
@@ -159,10 +160,11 @@ def train_worker(rank: int, world: int, stage: int, optimizer: str, kv_heads: in
                  ds_groups._get_sequence_data_parallel_world_size(), ds_groups._get_sequence_data_parallel_rank(),
                  torch.distributed.get_process_group_ranks(ds_groups._get_sequence_parallel_group()))
     exchanges = sorted({(r.label, r.group_size) for r in log if r.label.startswith("sequence_")})
+    sent = {label: sum(r.sent for r in log if r.label == label) for label, _ in exchanges}
     refused = ring_refusals(net.blocks[0].attention, heads) if mode == "ring" else {}
     engine.close()
     return {"worst": worst, "losses": losses, "expected_losses": expected_losses, "accessors": accessors,
-            "exchanges": exchanges, "train_batch_size": engine.train_batch_size(), "sp": where.seq,
+            "exchanges": exchanges, "sent": sent, "train_batch_size": engine.train_batch_size(), "sp": where.seq,
             "after_close": ds_groups._get_sequence_parallel_world_size(), "refused": refused}
 
 
@@ -196,6 +198,11 @@ def check_train(by_rank: list[dict[str, Any]], stage: int, optimizer: str, kv_he
         assert labels == {f"sequence_{n}{g}" for n in names for g in ("", "_grad")}, labels
         assert {size for _, size in result["exchanges"]} == {sp}
         if mode == "ring":
+            # a key/value block: ROWS x SEQ/sp positions x kv_heads x (key + value head_dim) fp32 values;
+            # per layer and step the forward sends sp - 1 of them, the backward 2 (sp - 1) + 1
+            block = ROWS * SEQ // sp * kv_heads * 2 * (D // HEADS) * 4
+            assert result["sent"] == {"sequence_ring_kv": STEPS * LAYERS * (sp - 1) * block,
+                                      "sequence_ring_kv_grad": STEPS * LAYERS * (2 * sp - 1) * block}, result["sent"]
             assert "cannot hand arguments to the local attention" in result["refused"]["arguments"], result
             assert f"{heads} query heads are not a multiple of {heads + 1}" in result["refused"]["heads"], result
     for step in range(STEPS):
