@@ -11,12 +11,18 @@ sequence degree shows, and with AdamW.  The mean of the ranks' losses equals the
 step, ``deepspeed.utils.groups`` answers from the engine's axes, the exchanges are counted in the
 engine's ledger, and the loader of ``initialize(training_data=...)`` gives a sequence group's ranks the
 same samples.  Grouped-query attention with fewer key/value heads than ranks replicates them; over a
-process group of the user's the two exchanges invert each other exactly.
+process group of the user's the two exchanges invert each other exactly.  With ``sequence_parallel.mode``
+``"ring"`` the same model trains the same way through the ring (zeroshard/sequence/ring.py), with a head
+count the degree does not divide (3 heads at degree 2) and, in the world of four, a degree above the head
+count (2 heads at degree 4), in the consecutive layout and with head-tail sharding (each rank holding
+chunks r and 2P - 1 - r of its sequences); its bytes are counted in the ledger as
+docs/SEQUENCE_PARALLEL.md says, and it refuses, before any message, arguments for the local attention
+and key/value heads that do not divide the query heads.
 Refused by name on every rank: heads that do not split over the ranks, a degree that does not divide
 the world, and a sequence axis with pipeline or tensor parallelism.
 
-The default suite runs the world of two (sequence 2 x data 1); the world of four (sequence 2 x data 2)
-is an extended test.
+The default suite runs the world of two (sequence 2 x data 1); the world of four (sequence 2 x data 2,
+and the ring at sequence 4 x data 1) is an extended test.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from torch import nn
 import zeroshard
 from zeroshard.deepspeed.utils import groups as ds_groups
 from zeroshard.distributed.parallel_dims import SequenceParallelSizeError
-from zeroshard.sequence import DistributedAttention, SequenceParallelError
+from zeroshard.sequence import DistributedAttention, SequenceParallelError, sequence_positions
 from zeroshard.tools.testing import check_family, run_family
 
 V, D, HEADS, LAYERS, SEQ, ROWS, STEPS, SP = 23, 16, 4, 2, 8, 2, 3, 2
@@ -55,32 +61,32 @@ class Elementwise(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, kv_heads: int) -> None:
+    def __init__(self, kv_heads: int, heads: int) -> None:
         super().__init__()
-        self.kv_heads, self.head_dim = kv_heads, D // HEADS
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, D // HEADS
         self.norm1, self.norm2 = nn.LayerNorm(D), nn.LayerNorm(D)
         # no bias: a key bias has no gradient but rounding noise (softmax ignores a shift shared by every
         # key), which AdamW's first steps blow up to the learning rate
-        self.qkv = nn.Linear(D, D + 2 * kv_heads * self.head_dim, bias=False)
-        self.out = nn.Linear(D, D)
+        self.qkv = nn.Linear(D, (heads + 2 * kv_heads) * self.head_dim, bias=False)
+        self.out = nn.Linear(heads * self.head_dim, D)
         self.attention = DistributedAttention(LocalAttention(), None, scatter_idx=2, gather_idx=1)
         self.mlp = nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         kv = self.kv_heads * self.head_dim
-        q, k, v = self.qkv(self.norm1(x)).split([D, kv, kv], dim=-1)
-        q = q.view(b, s, HEADS, self.head_dim)
+        q, k, v = self.qkv(self.norm1(x)).split([self.heads * self.head_dim, kv, kv], dim=-1)
+        q = q.view(b, s, self.heads, self.head_dim)
         k, v = (t.view(b, s, self.kv_heads, self.head_dim) for t in (k, v))
-        x = x + self.out(self.attention(q, k, v).reshape(b, s, D))
+        x = x + self.out(self.attention(q, k, v).reshape(b, s, -1))
         return x + self.mlp(self.norm2(x))
 
 
 class AttentionModel(nn.Module):
-    def __init__(self, kv_heads: int = HEADS) -> None:
+    def __init__(self, kv_heads: int = HEADS, heads: int = HEADS) -> None:
         super().__init__()
         self.embed, self.position = nn.Embedding(V, D), nn.Embedding(SEQ, D)
-        self.blocks = nn.ModuleList(Block(kv_heads) for _ in range(LAYERS))
+        self.blocks = nn.ModuleList(Block(kv_heads, heads) for _ in range(LAYERS))
         self.head = nn.Linear(D, V)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -90,9 +96,9 @@ class AttentionModel(nn.Module):
         return nn.functional.cross_entropy(self.head(x).reshape(-1, V), labels.reshape(-1))
 
 
-def model(kv_heads: int = HEADS) -> AttentionModel:
+def model(kv_heads: int = HEADS, heads: int = HEADS) -> AttentionModel:
     torch.manual_seed(0)
-    return AttentionModel(kv_heads)
+    return AttentionModel(kv_heads, heads)
 
 
 def batch(step: int, data: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,17 +106,19 @@ def batch(step: int, data: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, V, (ROWS, SEQ), generator=g), torch.randint(0, V, (ROWS, SEQ), generator=g)
 
 
-def local_slice(step: int, data: int, seq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rank ``seq`` of a sequence group's share of data-parallel index ``data``'s batch: consecutive slices."""
+def local_slice(step: int, data: int, seq: int, sp: int = SP,
+                balanced: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank ``seq`` of a sequence group's share of data-parallel index ``data``'s batch: consecutive slices,
+    or with ``balanced`` the ring's head-tail chunks."""
     tokens, labels = batch(step, data)
-    part = slice(seq * SEQ // SP, (seq + 1) * SEQ // SP)
-    positions = torch.arange(SEQ)[part].expand(ROWS, -1)
+    part = sequence_positions(SEQ, seq, sp, balanced)
+    positions = part.expand(ROWS, -1)
     return tokens[:, part], positions, labels[:, part]
 
 
-def reference(optimizer: str, dp: int, kv_heads: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+def reference(optimizer: str, dp: int, kv_heads: int, heads: int) -> tuple[dict[str, torch.Tensor], list[float]]:
     """One process on every data-parallel index's whole sequences at once."""
-    net = model(kv_heads)
+    net = model(kv_heads, heads)
     spec = OPTIMIZERS[optimizer]
     opt = getattr(torch.optim, spec["type"])(net.parameters(), **spec["params"])
     losses = []
@@ -124,22 +132,25 @@ def reference(optimizer: str, dp: int, kv_heads: int) -> tuple[dict[str, torch.T
     return {k: v.detach().clone() for k, v in net.state_dict().items()}, losses
 
 
-def config(stage: int, optimizer: str, **extra: Any) -> dict[str, Any]:
-    return {"train_micro_batch_size_per_gpu": ROWS, "sequence_parallel_size": SP, "collective_timeout": 60,
+def config(stage: int, optimizer: str, sp: int = SP, **extra: Any) -> dict[str, Any]:
+    return {"train_micro_batch_size_per_gpu": ROWS, "sequence_parallel_size": sp, "collective_timeout": 60,
             "optimizer": OPTIMIZERS[optimizer],
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 300,
                                   "stage3_param_persistence_threshold": 0}, **extra}
 
 
-def train_worker(rank: int, world: int, stage: int, optimizer: str, kv_heads: int = HEADS) -> dict[str, Any]:
-    expected, expected_losses = reference(optimizer, world // SP, kv_heads)
-    net = model(kv_heads)
-    engine, _, _, _ = zeroshard.initialize(model=net, config=config(stage, optimizer))
+def train_worker(rank: int, world: int, stage: int, optimizer: str, kv_heads: int = HEADS, heads: int = HEADS,
+                 mode: str = "ulysses", sp: int = SP, balanced: bool = False) -> dict[str, Any]:
+    expected, expected_losses = reference(optimizer, world // sp, kv_heads, heads)
+    net = model(kv_heads, heads)
+    engine, _, _, _ = zeroshard.initialize(model=net, config=config(stage, optimizer, sp,
+                                                                    sequence_parallel={"mode": mode,
+                                                                                       "load_balance": balanced}))
     log = engine.comm.ledger.start_log()
     where = engine.parallel_dims.coords(rank)
     losses = []
     for step in range(STEPS):
-        loss = engine(*local_slice(step, where.data, where.seq))
+        loss = engine(*local_slice(step, where.data, where.seq, sp, balanced))
         engine.backward(loss)
         engine.step()
         losses.append(float(loss.detach()))
@@ -149,23 +160,51 @@ def train_worker(rank: int, world: int, stage: int, optimizer: str, kv_heads: in
                  ds_groups._get_sequence_data_parallel_world_size(), ds_groups._get_sequence_data_parallel_rank(),
                  torch.distributed.get_process_group_ranks(ds_groups._get_sequence_parallel_group()))
     exchanges = sorted({(r.label, r.group_size) for r in log if r.label.startswith("sequence_")})
+    sent = {label: sum(r.sent for r in log if r.label == label) for label, _ in exchanges}
+    refused = ring_refusals(net.blocks[0].attention, heads) if mode == "ring" else {}
     engine.close()
     return {"worst": worst, "losses": losses, "expected_losses": expected_losses, "accessors": accessors,
-            "exchanges": exchanges, "train_batch_size": engine.train_batch_size(), "sp": where.seq,
-            "after_close": ds_groups._get_sequence_parallel_world_size()}
+            "exchanges": exchanges, "sent": sent, "train_batch_size": engine.train_batch_size(), "sp": where.seq,
+            "after_close": ds_groups._get_sequence_parallel_world_size(), "refused": refused}
 
 
-def check_train(by_rank: list[dict[str, Any]], stage: int, optimizer: str, kv_heads: int = HEADS) -> None:
+def ring_refusals(layer: DistributedAttention, heads: int) -> dict[str, str]:
+    """What the ring refuses before any message: arguments for the local attention, and key/value heads
+    that do not divide the query heads."""
+    out = {}
+    q = torch.zeros(1, 2, heads, 4)
+    for name, call in {"arguments": lambda: layer(q, q, q, 0.5),
+                       "heads": lambda: layer(q, *[torch.zeros(1, 2, heads + 1, 4)] * 2)}.items():
+        try:
+            call()
+            out[name] = "accepted"
+        except SequenceParallelError as err:
+            out[name] = str(err)
+    return out
+
+
+def check_train(by_rank: list[dict[str, Any]], stage: int, optimizer: str, kv_heads: int = HEADS,
+                heads: int = HEADS, mode: str = "ulysses", sp: int = SP, balanced: bool = False) -> None:
     world = len(by_rank)
+    names = ("ring_kv",) if mode == "ring" else ("query", "key", "value", "context")
     for rank, result in enumerate(by_rank):
         assert result["worst"] <= 1e-5, f"rank {rank}: the weights are off by {result['worst']:.2e}"
-        first = rank - rank % SP
-        assert result["accessors"] == (SP, rank % SP, world, rank, [first, first + 1]), result["accessors"]
-        assert result["train_batch_size"] == ROWS * world // SP  # the batch keys count data-parallel ranks
+        first = rank - rank % sp
+        assert result["accessors"] == (sp, rank % sp, world, rank, list(range(first, first + sp))), \
+            result["accessors"]
+        assert result["train_batch_size"] == ROWS * world // sp  # the batch keys count data-parallel ranks
         assert result["after_close"] == 1, "a closed engine's sequence group still answers"
         labels = {label for label, _ in result["exchanges"]}
-        assert labels == {f"sequence_{n}{g}" for n in ("query", "key", "value", "context") for g in ("", "_grad")}
-        assert {size for _, size in result["exchanges"]} == {SP}
+        assert labels == {f"sequence_{n}{g}" for n in names for g in ("", "_grad")}, labels
+        assert {size for _, size in result["exchanges"]} == {sp}
+        if mode == "ring":
+            # a key/value block: ROWS x SEQ/sp positions x kv_heads x (key + value head_dim) fp32 values;
+            # per layer and step the forward sends sp - 1 of them, the backward 2 (sp - 1) + 1
+            block = ROWS * SEQ // sp * kv_heads * 2 * (D // HEADS) * 4
+            assert result["sent"] == {"sequence_ring_kv": STEPS * LAYERS * (sp - 1) * block,
+                                      "sequence_ring_kv_grad": STEPS * LAYERS * (2 * sp - 1) * block}, result["sent"]
+            assert "cannot hand arguments to the local attention" in result["refused"]["arguments"], result
+            assert f"{heads} query heads are not a multiple of {heads + 1}" in result["refused"]["heads"], result
     for step in range(STEPS):
         mean = sum(r["losses"][step] for r in by_rank) / world
         expected = by_rank[0]["expected_losses"][step]
@@ -238,21 +277,30 @@ WORKERS = {"train": train_worker, "refusals": refusals_worker, "loader": loader_
 CHECKS = {"train": check_train, "refusals": check_refusals, "loader": check_loader}
 
 
-def cases(optimizers_at: dict[int, str], kv_heads: int) -> list[tuple[str, dict[str, Any]]]:
+def cases(optimizers_at: dict[int, str], kv_heads: int,
+          ring: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
     trained = [("train", {"stage": stage, "optimizer": "SGD"}) for stage in range(4)]
     more = [("train", {"stage": stage, "optimizer": name}) for stage, name in optimizers_at.items()]
     gqa = [("train", {"stage": 2, "optimizer": "SGD", "kv_heads": kv_heads})]
-    return trained + more + gqa + [("refusals", {}), ("loader", {})]
+    rings = [("train", {"optimizer": "SGD", "mode": "ring", **case}) for case in ring]
+    return trained + more + gqa + rings + [("refusals", {}), ("loader", {})]
 
 
 def test_sequence_parallel_matches_one_process_at_sequence_2() -> None:
-    """Sequence 2 x data 1: every stage with SGD, AdamW at stage 1, one key/value head (replicated)."""
-    family = cases({1: "AdamW"}, kv_heads=1)
+    """Sequence 2 x data 1: every stage with SGD, AdamW at stage 1, one key/value head (replicated); the
+    ring at stages 0 and 3 with 3 heads (which degree 2 does not divide; head-tail sharding at stage 3),
+    and at stage 1 with grouped key/value heads (4 query heads over 1)."""
+    family = cases({1: "AdamW"}, kv_heads=1, ring=[{"stage": 0, "heads": 3, "kv_heads": 3},
+                                                   {"stage": 3, "heads": 3, "kv_heads": 3, "balanced": True},
+                                                   {"stage": 1, "kv_heads": 1}])
     check_family(family, run_family(SP, family, WORKERS), CHECKS, world=SP)
 
 
 @pytest.mark.slow
 def test_sequence_parallel_matches_one_process_at_sequence_2_data_2() -> None:
-    """Sequence 2 x data 2: every stage with SGD, AdamW at stage 3, two key/value heads (one a rank)."""
-    family = cases({3: "AdamW"}, kv_heads=2)
+    """Sequence 2 x data 2: every stage with SGD, AdamW at stage 3, two key/value heads (one a rank); the
+    ring at sequence 4 x data 1 with 2 heads, a degree above the head count, at stages 0 and 3 (head-tail
+    sharding at stage 3)."""
+    family = cases({3: "AdamW"}, kv_heads=2, ring=[{"stage": stage, "heads": 2, "kv_heads": 2, "sp": 2 * SP,
+                                                    "balanced": stage == 3} for stage in (0, 3)])
     check_family(family, run_family(2 * SP, family, WORKERS), CHECKS, world=2 * SP)

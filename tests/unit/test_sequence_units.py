@@ -1,5 +1,5 @@
-"""Sequence parallelism's pieces that need no world: the config key, the axes it combines with, and
-``DistributedAttention`` without a sequence group (the world of several ranks is
+"""Sequence parallelism's pieces that need no world: the config keys, the axes it combines with,
+``DistributedAttention`` without a sequence group, and the ring of one rank (the world of several ranks is
 tests/distributed/test_sequence_parallel.py)."""
 
 from __future__ import annotations
@@ -10,8 +10,11 @@ from torch import nn
 
 from zeroshard.config import ConfigError, load_config
 from zeroshard.deepspeed.utils import groups as ds_groups
+from zeroshard.distributed.collectives import Collectives
 from zeroshard.distributed.parallel_dims import ParallelDims, SequenceParallelSizeError
+from zeroshard.distributed.world import World
 from zeroshard.sequence import DistributedAttention, SequenceParallelError, check_sequence_axes
+from zeroshard.sequence.ring import ring_attention, sequence_positions
 
 
 class Doubling(nn.Module):
@@ -62,9 +65,52 @@ def test_without_a_sequence_group_the_layer_is_the_local_attention() -> None:
         DistributedAttention(Doubling(), None, sp_stream=object())
 
 
+def test_head_tail_positions() -> None:
+    assert sequence_positions(8, 0, 2).tolist() == [0, 1, 2, 3]
+    assert sequence_positions(8, 0, 2, balanced=True).tolist() == [0, 1, 6, 7]
+    assert sequence_positions(8, 1, 2, balanced=True).tolist() == [2, 3, 4, 5]
+    with pytest.raises(ValueError, match="does not cut into 4 equal chunks"):
+        sequence_positions(6, 0, 2, balanced=True)
+
+
 def test_the_deepspeed_accessors_answer_a_degree_of_one_without_an_engine() -> None:
     assert ds_groups._get_sequence_parallel_group() is None
     assert ds_groups._get_sequence_parallel_world_size() == 1
     assert ds_groups._get_sequence_parallel_rank() == 0
     assert ds_groups._get_sequence_data_parallel_world_size() == 1
     assert ds_groups._get_sequence_data_parallel_rank() == 0
+
+
+def test_the_mode_block_is_checked_strictly() -> None:
+    base = {"train_micro_batch_size_per_gpu": 1}
+    block = load_config(base).sequence_parallel
+    assert (block.mode, block.causal) == ("ulysses", True)
+    ring = load_config({**base, "sequence_parallel": {"mode": "ring", "causal": False}}).sequence_parallel
+    assert (ring.mode, ring.causal) == ("ring", False)
+    with pytest.raises(ConfigError, match="sequence_parallel.mode"):
+        load_config({**base, "sequence_parallel": {"mode": "context"}})
+    with pytest.raises(ConfigError, match="sequence_parallel"):
+        load_config({**base, "sequence_parallel": {"mode": "ring", "chunks": 2}})
+    with pytest.raises(ConfigError, match="has no effect with mode \"ulysses\""):
+        load_config({**base, "sequence_parallel": {"causal": False}})
+    with pytest.raises(ConfigError, match="load_balance' needs 'sequence_parallel.mode' \"ring\""):
+        load_config({**base, "sequence_parallel": {"load_balance": True}})
+
+
+@pytest.mark.parametrize("causal, balanced", [(True, False), (False, False), (True, True)])
+def test_the_ring_of_one_rank_is_attention_forward_and_backward(causal: bool, balanced: bool) -> None:
+    """One rank's ring is one block (two chunks, merged pair by pair, with ``balanced``): its online
+    softmax and recomputed backward against torch's, with grouped key/value heads (the world of several
+    ranks is tests/distributed/test_sequence_parallel.py)."""
+    comm = Collectives(World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none"))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 6, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 2, 6, 3, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(2))
+    assert sequence_positions(6, 0, 1, balanced).tolist() == list(range(6))
+    out = ring_attention(comm, q, k, v, causal, balanced)
+    expected = nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                          is_causal=causal)
+    torch.testing.assert_close(out, expected)
+    grad = torch.randn(out.shape, dtype=torch.float64, generator=g)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    torch.testing.assert_close(grads, torch.autograd.grad(expected, (q, k, v), grad))

@@ -41,6 +41,7 @@ def load_config(source: Union[str, os.PathLike, Mapping[str, Any], ZeroshardConf
         _check_offload(config)
         _check_checkpointing(config)
         _check_hybrid(config)
+        _check_sequence_parallel(config)
         check_allreduce_op(config.gradient_allreduce_op, config.stage)
         check_tensor_parallel(config.tensor_parallel)
     if world_size is not None:
@@ -260,6 +261,16 @@ def _check_hybrid(config: ZeroshardConfig) -> None:
         raise ConfigError("'checkpoint.use_node_local_storage' is not supported with "
                           "'zero_optimization.mics_shard_size' yet (the first shard group writes every shard); "
                           "save to a shared directory")
+
+
+def _check_sequence_parallel(config: ZeroshardConfig) -> None:
+    block = config.sequence_parallel
+    if block.mode == "ulysses" and not block.causal:
+        raise ConfigError("'sequence_parallel.causal' = false has no effect with mode \"ulysses\" (the local "
+                          "attention decides the mask there); remove it, or set 'sequence_parallel.mode' to \"ring\"")
+    if block.mode == "ulysses" and block.load_balance:
+        raise ConfigError("'sequence_parallel.load_balance' needs 'sequence_parallel.mode' \"ring\" (Ulysses holds "
+                          "consecutive slices); remove it, or set the mode to \"ring\"")
 
 
 def _check_params(config: ZeroshardConfig) -> None:

@@ -197,6 +197,27 @@ class PipelineConfig:
 
 
 @dataclass(frozen=True)
+class SequenceParallelConfig:
+    """``sequence_parallel``: how ``DistributedAttention`` computes attention over sequences split across
+    the ``sequence_parallel_size`` ranks (docs/SEQUENCE_PARALLEL.md)."""
+
+    mode: Literal["ulysses", "ring"] = key(
+        "ulysses", "`ulysses`: two all-to-alls trade the sequence split for a head split around the model's own "
+        "local attention (the query heads must divide by `sequence_parallel_size`); `ring`: the keys and values "
+        "travel round the sequence group, each rank's queries meeting every block, with the blocks' softmaxes "
+        "merged exactly: any head count at any degree, no local attention called (the ring computes "
+        "`softmax(q k^T / sqrt(head_dim)) v` itself, masked by `causal`).")
+    causal: bool = key(
+        True, "With `mode` `ring`: each position attends only to itself and the positions before it (false: to "
+        "every position). With `ulysses` the local attention decides the mask, and `false` is refused.")
+    load_balance: bool = key(
+        False, "With `mode` `ring` (and `causal`): head-tail sharding, each rank's causal work equal. The sequence "
+        "is cut into 2 x `sequence_parallel_size` chunks and rank r holds chunks r and 2P - 1 - r, in that order: "
+        "the data must be cut the same way (`zeroshard.sequence.sequence_positions`). False: rank r holds the "
+        "r-th consecutive slice. Refused with `ulysses`.")
+
+
+@dataclass(frozen=True)
 class TensorParallelConfig:
     """``tensor_parallel``: DeepSpeed's AutoTP training, the model's linear layers split over groups of
     ``autotp_size`` neighbouring ranks with torch's DTensor (docs/TENSOR_PARALLEL.md)."""
@@ -464,10 +485,14 @@ class ZeroshardConfig:
     gradient_accumulation_steps: Optional[int] = key(None, "Micro steps per optimizer step.",
                                                      optional_positive, default_text="derived (1)")
     sequence_parallel_size: int = key(
-        1, "DeepSpeed-Ulysses sequence parallelism (docs/SEQUENCE_PARALLEL.md): the ranks that split each sequence "
-        "(consecutive ranks; 1: off). They hold the same parameters, ZeRO shards over data x sequence and averages "
-        "gradients over both, and the batch keys count data-parallel ranks (world size / this). Must divide the "
-        "world size; pipeline, tensor and expert parallelism with it are refused (not supported yet).", positive)
+        1, "Sequence parallelism (docs/SEQUENCE_PARALLEL.md; DeepSpeed-Ulysses, or a ring: "
+        "`sequence_parallel.mode`): the ranks that split each sequence (consecutive ranks; 1: off). They hold the "
+        "same parameters, ZeRO shards over data x sequence and averages gradients over both, and the batch keys "
+        "count data-parallel ranks (world size / this). Must divide the world size; pipeline, tensor and expert "
+        "parallelism with it are refused (not supported yet).", positive)
+    sequence_parallel: SequenceParallelConfig = key(
+        SequenceParallelConfig(), "zeroshard's own block: how attention runs over the split sequences (Ulysses' "
+        "all-to-all or a ring).")
     gradient_clipping: float = key(0.0, "Clip the global (all-shard) gradient norm to this value; 0 turns it off.",
                                    non_negative)
     steps_per_print: float = key(

@@ -8,7 +8,8 @@ testable fact rather than a claim.
 Bytes are counted with the bandwidth-optimal (ring) algorithm that NCCL and gloo use for large
 messages.  For a collective over ``B`` bytes of full (unsharded) data and ``N`` ranks, each rank sends
 and receives ``(N-1)/N * B`` for a reduce-scatter or an all-gather, and twice that for an all-reduce
-(which is a reduce-scatter followed by an all-gather).  Broadcast counts ``B`` received on every rank
+(which is a reduce-scatter followed by an all-gather).  A ring step (``send_recv``) counts what it
+sends to the next rank and receives from the previous one.  Broadcast counts ``B`` received on every rank
 but the source, and ``B`` sent by the source.  A world of one rank moves nothing.  zeroshard pads its
 buffers to a multiple of ``N`` elements, so these figures are whole numbers of bytes.
 
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from .ring import RingAllGather, RingReduceScatter
+from .ring import RingAllGather, RingReduceScatter, _next_base_tag
 from .ring_progress import RING_PROGRESS, DrivenRing, Ring
 from .world import World
 
@@ -57,6 +58,7 @@ class CommKind(str, Enum):
     ALL_GATHER = "all_gather"
     BROADCAST = "broadcast"
     ALL_TO_ALL = "all_to_all"
+    SEND_RECV = "send_recv"
 
 
 @dataclass
@@ -317,6 +319,25 @@ class Collectives:
                   lambda: dist.all_to_all_single(output, input, group=self.world.group, async_op=True), False,
                   input)
 
+    def send_recv(self, send: torch.Tensor, recv: torch.Tensor, label: str,
+                  async_op: bool = False) -> PendingCollective:
+        """One step of a ring over the group: ``send`` goes to the next rank (rank + 1, wrapping round)
+        while ``recv`` is filled from the previous one; ``send`` must not change until it is waited for."""
+        counter = self.counters[CommKind.SEND_RECV]
+        counter.calls += 1
+        sent = _nbytes(send) if self.world.world_size > 1 else 0
+        counter.bytes_sent += sent
+        counter.bytes_received += _nbytes(recv) if self.world.world_size > 1 else 0
+        self.ledger.record(CommKind.SEND_RECV, label, self.world, self.scope, _nbytes(send), sent)
+        if not self.world.is_distributed:
+            recv.copy_(send)
+        size, rank, group = self.world.world_size, self.world.rank, self.world.group
+        # tagged like the rings' messages, so that a collective in flight on the same group keeps its own
+        tag = _next_base_tag(self.world) if self.world.is_distributed else 0
+        return self._run(CommKind.SEND_RECV, label, counter, lambda: _Works(dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, send, group=group, group_peer=(rank + 1) % size, tag=tag),
+            dist.P2POp(dist.irecv, recv, group=group, group_peer=(rank - 1) % size, tag=tag)])), async_op, send)
+
     def all_gather_rows(self, full: torch.Tensor, row: torch.Tensor, label: str,
                         async_op: bool = False) -> PendingCollective:
         """:meth:`all_gather` of a row of bookkeeping per rank (a few integers), as one collective of
@@ -405,6 +426,20 @@ PIECE_BYTES = 2**20
 # time and every page of it faulted in again, at every piece of every step.  Below the maximum, the
 # first temporaries raise the threshold and the later ones reuse the heap.  Both costs are measured in
 # benchmarks/RESULTS.md, section "One bucket's collectives".
+
+
+class _Works:
+    """Several works of the backend (a ring step's send and receive), waited for as one."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self._works = works
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+    def wait(self, **timeout: Any) -> None:
+        for work in self._works:
+            work.wait(**timeout)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -190,7 +190,8 @@ class Engine:
         self._expert_groups = register_expert_groups(self.expert_parallel_size, ExpertGroupRecord(
             exchange, experts_data, self.comm)) if exchange is not None and experts_data is not None else None
         #: DistributedAttention and deepspeed.utils.groups use this sequence group while the engine lives
-        self._sequence_groups = register_sequence_groups(self.shard_groups.sequence, self.comm)
+        self._sequence_groups = register_sequence_groups(self.shard_groups.sequence, self.comm,
+                                                         self.config.sequence_parallel)
 
     def _expert_parallel_size(self, world: World) -> int:
         """The model's MoE layers' ``ep_size``, the job's expert axis (see [Note: experts sharded over

@@ -15,12 +15,14 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from ..config.schema import SequenceParallelConfig
 from ..distributed.collectives import Collectives
 from ..distributed.parallel_dims import ParallelDims
 from ..distributed.world import World
+from .policy import ULYSSES, SequenceAttention
 
 __all__ = ["SequenceParallelError", "SequenceGroups", "register_sequence_groups", "live_sequence_groups",
-           "sequence_collectives", "check_sequence_axes"]
+           "sequence_collectives", "sequence_attention", "check_sequence_axes"]
 
 
 class SequenceParallelError(ValueError):
@@ -36,6 +38,8 @@ class SequenceGroups:
     sequence: Collectives
     #: the ranks ZeRO shards over and averages gradients over: data x sequence (the engine's world)
     sequence_data: Collectives
+    #: how attention runs over the split sequences (the config's ``sequence_parallel`` block)
+    attention: SequenceAttention = ULYSSES
 
 
 class _Holder:
@@ -48,12 +52,15 @@ class _Holder:
 _live: list["weakref.ref[_Holder]"] = []
 
 
-def register_sequence_groups(sequence: Optional[Collectives], zero: Collectives) -> Optional[_Holder]:
-    """Make an engine's groups the ones ``DistributedAttention`` and ``deepspeed.utils.groups`` use, until
-    the returned holder (kept by the engine) goes; None (nothing registered) without a sequence axis."""
+def register_sequence_groups(sequence: Optional[Collectives], zero: Collectives,
+                             config: Optional[SequenceParallelConfig] = None) -> Optional[_Holder]:
+    """Make an engine's groups, and the mode of attention its config's ``sequence_parallel`` block chose
+    (Ulysses without one), the ones ``DistributedAttention`` and ``deepspeed.utils.groups`` use, until the
+    returned holder (kept by the engine) goes; None (nothing registered) without a sequence axis."""
     if sequence is None:
         return None
-    holder = _Holder(SequenceGroups(sequence, zero))
+    attention = ULYSSES if config is None else SequenceAttention.from_config(config)
+    holder = _Holder(SequenceGroups(sequence, zero, attention))
     _live.append(weakref.ref(holder))
     return holder
 
@@ -63,6 +70,13 @@ def live_sequence_groups() -> Optional[SequenceGroups]:
     _live[:] = [ref for ref in _live if ref() is not None]
     holder = _live[-1]() if _live else None
     return holder.groups if holder is not None else None
+
+
+def sequence_attention() -> SequenceAttention:
+    """How ``DistributedAttention`` computes attention: as the live engine's config says (over the engine's
+    group or a process group of the user's alike); Ulysses without an engine of a sequence axis."""
+    live = live_sequence_groups()
+    return ULYSSES if live is None else live.attention
 
 
 def sequence_collectives(group: Any, device: torch.device) -> Optional[Collectives]:

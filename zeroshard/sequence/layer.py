@@ -2,7 +2,9 @@
 
 Each rank of a sequence-parallel group of P ranks holds a slice of every sequence.  Attention needs the
 whole sequence, so the layer trades the sequence split for a head split (sequence/all_to_all.py), runs
-the local attention on every position of H / P heads, and trades the split back.  Everything else in
+the local attention on every position of H / P heads, and trades the split back.  With the config's
+``sequence_parallel.mode`` ``"ring"`` it computes the attention by a ring instead (sequence/ring.py):
+the keys and values travel round the group, and no split by heads bounds the degree.  Everything else in
 the model (embeddings, projections, MLP, norms, loss) works position by position on the local slice.
 
 [Note: the loss and the gradient average under sequence parallelism]
@@ -24,11 +26,14 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
 from torch import Tensor, nn
 
 from ..distributed.collectives import Collectives
 from .all_to_all import sequence_all_to_all
-from .groups import SequenceParallelError, sequence_collectives
+from .groups import SequenceParallelError, sequence_attention, sequence_collectives
+from .policy import SequenceAttention
+from .ring import ring_attention
 
 __all__ = ["DistributedAttention"]
 
@@ -51,6 +56,12 @@ class DistributedAttention(nn.Module):
     any exchange, so every rank of the group raises).  Grouped-query attention with fewer key/value heads
     than P replicates each key/value head ``P / kv_heads`` times before the exchange, so that each rank
     receives the one its query heads use (refused when neither divides the other).
+
+    With ``sequence_parallel.mode`` ``"ring"`` in the live engine's config, the layer computes
+    ``softmax(q k^T / sqrt(head_dim)) v`` itself by a ring over the group (sequence/ring.py; causal as
+    ``sequence_parallel.causal`` says; with ``sequence_parallel.load_balance`` each rank holds the
+    positions ``sequence_positions`` gives) and does not call the local attention, whose extra arguments
+    are then refused; any number of heads runs at any degree, key/value heads dividing the query heads.
     """
 
     def __init__(self, local_attention: nn.Module, sequence_process_group: Any = None, scatter_idx: int = 2,
@@ -83,6 +94,9 @@ class DistributedAttention(nn.Module):
         comm = sequence_collectives(self.spg, query.device)
         if comm is None or comm.world.world_size == 1:
             return self.local_attn(query, key, value, *args, **kwargs)
+        attention = sequence_attention()
+        if attention.ring:
+            return self._ring(comm, attention, query, key, value, args, kwargs)
         query = self._heads_for(comm, query, "query")  # before any exchange: every rank refuses alike
         key, value = self._heads_for(comm, key, "key"), self._heads_for(comm, value, "value")
         scatter, gather = self.scatter_idx, self.gather_idx
@@ -90,6 +104,32 @@ class DistributedAttention(nn.Module):
                    for t, name in ((query, "query"), (key, "key"), (value, "value")))
         context = self.local_attn(q, k, v, *args, **kwargs)
         return sequence_all_to_all(comm, context, gather, scatter, "sequence_context")
+
+    def _ring(self, comm: Collectives, attention: SequenceAttention, query: Tensor, key: Tensor, value: Tensor,
+              args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
+        """The attention by a ring: the inputs turned to ``[b, heads, s/P, head_dim]`` and the context
+        turned back to their layout.  Refused, before any message, what the ring cannot honour."""
+        if args or kwargs:
+            raise SequenceParallelError(
+                "DistributedAttention: with sequence_parallel.mode \"ring\" the ring computes the attention "
+                "itself and cannot hand arguments to the local attention; pass query, key and value alone")
+        if query.dim() != 4 or self.scatter_idx % 4 == 3 or self.gather_idx % 4 == 3:
+            raise SequenceParallelError(
+                f"DistributedAttention: the ring takes 4-dimensional inputs with the head dimension last "
+                f"(query {tuple(query.shape)}, scatter_idx={self.scatter_idx}, gather_idx={self.gather_idx})")
+        heads, seq = self.scatter_idx % 4, self.gather_idx % 4
+        order = [3 - heads - seq, heads, seq, 3]  # batch, heads, sequence, head_dim
+        if query.shape[heads] % key.shape[heads]:
+            raise SequenceParallelError(
+                f"DistributedAttention: {query.shape[heads]} query heads are not a multiple of "
+                f"{key.shape[heads]} key/value heads")
+        if attention.balanced and query.shape[seq] % 2:
+            raise SequenceParallelError(
+                f"DistributedAttention: sequence_parallel.load_balance cuts each rank's slice into two chunks, but "
+                f"it holds {query.shape[seq]} positions (dimension {seq} of {tuple(query.shape)})")
+        context = ring_attention(comm, query.permute(order), key.permute(order), value.permute(order),
+                                 attention.causal, attention.balanced)
+        return context.permute(torch.argsort(torch.tensor(order)).tolist())
 
     def _heads_for(self, comm: Collectives, values: Tensor, name: str) -> Tensor:
         """``values`` with heads that split over the group: as they are when they divide by its size,
