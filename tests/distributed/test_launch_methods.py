@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+import pytest
 import torch
 
 from zeroshard.tools.testing import free_port
@@ -64,6 +65,7 @@ def check_trained_together(out: Path, method: str, ranks: list[subprocess.Comple
         assert torch.equal(a, b), f"{method}: the ranks' parameters differ"
 
 
+@pytest.mark.slow  # extended (a launcher run): runs in CI (see conftest.py)
 def test_every_launch_method_trains_one_world(tmp_path: Path) -> None:
     script = ["explicit"]
 
