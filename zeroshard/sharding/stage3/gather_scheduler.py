@@ -23,12 +23,15 @@ Under ``torch.compile`` the gather, prefetch and release hooks run eagerly, each
 ``torch.compiler.disable``; only the modules' own computation is traced.  Traced, a post-forward
 hook's release would put a :class:`ShardedParameterPlaceholder` in the module while dynamo still
 holds the module's attributes, and dynamo would read it back as an input of the graph it builds
-(and fail on its meta storage); the agreement rounds of a larger world are collectives that dynamo
-breaks the graph on anyway, which is why only a world of one met it.  The hooks are also state
+(and fail on its meta storage).  In a larger world the agreement rounds are collectives that dynamo
+stops tracing at before it reaches a release, which is why only a world of one met it; the
+collectives' bookkeeping (``zlib.crc32`` digests) is no more traceable.  The hooks are also state
 machines over Python containers (the recorded order, the gather states) whose every branch would
 become a guard and a recompilation.  Eager, they swap each unit's parameters exactly as without
 compilation, and the traced forward reads a unit's real parameters, the same objects on every pass,
-so its guards hold from one step to the next.  The price is a graph break at each unit boundary.
+so its guards hold from one step to the next.  The price: a frame that calls a unit runs eager
+(dynamo does not resume a graph inside the loop over a module's hooks), and each unit's own forward
+is compiled as a graph of its own.
 """
 
 from __future__ import annotations
