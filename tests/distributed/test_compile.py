@@ -1,16 +1,17 @@
-"""torch.compile with zeroshard trains exactly like eager: stages 0 and 3, both ways in.
+"""torch.compile with zeroshard trains exactly like eager: every stage, both ways in.
 
 One world of two runs the family: a small MLP of three layers compiled whole before ``initialize()``
 (``torch.compile(model)``) or through the engine (``engine.compile()``, DeepSpeed's method, which
-Accelerate calls), three SGD steps on each rank's own batches, against the same model trained eager
-in the same rank (fp32, 1e-5 relative); at stage 3 with no parameter kept whole, so that every unit is
-gathered and released around its compiled forward ([Note: stage-3 hooks run outside compiled
-regions] in sharding/stage3/gather_scheduler.py).  The backend is ``aot_eager`` (traced through
-autograd, no C++ compile); ``engine.compile(backend="inductor", compile_kwargs={})`` is accepted
-as Accelerate calls it, each option that cannot work is refused by name, and after two warm-up steps
-four more compile no new frame; dynamo warns of nothing in zeroshard it cannot trace.  A world of one runs the stage-3 case again: there no agreement
-rounds break the graph, and the hooks must stay outside it on their own.  The extended suite trains
-with inductor.
+Accelerate calls; stages 1 and 2 only this way), three SGD steps on each rank's own batches, against
+the same model trained eager in the same rank (fp32, 1e-5 relative); at stage 3 with no parameter
+kept whole, so that every unit is gathered and released around its compiled forward ([Note: stage-3
+hooks run outside compiled regions] in sharding/stage3/gather_scheduler.py).  The backend is
+``aot_eager`` (traced through autograd, no C++ compile); ``engine.compile(backend="inductor",
+compile_kwargs={})`` is accepted as Accelerate calls it, each option that cannot work is refused by
+name, after two warm-up steps four more compile no new frame, and dynamo warns of nothing in
+zeroshard it cannot trace.  A world of one runs the stage-3 case again: there no agreement rounds
+break the graph, and the hooks must stay outside it on their own.  The extended suite trains with
+inductor.
 """
 
 from __future__ import annotations
@@ -177,6 +178,7 @@ def check_steady(results: list[tuple[int, int]], stage: int) -> None:
 
 
 CASES = [*(("train", {"stage": stage, "how": how}) for stage in (0, 3) for how in ("whole", "engine")),
+         *(("train", {"stage": stage, "how": "engine"}) for stage in (1, 2)),
          ("accepted", {}),
          *(("refused", {"what": what}) for what in REFUSED),
          *(("steady", {"stage": stage}) for stage in (0, 3))]
