@@ -87,7 +87,8 @@ def trained(rank: int, stage: int, how: str, backend: str, steps: int = STEPS) -
     for step in range(steps):
         engine.backward(engine(batch(step, rank)).square().mean())
         engine.step()
-    weights = {name.removeprefix("_orig_mod."): value for name, value in engine.full_state_dict(rank0_only=False).items()}
+    whole = engine.full_state_dict(rank0_only=False)
+    weights = {name.removeprefix("_orig_mod."): value for name, value in whole.items()}
     engine.close()
     return weights
 

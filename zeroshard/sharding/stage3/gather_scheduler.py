@@ -66,7 +66,7 @@ class GatherScheduler:
         self.agreement = agreement
         #: the units this rank's last forward used: the ones its backward will ask for
         self._used_in_forward: set[int] = set()
-        eager = torch.compiler.disable  # [Note: stage-3 hooks run outside compiled regions]
+        eager = torch.compiler.disable  # see [Note: stage-3 hooks run outside compiled regions]
         for unit in units:
             self._handles.append(unit.module.register_forward_pre_hook(eager(self._pre_forward_hook(unit))))
             self._handles.append(unit.module.register_forward_hook(eager(self._post_forward_hook(unit))))
