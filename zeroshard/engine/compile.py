@@ -6,7 +6,8 @@ Face Accelerate calls it so): the wrapped module is compiled with ``nn.Module.co
 the module object, its parameters and every hook registered on it, so the engine's gradient hooks and
 stage 3's gather hooks stay where they are (the hooks run outside the compiled regions, see [Note:
 stage-3 hooks run outside compiled regions] in sharding/stage3/gather_scheduler.py).  Options are
-checked here, before anything is compiled, and what cannot work is refused by name with a
+checked here, before anything is compiled (``backend`` overrides a ``backend`` in ``compile_kwargs``,
+as in DeepSpeed, whose callers may pass both), and what cannot work is refused by name with a
 :class:`CompileError`: a backend torch does not know; ``schedule``, DeepCompile's pass schedule, which
 needs DeepSpeed's graph passes; ``fullgraph=True`` at stage 3, whose hooks break the graph at every
 unit; and CUDA graphs at stage 3 (the ``cudagraphs`` backend, ``mode="reduce-overhead"`` or
@@ -41,10 +42,7 @@ def compile_options(backend: Backend, compile_kwargs: Optional[Mapping[str, Any]
     if schedule is not None:
         raise CompileError("engine.compile(schedule=...) is DeepCompile's pass schedule, which zeroshard does not "
                            "have; call engine.compile() without schedule")
-    if "backend" in options and options["backend"] != backend:
-        raise CompileError(f"engine.compile() got backend={backend!r} and compile_kwargs['backend']="
-                           f"{options['backend']!r}; give the backend once")
-    options["backend"] = backend
+    options["backend"] = backend  # over compile_kwargs' own, as DeepSpeed's
     if isinstance(backend, str) and backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise CompileError(f"engine.compile(backend={backend!r}): torch knows no such backend; known: "
                            f"{', '.join(torch._dynamo.list_backends())}")
@@ -55,6 +53,6 @@ def compile_options(backend: Backend, compile_kwargs: Optional[Mapping[str, Any]
         if backend == "cudagraphs" or options.get("mode") in _GRAPH_MODES:
             raise CompileError(f"engine.compile() with CUDA graphs (backend={backend!r}, mode={options.get('mode')!r})"
                                f" cannot work at ZeRO stage 3: its parameters are gathered into new memory on "
-                               f"every pass; use mode='default'")
+                               f"every pass; use mode='default' or 'max-autotune-no-cudagraphs'")
     return options
 
