@@ -1,17 +1,17 @@
-"""torch.compile with zeroshard trains exactly like eager: every stage, both ways in.
+"""torch.compile with zeroshard trains exactly like eager: every stage, every way in.
 
 One world of two runs the family: a small MLP of three layers compiled whole before ``initialize()``
-(``torch.compile(model)``) or through the engine (``engine.compile()``, DeepSpeed's method, which
-Accelerate calls; stages 1 and 2 only this way), three SGD steps on each rank's own batches, against
-the same model trained eager in the same rank (fp32, 1e-5 relative); at stage 3 with no parameter
-kept whole, so that every unit is gathered and released around its compiled forward ([Note: stage-3
-hooks run outside compiled regions] in sharding/stage3/gather_scheduler.py).  The backend is
-``aot_eager`` (traced through autograd, no C++ compile); ``engine.compile(backend="inductor",
-compile_kwargs={})`` is accepted as Accelerate calls it, each option that cannot work is refused by
-name, after two warm-up steps four more compile no new frame, and dynamo warns of nothing in
-zeroshard it cannot trace.  A world of one runs the stage-3 case again: there no agreement rounds
-break the graph, and the hooks must stay outside it on their own.  The extended suite trains with
-inductor.
+(``torch.compile(model)``), through the engine (``engine.compile()``, DeepSpeed's method, which
+Accelerate calls; stages 1 and 2 only this way) or (stage 3) layer by layer, three SGD steps on each
+rank's own batches, against the same model trained eager in the same rank (fp32, 1e-5 relative); at
+stage 3 with no parameter kept whole, so that every unit is gathered and released around its compiled
+forward ([Note: stage-3 hooks run outside compiled regions] in sharding/stage3/gather_scheduler.py).
+The backend is ``aot_eager`` (traced through autograd, no C++ compile);
+``engine.compile(backend="inductor", compile_kwargs={})`` is accepted as Accelerate calls it, each
+option that cannot work is refused by name, after two warm-up steps four more compile no new frame,
+and dynamo warns of nothing in zeroshard it cannot trace.  A world of one runs the stage-3 case
+again: there no agreement rounds break the graph, and the hooks must stay outside it on their own.
+The extended suite trains with inductor.
 """
 
 from __future__ import annotations
@@ -75,11 +75,14 @@ def batch(step: int, rank: int) -> torch.Tensor:
 
 def trained(rank: int, stage: int, how: str, backend: str, steps: int = STEPS) -> dict[str, torch.Tensor]:
     """The full weights after ``steps`` steps; ``how``: "eager", "whole" (torch.compile before
-    initialize) or "engine" (engine.compile)."""
+    initialize), "blocks" (each layer compiled before initialize) or "engine" (engine.compile)."""
     torch._dynamo.reset()  # each case compiles afresh: no cache limit reached by earlier cases' frames
     model = build()
     if how == "whole":
         model = torch.compile(model, backend=backend)
+    if how == "blocks":
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = torch.compile(layer, backend=backend)
     engine, _, _, _ = zeroshard.initialize(model=model, config=config(stage))
     if how == "engine":
         engine.compile(backend=backend)
@@ -88,7 +91,7 @@ def trained(rank: int, stage: int, how: str, backend: str, steps: int = STEPS) -
         engine.backward(engine(batch(step, rank)).square().mean())
         engine.step()
     whole = engine.full_state_dict(rank0_only=False)
-    weights = {name.removeprefix("_orig_mod."): value for name, value in whole.items()}
+    weights = {name.replace("_orig_mod.", ""): value for name, value in whole.items()}
     engine.close()
     return weights
 
@@ -180,6 +183,7 @@ def check_steady(results: list[tuple[int, int]], stage: int) -> None:
 
 CASES = [*(("train", {"stage": stage, "how": how}) for stage in (0, 3) for how in ("whole", "engine")),
          *(("train", {"stage": stage, "how": "engine"}) for stage in (1, 2)),
+         ("train", {"stage": 3, "how": "blocks"}),
          ("accepted", {}),
          *(("refused", {"what": what}) for what in REFUSED),
          *(("steady", {"stage": stage}) for stage in (0, 3))]
