@@ -43,7 +43,7 @@ from ..host.host_allocator import HostMemoryPolicy
 from ..host.page_memory import HostPageMemory
 from ..experts.groups import ExpertGroupRecord, ExpertParallelError, register_expert_groups
 from ..experts.checkpoint import ExpertPlacement, with_every_expert
-from ..experts.layer import bind_expert_groups, expert_parallel_size
+from ..experts.layer import bind_expert_groups, checked_expert_axis, expert_parallel_size
 from .memory import memory_breakdown
 from ..experts.registry import is_expert_param
 from ..optim.param_groups import TrainableParams, collect_trainable
@@ -61,6 +61,7 @@ from .placement import defer_to_device, keep_frozen_whole
 from ..checkpoint.background import BackgroundSaves
 from ..checkpoint.interface import CheckpointParts
 from ..sharding import STRATEGIES
+from .compile import Backend, compile_options
 from .checkpoints import Attached, CheckpointSettings, EngineCheckpointer, TrainingParts
 from .optimizer_setup import SchedulerSpec, lr_schedule, optimizer_over_pieces
 from .optimizer_step import OptimizerStep
@@ -93,6 +94,7 @@ class Engine:
     (``fp16_enabled()``, ``zero_optimization_stage()``, attribute forwarding to the module, ...) are
     answered by the facade zeroshard/deepspeed registers (see [Note: DeepSpeed's names on the engine]).
     """
+    _compiled = False  # until compile()
 
     global_steps = Counter()
     micro_steps = Counter()
@@ -181,7 +183,10 @@ class Engine:
         self.parallel_dims = axes if axes is not None else ParallelDims.for_job(
             world.world_size, mics_shard_size=zero.mics_shard_size, hpz_partition_size=zero.zero_hpz_partition_size,
             ep=expert_parallel_size(self.module), sp=self.config.sequence_parallel_size)
-        self.expert_parallel_size = self._expert_parallel_size(world)
+        zero = self.config.zero_optimization
+        plain = not (zero.mics_shard_size > 0 or zero.zero_hpz_partition_size > 1 or world.parts)
+        self.expert_parallel_size = checked_expert_axis(self.module, self.parallel_dims.ep, plain,
+                                                        self._built_under_init)
         self.shard_groups = build_shard_groups(self.comm, self.topology, self.parallel_dims,
                                                STRATEGIES[self.config.stage].traits.gathers_in_passes)
         bind_expert_groups(self.module, self.shard_groups.expert_parallel, self.comm)
@@ -192,25 +197,6 @@ class Engine:
         #: DistributedAttention and deepspeed.utils.groups use this sequence group while the engine lives
         self._sequence_groups = register_sequence_groups(self.shard_groups.sequence, self.comm,
                                                          self.config.sequence_parallel)
-
-    def _expert_parallel_size(self, world: World) -> int:
-        """The model's MoE layers' ``ep_size``, the job's expert axis (see [Note: experts sharded over
-        the ranks that hold them] in experts/groups.py)."""
-        ep_size = expert_parallel_size(self.module)
-        if ep_size != self.parallel_dims.ep:
-            raise ExpertParallelError(f"the model's MoE layers have ep_size={ep_size}, but the job's axes were "
-                                      f"built with an expert axis of {self.parallel_dims.ep}")
-        zero = self.config.zero_optimization
-        if ep_size > 1 and (zero.mics_shard_size > 0 or zero.zero_hpz_partition_size > 1 or world.parts):
-            raise ExpertParallelError(
-                f"MoE(ep_size={ep_size}) with MiCS / hpZ groups, pipeline or tensor parallelism is not "
-                f"supported yet: expert parallelism runs over a plain data-parallel world")
-        if ep_size > 1 and self._built_under_init:
-            raise ExpertParallelError(
-                f"MoE(ep_size={ep_size}) in a model built under zeroshard.Init is not supported yet: Init shards "
-                f"every parameter over the whole world, experts included; build the model outside Init (stage 3 "
-                f"moves it to the device bucket by bucket)")
-        return ep_size
 
     def _sync_initial_state(self, from_init: FromInit) -> None:
         """Start every rank from rank 0's parameters and buffers, as DistributedDataParallel does."""
@@ -606,6 +592,18 @@ class Engine:
     @property
     def stage(self) -> int:
         return self.strategy.stage
+
+    # ------------------------------------------------------------------ compilation
+    def compile(self, backend: Backend = "inductor", compile_kwargs: Optional[dict[str, Any]] = None,
+                schedule: Any = None) -> None:
+        """Compile the wrapped module in place (see [Note: compiling the engine's module in place] in
+        engine/compile.py)."""
+        self.module.compile(**compile_options(backend, compile_kwargs, schedule, self.stage))
+        self._compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        return self._compiled
 
     # ------------------------------------------------------------------ accounting
     def memory_breakdown(self) -> dict[str, float]:

@@ -177,6 +177,26 @@ def expert_parallel_size(model: nn.Module) -> int:
     return sizes[0] if sizes else 1
 
 
+def checked_expert_axis(model: nn.Module, axis: int, shares_plain_world: bool, built_under_init: bool) -> int:
+    """The model's MoE layers' ``ep_size``, checked against the job's expert axis (see [Note: experts
+    sharded over the ranks that hold them] in experts/groups.py); ``shares_plain_world``: no MiCS / hpZ
+    groups, pipeline or tensor parallelism."""
+    ep_size = expert_parallel_size(model)
+    if ep_size != axis:
+        raise ExpertParallelError(f"the model's MoE layers have ep_size={ep_size}, but the job's axes were "
+                                  f"built with an expert axis of {axis}")
+    if ep_size > 1 and not shares_plain_world:
+        raise ExpertParallelError(
+            f"MoE(ep_size={ep_size}) with MiCS / hpZ groups, pipeline or tensor parallelism is not "
+            f"supported yet: expert parallelism runs over a plain data-parallel world")
+    if ep_size > 1 and built_under_init:
+        raise ExpertParallelError(
+            f"MoE(ep_size={ep_size}) in a model built under zeroshard.Init is not supported yet: Init shards "
+            f"every parameter over the whole world, experts included; build the model outside Init (stage 3 "
+            f"moves it to the device bucket by bucket)")
+    return ep_size
+
+
 def bind_expert_groups(model: nn.Module, exchange: Optional[Collectives], world: Optional[Collectives]) -> None:
     """Give every MoE layer of ``model`` the expert-parallel group its tokens travel over and the
     data-parallel world."""

@@ -522,8 +522,10 @@ class ShardingStrategy(ABC):
         for module in model.modules():
             needed = frozenset(bucket_of[id(p)] for p in module.parameters(recurse=False) if id(p) in bucket_of)
             if needed:
-                self._hooks.append(module.register_forward_pre_hook(
-                    lambda _module, _args, needed=needed: self.wait_for_buckets(needed)))
+                # eager under torch.compile: [Note: stage-3 hooks run outside compiled regions] in
+                # sharding/stage3/gather_scheduler.py holds for this wait as well
+                self._hooks.append(module.register_forward_pre_hook(torch.compiler.disable(
+                    lambda _module, _args, needed=needed: self.wait_for_buckets(needed))))
         self._hooks.append(model.register_state_dict_pre_hook(lambda *_: self.finish_refresh()))
         assert isinstance(self.storage, FlatParameters)  # stages 1-2
         self.storage.before_read = self.wait_for_buckets

@@ -17,6 +17,21 @@ backward); it can never deadlock, because every rank makes the same guesses from
 Ranks whose control flow differs (a module run on one rank only, experts chosen by the data) agree on
 each gather instead of issuing it (see [Note: ranks agree on every gather] in
 sharding/stage3/gather_agreement.py): prefetch then happens inside those rounds.
+
+[Note: stage-3 hooks run outside compiled regions]
+Under ``torch.compile`` the gather, prefetch and release hooks run eagerly, each wrapped in
+``torch.compiler.disable``; only the modules' own computation is traced.  Traced, a post-forward
+hook's release would put a :class:`ShardedParameterPlaceholder` in the module while dynamo still
+holds the module's attributes, and dynamo would read it back as an input of the graph it builds
+(and fail on its meta storage).  In a larger world the agreement rounds are collectives that dynamo
+stops tracing at before it reaches a release, which is why only a world of one met it; the
+collectives' bookkeeping (``zlib.crc32`` digests) is no more traceable.  The hooks are also state
+machines over Python containers (the recorded order, the gather states) whose every branch would
+become a guard and a recompilation.  Eager, they swap each unit's parameters exactly as without
+compilation, and the traced forward reads a unit's real parameters, the same objects on every pass,
+so its guards hold from one step to the next.  The price: a frame that calls a unit runs eager
+(dynamo does not resume a graph inside the loop over a module's hooks), and each unit's own forward
+is compiled as a graph of its own.
 """
 
 from __future__ import annotations
@@ -51,11 +66,12 @@ class GatherScheduler:
         self.agreement = agreement
         #: the units this rank's last forward used: the ones its backward will ask for
         self._used_in_forward: set[int] = set()
+        eager = torch.compiler.disable  # see [Note: stage-3 hooks run outside compiled regions]
         for unit in units:
-            self._handles.append(unit.module.register_forward_pre_hook(self._pre_forward_hook(unit)))
-            self._handles.append(unit.module.register_forward_hook(self._post_forward_hook(unit)))
+            self._handles.append(unit.module.register_forward_pre_hook(eager(self._pre_forward_hook(unit))))
+            self._handles.append(unit.module.register_forward_hook(eager(self._post_forward_hook(unit))))
         if agreement is not None:  # after the units' own hooks: the model's forward is over
-            self._handles.append(model.register_forward_hook(self._end_of_forward))
+            self._handles.append(model.register_forward_hook(eager(self._end_of_forward)))
 
     # ------------------------------------------------------------------ hooks
     def _pre_forward_hook(self, unit: Unit) -> Any:
