@@ -36,7 +36,6 @@ from ..distributed.consistency import Call, ConsistencyCheck, EngineUsageError
 from ..distributed.parallel_dims import ParallelDims
 from ..distributed.topology import Topology, build_shard_groups
 from ..distributed.world import World, release_at_exit
-from ..sharding.stage3.init_context import adopt_init_params, has_init_params
 from ..sharding.stage3.leaf_config import mark_configured_leaves
 from .metrics import EngineMetrics, StepReadings
 from ..host.host_allocator import HostMemoryPolicy
@@ -57,7 +56,7 @@ from ..precision import LossScaler, PrecisionPolicy
 from .counters import Counter, TrainingCounters
 # ModelAlreadyWrappedError, ModelChangedError and register_extra_names are also the engine's names at this path
 from .lifetime import ENGINE_OF, ModelAlreadyWrappedError, ModelChangedError, check_unchanged, refuse_a_wrapped_model
-from .placement import defer_to_device, keep_frozen_whole
+from .placement import FromInit, adopt_init_parameters, defer_to_device, keep_frozen_whole
 from ..checkpoint.background import BackgroundSaves
 from ..checkpoint.interface import CheckpointParts
 from ..sharding import STRATEGIES
@@ -66,22 +65,6 @@ from .checkpoints import Attached, CheckpointSettings, EngineCheckpointer, Train
 from .optimizer_setup import SchedulerSpec, lr_schedule, optimizer_over_pieces
 from .optimizer_step import OptimizerStep
 from .parts import EngineParts, ExtraNames, WholeModel, extra_names_of, register_extra_names
-
-#: id(param) -> gathers the full values of a parameter built under zeroshard.Init
-FromInit = dict[int, Callable[[], torch.Tensor]]
-
-
-def _adopt_init_parameters(model: nn.Module, config: ZeroshardConfig, world: World
-                           ) -> tuple[dict[int, nn.Parameter], FromInit]:
-    """A model built under ``zeroshard.Init`` (stage 3 only): its parameters, made ordinary ones, and
-    how to gather each one's full values; nothing for any other model."""
-    if not has_init_params(model):
-        return {}, {}
-    if not STRATEGIES[config.stage].traits.shards_parameters:
-        raise ValueError(f"the model was built under zeroshard.Init, which needs ZeRO stage 3; the "
-                         f"config says zero_optimization.stage = {config.stage}")
-    return adopt_init_params(model, world.device)
-
 
 class Engine:
     """Wraps a model for ZeRO data-parallel training; use it like DeepSpeed's engine.
@@ -122,7 +105,7 @@ class Engine:
         refuse_a_wrapped_model(model)
         # the config's leaf modules, marked before stage 3 plans its units from the marks
         mark_configured_leaves(model, config.zero_optimization.leaf_module)
-        replaced, from_init = _adopt_init_parameters(model, config, world)
+        replaced, from_init = adopt_init_parameters(model, config, world.device)
         self._built_under_init = bool(replaced)
         #: hooks of a set-up on the model (``hold_hook``), removed with the engine's own
         self._held_hooks: list[Any] = []

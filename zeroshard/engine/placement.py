@@ -1,5 +1,6 @@
-"""Where the model's parameters go: stage 3 moves them to the training device one at a time, as their
-buckets are filled; frozen parameters the storage does not hold stay whole.
+"""Where the model's parameters go: a model built under ``zeroshard.Init`` is adopted as it is; stage 3
+moves the others to the training device one at a time, as their buckets are filled; frozen parameters
+the storage does not hold stay whole.
 
 [Note: stage 3 moves parameters to the device as their buckets fill]
 ``model.to(device)`` would put the whole fp32 model on every GPU before stage 3 shards it: a model
@@ -24,10 +25,28 @@ from typing import TYPE_CHECKING, Callable, Iterable
 import torch
 from torch import nn
 
+from ..sharding import STRATEGIES
+from ..sharding.stage3.init_context import adopt_init_params, has_init_params
 from ..sharding.storage import HOMES
 
 if TYPE_CHECKING:
+    from ..config import ZeroshardConfig
     from ..precision import PrecisionPolicy
+
+#: id(param) -> gathers the full values of a parameter built under zeroshard.Init
+FromInit = dict[int, Callable[[], torch.Tensor]]
+
+
+def adopt_init_parameters(model: nn.Module, config: "ZeroshardConfig", device: torch.device
+                          ) -> tuple[dict[int, nn.Parameter], FromInit]:
+    """A model built under ``zeroshard.Init`` (stage 3 only): its parameters, made ordinary ones on
+    ``device``, and how to gather each one's full values; nothing for any other model."""
+    if not has_init_params(model):
+        return {}, {}
+    if not STRATEGIES[config.stage].traits.shards_parameters:
+        raise ValueError(f"the model was built under zeroshard.Init, which needs ZeRO stage 3; the "
+                         f"config says zero_optimization.stage = {config.stage}")
+    return adopt_init_params(model, device)
 
 
 def defer_to_device(params: Iterable[nn.Parameter], device: torch.device,
