@@ -18,6 +18,8 @@ count (2 heads at degree 4), in the consecutive layout and with head-tail shardi
 chunks r and 2P - 1 - r of its sequences); its bytes are counted in the ledger as
 docs/SEQUENCE_PARALLEL.md says, and it refuses, before any message, arguments for the local attention
 and key/value heads that do not divide the query heads.
+In the world of four, a checkpoint saved at sequence 2 x data 2 (ZeRO-3) resumes at sequence 1 x data 4
+(ZeRO-2) and sequence 4 x data 1 (ZeRO-1): the ZeRO world is the same four ranks, split otherwise.
 Refused by name on every rank: heads that do not split over the ranks, a degree that does not divide
 the world, and a sequence axis with pipeline or tensor parallelism.
 
@@ -27,6 +29,9 @@ and the ring at sequence 4 x data 1) is an extended test.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -116,14 +121,16 @@ def local_slice(step: int, data: int, seq: int, sp: int = SP,
     return tokens[:, part], positions, labels[:, part]
 
 
-def reference(optimizer: str, dp: int, kv_heads: int, heads: int) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """One process on every data-parallel index's whole sequences at once."""
+def reference(optimizer: str, dp: int | Sequence[int], kv_heads: int = HEADS,
+              heads: int = HEADS) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process on every data-parallel index's whole sequences at once; ``dp`` is the data degree of
+    every one of ``STEPS`` steps, or one degree a step (as many steps as degrees)."""
     net = model(kv_heads, heads)
     spec = OPTIMIZERS[optimizer]
     opt = getattr(torch.optim, spec["type"])(net.parameters(), **spec["params"])
     losses = []
-    for step in range(STEPS):
-        tokens, labels = (torch.cat(parts) for parts in zip(*(batch(step, d) for d in range(dp))))
+    for step, degree in enumerate([dp] * STEPS if isinstance(dp, int) else dp):
+        tokens, labels = (torch.cat(parts) for parts in zip(*(batch(step, d) for d in range(degree))))
         loss = net(tokens, torch.arange(SEQ).expand(len(tokens), -1), labels)
         loss.backward()
         opt.step()
@@ -166,6 +173,51 @@ def train_worker(rank: int, world: int, stage: int, optimizer: str, kv_heads: in
     return {"worst": worst, "losses": losses, "expected_losses": expected_losses, "accessors": accessors,
             "exchanges": exchanges, "sent": sent, "train_batch_size": engine.train_batch_size(), "sp": where.seq,
             "after_close": ds_groups._get_sequence_parallel_world_size(), "refused": refused}
+
+
+def sgd_steps(engine: Any, first: int, steps: int) -> None:
+    """``steps`` plain SGD steps from step ``first``, each rank on its slice of its data index's batch."""
+    sp = engine.parallel_dims.sp
+    where = engine.parallel_dims.coords(torch.distributed.get_rank())
+    for step in range(first, first + steps):
+        engine.backward(engine(*local_slice(step, where.data, where.seq, sp)))
+        engine.step()
+
+
+def resume_worker(rank: int, world: int, saved: tuple[int, int], loads: list[tuple[int, int]]) -> dict[str, Any]:
+    """Train 2 SGD steps at ``saved`` (sequence degree, ZeRO stage), save; then, for each of ``loads``,
+    load that checkpoint at its sequence degree and stage (data degree: the rest of the world) and train
+    2 more steps.  Each resumed run's weights against one process's 4 steps: 2 at the saved data degree,
+    2 at the loaded one."""
+    where = [tempfile.mkdtemp(prefix="zeroshard-sp-checkpoint-") if rank == 0 else ""]
+    torch.distributed.broadcast_object_list(where, src=0)
+    directory = where[0]
+    sp, stage = saved
+    engine = zeroshard.initialize(model=model(), config=config(stage, "SGD", sp))[0]
+    sgd_steps(engine, 0, 2)
+    engine.save_checkpoint(directory)
+    engine.close()
+    worst = {}
+    for sp, stage in loads:
+        engine = zeroshard.initialize(model=model(), config=config(stage, "SGD", sp))[0]
+        engine.load_checkpoint(directory)
+        sgd_steps(engine, 2, 2)
+        state = engine.full_state_dict(rank0_only=False)
+        engine.close()
+        expected, _ = reference("SGD", [world // saved[0]] * 2 + [world // sp] * 2)
+        worst[f"sequence {sp}, stage {stage}"] = max(float((state[n] - v).abs().max()) / (float(v.abs().max()) or 1.0)
+                                                     for n, v in expected.items())
+    torch.distributed.barrier()
+    if rank == 0:
+        shutil.rmtree(directory, ignore_errors=True)
+    return worst
+
+
+def check_resume(by_rank: list[dict[str, float]], saved: tuple[int, int], loads: list[tuple[int, int]]) -> None:
+    for rank, worst in enumerate(by_rank):
+        assert len(worst) == len(loads), worst
+        for at, off in worst.items():
+            assert off <= 1e-5, f"rank {rank}, loaded at {at}: the weights are off by {off:.2e}"
 
 
 def ring_refusals(layer: DistributedAttention, heads: int) -> dict[str, str]:
@@ -273,8 +325,8 @@ def check_loader(by_rank: list[list[int]]) -> None:
     assert len({tuple(s) for s in firsts}) == world // SP, by_rank
 
 
-WORKERS = {"train": train_worker, "refusals": refusals_worker, "loader": loader_worker}
-CHECKS = {"train": check_train, "refusals": check_refusals, "loader": check_loader}
+WORKERS = {"train": train_worker, "refusals": refusals_worker, "loader": loader_worker, "resume": resume_worker}
+CHECKS = {"train": check_train, "refusals": check_refusals, "loader": check_loader, "resume": check_resume}
 
 
 def cases(optimizers_at: dict[int, str], kv_heads: int,
@@ -300,7 +352,9 @@ def test_sequence_parallel_matches_one_process_at_sequence_2() -> None:
 def test_sequence_parallel_matches_one_process_at_sequence_2_data_2() -> None:
     """Sequence 2 x data 2: every stage with SGD, AdamW at stage 3, two key/value heads (one a rank); the
     ring at sequence 4 x data 1 with 2 heads, a degree above the head count, at stages 0 and 3 (head-tail
-    sharding at stage 3)."""
+    sharding at stage 3); a checkpoint of sequence 2 x data 2 at stage 3 resumed at sequence 1 (stage 2)
+    and 4 (stage 1)."""
     family = cases({3: "AdamW"}, kv_heads=2, ring=[{"stage": stage, "heads": 2, "kv_heads": 2, "sp": 2 * SP,
                                                     "balanced": stage == 3} for stage in (0, 3)])
+    family.append(("resume", {"saved": (SP, 3), "loads": [(1, 2), (2 * SP, 1)]}))
     check_family(family, run_family(2 * SP, family, WORKERS), CHECKS, world=2 * SP)
