@@ -18,37 +18,10 @@ flight at stage 2, and without it the engine could not keep up with ``Distribute
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, is_dataclass
-from typing import Any, Callable, Literal, Optional
+from dataclasses import asdict, dataclass, is_dataclass
+from typing import Any, Literal, Optional
 
-Check = Callable[[Any], Optional[str]]
-
-
-def key(default: Any, doc: str, check: Check | None = None, infinite_ok: bool = False,
-        default_text: str | None = None) -> Any:
-    """Declare a config field with its documentation and an optional value check.
-
-    ``check`` returns ``None`` when the value is fine, or a phrase saying what is allowed; numbers must
-    be finite unless ``infinite_ok``.  ``default_text`` (Markdown) is how the configuration reference
-    shows the default when the value alone would mislead a reader; without it the value is shown.
-    """
-    meta = {"doc": doc, "check": check, "infinite_ok": infinite_ok, "default_text": default_text}
-    if isinstance(default, (dict, list)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def positive(value: Any) -> str | None:
-    return None if value > 0 else "a number > 0"
-
-
-def non_negative(value: Any) -> str | None:
-    return None if value >= 0 else "a number >= 0"
-
-
-def optional_positive(value: Any) -> str | None:
-    return None if value is None or value > 0 else "a number > 0 (or omit the key)"
-
+from .fields import key, non_negative, optional_positive, positive, strings
 
 #: the optimizers zeroshard builds from the config (DeepSpeed's names, matched in any case)
 OPTIMIZER_TYPES = ("Adam", "AdamW", "SGD")
@@ -297,10 +270,6 @@ DEFAULT_LEAF_MODULE_CLASSES: list[str] = [
     "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
     "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
 ]
-
-
-def strings(value: Any) -> str | None:
-    return None if all(isinstance(v, str) for v in value) else "a list of strings"
 
 
 @dataclass(frozen=True)
