@@ -41,6 +41,7 @@ from torch import nn
 import zeroshard
 from zeroshard.deepspeed.utils import groups as ds_groups
 from zeroshard.distributed.parallel_dims import SequenceParallelSizeError
+from zeroshard.planning.estimator import EstimateRequest, ModelShape, SequenceShape, sequence_exchange_bytes
 from zeroshard.sequence import DistributedAttention, SequenceParallelError, sequence_positions
 from zeroshard.tools.testing import check_family, run_family
 
@@ -255,6 +256,14 @@ def check_train(by_rank: list[dict[str, Any]], stage: int, optimizer: str, kv_he
             block = ROWS * SEQ // sp * kv_heads * 2 * (D // HEADS) * 4
             assert result["sent"] == {"sequence_ring_kv": STEPS * LAYERS * (sp - 1) * block,
                                       "sequence_ring_kv_grad": STEPS * LAYERS * (2 * sp - 1) * block}, result["sent"]
+        # the estimate's bytes per attention layer and micro-batch ([Note: sequence parallel estimates] in
+        # planning/estimator.py) are what the ledger counted
+        width = heads * (D // HEADS)
+        request = EstimateRequest(num_params=1, world_size=world, precision="fp32", micro_batch=ROWS, seq_len=SEQ,
+                                  shape=ModelShape(hidden=width, layers=LAYERS, heads=heads),
+                                  sequence=SequenceShape(sp, mode, kv_heads))
+        assert sum(result["sent"].values()) == STEPS * LAYERS * sequence_exchange_bytes(request), result["sent"]
+        if mode == "ring":
             assert "cannot hand arguments to the local attention" in result["refused"]["arguments"], result
             assert f"{heads} query heads are not a multiple of {heads + 1}" in result["refused"]["heads"], result
     for step in range(STEPS):

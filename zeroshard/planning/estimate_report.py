@@ -9,7 +9,7 @@ from typing import Optional
 
 from .estimate_request import EstimateRequest, data_parallel_size, tensor_rank_params
 from .estimator import (GB, StageEstimate, activation_bytes, all_to_all_bytes, compute_bytes, pipeline_p2p_bytes,
-                        recommend, stage_layers, tensor_parallel_bytes)
+                        recommend, sequence_exchange_bytes, stage_layers, tensor_parallel_bytes)
 
 __all__ = ["format_table"]
 
@@ -79,6 +79,14 @@ def _parallel_header(req: EstimateRequest) -> list[str]:
         if activation_bytes(req):
             lines.append(f"activations: s*b*h*(10 + 24/T + 5*a*s/(h*T)) per layer (T = {tp.size}: attention and MLP "
                          f"intermediates split, layer inputs and norms whole)")
+    sp = req.sequence
+    if sp is not None and sp.size > 1:
+        dp = data_parallel_size(req) // sp.size
+        per_layer = ("(s/P)*b*h*34 per layer + one ring block's 5*a*(s/P)^2*b" if sp.mode == "ring" else
+                     "(s/P)*b*h*(34 + 5*a*s/h) per layer (every position of a/P heads in attention)")
+        lines.append(f"sequence parallel ({sp.mode}): {dp} data-parallel x {sp.size} sequence-parallel ranks, each "
+                     f"holding seq_len/{sp.size} positions; ZeRO over all {data_parallel_size(req)}; activations: "
+                     f"{per_layer}")
     return lines
 
 
@@ -121,6 +129,21 @@ def _parallel_footer(req: EstimateRequest) -> list[str]:
                          f"(4 x {moe.ep_size - 1}/{moe.ep_size} x {moe.num_experts} experts x capacity {capacity} x "
                          f"{req.shape.hidden} x {dtype} bytes), {exchanged * moe.moe_layers * m / GB:.4g} GB per rank "
                          f"per step ({moe.moe_layers} layers x {_micro_batches(m)})")
+    sp = req.sequence
+    if sp is not None and sp.size > 1:
+        lines.append("")
+        sent = sequence_exchange_bytes(req)
+        what = "ring send/recv" if sp.mode == "ring" else "all-to-all"
+        if sent is None:
+            lines.append(f"sequence {what}: {missing}")
+        else:
+            layers = req.shape.layers
+            per_step = (f", {sent * layers * m / GB:.4g} GB per rank per step ({layers} layers x {_micro_batches(m)})"
+                        if layers else ", give --layers for the bytes per step")
+            formula = ("(3P-2) x the key/value block b x s/P x 2h_kv" if sp.mode == "ring" else
+                       "2 x (P-1)/P x b x s/P x (2h + 2h_kv): query, key, value and context, forward and backward")
+            lines.append(f"sequence {what}: {sent / GB:.4g} GB per attention layer per micro-batch per rank "
+                         f"({formula}, x {dtype} bytes){per_step}")
     tp = req.tensor
     if tp is not None:
         lines.append("")

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 __all__ = ["ModelShape", "EstimateError", "PipelineShape", "MoEShape", "moe_from_hf_config", "TensorShape",
-           "EstimateRequest", "check_parallel", "check_tensor", "tensor_rank_params", "tensor_parallel_size",
-           "pipeline_stage_count", "data_parallel_size"]
+           "SequenceShape", "EstimateRequest", "check_parallel", "check_tensor", "check_sequence", "tensor_rank_params",
+           "tensor_parallel_size", "pipeline_stage_count", "data_parallel_size"]
 
 
 @dataclass(frozen=True)
@@ -147,6 +147,17 @@ class TensorShape:
 
 
 @dataclass(frozen=True)
+class SequenceShape:
+    """Sequence parallelism (``sequence_parallel_size`` P, ``sequence_parallel.mode``): each sequence is
+    split over P ranks, which ZeRO counts as data-parallel ranks; ``kv_heads`` (None: the heads) sizes
+    the keys and values exchanged (see [Note: sequence parallel estimates] in planning/estimator.py)."""
+
+    size: int
+    mode: str = "ulysses"  # or "ring"
+    kv_heads: Optional[int] = None
+
+
+@dataclass(frozen=True)
 class EstimateRequest:
     num_params: float
     world_size: int
@@ -171,6 +182,8 @@ class EstimateRequest:
     moe: Optional[MoEShape] = None
     #: tensor parallelism (AutoTP; None: none)
     tensor: Optional[TensorShape] = None
+    #: sequence parallelism (None: none)
+    sequence: Optional[SequenceShape] = None
 
 
 def check_parallel(req: EstimateRequest) -> None:
@@ -178,6 +191,8 @@ def check_parallel(req: EstimateRequest) -> None:
     n, pp = req.world_size, req.pipeline
     if req.tensor is not None:
         check_tensor(req)
+    if req.sequence is not None:
+        check_sequence(req)
     if pp is not None:
         t = tensor_parallel_size(req)
         if pp.stages < 1 or n // t % pp.stages:
@@ -249,6 +264,41 @@ def check_tensor(req: EstimateRequest) -> None:
     if not 0 <= x <= req.num_params:
         raise EstimateError(f"{x:.4g} split parameters (--tp-params, or counted from --hidden/--layers/--ffn) but the "
                             f"model has {req.num_params:.4g}: give --tp-params between 0 and --params")
+
+
+def check_sequence(req: EstimateRequest) -> None:
+    """Refuse a sequence-parallel layout zeroshard does not train: a degree that does not divide the
+    ranks, the sequence or (Ulysses) the heads, and sequence parallelism beside pipelines, tensor or
+    expert parallelism, as training refuses them."""
+    sp, n = req.sequence, req.world_size
+    assert sp is not None
+    p = sp.size
+    if sp.mode not in ("ulysses", "ring"):
+        raise EstimateError(f"--sp-mode {sp.mode!r}: expected ulysses or ring")
+    if p < 1 or n % p:
+        raise EstimateError(f"--sp {p} does not divide the {n} ranks: the world is data-parallel x sequence-parallel "
+                            f"ranks, so choose a divisor of {n}")
+    if p == 1:
+        return
+    others = [flag for flag, used in (("--pp", req.pipeline is not None and req.pipeline.stages > 1),
+                                      ("--tp", req.tensor is not None and req.tensor.size > 1),
+                                      ("--ep", req.moe is not None and req.moe.ep_size > 1)) if used]
+    if others:
+        raise EstimateError(f"--sp {p} with {', '.join(others)}: zeroshard does not run sequence parallelism with "
+                            f"pipeline, tensor or expert parallelism")
+    if req.seq_len is not None and req.seq_len % p:
+        raise EstimateError(f"--sp {p} does not divide --seq-len {req.seq_len}: each rank holds seq_len / sp positions")
+    heads, kv = req.shape.heads, sp.kv_heads
+    if kv is not None and heads is not None and heads % kv:
+        raise EstimateError(f"--kv-heads {kv} does not divide --heads {heads}: query heads share key/value heads "
+                            f"in equal groups")
+    if sp.mode == "ulysses":
+        if heads is not None and heads % p:
+            raise EstimateError(f"--sp {p} does not divide the {heads} attention heads: Ulysses hands each rank "
+                                f"heads / sp of them (--sp-mode ring takes any head count)")
+        if kv is not None and kv % p and p % kv:
+            raise EstimateError(f"--sp {p} with {kv} key/value heads: Ulysses splits them (a divisor count) or "
+                                f"repeats them (a count dividing --sp); neither fits")
 
 
 def tensor_rank_params(req: EstimateRequest) -> float:

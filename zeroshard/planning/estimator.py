@@ -60,6 +60,20 @@ collectives, and are not in the buffers.  Inside a pipeline of P stages the rank
 N/(T P) data-parallel ranks, and the activations of ceil(layers/P) layers per micro-batch in flight,
 as zeroshard's pipeline engine trains it (``PipeModelDataParallelTopology``); tensor parallelism with
 expert parallelism is refused, as zeroshard refuses it in training.
+
+[Note: sequence parallel estimates]
+Sequence parallelism (``SequenceShape``) of degree P splits each sequence over P ranks, which hold the
+same parameters: ZeRO shards over all of them, so the model states are the data-parallel ones.  Each
+rank runs the position-wise parts on s/P positions: ``(s/P)*b*h*34`` bytes per layer in 16-bit.
+Ulysses hands each rank all s positions of a/P heads, so the scores add ``5*(a/P)*s^2*b``: per layer
+``(s/P)*b*h*(34 + 5*a*s/h)``.  The ring keeps no scores (its backward recomputes each block's), only
+one block's ``5*a*(s/P)^2*b`` at a time: ``(s/P)*b*h*34`` per layer plus that once.  Checkpointed, a
+layer keeps its input slice, ``2*(s/P)*b*h``.  Traffic per attention layer, micro-batch and rank, in
+the compute dtype: Ulysses trades the query, key, value and context slices, sending (P-1)/P of each,
+forward and again backward, ``2*(P-1)/P*b*(s/P)*(2h + 2h_kv)`` with h_kv = h x kv_heads/heads (kv
+heads fewer than P are repeated to P first: h_kv = h x P/heads); the ring sends ``(3P-2)*B`` with the
+key/value block ``B = b*(s/P)*2h_kv`` ([Note: the ring's backward runs the ring again] in
+sequence/ring.py counts it).
 """
 
 from __future__ import annotations
@@ -71,17 +85,18 @@ from typing import Optional
 from ..sharding import STRATEGIES
 from ..sharding.layout import capped_bucket_numel
 from .accounting import model_state_bytes, secondary_param_bytes
-from .estimate_request import (EstimateError, EstimateRequest, ModelShape, MoEShape, PipelineShape, TensorShape,
-                               check_parallel, check_tensor, data_parallel_size, moe_from_hf_config,
+from .estimate_request import (EstimateError, EstimateRequest, ModelShape, MoEShape, PipelineShape, SequenceShape,
+                               TensorShape, check_parallel, check_tensor, data_parallel_size, moe_from_hf_config,
                                pipeline_stage_count, tensor_parallel_size, tensor_rank_params)
 
 GB = 1e9  # the seeds' tables use decimal gigabytes
 
-__all__ = ["GB", "StageEstimate", "state_parts", "stage_layers", "activation_bytes", "compute_bytes",
+__all__ = ["GB", "StageEstimate", "state_parts", "stage_layers", "activation_bytes", "sequence_exchange_bytes",
+           "compute_bytes",
            "pipeline_p2p_bytes", "all_to_all_bytes", "tensor_parallel_bytes", "buffer_bytes", "prefetch_bytes",
            "gathered_stage_bytes", "estimate_stage", "estimate_hybrid", "estimate_all", "recommend",
            # estimate_request.py's, imported from here too
-           "ModelShape", "EstimateError", "PipelineShape", "MoEShape", "TensorShape", "EstimateRequest",
+           "ModelShape", "EstimateError", "PipelineShape", "MoEShape", "TensorShape", "SequenceShape", "EstimateRequest",
            "moe_from_hf_config", "check_parallel", "check_tensor", "tensor_rank_params", "tensor_parallel_size",
            "pipeline_stage_count", "data_parallel_size"]
 
@@ -139,6 +154,8 @@ def activation_bytes(req: EstimateRequest) -> float:
     if not (s and b and h and layers):
         return 0.0
     scale = 1.0 if req.precision == "mixed" else 2.0
+    if req.sequence is not None and req.sequence.size > 1:
+        return _sequence_activation_bytes(req, s, b, h, layers, a, scale)
     if req.tensor is not None:  # see [Note: tensor parallel estimates]
         t = req.tensor.size
         per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * scale
@@ -148,6 +165,38 @@ def activation_bytes(req: EstimateRequest) -> float:
     if req.checkpointing:  # one layer recomputes at a time, whatever the micro-batches in flight
         return in_flight * (2 * s * b * h * scale) * layers + per_layer
     return in_flight * per_layer * layers
+
+
+def _sequence_activation_bytes(req: EstimateRequest, s: int, b: int, h: int, layers: int, a: int,
+                               scale: float) -> float:
+    """Activations of a rank under sequence parallelism ([Note: sequence parallel estimates])."""
+    assert req.sequence is not None
+    local = s / req.sequence.size
+    if req.sequence.mode == "ring":
+        per_layer, once = local * b * h * 34 * scale, 5 * a * local * local * b * scale
+    else:
+        per_layer, once = local * b * h * (34 + 5 * a * s / h) * scale, 0.0
+    if req.checkpointing:
+        return (2 * local * b * h * scale) * layers + per_layer + once
+    return per_layer * layers + once
+
+
+def sequence_exchange_bytes(req: EstimateRequest) -> Optional[float]:
+    """Bytes one rank sends per attention layer per micro-batch for sequence parallelism (forward and
+    backward; [Note: sequence parallel estimates]); None without it or without micro batch, sequence
+    and hidden."""
+    s, b, h, sp = req.seq_len, req.micro_batch, req.shape.hidden, req.sequence
+    if sp is None or sp.size == 1 or not (s and b and h):
+        return None
+    p, heads = sp.size, req.shape.heads
+    kv = sp.kv_heads if sp.kv_heads is not None and heads else heads
+    local = b * s / p * compute_bytes(req)
+    if sp.mode == "ring":
+        h_kv = h * kv / heads if kv and heads else h
+        return (3 * p - 2) * local * 2 * h_kv
+    exchanged_kv = max(kv, p) if kv and kv % p else kv
+    h_kv = h * exchanged_kv / heads if exchanged_kv and heads else h
+    return 2 * (p - 1) / p * local * (2 * h + 2 * h_kv)
 
 
 def compute_bytes(req: EstimateRequest) -> int:

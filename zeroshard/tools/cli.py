@@ -33,7 +33,7 @@ from .selftest.command import add_parser as add_selftest_parser
 if TYPE_CHECKING:
     from ..config import ZeroshardConfig
     from ..planning import Cluster, EstimateRequest
-    from ..planning.estimate_request import MoEShape, PipelineShape, TensorShape
+    from ..planning.estimate_request import MoEShape, PipelineShape, SequenceShape, TensorShape
 
 
 def _demo_nproc(requested: Optional[int], cuda_devices: int) -> int:
@@ -228,12 +228,29 @@ def _tensor(args: argparse.Namespace, config: "ZeroshardConfig", derived: dict) 
 
     size = args.tp if args.tp is not None else (config.tensor_parallel.autotp_size or None)
     if size is None or (args.tp is None and size == 1):
-        extra = [_flag(n) for n in _TP_FLAGS[1:] if getattr(args, n) is not None]
+        sequence = (args.sp or config.sequence_parallel_size) > 1  # --kv-heads sizes its exchanges too
+        extra = [_flag(n) for n in _TP_FLAGS[1:] if getattr(args, n) is not None
+                 and not (sequence and n == "kv_heads")]
         if extra and not args.search_parallel:
             raise SystemExit(f"zeroshard estimate: {', '.join(extra)} belong(s) to tensor parallelism: also give "
                              f"--tp T (or --search-parallel)")
         return None
     return dataclasses.replace(_tensor_split(args, derived), size=size)
+
+
+def _sequence(args: argparse.Namespace, config: "ZeroshardConfig", derived: dict) -> Optional["SequenceShape"]:
+    """--sp (default: the config's ``sequence_parallel_size`` when above 1) and --sp-mode (default: the
+    config's ``sequence_parallel.mode``) as a SequenceShape, with --kv-heads (or the --hf-config's);
+    None: no sequence parallelism."""
+    from ..planning.estimate_request import SequenceShape
+
+    size = args.sp if args.sp is not None else config.sequence_parallel_size
+    if args.sp is None and size == 1:
+        if args.sp_mode is not None:
+            raise SystemExit("zeroshard estimate: --sp-mode belongs to sequence parallelism: also give --sp P")
+        return None
+    kv_heads = args.kv_heads if args.kv_heads is not None else derived.get("kv_heads")
+    return SequenceShape(size, args.sp_mode or config.sequence_parallel.mode, kv_heads)
 
 
 def _tensor_split(args: argparse.Namespace, derived: dict) -> "TensorShape":
@@ -303,7 +320,8 @@ def _estimate(args: argparse.Namespace) -> int:
                           prefetch_bucket_size=zero.stage3_prefetch_bucket_size, trainable=args.trainable,
                           grad_bytes=_grad_bytes(args, config), micro_steps=_micro_steps(args, config),
                           pipeline=_pipeline(args, config), moe=_moe(args, derived_moe, shape.get("layers")),
-                          tensor=_tensor(args, config, derived_tensor))
+                          tensor=_tensor(args, config, derived_tensor),
+                          sequence=_sequence(args, config, derived_tensor))
     try:
         check_parallel(req)
     except EstimateError as err:
@@ -523,6 +541,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "layers x (2h^2 + 2h x h_kv + 3h x ffn)); the rest stay whole on every rank")
     tp.add_argument("--kv-heads", type=int, help="key/value heads (GQA; default --heads, or the --hf-config's)")
     tp.add_argument("--ffn", type=int, help="MLP intermediate size (default 4 x --hidden, or the --hf-config's)")
+    sp = est.add_argument_group("sequence parallelism", "activations of one rank of a sequence-parallel job and its "
+                                                        "all-to-all (Ulysses) or ring bytes per attention layer")
+    sp.add_argument("--sp", type=int, help="sequence-parallel size P (divides the ranks and --seq-len; default: the "
+                                           "config's sequence_parallel_size)")
+    sp.add_argument("--sp-mode", choices=["ulysses", "ring"],
+                    help="how attention sees whole sequences (default: the config's sequence_parallel.mode)")
     est.set_defaults(run=_estimate)
     plot = commands.add_parser("plot", help="loss, throughput and memory over steps from a metrics JSONL file")
     plot.add_argument("metrics")
