@@ -18,6 +18,10 @@ count (2 heads at degree 4), in the consecutive layout and with head-tail shardi
 chunks r and 2P - 1 - r of its sequences); its bytes are counted in the ledger as
 docs/SEQUENCE_PARALLEL.md says, and it refuses, before any message, arguments for the local attention
 and key/value heads that do not divide the query heads.
+At sequence 2 x data 1 the same equality holds with gradient accumulation and clipping (AdamW, ZeRO-2),
+activation checkpointing (``checkpoint_modules``, ZeRO-3), the optimizer offloaded to the CPU (AdamW,
+ZeRO-3) and, within bf16's tolerance, bf16 (ZeRO-1); the ledger's exchange bytes equal
+``zeroshard estimate``'s ([Note: sequence parallel estimates] in zeroshard/planning/estimator.py).
 In the world of four, a checkpoint saved at sequence 2 x data 2 (ZeRO-3) resumes at sequence 1 x data 4
 (ZeRO-2) and sequence 4 x data 1 (ZeRO-1): the ZeRO world is the same four ranks, split otherwise.
 Refused by name on every rank: heads that do not split over the ranks, a degree that does not divide
@@ -42,6 +46,7 @@ import zeroshard
 from zeroshard.deepspeed.utils import groups as ds_groups
 from zeroshard.distributed.parallel_dims import SequenceParallelSizeError
 from zeroshard.planning.estimator import EstimateRequest, ModelShape, SequenceShape, sequence_exchange_bytes
+from zeroshard.checkpointing import checkpoint_modules
 from zeroshard.sequence import DistributedAttention, SequenceParallelError, sequence_positions
 from zeroshard.tools.testing import check_family, run_family
 
@@ -174,6 +179,63 @@ def train_worker(rank: int, world: int, stage: int, optimizer: str, kv_heads: in
     return {"worst": worst, "losses": losses, "expected_losses": expected_losses, "accessors": accessors,
             "exchanges": exchanges, "sent": sent, "train_batch_size": engine.train_batch_size(), "sp": where.seq,
             "after_close": ds_groups._get_sequence_parallel_world_size(), "refused": refused}
+
+
+COMBINED = {  # each case: (ZeRO stage, optimizer, extra config, relative tolerance against fp32)
+    "accumulation and clipping": (2, "AdamW", {"gradient_accumulation_steps": 2, "gradient_clipping": 0.05}, 1e-5),
+    "activation checkpointing": (3, "SGD", {}, 1e-5),
+    "offload": (3, "AdamW", {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, 1e-5),
+    "bf16": (1, "SGD", {"bf16": {"enabled": True}}, 2e-2),
+}
+
+
+def combined_reference(optimizer: str, micro_steps: int, clip: float) -> tuple[dict[str, torch.Tensor], float]:
+    """One process, data degree 1: each optimizer step the mean over ``micro_steps`` micro-batches' whole
+    sequences, clipped to ``clip`` (0: off); also the largest gradient norm before clipping."""
+    net = model()
+    spec = OPTIMIZERS[optimizer]
+    opt = getattr(torch.optim, spec["type"])(net.parameters(), **spec["params"])
+    largest = 0.0
+    for step in range(STEPS):
+        tokens, labels = (torch.cat(parts) for parts in zip(*(batch(step * micro_steps + m, 0)
+                                                              for m in range(micro_steps))))
+        net(tokens, torch.arange(SEQ).expand(len(tokens), -1), labels).backward()
+        largest = max(largest, float(torch.nn.utils.clip_grad_norm_(net.parameters(), clip or float("inf"))))
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}, largest
+
+
+def combined_worker(rank: int, world: int, case: str) -> dict[str, Any]:
+    """Sequence 2 x data 1 with one of ``COMBINED``'s features: the weights' worst relative difference
+    from one process on the whole sequences."""
+    stage, optimizer, extra, _ = COMBINED[case]
+    settings = config(stage, optimizer)
+    for key, value in extra.items():
+        settings[key] = {**settings[key], **value} if isinstance(value, dict) and key in settings else value
+    micro_steps = settings.get("gradient_accumulation_steps", 1)
+    expected, largest = combined_reference(optimizer, micro_steps, settings.get("gradient_clipping", 0.0))
+    net = model()
+    if case == "activation checkpointing":
+        checkpoint_modules(net, Block)
+    engine = zeroshard.initialize(model=net, config=settings)[0]
+    seq = engine.parallel_dims.coords(rank).seq
+    for step in range(STEPS * micro_steps):
+        tokens, positions, labels = local_slice(step, 0, seq)
+        engine.backward(engine(tokens, positions, labels))
+        engine.step()
+    state = engine.full_state_dict(rank0_only=False)
+    engine.close()
+    worst = max(float((state[n].float() - v).abs().max()) / (float(v.abs().max()) or 1.0) for n, v in expected.items())
+    return {"worst": worst, "largest norm": largest}
+
+
+def check_combined(by_rank: list[dict[str, Any]], case: str) -> None:
+    tolerance = COMBINED[case][3]
+    for rank, result in enumerate(by_rank):
+        assert result["worst"] <= tolerance, f"rank {rank}, {case}: the weights are off by {result['worst']:.2e}"
+        if "clipping" in case:
+            assert result["largest norm"] > 2 * COMBINED[case][2]["gradient_clipping"], "clipping never acted"
 
 
 def sgd_steps(engine: Any, first: int, steps: int) -> None:
@@ -334,26 +396,30 @@ def check_loader(by_rank: list[list[int]]) -> None:
     assert len({tuple(s) for s in firsts}) == world // SP, by_rank
 
 
-WORKERS = {"train": train_worker, "refusals": refusals_worker, "loader": loader_worker, "resume": resume_worker}
-CHECKS = {"train": check_train, "refusals": check_refusals, "loader": check_loader, "resume": check_resume}
+WORKERS = {"train": train_worker, "refusals": refusals_worker, "loader": loader_worker, "resume": resume_worker,
+           "combined": combined_worker}
+CHECKS = {"train": check_train, "refusals": check_refusals, "loader": check_loader, "resume": check_resume,
+          "combined": check_combined}
 
 
-def cases(optimizers_at: dict[int, str], kv_heads: int,
-          ring: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+def cases(optimizers_at: dict[int, str], kv_heads: int, ring: list[dict[str, Any]],
+          sp_only: bool = False) -> list[tuple[str, dict[str, Any]]]:
     trained = [("train", {"stage": stage, "optimizer": "SGD"}) for stage in range(4)]
     more = [("train", {"stage": stage, "optimizer": name}) for stage, name in optimizers_at.items()]
     gqa = [("train", {"stage": 2, "optimizer": "SGD", "kv_heads": kv_heads})]
     rings = [("train", {"optimizer": "SGD", "mode": "ring", **case}) for case in ring]
-    return trained + more + gqa + rings + [("refusals", {}), ("loader", {})]
+    combined = [("combined", {"case": case}) for case in COMBINED] if sp_only else []
+    return trained + more + gqa + rings + combined + [("refusals", {}), ("loader", {})]
 
 
 def test_sequence_parallel_matches_one_process_at_sequence_2() -> None:
     """Sequence 2 x data 1: every stage with SGD, AdamW at stage 1, one key/value head (replicated); the
     ring at stages 0 and 3 with 3 heads (which degree 2 does not divide; head-tail sharding at stage 3),
-    and at stage 1 with grouped key/value heads (4 query heads over 1)."""
+    and at stage 1 with grouped key/value heads (4 query heads over 1); accumulation with clipping,
+    activation checkpointing, offload and bf16."""
     family = cases({1: "AdamW"}, kv_heads=1, ring=[{"stage": 0, "heads": 3, "kv_heads": 3},
                                                    {"stage": 3, "heads": 3, "kv_heads": 3, "balanced": True},
-                                                   {"stage": 1, "kv_heads": 1}])
+                                                   {"stage": 1, "kv_heads": 1}], sp_only=True)
     check_family(family, run_family(SP, family, WORKERS), CHECKS, world=SP)
 
 
