@@ -320,3 +320,11 @@ def test_elastic_checkpoint_asks_for_what_every_checkpoint_does(caplog) -> None:
             assert warned == (stage == 3 and value), (stage, value)
     with pytest.raises(ConfigError):
         load_config({"zero_optimization": {"stage": 1, "elastic_checkpoint": "yes"}})
+
+
+def test_deepspeeds_compile_block_takes_only_deepcompile_off() -> None:
+    """``compile`` is DeepSpeed's DeepCompile block: off is accepted (it is DeepSpeed's default), on is
+    refused by name, and DeepCompile's other keys (which do nothing without it) are unknown keys."""
+    assert load_config({"compile": {"deepcompile": False}}).compile.deepcompile is False
+    assert "DeepSpeed's DeepCompile graph passes, which zeroshard does not have" in err({"compile": {"deepcompile": True}})
+    assert "unknown config key 'compile.offload_activation'" in err({"compile": {"offload_activation": True}})

@@ -42,6 +42,7 @@ def load_config(source: Union[str, os.PathLike, Mapping[str, Any], ZeroshardConf
         _check_checkpointing(config)
         _check_hybrid(config)
         _check_sequence_parallel(config)
+        _check_compile(config)
         check_allreduce_op(config.gradient_allreduce_op, config.stage)
         check_tensor_parallel(config.tensor_parallel)
     if world_size is not None:
@@ -261,6 +262,13 @@ def _check_hybrid(config: ZeroshardConfig) -> None:
         raise ConfigError("'checkpoint.use_node_local_storage' is not supported with "
                           "'zero_optimization.mics_shard_size' yet (the first shard group writes every shard); "
                           "save to a shared directory")
+
+
+def _check_compile(config: ZeroshardConfig) -> None:
+    if config.compile.deepcompile:
+        raise ConfigError("'compile.deepcompile' = true asks for DeepSpeed's DeepCompile graph passes, which zeroshard "
+                          "does not have; remove it and compile with engine.compile() (DeepSpeed's method) or "
+                          "torch.compile(model): zeroshard keeps its ZeRO hooks outside the compiled graphs")
 
 
 def _check_sequence_parallel(config: ZeroshardConfig) -> None:

@@ -191,6 +191,15 @@ class SequenceParallelConfig:
 
 
 @dataclass(frozen=True)
+class CompileConfig:
+    """``compile``: DeepSpeed's DeepCompile block; compile with ``engine.compile()`` (docs/USAGE.md)."""
+
+    deepcompile: bool = key(
+        False, "DeepSpeed's DeepCompile (its own graph passes for ZeRO): zeroshard has none, so `true` is refused; "
+        "`engine.compile()` or `torch.compile` compiles the model and zeroshard keeps its hooks outside the graphs.")
+
+
+@dataclass(frozen=True)
 class TensorParallelConfig:
     """``tensor_parallel``: DeepSpeed's AutoTP training, the model's linear layers split over groups of
     ``autotp_size`` neighbouring ranks with torch's DTensor (docs/TENSOR_PARALLEL.md)."""
@@ -459,6 +468,7 @@ class ZeroshardConfig:
         "same parameters, ZeRO shards over data x sequence and averages gradients over both, and the batch keys "
         "count data-parallel ranks (world size / this). Must divide the world size; pipeline, tensor and expert "
         "parallelism with it are refused (not supported yet).", positive)
+    compile: CompileConfig = key(CompileConfig(), "DeepSpeed's DeepCompile block (only `deepcompile: false`).")
     sequence_parallel: SequenceParallelConfig = key(
         SequenceParallelConfig(), "zeroshard's own block: how attention runs over the split sequences (Ulysses' "
         "all-to-all or a ring).")
