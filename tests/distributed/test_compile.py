@@ -8,14 +8,21 @@ stage 3 with no parameter kept whole, so that every unit is gathered and release
 forward ([Note: stage-3 hooks run outside compiled regions] in sharding/stage3/gather_scheduler.py).
 The backend is ``aot_eager`` (traced through autograd, no C++ compile);
 ``engine.compile(backend="inductor", compile_kwargs={})`` is accepted as Accelerate calls it, each
-option that cannot work is refused by name, after two warm-up steps four more compile no new frame,
-and dynamo warns of nothing in zeroshard it cannot trace.  A world of one runs the stage-3 case
+option that cannot work is refused by name, and dynamo warns of nothing in zeroshard it cannot trace.
+Compiled equals eager also with gradient accumulation (stage 2 through the engine, stage 3 whole),
+each layer checkpointed (stage 0 whole, stage 3 layer by layer) and bf16 (stages 1 and 3, 1e-2).
+After a warm-up of two optimizer steps (two micro-steps each) and an eval forward, ten more micro-steps
+across five accumulation boundaries, a checkpoint save and another eval forward compile no new frame
+(stages 0 and 3); the warm-up compiled one graph per forward at stage 0 and one per layer at stage 3,
+with no graph break.  A world of one runs the stage-3 case
 again: there no agreement rounds break the graph, and the hooks must stay outside it on their own.
 The extended suite trains with inductor.
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import warnings
 from typing import Any
 
@@ -26,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zeroshard
+from zeroshard.checkpointing import checkpoint_modules
 from zeroshard.engine.compile import CompileError
 from zeroshard.tools.testing import check_family, run_family, run_world
 
@@ -73,47 +81,58 @@ def batch(step: int, rank: int) -> torch.Tensor:
     return torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(100 * step + rank))
 
 
-def trained(rank: int, stage: int, how: str, backend: str, steps: int = STEPS) -> dict[str, torch.Tensor]:
-    """The full weights after ``steps`` steps; ``how``: "eager", "whole" (torch.compile before
-    initialize), "blocks" (each layer compiled before initialize) or "engine" (engine.compile)."""
+EXTRAS = {"": {}, "accumulation": {"gradient_accumulation_steps": 2}, "checkpointing": {},
+          "bf16": {"bf16": {"enabled": True}}}
+TOLERANCE = {"bf16": 1e-2}  # compiled bf16 may fuse and round otherwise than eager; fp32 is 1e-5
+
+
+def trained(rank: int, stage: int, how: str, backend: str, extra: str = "",
+            steps: int = STEPS) -> dict[str, torch.Tensor]:
+    """The full weights after ``steps`` optimizer steps; ``how``: "eager", "whole" (torch.compile before
+    initialize), "blocks" (each layer compiled before initialize) or "engine" (engine.compile); ``extra``:
+    one of ``EXTRAS`` (gradient accumulation over two micro-steps, each layer checkpointed, bf16)."""
     torch._dynamo.reset()  # each case compiles afresh: no cache limit reached by earlier cases' frames
     model = build()
+    if extra == "checkpointing":
+        checkpoint_modules(model, Dense)
     if how == "whole":
         model = torch.compile(model, backend=backend)
     if how == "blocks":
         for i, layer in enumerate(model.layers):
             model.layers[i] = torch.compile(layer, backend=backend)
-    engine, _, _, _ = zeroshard.initialize(model=model, config=config(stage))
+    engine, _, _, _ = zeroshard.initialize(model=model, config={**config(stage), **EXTRAS[extra]})
     if how == "engine":
         engine.compile(backend=backend)
         assert engine.is_compiled
-    for step in range(steps):
+    for step in range(steps * engine.gradient_accumulation_steps()):
         engine.backward(engine(batch(step, rank)).square().mean())
         engine.step()
     whole = engine.full_state_dict(rank0_only=False)
-    weights = {name.replace("_orig_mod.", ""): value for name, value in whole.items()}
+    weights = {name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", ""): value.float()
+               for name, value in whole.items()}
     engine.close()
     return weights
 
 
-def worst_difference(rank: int, stage: int, how: str, backend: str = "aot_eager") -> float:
-    expected = trained(rank, stage, "eager", backend)
-    got = trained(rank, stage, how, backend)
+def worst_difference(rank: int, stage: int, how: str, backend: str = "aot_eager", extra: str = "") -> float:
+    expected = trained(rank, stage, "eager", backend, extra)
+    got = trained(rank, stage, how, backend, extra)
     assert got.keys() == expected.keys(), (sorted(got), sorted(expected))
     return max(float((got[n] - v).abs().max()) / (float(v.abs().max()) or 1.0) for n, v in expected.items())
 
 
-def train(rank: int, world: int, stage: int, how: str, backend: str = "aot_eager") -> tuple[float, list[str]]:
+def train(rank: int, world: int, stage: int, how: str, backend: str = "aot_eager",
+          extra: str = "") -> tuple[float, list[str]]:
     """The worst relative difference, and what dynamo warned of tracing zeroshard's code."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        worst = worst_difference(rank, stage, how, backend)
+        worst = worst_difference(rank, stage, how, backend, extra)
     return worst, [str(w.message) for w in caught if "Dynamo does not know how to trace" in str(w.message)]
 
 
-def check_train(results: list[tuple[float, list[str]]], **_: Any) -> None:
+def check_train(results: list[tuple[float, list[str]]], extra: str = "", **_: Any) -> None:
     for rank, (worst, untraceable) in enumerate(results):
-        assert worst <= 1e-5, f"rank {rank}: compiled weights off by {worst:.2e} relative"
+        assert worst <= TOLERANCE.get(extra, 1e-5), f"rank {rank}: compiled weights off by {worst:.2e} relative"
         assert not untraceable, f"rank {rank}: {untraceable[0]}"
 
 
@@ -156,37 +175,71 @@ def check_refused(results: list[str], what: str) -> None:
         assert named in result, result
 
 
-def steady(rank: int, world: int, stage: int) -> tuple[int, int]:
-    """Frames compiled after two warm-up steps, and after four more."""
+def steady(rank: int, world: int, stage: int) -> dict[str, Any]:
+    """Frames compiled in the warm-up (two optimizer steps of two micro-steps each, and an eval forward),
+    and in ten more micro-steps that cross five accumulation boundaries, save a checkpoint and run
+    another eval forward; the graph breaks dynamo counted in the warm-up."""
     from torch._dynamo.testing import CompileCounter
+    from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
+    counters.clear()
     counter = CompileCounter()
-    engine, _, _, _ = zeroshard.initialize(model=build(), config=config(stage))
+    engine, _, _, _ = zeroshard.initialize(model=build(), config={**config(stage), "gradient_accumulation_steps": 2})
     engine.compile(backend=counter)
-    counts = []
-    for step in range(6):
+    where = [tempfile.mkdtemp(prefix="zeroshard-compile-") if rank == 0 else ""]
+    dist.broadcast_object_list(where, src=0)
+
+    def evaluate(step: int) -> None:
+        engine.eval()
+        with torch.no_grad():
+            engine(batch(step, rank))
+        engine.train()
+
+    for step in range(4):
         engine.backward(engine(batch(step, rank)).square().mean())
         engine.step()
-        if step in (1, 5):
-            counts.append(counter.frame_count)
+    evaluate(0)
+    warm, breaks = counter.frame_count, dict(counters["graph_break"])
+    for step in range(4, 14):
+        engine.backward(engine(batch(step, rank)).square().mean())
+        engine.step()
+        if step == 7:
+            engine.save_checkpoint(where[0])
+        if step == 9:
+            evaluate(step)
+    after = counter.frame_count
     engine.close()
     dist.barrier()
-    return counts[0], counts[1]
+    if rank == 0:
+        shutil.rmtree(where[0], ignore_errors=True)
+    return {"warm": warm, "after": after, "breaks": breaks}
 
 
-def check_steady(results: list[tuple[int, int]], stage: int) -> None:
-    for rank, (warm, after) in enumerate(results):
-        assert warm > 0, f"rank {rank}: nothing was compiled"
-        assert after == warm, f"rank {rank}: {after - warm} frames compiled after the warm-up"
+def check_steady(results: list[dict[str, Any]], stage: int) -> None:
+    for rank, result in enumerate(results):
+        assert result["warm"] > 0, f"rank {rank}: nothing was compiled"
+        assert result["after"] == result["warm"], \
+            f"rank {rank}: {result['after'] - result['warm']} frames compiled after the warm-up"
+        # docs/USAGE.md: the whole forward is one graph at stages 0-2, one graph per unit at stage 3 (the
+        # calling frame runs eager, so dynamo counts no break); the training and the eval forward each
+        # compile their own (dynamo guards on grad mode)
+        assert result["warm"] == 2 * GRAPHS_PER_FORWARD[stage], f"rank {rank}, stage {stage}: {result}"
+        assert not result["breaks"], f"rank {rank}, stage {stage}: graph breaks {result['breaks']}"
 
 
 CASES = [*(("train", {"stage": stage, "how": how}) for stage in (0, 3) for how in ("whole", "engine")),
          *(("train", {"stage": stage, "how": "engine"}) for stage in (1, 2)),
          ("train", {"stage": 3, "how": "blocks"}),
+         ("train", {"stage": 2, "how": "engine", "extra": "accumulation"}),
+         ("train", {"stage": 3, "how": "whole", "extra": "accumulation"}),
+         ("train", {"stage": 0, "how": "whole", "extra": "checkpointing"}),
+         ("train", {"stage": 3, "how": "blocks", "extra": "checkpointing"}),
+         *(("train", {"stage": stage, "how": "engine", "extra": "bf16"}) for stage in (1, 3)),
          ("accepted", {}),
          *(("refused", {"what": what}) for what in REFUSED),
          *(("steady", {"stage": stage}) for stage in (0, 3))]
+GRAPHS_PER_FORWARD = {0: 1, 3: len(build().layers)}
 WORKERS = {"train": train, "accepted": accepted, "refused": refused, "steady": steady}
 CHECKS = {"train": check_train, "accepted": check_accepted, "refused": check_refused, "steady": check_steady}
 

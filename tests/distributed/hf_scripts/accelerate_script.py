@@ -1,9 +1,11 @@
 """An Accelerate training loop with a DeepSpeed plugin, as its users write it, on zeroshard.
 
-    torchrun --nproc_per_node 2 accelerate_script.py --stage 2 --out DIR [--ddp]
+    torchrun --nproc_per_node 2 accelerate_script.py --stage 2 --out DIR [--ddp] [--dynamo inductor]
 
 ``zeroshard.install_as_deepspeed()`` first; then plain Accelerate: ``prepare``, ``accumulate``,
-``backward``, ``save_state`` / ``load_state``.  ``--ddp`` is the same loop without the plugin.
+``backward``, ``save_state`` / ``load_state``.  ``--ddp`` is the same loop without the plugin;
+``--dynamo BACKEND`` is Accelerate's ``dynamo_backend``, which compiles a DeepSpeed engine through
+``engine.compile(backend=..., compile_kwargs=...)``.
 (On a CPU-only machine Accelerate picks DeepSpeed only after a CPU ``PartialState`` exists, exactly
 as Hugging Face's Trainer sets it up.)
 """
@@ -28,12 +30,13 @@ def main():
     p.add_argument("--stage", type=int, default=2)
     p.add_argument("--out", required=True)
     p.add_argument("--ddp", action="store_true")
+    p.add_argument("--dynamo", default="no")
     a = p.parse_args()
     PartialState(cpu=True)
     plugin = None if a.ddp else DeepSpeedPlugin(hf_ds_config={
         "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
         "zero_optimization": {"stage": a.stage}})
-    acc = Accelerator(deepspeed_plugin=plugin, gradient_accumulation_steps=2)
+    acc = Accelerator(deepspeed_plugin=plugin, gradient_accumulation_steps=2, dynamo_backend=a.dynamo)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -56,7 +59,8 @@ def main():
     acc.load_state(os.path.join(a.out, "state"))
     gathered = acc.gather(torch.tensor(losses)).tolist()
     if acc.is_main_process:
-        json.dump({"losses": gathered, "wrapped": type(model).__name__, "processes": acc.num_processes},
+        json.dump({"losses": gathered, "wrapped": type(model).__name__, "processes": acc.num_processes,
+                   "compiled": bool(getattr(model, "is_compiled", False))},
                   open(os.path.join(a.out, "result.json"), "w"))
     if a.ddp:  # the reference ends as PyTorch recommends (zeroshard does this for its own runs at exit)
         del model, optimizer, loader, acc
