@@ -174,6 +174,8 @@ def build_engine(impl: str, model: GPT, micro: int, bf16: bool) -> tuple[Step, C
         mark("step")
         engine.step()
 
+    step.engine = engine  # type: ignore[attr-defined]  # for benchmarks that act on it (bench_compile.py)
+
     def states() -> dict[str, float]:
         if impl.startswith("deepspeed"):
             return {"model_states": float("nan")}  # DeepSpeed has no breakdown: not reported
