@@ -25,7 +25,8 @@ ZeRO-3) and, within bf16's tolerance, bf16 (ZeRO-1); the ledger's exchange bytes
 In the world of four, a checkpoint saved at sequence 2 x data 2 (ZeRO-3) resumes at sequence 1 x data 4
 (ZeRO-2) and sequence 4 x data 1 (ZeRO-1): the ZeRO world is the same four ranks, split otherwise.
 Refused by name on every rank: heads that do not split over the ranks, a degree that does not divide
-the world, and a sequence axis with pipeline or tensor parallelism.
+the world, slices of unequal length in one sequence group (before any exchange), and a sequence axis
+with pipeline or tensor parallelism.
 
 The default suite runs the world of two (sequence 2 x data 1); the world of four (sequence 2 x data 2,
 and the ring at sequence 4 x data 1) is an extended test.
@@ -348,6 +349,15 @@ def refusals_worker(rank: int, world: int) -> dict[str, str]:
             out[name] = "accepted"
         except (SequenceParallelError, SequenceParallelSizeError) as err:
             out[name] = str(err)
+    # slices of unequal length in one sequence group: refused before the forward's first exchange
+    engine = zeroshard.initialize(model=model(), config=config(0, "SGD"))[0]
+    length = SEQ // SP + (rank % SP)
+    try:
+        engine(*(torch.zeros(ROWS, length, dtype=torch.long),) * 3)
+        out["uneven"] = "accepted"
+    except SequenceParallelError as err:
+        out["uneven"] = str(err)
+    engine.close()
     group = torch.distributed.new_group(list(range(world)))
     # over a process group of the user's: an attention that works position by position and head by head
     # gives back exactly its local result, whatever the exchanges did in between
@@ -374,6 +384,8 @@ def check_refusals(by_rank: list[dict[str, str]]) -> None:
         assert f"3 query heads (dimension 2 of (1, 2, 3, 2)) do not split over sequence_parallel_size {world}" \
             in result["query heads"], result
         assert "3 key heads" in result["key/value heads"], result
+        assert "hold inputs of different shapes (the first tensor's: rank 0 of the group: (2, 4); rank 1 of " \
+            "the group: (2, 5))" in result["uneven"], result
         assert result["round trip"] == "True", "the exchanges over a user's group do not invert each other"
 
 

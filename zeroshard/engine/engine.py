@@ -52,6 +52,7 @@ from ..offload.policy import OffloadPolicies
 from ..host.buffer_memory import BufferMemory, DeviceMemory
 from ..sharding.storage import InitialValues
 from ..sequence.groups import register_sequence_groups
+from ..sequence.inputs import check_sequence_inputs
 from ..precision import LossScaler, PrecisionPolicy
 from .counters import Counter, TrainingCounters
 # ModelAlreadyWrappedError, ModelChangedError and register_extra_names are also the engine's names at this path
@@ -306,6 +307,8 @@ class Engine:
         check_unchanged(self.module, self._parameter_names)
         if self.strategy.traits.forward_communicates:
             self._agree.agree(Call.FORWARD, self.micro_steps, self.global_steps)
+        if self.shard_groups.sequence is not None:
+            check_sequence_inputs(self.shard_groups.sequence, args, kwargs)
         self.strategy.before_forward()
         tokens = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
         if tokens is not None and not tokens.is_floating_point() and torch.is_grad_enabled():
