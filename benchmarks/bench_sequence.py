@@ -8,8 +8,9 @@ A small Llama-style decoder (zeroshard's own: token embeddings, rotary-free lear
 causal attention through ``DistributedAttention`` over torch's ``scaled_dot_product_attention`` and an
 MLP, a head) in fp32, world 2 (gloo, one thread a rank), one sequence per step, SGD, ZeRO-1.
 - **Memory**: each configuration in fresh processes; a rank's activation peak is its RSS high-water
-  mark over two training steps less its RSS once the engine is built, beside ``zeroshard estimate``'s
-  activations (planning/estimator.py: [Note: sequence parallel estimates]).  Sequence 1 x data 2 (each
+  mark over two training steps less its RSS once the engine is built, beside ``zeroshard estimate
+  --flash-attention``'s activations (torch's attention runs its fused kernel here: no s x s scores;
+  planning/estimator.py: [Note: sequence parallel estimates]).  Sequence 1 x data 2 (each
   rank one whole sequence) against sequence 2 x data 1 (each rank half of one).
 - **Longest sequence under a cap**: the cap is sequence 1's peak at ``--seq-len``; sequence 2 (Ulysses)
   trains ``--longest`` multiples of that length in turn, the longest whose peak stays under the cap
@@ -114,7 +115,7 @@ def memory_worker(rank: int, world: int, sp: int, seq_len: int) -> dict[str, flo
 
 def estimate(sp: int, seq_len: int, mode: str = "ulysses") -> EstimateRequest:
     return EstimateRequest(num_params=1, world_size=2, precision="fp32", micro_batch=1, seq_len=seq_len,
-                           shape=ModelShape(hidden=D, layers=LAYERS, heads=HEADS),
+                           shape=ModelShape(hidden=D, layers=LAYERS, heads=HEADS), flash_attention=True,
                            sequence=SequenceShape(sp, mode) if sp > 1 else None)
 
 

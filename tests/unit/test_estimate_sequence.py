@@ -95,3 +95,11 @@ def test_cli_estimate_with_sequence_parallelism(tmp_path, capsys) -> None:
         main([*flags[:-2], "--sp-mode", "ring"])
     with pytest.raises(SystemExit, match="--sp 2 with --tp: zeroshard does not run sequence parallelism"):
         main([*flags, "--sp", "2", "--tp", "2", "--gpus-per-node", "4"])
+
+
+def test_flash_attention_holds_no_scores() -> None:
+    """``--flash-attention``: the s x s scores' term drops out, with or without the sequence split."""
+    flash = dict(flash_attention=True)
+    assert activation_bytes(request(**flash)) == LAYERS * S * B * H * 34
+    assert activation_bytes(request(2, **flash)) == pytest.approx(LAYERS * S / 2 * B * H * 34)
+    assert activation_bytes(request(2, "ring", **flash)) == activation_bytes(request(2, "ring"))  # the ring's own math

@@ -21,6 +21,7 @@ def format_table(req: EstimateRequest, estimates: list[StageEstimate], gpu_memor
              + (", gradients held in fp32" if held_in_fp32 else "")
              + (f", offload {req.offload}" if req.offload else "")
              + (f", {req.trainable:g} of them trainable (the rest frozen)" if req.trainable < 1 else "")
+             + (", flash attention (no s x s scores held)" if req.flash_attention else "")
              + "; per rank, decimal GB",
              *_parallel_header(req),
              "",

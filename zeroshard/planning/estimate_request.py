@@ -184,6 +184,9 @@ class EstimateRequest:
     tensor: Optional[TensorShape] = None
     #: sequence parallelism (None: none)
     sequence: Optional[SequenceShape] = None
+    #: attention that never holds the s x s scores (flash / memory-efficient kernels; [Note: the
+    #: activation estimate] in planning/estimator.py)
+    flash_attention: bool = False
 
 
 def check_parallel(req: EstimateRequest) -> None:

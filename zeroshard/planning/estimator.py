@@ -12,8 +12,10 @@ For a transformer layer in 16-bit training, activations take about ``s*b*h*(34 +
 (sequence s, micro batch b, hidden h, heads a; Korthikanti et al., "Reducing Activation Recomputation
 in Large Transformer Models"); fp32 doubles it.  With activation checkpointing only each layer's input
 (``2*s*b*h`` bytes) is kept, plus one layer's full activations during its recomputation.  It is an
-estimate, not a measurement: attention implementations that never materialise the ``s x s`` scores
-need less.
+estimate, not a measurement.  Attention that never materialises the ``s x s`` scores (flash or
+memory-efficient attention, torch's ``scaled_dot_product_attention`` on its fused kernels;
+``EstimateRequest.flash_attention``, ``--flash-attention``) keeps none of the ``5*a*s/h`` term: about
+``s*b*h*34`` bytes a layer.
 
 [Note: pipeline and expert parallel estimates]
 A pipeline of P stages over N ranks (``PipelineShape``) is P stages x N/P data-parallel ranks; each
@@ -154,13 +156,14 @@ def activation_bytes(req: EstimateRequest) -> float:
     if not (s and b and h and layers):
         return 0.0
     scale = 1.0 if req.precision == "mixed" else 2.0
+    scores = 0.0 if req.flash_attention else 1.0  # see [Note: the activation estimate]
     if req.sequence is not None and req.sequence.size > 1:
         return _sequence_activation_bytes(req, s, b, h, layers, a, scale)
     if req.tensor is not None:  # see [Note: tensor parallel estimates]
         t = req.tensor.size
-        per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * scale
+        per_layer = s * b * h * (10 + 24 / t + scores * 5 * a * s / (h * t)) * scale
     else:
-        per_layer = s * b * h * (34 + 5 * a * s / h) * scale
+        per_layer = s * b * h * (34 + scores * 5 * a * s / h) * scale
     in_flight = req.pipeline.in_flight(req.micro_steps) if req.pipeline is not None else 1
     if req.checkpointing:  # one layer recomputes at a time, whatever the micro-batches in flight
         return in_flight * (2 * s * b * h * scale) * layers + per_layer
@@ -175,7 +178,8 @@ def _sequence_activation_bytes(req: EstimateRequest, s: int, b: int, h: int, lay
     if req.sequence.mode == "ring":
         per_layer, once = local * b * h * 34 * scale, 5 * a * local * local * b * scale
     else:
-        per_layer, once = local * b * h * (34 + 5 * a * s / h) * scale, 0.0
+        scores = 0.0 if req.flash_attention else 1.0
+        per_layer, once = local * b * h * (34 + scores * 5 * a * s / h) * scale, 0.0
     if req.checkpointing:
         return (2 * local * b * h * scale) * layers + per_layer + once
     return per_layer * layers + once

@@ -316,6 +316,7 @@ def _estimate(args: argparse.Namespace) -> int:
     req = EstimateRequest(num_params=num_params, world_size=args.gpus_per_node * args.nodes,
                           precision="fp32" if args.precision == "fp32" else "mixed", offload=args.offload,
                           micro_batch=args.micro_batch, seq_len=args.seq_len, checkpointing=args.checkpointing,
+                          flash_attention=args.flash_attention,
                           shape=ModelShape(**shape), reduce_bucket_size=zero.reduce_bucket_size,
                           prefetch_bucket_size=zero.stage3_prefetch_bucket_size, trainable=args.trainable,
                           grad_bytes=_grad_bytes(args, config), micro_steps=_micro_steps(args, config),
@@ -493,6 +494,9 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--layers", type=int)
     est.add_argument("--heads", type=int)
     est.add_argument("--checkpointing", action="store_true", help="activation checkpointing on")
+    est.add_argument("--flash-attention", action="store_true",
+                     help="attention never holds the s x s scores (flash / memory-efficient kernels): "
+                          "activations without them")
     est.add_argument("--grad-accum", type=int,
                      help="micro steps per optimizer step (default: the config's gradient_accumulation_steps, "
                           "else 1); under bf16 more than one holds gradients in fp32")
