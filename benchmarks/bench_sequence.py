@@ -6,7 +6,9 @@ Ulysses against the ring, and the exchange bytes against ``zeroshard estimate``.
 
 A small Llama-style decoder (zeroshard's own: token embeddings, rotary-free learned positions, blocks of
 causal attention through ``DistributedAttention`` over torch's ``scaled_dot_product_attention`` and an
-MLP, a head) in fp32, world 2 (gloo, one thread a rank), one sequence per step, SGD, ZeRO-1.
+MLP, a head) in fp32, world 2 (gloo, one thread a rank), one sequence per step, SGD, ZeRO-1, with
+``host_memory_release`` (glibc returns each freed block over 1 MiB at once, so the RSS high-water mark
+follows the tensors alive rather than the allocator's retained heap).
 - **Memory**: each configuration in fresh processes; a rank's activation peak is its RSS high-water
   mark over two training steps less its RSS once the engine is built, beside ``zeroshard estimate
   --flash-attention``'s activations (torch's attention runs its fused kernel here: no s x s scores;
@@ -86,7 +88,7 @@ def engine_for(sp: int, seq_len: int, mode: str = "ulysses") -> Any:
     return zeroshard.initialize(model=Decoder(seq_len), config={
         "train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": sp, "steps_per_print": 10 ** 9,
         "sequence_parallel": {"mode": mode}, "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": 1}})[0]
+        "zero_optimization": {"stage": 1}, "host_memory_release": True})[0]
 
 
 def train_step(engine: Any, seq_len: int, step: int) -> None:
