@@ -1,0 +1,133 @@
+"""FP8 linear layers (zeroshard/fp8/): the GEMMs against a reference that quantises with the same scales and
+multiplies in fp64, a check that the GEMMs really ran in FP8, and the layer selection and its errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from zeroshard.config import ConfigError, load_config
+from zeroshard.errors import NotSupportedByZeroshard
+
+fp8 = pytest.importorskip("zeroshard.fp8")
+pytest.importorskip("torchao")
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+#: the FP8 formats of (input, weight, grad_output) per recipe (docs/FP8.md, "Recipes")
+FORMATS = {"tensorwise": (E4M3, E4M3, E5M2), "rowwise": (E4M3, E4M3, E4M3)}
+
+
+def _dequantised(t: torch.Tensor, dtype: torch.dtype, dim: int | None, power_of_2: bool) -> torch.Tensor:
+    """``t`` quantised to ``dtype`` with a dynamic scale (one per tensor, or one per slice along ``dim``, the
+    GEMM's contraction dimension), and back in fp64: the FP8 value each element becomes."""
+    amax = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
+    top = torch.finfo(dtype).max
+    scale = (top / amax.double().clamp(min=1e-12)).float()
+    if power_of_2:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    q = (t.float() * scale).clamp(-top, top).to(dtype)
+    return q.double() / scale.double()
+
+
+def _reference_mm(a: torch.Tensor, b: torch.Tensor, formats: tuple[torch.dtype, torch.dtype], recipe: str,
+                  power_of_2: bool) -> torch.Tensor:
+    """a @ b with both operands quantised as the recipe does, multiplied in fp64; rowwise GEMMs give their
+    product in bf16 (torch._scaled_mm's output for per-row scales)."""
+    rowwise = recipe == "rowwise"
+    product = _dequantised(a, formats[0], 1 if rowwise else None, power_of_2) @ \
+        _dequantised(b, formats[1], 0 if rowwise else None, power_of_2)
+    return product.float().bfloat16().float() if rowwise else product.float()
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).abs().max() / want.double().abs().max())
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_linear_equals_the_quantised_reference(recipe: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 48, bias=False))
+    fp8.convert(model, recipe)
+    layer = model[0]
+    x = torch.randn(32, 64, requires_grad=True)
+    y = layer(x)
+    go = torch.randn_like(y)
+    y.backward(go)
+    w = layer.weight.detach()
+    i, wf, g = FORMATS[recipe]
+    pow2 = layer.config.round_scales_to_power_of_2
+    assert _relative(y, _reference_mm(x.detach(), w.t(), (i, wf), recipe, pow2)) <= 1e-6
+    assert _relative(x.grad, _reference_mm(go, w, (g, wf), recipe, pow2)) <= 1e-6
+    assert _relative(layer.weight.grad, _reference_mm(go.t(), x.detach(), (g, i), recipe, pow2)) <= 1e-6
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_every_gemm_takes_fp8_operands(recipe: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forward and both backward GEMMs go through torch._scaled_mm with FP8 operands: a layer that fell
+    back to a high-precision matmul would make no call here."""
+    seen: list[tuple[torch.dtype, torch.dtype]] = []
+    scaled_mm = torch._scaled_mm
+
+    def recording(a: torch.Tensor, b: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        seen.append((a.dtype, b.dtype))
+        return scaled_mm(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    model = nn.Sequential(nn.Linear(32, 16).bfloat16())
+    fp8.convert(model, recipe)
+    x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+    model(x).sum().backward()
+    i, w, g = FORMATS[recipe]
+    assert seen == [(i, w), (g, w), (g, i)]
+
+
+class _Gate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wg = nn.Linear(32, 16, bias=False)
+
+
+class _Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 64)
+        self.odd = nn.Linear(64, 10)
+        self.gate = _Gate()
+        self.lm_head = nn.Linear(64, 32)
+
+
+def test_defaults_keep_head_router_and_odd_shapes() -> None:
+    selection = fp8.convert(_Tiny())
+    assert selection.converted == ("fc",)
+    assert dict(selection.kept) == {"odd": "dimensions 64 x 10 are not multiples of 16",
+                                    "gate.wg": "an MoE router", "lm_head": "an output head"}
+    named = fp8.convert(_Tiny(), include=["fc", "lm_head"])
+    assert named.converted == ("fc", "lm_head")
+
+
+def test_bad_selections_are_named() -> None:
+    with pytest.raises(fp8.FP8ConfigError, match="'fp8.include' pattern 'blocks.*' matches no nn.Linear"):
+        fp8.convert(_Tiny(), include=["blocks.*"])
+    with pytest.raises(fp8.FP8ConfigError, match="'fp8.exclude' pattern 'nope'"):
+        fp8.convert(_Tiny(), exclude=["nope"])
+    with pytest.raises(fp8.FP8ConfigError, match="converts no linear layer"):
+        fp8.convert(_Tiny(), exclude=["fc"])
+    with pytest.raises(fp8.FP8ConfigError, match="not a known FP8 recipe"):
+        fp8.convert(_Tiny(), recipe="blockwise")
+
+
+def test_config_block_is_checked() -> None:
+    with pytest.raises(ConfigError, match="'fp8.recipe' = \"rowwize\" is not one of tensorwise, rowwise"):
+        load_config({"fp8": {"enabled": True, "recipe": "rowwize"}})
+    with pytest.raises(ConfigError, match="'fp8.enabled' with 'fp16.enabled'"):
+        load_config({"fp8": {"enabled": True}, "fp16": {"enabled": True}})
+    assert load_config({"fp8": {"enabled": True, "recipe": "rowwise"}}).fp8.recipe == "rowwise"
+
+
+def test_tensor_parallelism_and_pipelines_are_refused() -> None:
+    from zeroshard.fp8.checks import refuse_fp8_with
+    with pytest.raises(NotSupportedByZeroshard, match="'fp8.enabled' with tensor parallelism"):
+        refuse_fp8_with(2, pipeline=False)
+    with pytest.raises(NotSupportedByZeroshard, match="PipelineModule"):
+        refuse_fp8_with(1, pipeline=True)
