@@ -22,6 +22,7 @@ from .errors import InitializeArgumentError
 from .experts.layer import expert_parallel_size
 from .fp8.checks import refuse_fp8_with
 from .fp8.convert import convert_from_config
+from .fp8.gathers import fp8_weights, gather_fp8_weights
 from .tensor_parallel import SplitModel, prepare_tensor_parallel, tensor_parallel_size
 from .tensor_parallel.engine import tensor_parallel_engine
 from .logging import log_rank
@@ -105,8 +106,10 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     parsed = resolve_batch_sizes(parsed, world.world_size // axes.sp)  # data-parallel ranks (DeepSpeed's rule)
     if parsed.seed is not None:
         torch.manual_seed(parsed.seed)
+    weights = fp8_weights(model)  # before the engine shards them
     engine = Engine(model, parsed, world, model_parameters, optimizer, lr_scheduler, axes=axes) if worlds is None \
         else tensor_parallel_engine(model, parsed, worlds, model_parameters, optimizer, lr_scheduler, split)
+    gather_fp8_weights(engine.storage, weights, parsed.fp8)
     if split is not None:
         engine.hold_hook(batch_check)
     loader = None

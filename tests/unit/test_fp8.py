@@ -131,3 +131,41 @@ def test_tensor_parallelism_and_pipelines_are_refused() -> None:
         refuse_fp8_with(2, pipeline=False)
     with pytest.raises(NotSupportedByZeroshard, match="PipelineModule"):
         refuse_fp8_with(1, pipeline=True)
+
+
+def test_fp8_gather_packs_weights_in_one_byte_and_the_rest_as_it_is() -> None:
+    """Stage 3's FP8 gathers (sharding/stage3/fp8_gathers.py): a bucket of an FP8 weight, another parameter
+    and padding, split over two ranks, packed and unpacked."""
+    from zeroshard.sharding.layout import BucketLayout, ParamSlot
+    from zeroshard.sharding.stage3.fp8_gathers import E4M3, Fp8BucketPlan, scales_of
+    slots = (ParamSlot(0, "w", 0, 32, (4, 8)), ParamSlot(1, "b", 32, 6, (6,)))
+    bucket = BucketLayout(0, 0, 0, 38, 40, slots, 2)
+    plan = Fp8BucketPlan(bucket, {0}, torch.bfloat16.itemsize)
+    assert plan.packed == 12 + 6 * 2 + 2  # rank 1: 12 weight bytes, 6 bf16 elements, 2 padding (rank 0: 20)
+    full = torch.randn(40).bfloat16()
+    full[38:] = 0
+    scales = scales_of(full[:32].float().abs().max().reshape(1))
+    into = torch.full((40,), float("nan"), dtype=torch.bfloat16)
+    for rank in (0, 1):
+        start, end = bucket.shard_range(rank)
+        plan.unpack(plan.pack(full[start:end], rank, scales), rank, scales, into)
+    weight = (full[:32].float() * scales[0]).to(E4M3).float() / scales[0]
+    assert torch.equal(into[:32], weight.bfloat16())
+    assert torch.equal(into[32:], full[32:])
+
+
+def test_a_dequantised_weight_casts_back_to_the_gathered_fp8_values() -> None:
+    """What FP8 gathers rely on: torchao's tensorwise cast of the dequantised weight finds the gathered
+    scale and e4m3 values again ([Note: gathering FP8 weights in FP8] in sharding/stage3/fp8_gathers.py)."""
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+    from zeroshard.sharding.stage3.fp8_gathers import E4M3, scales_of
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        weight = (torch.randn(64, 48) * torch.logspace(-4, 1, 48)).to(dtype)
+        scale = scales_of(weight.float().abs().max().reshape(1))[0]
+        gathered = (weight.float() * scale).clamp(-448, 448).to(E4M3)
+        dequantised = (gathered.float() / scale).to(dtype)
+        cast = hp_tensor_to_float8_dynamic(dequantised, E4M3, LinearMMConfig())
+        assert torch.equal(cast._scale, scale)
+        assert torch.equal(cast._data.view(torch.uint8), gathered.view(torch.uint8))

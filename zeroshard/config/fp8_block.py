@@ -40,13 +40,24 @@ class FP8Config:
         "(`router`, `gate`, `wg`) in high precision unless `include` names one exactly; layers whose dimensions "
         "are not multiples of 16 stay in high precision always (FP8 GEMMs cannot take them). Each kept layer is "
         "logged once.")
+    gather_weights_in_fp8: bool = key(
+        True, "ZeRO stage 3 with the `tensorwise` recipe: FP8 layers' weights are gathered for forward and "
+        "backward in FP8, one byte per element (half of bf16's), with one scale per weight agreed by the shard "
+        "group (an all-reduce of the amax), and dequantised into the layer's parameter, where the layer's cast "
+        "finds the same FP8 values (docs/FP8.md, \"Stage 3 gathers\"); false: gathered in the parameters' dtype. "
+        "Ignored where nothing is gathered (stages 0-2) and where the recipe is `rowwise` (its weight scales "
+        "differ per GEMM).")
 
 
-def check_fp8(block: FP8Config, fp16: bool) -> None:
-    """The ``fp8`` keys that depend on the rest of the config (``fp16``: fp16 training is on), refused by name
-    on every rank."""
+def check_fp8(block: FP8Config, fp16: bool, hpz: int) -> None:
+    """The ``fp8`` keys that depend on the rest of the config (``fp16``: fp16 training is on; ``hpz``: the hpZ
+    partition size), refused by name on every rank."""
     if not block.enabled:
         return
+    if block.gather_weights_in_fp8 and hpz > 1:
+        raise ConfigError("'fp8.gather_weights_in_fp8' with 'zero_optimization.zero_hpz_partition_size' > 1: the "
+                          "secondary partition holds weights in their own dtype (not supported); set "
+                          "'fp8.gather_weights_in_fp8' to false")
     if fp16:
         raise ConfigError("'fp8.enabled' with 'fp16.enabled': FP8 layers do not compose with fp16's loss scaling "
                           "(not supported); train with 'bf16.enabled' (the natural companion) or in fp32")

@@ -45,7 +45,7 @@ def load_config(source: Union[str, os.PathLike, Mapping[str, Any], ZeroshardConf
         _check_sequence_parallel(config)
         check_allreduce_op(config.gradient_allreduce_op, config.stage)
         check_tensor_parallel(config.tensor_parallel)
-        check_fp8(config.fp8, config.fp16.enabled)
+        check_fp8(config.fp8, config.fp16.enabled, config.zero_optimization.zero_hpz_partition_size)
     if world_size is not None:
         config = resolve_batch_sizes(config, world_size)
     return config
