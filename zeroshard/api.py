@@ -20,7 +20,7 @@ from .checkpoint.format import LATEST
 from .engine.engine import Engine, SchedulerSpec
 from .errors import InitializeArgumentError
 from .experts.layer import expert_parallel_size
-from .fp8.checks import refuse_fp8_with
+from .fp8.checks import refuse_fp8_with, refuse_fsdp_float8_weights
 from .fp8.convert import convert_from_config
 from .fp8.gathers import fp8_weights, gather_fp8_weights
 from .tensor_parallel import SplitModel, prepare_tensor_parallel, tensor_parallel_size
@@ -77,6 +77,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     if not isinstance(model, PipelineModule) and (parsed.pipeline.stages or 1) > 1:
         raise PipelineConfigError(f"'pipeline.stages' = {parsed.pipeline.stages} needs the model as a "
                                   f"zeroshard.pipe.PipelineModule (docs/PIPELINE.md)")
+    refuse_fsdp_float8_weights(model)
     if parsed.fp8.enabled:  # FP8 is refused, or converted, on every rank before the engine is built
         refuse_fp8_with(_tensor_parallel_degree(parsed, model, mpu), pipeline=isinstance(model, PipelineModule))
         convert_from_config(model, parsed.fp8)

@@ -169,3 +169,34 @@ def test_a_dequantised_weight_casts_back_to_the_gathered_fp8_values() -> None:
         cast = hp_tensor_to_float8_dynamic(dequantised, E4M3, LinearMMConfig())
         assert torch.equal(cast._scale, scale)
         assert torch.equal(cast._data.view(torch.uint8), gathered.view(torch.uint8))
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 16))
+
+
+def _config() -> dict:
+    return {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 10}}
+
+
+def test_accelerates_torchao_conversion_trains_and_its_fsdp2_weights_are_refused() -> None:
+    """Hugging Face Accelerate's FP8 path converts with accelerate.utils.ao before calling initialize():
+    without ``enable_fsdp_float8_all_gather`` the model trains; with it (Accelerate's default) it is refused
+    by name."""
+    import zeroshard
+    from accelerate.utils.ao import convert_model_to_fp8_ao
+    from torchao.float8 import Float8LinearConfig
+    model = _mlp()
+    convert_model_to_fp8_ao(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=False))
+    assert fp8.fp8_layers(model) == ["2"]  # Accelerate keeps the first and last linear layers
+    engine, _, _, _ = zeroshard.initialize(model=model, config=_config())
+    loss = engine(torch.randn(4, 32)).square().mean()
+    engine.backward(loss)
+    engine.step()
+    engine.close()
+    wrapped = _mlp()
+    convert_model_to_fp8_ao(wrapped, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+    with pytest.raises(NotSupportedByZeroshard, match="WeightWithDynamicFloat8CastTensor"):
+        zeroshard.initialize(model=wrapped, config=_config())
