@@ -102,7 +102,7 @@ def train(rank: int, world: int, stage: int, precision: str, recipe: str, gather
     gathered = [(r.label, r.full_bytes) for r in log if r.kind is CommKind.ALL_GATHER]
     amax = sum(r.full_bytes for r in log if r.kind is CommKind.ALL_REDUCE and r.label.endswith(".fp8_amax"))
     out = {"params": full_masters(engine), "layers": fp8_layers(engine.module), "gathered": gathered,
-           "amax_bytes": amax}
+           "amax_bytes": amax, "fp8_buffers": engine.memory_breakdown().get("fp8_gather_buffers")}
     engine.close()
     return out
 
@@ -204,13 +204,16 @@ def fp8_worker(rank: int, world: int, directory: str) -> dict:
 
 
 def _check_fp8_gathers(fp8: dict, hp: dict) -> None:
-    """Every FP8 gather moves half of the same gather's bytes in bf16; training is the same."""
+    """Every FP8 gather moves half of the same gather's bytes in bf16 (the memory breakdown counts its
+    buffers); training is the same."""
     hp_bytes = dict(hp["gathered"])
     halves = [(label, size, hp_bytes[label[:-len(".fp8")]]) for label, size in fp8["gathered"] if label.endswith(".fp8")]
     assert halves, f"no FP8 gather: {fp8['gathered']}"
     assert all(2 * size == bf16 for _, size, bf16 in halves), halves
     assert 0 < fp8["amax_bytes"] <= 4 * 8 * len(halves), fp8["amax_bytes"]  # one fp32 amax per weight
     assert not any(label.endswith(".fp8") for label, _ in hp["gathered"])
+    largest = max(size for _, size, _ in halves)  # the breakdown's transient buffers: its chunks, sent and received
+    assert fp8["fp8_buffers"] == largest + largest // 2 and hp["fp8_buffers"] is None, fp8["fp8_buffers"]
     assert _relative(fp8["params"], hp["params"]) <= STAGES_TOL, "FP8 gathers changed training"
 
 

@@ -142,6 +142,10 @@ class Fp8Gathers:
     def covers(self, index: int) -> bool:
         return index in self.plans
 
+    def buffer_bytes(self) -> int:
+        """The largest gather's packed buffers (this rank's chunk and every rank's), held while it runs."""
+        return max(((plan.bucket.world_size + 1) * plan.packed for plan in self.plans.values()), default=0)
+
     def gather(self, comm: Collectives, index: int, rank: int, own: torch.Tensor, label: str,
                into: Optional[torch.Tensor]) -> None:
         """Agree on the scales, all-gather the packed chunks and, with ``into`` (the full buffer), dequantise
