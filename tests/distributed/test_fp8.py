@@ -4,8 +4,8 @@ The test GPT (zs_common's: a tied embedding, a frozen layer, clipping active) is
 config's ``fp8`` block and trains 3 steps at every stage in bf16 with fp32 masters, at stages 0 and 3
 in fp32, and with the rowwise recipe at stages 0 and 3; stage 3 gathers the blocks' weights in FP8 and,
 once, in bf16, whose bytes the FP8 gathers halve exactly.  In the same world, at stage 3: gradient
-accumulation (fp32), activation checkpointing and CPU offload of optimizer and parameters against the
-oracle; a checkpoint saved with FP8 loads without it (stage 2) and, saved there, back with it, whose
+accumulation (fp32), activation checkpointing, CPU offload of optimizer and parameters and a model built
+under ``zeroshard.Init`` against the oracle; a checkpoint saved with FP8 loads without it (stage 2) and, saved there, back with it, whose
 next step is the first run's to the bit; and fp16, tensor parallelism, a pipeline and a pattern that
 matches no layer are each refused by name on every rank.  The oracle is one process training the same torchao-converted
 model on the global batch with AdamW and clipping (fp32 masters beside bf16 parameters for bf16).  FP8
@@ -116,7 +116,11 @@ def composed(rank: int, world: int, name: str) -> float:
         checkpoint_modules(model, Block)
     elif name == "offload":
         zero = {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
-    engine, _, _, _ = zeroshard.initialize(model=model, config=fp8_config(3, precision, accum=accum, **zero))
+    config = fp8_config(3, precision, accum=accum, **zero)
+    if name == "Init":  # built already sharded, then converted by initialize()
+        with zeroshard.Init(config=config):
+            model = make_model()
+    engine, _, _, _ = zeroshard.initialize(model=model, config=config)
     run_steps(engine, rank, world, range(STEPS), accum)
     params = full_masters(engine)
     engine.close()
@@ -177,7 +181,7 @@ def _relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 #: compositions at stage 3 (tensorwise, FP8 gathers; bf16, accumulation in fp32), each against the oracle
-COMPOSITIONS = ("accumulation", "checkpointing", "offload")
+COMPOSITIONS = ("accumulation", "checkpointing", "offload", "Init")
 #: the error each refusal must raise on every rank
 REFUSALS = {"fp16": "ConfigError: 'fp8.enabled' with 'fp16.enabled'",
             "tensor parallelism": "NotSupportedByZeroshard: 'fp8.enabled' with tensor parallelism",
