@@ -1,17 +1,20 @@
-"""FP8 layers (zeroshard/fp8/) at ZeRO stages 0-3 against one process, in one world of two.
+"""FP8 layers (zeroshard/fp8/) at ZeRO stages 0-3 against one process, in worlds of two.
 
 The test GPT (zs_common's: a tied embedding, a frozen layer, clipping active) is converted by the
 config's ``fp8`` block and trains 3 steps at every stage in bf16 with fp32 masters, at stages 0 and 3
 in fp32, and with the rowwise recipe at stages 0 and 3; stage 3 gathers the blocks' weights in FP8 and,
-once, in bf16, whose bytes the FP8 gathers halve exactly.  In the same world, at stage 3: gradient
-accumulation (fp32), activation checkpointing, CPU offload of optimizer and parameters and a model built
-under ``zeroshard.Init`` against the oracle; a checkpoint saved with FP8 loads without it (stage 2) and, saved there, back with it, whose
-next step is the first run's to the bit; and fp16, tensor parallelism, a pipeline and a pattern that
-matches no layer are each refused by name on every rank.  The oracle is one process training the same torchao-converted
-model on the global batch with AdamW and clipping (fp32 masters beside bf16 parameters for bf16).  FP8
-scales are dynamic, taken over the tensors a GEMM sees, so the oracle runs the global batch as the ranks
-see it: each rank's rows in a forward and backward of their own (the loss divided by the world size),
-the gradients summed; anything else would quantise with other scales and differ by FP8's rounding.
+once, in bf16, whose bytes the FP8 gathers halve exactly.  In the same world: ``full_state_dict``
+while units gathered in FP8 are held gives the exact values; and fp16, tensor parallelism, a pipeline
+and a pattern that matches no layer are each refused by name on every rank.  The extended world, at
+stage 3: gradient accumulation (fp32), activation checkpointing, CPU offload of optimizer and parameters
+and a model built under ``zeroshard.Init`` against the oracle; a checkpoint saved with FP8 loads without
+it (stage 2) and, saved there, back with it, whose next step is the first run's to the bit.
+
+The oracle is one process training the same torchao-converted model on the global batch with AdamW and
+clipping (fp32 masters beside bf16 parameters for bf16).  FP8 scales are dynamic, taken over the tensors
+a GEMM sees, so the oracle runs the global batch as the ranks see it: each rank's rows in a forward and
+backward of their own (the loss divided by the world size), the gradients summed; anything else would
+quantise with other scales and differ by FP8's rounding.
 
 [Note: the FP8 tolerances]
 With the same quantisation everywhere, the runs differ only in the order of fp32 (or bf16) sums: the
@@ -25,6 +28,7 @@ global batch's scales, differs by FP8's rounding (e4m3's 2**-4 relative), far be
 from __future__ import annotations
 
 import copy
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +56,10 @@ CASES = [(0, "fp32", "tensorwise", "fp8"), (3, "fp32", "tensorwise", "fp8")] + \
     [(3, "bf16", "tensorwise", "hp"), (0, "bf16", "rowwise", "fp8"), (3, "bf16", "rowwise", "fp8")]
 
 
+@functools.lru_cache(maxsize=None)
 def oracle(world: int, precision: str, recipe: str, accum: int = 1) -> dict[str, torch.Tensor]:
-    """One process, the global batch as the ranks see it; its fp32 parameters (masters under bf16)."""
+    """One process, the global batch as the ranks see it; its fp32 parameters (masters under bf16); one run
+    per set of arguments in a rank (the cases compare with it, none changes it)."""
     masters = make_model()
     convert(masters, recipe)
     work = masters if precision == "fp32" else copy.deepcopy(masters).bfloat16()
@@ -127,6 +133,22 @@ def composed(rank: int, world: int, name: str) -> float:
     return _relative(params, oracle(world, precision, "tensorwise", accum))
 
 
+def exact_after_fp8(rank: int, world: int) -> tuple[int, float]:
+    """``full_state_dict`` between a forward and its backward, while units the forward gathered in FP8 are
+    still gathered: how many were, and how far its values are from the bf16 parameters (exactly 0)."""
+    engine, _, _, _ = zeroshard.initialize(model=make_model(), config=fp8_config(3, "bf16"))
+    run_steps(engine, rank, world, range(1))
+    (x, y), = rank_micro_batches(1, rank, world, MICRO, 1)
+    loss = engine(x, y)
+    held = len(engine.storage._approximate)
+    full = engine.full_state_dict(rank0_only=False)
+    masters = full_masters(engine)
+    engine.backward(loss)
+    engine.step()
+    engine.close()
+    return held, max(float((full[k].float() - masters[k].bfloat16().float()).abs().max()) for k in masters)
+
+
 def checkpoints(rank: int, world: int, directory: str) -> dict[str, float]:
     """Saved with FP8 at stage 3, loaded without it at stage 2; saved there, loaded back with FP8: the next
     step is the one the first run took."""
@@ -189,7 +211,8 @@ REFUSALS = {"fp16": "ConfigError: 'fp8.enabled' with 'fp16.enabled'",
             "no match": "FP8ConfigError: 'fp8.include' pattern 'layers.*' matches no nn.Linear"}
 
 
-def fp8_worker(rank: int, world: int, directory: str) -> dict:
+def fp8_worker(rank: int, world: int) -> dict:
+    """The default world: the stages, the refusals, exact gathers after FP8 ones."""
     out: dict[Any, Any] = {}
     for stage, precision, recipe, gathers in CASES:
         with case(stage=stage, precision=precision, recipe=recipe, gathers=gathers, world=world):
@@ -197,13 +220,22 @@ def fp8_worker(rank: int, world: int, directory: str) -> dict:
             run = train(rank, world, stage, precision, recipe, gathers)
             run["oracle"] = _relative(run["params"], oracle(world, precision, recipe))
             out[(stage, precision, recipe, gathers)] = run
+    with case(check="exact after FP8 gathers", world=world):
+        out["exact"] = exact_after_fp8(rank, world)
+    with case(check="refused", world=world):
+        out["refused"] = refused(rank, world)
+    return out
+
+
+def compositions_worker(rank: int, world: int, directory: str) -> dict:
+    """The extended world: the compositions and the checkpoints."""
+    out: dict[Any, Any] = {}
     for name in COMPOSITIONS:
         with case(composition=name, world=world):
+            torch.manual_seed(0)
             out[name] = composed(rank, world, name)
     with case(check="checkpoints", world=world):
         out["checkpoints"] = checkpoints(rank, world, directory)
-    with case(check="refused", world=world):
-        out["refused"] = refused(rank, world)
     return out
 
 
@@ -222,8 +254,8 @@ def _check_fp8_gathers(fp8: dict, hp: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def world_2(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return run_world(fp8_worker, 2, args=(str(tmp_path_factory.mktemp("fp8")),))
+def world_2() -> list[dict]:
+    return run_world(fp8_worker, 2)
 
 
 def test_fp8_stages_follow_one_process_and_each_other(world_2: list[dict]) -> None:
@@ -242,9 +274,19 @@ def test_fp8_stages_follow_one_process_and_each_other(world_2: list[dict]) -> No
     failures.raise_any()
 
 
-def test_fp8_composes_with_accumulation_checkpointing_offload_and_checkpoints(world_2: list[dict]) -> None:
+def test_exact_gathers_after_fp8_gathers(world_2: list[dict]) -> None:
     failures = CaseFailures()
     for rank, by_case in enumerate(world_2):
+        with failures.case(check="exact after FP8 gathers", rank=rank):
+            held, diff = by_case["exact"]
+            assert held and diff == 0.0, (held, diff)
+    failures.raise_any()
+
+
+@pytest.mark.slow
+def test_fp8_composes_with_accumulation_checkpointing_offload_init_and_checkpoints(tmp_path: Path) -> None:
+    failures = CaseFailures()
+    for rank, by_case in enumerate(run_world(compositions_worker, 2, args=(str(tmp_path),))):
         for name in COMPOSITIONS:
             with failures.case(composition=name, rank=rank):
                 assert by_case[name] <= ORACLE_TOL, f"{by_case[name]:.3g} from the oracle"
