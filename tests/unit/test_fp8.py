@@ -122,6 +122,8 @@ def test_config_block_is_checked() -> None:
         load_config({"fp8": {"enabled": True, "recipe": "rowwize"}})
     with pytest.raises(ConfigError, match="'fp8.enabled' with 'fp16.enabled'"):
         load_config({"fp8": {"enabled": True}, "fp16": {"enabled": True}})
+    with pytest.raises(ConfigError, match="'fp8.gather_weights_in_fp8' with 'zero_optimization.zero_hpz"):
+        load_config({"fp8": {"enabled": True}, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}})
     assert load_config({"fp8": {"enabled": True, "recipe": "rowwise"}}).fp8.recipe == "rowwise"
 
 
