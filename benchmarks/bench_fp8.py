@@ -104,7 +104,8 @@ def main() -> None:
                 "peak_rss_mib": max(r["peak_rss_bytes"] for r in ranks) / 2**20, "params": ranks[0]["params"]}
             print(f"finished stage {stage} {precision}", flush=True)
     print(f"\nGPT {MODEL}, world 2, micro batch {args.micro_batch}, {args.steps} steps, recipe {args.recipe}\n")
-    print("| stage | precision | final loss | vs bf16 | vs fp32 | step (s) | all-gather bytes/step | peak RSS/rank (MiB) |")
+    print("| stage | precision | final loss | vs bf16 | vs fp32 | step (s) | all-gather bytes/step "
+          "| peak RSS/rank (MiB) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for key, r in results.items():
         stage, precision = key.split("/")

@@ -243,7 +243,8 @@ def _check_fp8_gathers(fp8: dict, hp: dict) -> None:
     """Every FP8 gather moves half of the same gather's bytes in bf16 (the memory breakdown counts its
     buffers); training is the same."""
     hp_bytes = dict(hp["gathered"])
-    halves = [(label, size, hp_bytes[label[:-len(".fp8")]]) for label, size in fp8["gathered"] if label.endswith(".fp8")]
+    halves = [(label, size, hp_bytes[label[:-len(".fp8")]])
+              for label, size in fp8["gathered"] if label.endswith(".fp8")]
     assert halves, f"no FP8 gather: {fp8['gathered']}"
     assert all(2 * size == bf16 for _, size, bf16 in halves), halves
     assert 0 < fp8["amax_bytes"] <= 4 * 8 * len(halves), fp8["amax_bytes"]  # one fp32 amax per weight

@@ -34,5 +34,5 @@ def refuse_fsdp_float8_weights(model: nn.Module) -> None:
             refuse(f"torchao's FSDP2 FP8 weight ({name} is a {FSDP_FLOAT8_WEIGHT}: enable_fsdp_float8_all_gather, "
                    f"the default of Accelerate's AORecipeKwargs)", "its all-gathers are FSDP2's, and its parameters "
                    "are not the ones the optimizer holds", "Convert with enable_fsdp_float8_all_gather=False "
-                   "(AORecipeKwargs(enable_fsdp_float8_all_gather=False), or ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER"
-                   "=false), or use zeroshard's 'fp8' config block, whose stage 3 gathers weights in FP8 itself.")
+                   "(AORecipeKwargs(enable_fsdp_float8_all_gather=False), or "
+                   "ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER=false), or use zeroshard's 'fp8' config block, whose stage 3 gathers weights in FP8 itself.")
