@@ -10,6 +10,8 @@ to e4m3 with that scale (one byte each), the bucket's padding as zero bytes, and
 elements in their own dtype; the all-gather moves the packed chunks, the same size on every rank (the
 largest), so a bucket of FP8 weights alone moves exactly half of bf16's bytes.  Last, each rank
 dequantises the others' chunks into the bucket's full buffer; its own slot keeps its exact values.
+The all-gather runs in the background like any other (a prefetch overlaps it with compute); the
+dequantising runs when the gather is waited for.
 
 The layer then casts the gathered weight to FP8 again, dynamically, as without these gathers, and gets
 the same bytes: the dequantised weight's amax is the agreed one (448 / scale rounds back to the amax,
@@ -30,11 +32,11 @@ bucket that an FP8 gather left in place is gathered again in its own dtype first
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Collection, Optional
+from typing import Callable, Collection, Optional
 
 import torch
 
-from ...distributed.collectives import Collectives
+from ...distributed.collectives import Collectives, PendingCollective
 from ..layout import BucketLayout
 
 __all__ = ["Fp8Gathers", "Fp8BucketPlan"]
@@ -147,9 +149,10 @@ class Fp8Gathers:
         return max(((plan.bucket.world_size + 1) * plan.packed for plan in self.plans.values()), default=0)
 
     def gather(self, comm: Collectives, index: int, rank: int, own: torch.Tensor, label: str,
-               into: Optional[torch.Tensor]) -> None:
-        """Agree on the scales, all-gather the packed chunks and, with ``into`` (the full buffer), dequantise
-        the other ranks' chunks into it; without it (a rank that joins others' gather) the result is dropped."""
+               into: Optional[torch.Tensor]) -> tuple[PendingCollective, Callable[[], None]]:
+        """Agree on the scales and start the all-gather of the packed chunks; returns it in flight and what
+        to run once it is done: with ``into`` (the full buffer), dequantise the other ranks' chunks into it;
+        without it (a rank that joins others' gather), nothing."""
         plan = self.plans[index]
         with torch.no_grad():
             amax = plan.local_amax(own, rank)
@@ -157,9 +160,15 @@ class Fp8Gathers:
             scales = scales_of(amax)
             packed = plan.pack(own, rank, scales)
             gathered = torch.empty(plan.packed * plan.bucket.world_size, dtype=torch.uint8, device=own.device)
-            comm.all_gather(gathered, packed, f"{label}.fp8")
+            pending = comm.all_gather(gathered, packed, f"{label}.fp8", async_op=True)
+        packed_kept = [packed]
+
+        def finish() -> None:  # holds ``packed`` until the gather is done: the ring sends from it
+            del packed_kept[:]
             if into is None:
                 return
-            for other in range(plan.bucket.world_size):
-                if other != rank:
-                    plan.unpack(gathered[other * plan.packed:(other + 1) * plan.packed], other, scales, into)
+            with torch.no_grad():
+                for other in range(plan.bucket.world_size):
+                    if other != rank:
+                        plan.unpack(gathered[other * plan.packed:(other + 1) * plan.packed], other, scales, into)
+        return pending, finish

@@ -40,7 +40,7 @@ moved, not faulted").
 from __future__ import annotations
 
 from enum import Enum
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -118,6 +118,7 @@ class ShardedParameters:
         #: (see [Note: gathering FP8 weights in FP8] in sharding/stage3/fp8_gathers.py)
         self.fp8_gathers: Optional[Fp8Gathers] = None
         self._approximate: set[int] = set()
+        self._dequantise: dict[int, Callable[[], None]] = {}  # FP8 gathers in flight: what finishes each
         buffer_memory.keep_for_run(self.store.device_shard)  # a lent chunk's memory comes back at its release
         # released memory waits for the next buffer filled (see [Note: released pages move to the next
         # gather] in host/page_reserve.py): at most what one forward's gathers need beyond the chunks
@@ -234,6 +235,8 @@ class ShardedParameters:
         """Start (or finish) making bucket ``index``'s full values present on this rank; ``compute``: for a
         forward or backward, which may take FP8 layers' weights in FP8 (:meth:`gather_in_fp8`)."""
         if self._fp8_gather(index, label, compute):
+            if not async_op:
+                self.wait(index)
             return
         if self.state[index] is GatherState.SHARDED:
             bucket = self.layout.buckets[index]
@@ -269,6 +272,7 @@ class ShardedParameters:
         """Gather bucket ``index`` in FP8 if this gather may (True: done); a bucket an FP8 gather left in
         place is gathered again exactly for anything but compute."""
         if not compute and index in self._approximate:
+            self.wait(index)
             bucket = self.layout.buckets[index]
             start, end = bucket.shard_range(self.ranks.of(bucket))
             scratch = torch.empty_like(self.full[index])
@@ -289,10 +293,10 @@ class ShardedParameters:
                 self.store.read_into(bucket, full[start:end])
             else:
                 full[start:end].copy_(own)
-        gathers.gather(self.comm_of(bucket), index, self.ranks.of(bucket), full[start:end], label, full)
+        self._pending[index], self._dequantise[index] = gathers.gather(
+            self.comm_of(bucket), index, self.ranks.of(bucket), full[start:end], label, full)
         self._approximate.add(index)
-        self.state[index] = GatherState.GATHERED
-        self._show(index, gathered=True)
+        self.state[index] = GatherState.GATHERING
         return True
 
     def join_gather(self, index: int, label: str) -> None:
@@ -304,8 +308,9 @@ class ShardedParameters:
         if self.fp8_gathers is not None and self.fp8_gathers.covers(index):  # the others gather it in FP8
             bucket = self.layout.buckets[index]
             start, end = bucket.shard_range(self.ranks.of(bucket))
-            self.fp8_gathers.gather(self.comm_of(bucket), index, self.ranks.of(bucket), self.full[index][start:end],
-                                    f"{label}.joined", None)
+            pending, _ = self.fp8_gathers.gather(self.comm_of(bucket), index, self.ranks.of(bucket),
+                                                 self.full[index][start:end], f"{label}.joined", None)
+            pending.wait()
             return
         scratch = torch.empty_like(self.full[index])
         kept = self._secondary.get(index) if index in self._secondary_valid else None
@@ -356,6 +361,9 @@ class ShardedParameters:
         pending: Optional[PendingCollective] = self._pending.pop(index, None)
         if pending is not None:
             pending.wait()
+            dequantise = self._dequantise.pop(index, None)
+            if dequantise is not None:
+                dequantise()
             self.state[index] = GatherState.GATHERED
             self._show(index, gathered=True)
             if index in self._primary_pending:
