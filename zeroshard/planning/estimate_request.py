@@ -171,6 +171,8 @@ class EstimateRequest:
     moe: Optional[MoEShape] = None
     #: tensor parallelism (AutoTP; None: none)
     tensor: Optional[TensorShape] = None
+    #: FP8 linear layers (the ``fp8`` block): stage 3 gathers their weights at one byte per element
+    fp8: bool = False
 
 
 def check_parallel(req: EstimateRequest) -> None:

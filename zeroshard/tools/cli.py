@@ -303,7 +303,8 @@ def _estimate(args: argparse.Namespace) -> int:
                           prefetch_bucket_size=zero.stage3_prefetch_bucket_size, trainable=args.trainable,
                           grad_bytes=_grad_bytes(args, config), micro_steps=_micro_steps(args, config),
                           pipeline=_pipeline(args, config), moe=_moe(args, derived_moe, shape.get("layers")),
-                          tensor=_tensor(args, config, derived_tensor))
+                          tensor=_tensor(args, config, derived_tensor),
+                          fp8=bool(args.fp8 if args.fp8 is not None else config.fp8.enabled))
     try:
         check_parallel(req)
     except EstimateError as err:
@@ -475,6 +476,9 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--layers", type=int)
     est.add_argument("--heads", type=int)
     est.add_argument("--checkpointing", action="store_true", help="activation checkpointing on")
+    est.add_argument("--fp8", action="store_true", default=None,
+                     help="FP8 linear layers (default: the config's fp8.enabled): stage 3 gathers their weights "
+                          "at one byte per element (docs/FP8.md)")
     est.add_argument("--grad-accum", type=int,
                      help="micro steps per optimizer step (default: the config's gradient_accumulation_steps, "
                           "else 1); under bf16 more than one holds gradients in fp32")
