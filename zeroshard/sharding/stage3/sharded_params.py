@@ -117,7 +117,7 @@ class ShardedParameters:
         #: FP8 layers' weights gathered in FP8 for compute, and the buckets such a gather left in place
         #: (see [Note: gathering FP8 weights in FP8] in sharding/stage3/fp8_gathers.py)
         self.fp8_gathers: Optional[Fp8Gathers] = None
-        self._approximate: set[int] = set()
+        self._gathered_in_fp8: set[int] = set()
         self._dequantise: dict[int, Callable[[], None]] = {}  # FP8 gathers in flight: what finishes each
         buffer_memory.keep_for_run(self.store.device_shard)  # a lent chunk's memory comes back at its release
         # released memory waits for the next buffer filled (see [Note: released pages move to the next
@@ -271,7 +271,7 @@ class ShardedParameters:
     def _fp8_gather(self, index: int, label: str, compute: bool) -> bool:
         """Gather bucket ``index`` in FP8 if this gather may (True: done); a bucket an FP8 gather left in
         place is gathered again exactly for anything but compute."""
-        if not compute and index in self._approximate:
+        if not compute and index in self._gathered_in_fp8:
             self.wait(index)
             bucket = self.layout.buckets[index]
             start, end = bucket.shard_range(self.ranks.of(bucket))
@@ -279,7 +279,7 @@ class ShardedParameters:
             with torch.no_grad():
                 self.comm_of(bucket).all_gather(scratch, self.full[index][start:end], f"{label}.exact")
                 self.full[index].copy_(scratch)
-            self._approximate.discard(index)
+            self._gathered_in_fp8.discard(index)
             return True
         gathers = self.fp8_gathers
         if not compute or gathers is None or not gathers.covers(index) or self.state[index] is not GatherState.SHARDED:
@@ -295,7 +295,7 @@ class ShardedParameters:
                 full[start:end].copy_(own)
         self._pending[index], self._dequantise[index] = gathers.gather(
             self.comm_of(bucket), index, self.ranks.of(bucket), full[start:end], label, full)
-        self._approximate.add(index)
+        self._gathered_in_fp8.add(index)
         self.state[index] = GatherState.GATHERING
         return True
 
@@ -491,7 +491,7 @@ class ShardedParameters:
             memory.release(full)
         self._show(index, gathered=False)
         self.state[index] = GatherState.SHARDED
-        self._approximate.discard(index)
+        self._gathered_in_fp8.discard(index)
 
     def commit_full(self, index: int) -> None:
         """Copy this rank's part of a (modified) full bucket back into its shard."""
