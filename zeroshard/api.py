@@ -20,6 +20,9 @@ from .checkpoint.format import LATEST
 from .engine.engine import Engine, SchedulerSpec
 from .errors import InitializeArgumentError
 from .experts.layer import expert_parallel_size
+from .fp8.checks import refuse_fp8_with, refuse_fsdp_float8_weights
+from .fp8.convert import convert_from_config
+from .fp8.gathers import fp8_weights, gather_fp8_weights
 from .tensor_parallel import SplitModel, prepare_tensor_parallel, tensor_parallel_size
 from .tensor_parallel.engine import tensor_parallel_engine
 from .logging import log_rank
@@ -74,6 +77,10 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     if not isinstance(model, PipelineModule) and (parsed.pipeline.stages or 1) > 1:
         raise PipelineConfigError(f"'pipeline.stages' = {parsed.pipeline.stages} needs the model as a "
                                   f"zeroshard.pipe.PipelineModule (docs/PIPELINE.md)")
+    refuse_fsdp_float8_weights(model)
+    if parsed.fp8.enabled:  # FP8 is refused, or converted, on every rank before the engine is built
+        refuse_fp8_with(_tensor_parallel_degree(parsed, model, mpu), pipeline=isinstance(model, PipelineModule))
+        convert_from_config(model, parsed.fp8)
     if isinstance(model, PipelineModule):
         if mpu is not None and not (isinstance(mpu, PipelineMPU) and mpu.describes(model)):
             raise PipelineConfigError("initialize(mpu=...) with a PipelineModule: only the module's own "
@@ -100,8 +107,10 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     parsed = resolve_batch_sizes(parsed, world.world_size // axes.sp)  # data-parallel ranks (DeepSpeed's rule)
     if parsed.seed is not None:
         torch.manual_seed(parsed.seed)
+    weights = fp8_weights(model)  # before the engine shards them
     engine = Engine(model, parsed, world, model_parameters, optimizer, lr_scheduler, axes=axes) if worlds is None \
         else tensor_parallel_engine(model, parsed, worlds, model_parameters, optimizer, lr_scheduler, split)
+    gather_fp8_weights(engine.storage, weights, parsed.fp8)
     if split is not None:
         engine.hold_hook(batch_check)
     loader = None
@@ -159,6 +168,13 @@ def _job_axes(config: ZeroshardConfig, world: World, tensor_parallel: int, model
                                 ep=expert_parallel_size(model))
     check_sequence_axes(axes, model_parallel=model_parallel)
     return axes
+
+
+def _tensor_parallel_degree(config: ZeroshardConfig, model: nn.Module, mpu: Any) -> int:
+    """How many ranks split each layer: the mpu's, the config's AutoTP or ``tp_model_init()``'s."""
+    if mpu is not None and not isinstance(model, PipelineModule):
+        return int(getattr(mpu, check_mpu(mpu)[1])())
+    return tensor_parallel_size(model, config.tensor_parallel)
 
 
 def _data_axis(world: World, axes: ParallelDims) -> World:

@@ -516,3 +516,16 @@ def test_pipeline_shape_follows_each_schedules_own_order() -> None:
     # backward: 11 chunks of half a stage's layers
     assert interleaved.in_flight(8) == 5.5
     assert interleaved.bubble(8) == pytest.approx(3 / 19) and PipelineShape(4).bubble(8) == pytest.approx(3 / 11)
+
+
+def test_fp8_halves_the_gathered_bytes_and_adds_one_gathers_packed_chunks(capsys) -> None:
+    """``--fp8``: stage 3's buffers grow by one gather's packed FP8 chunks ((N+1)/N bytes per element of a
+    prefetched unit), the model states do not change, and the line on the bytes halves bf16's."""
+    from zeroshard.planning import EstimateRequest, estimate_all
+    plain, fp8 = (estimate_all(EstimateRequest(num_params=7e9, world_size=8, fp8=on)) for on in (False, True))
+    assert [e.model_states for e in plain] == [e.model_states for e in fp8]
+    assert fp8[3].buffers - plain[3].buffers == pytest.approx(5e7 * 9 / 8)
+    assert [e.buffers for e in plain[:3]] == [e.buffers for e in fp8[:3]]
+    assert main(["estimate", "--params", "7e9", "--gpus-per-node", "8", "--fp8"]) == 0
+    assert "6.125 GB received per rank per pass over the model were every parameter such a weight" in \
+        capsys.readouterr().out

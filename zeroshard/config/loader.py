@@ -18,6 +18,7 @@ from typing import Any, Literal, Mapping, Union
 
 from .deepspeed_forms import normalize
 from .errors import ConfigError
+from .fp8_block import check_fp8
 from .gradient_reduction import check_allreduce_op
 from .schema import NOT_SUPPORTED_YET, OptimizerConfig, SchedulerConfig, ZeroConfig, ZeroshardConfig
 from .tensor_plan import check_tensor_parallel
@@ -45,6 +46,7 @@ def load_config(source: Union[str, os.PathLike, Mapping[str, Any], ZeroshardConf
         _check_compile(config)
         check_allreduce_op(config.gradient_allreduce_op, config.stage)
         check_tensor_parallel(config.tensor_parallel)
+        check_fp8(config.fp8, config.fp16.enabled, config.zero_optimization.zero_hpz_partition_size)
     if world_size is not None:
         config = resolve_batch_sizes(config, world_size)
     return config

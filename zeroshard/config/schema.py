@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, is_dataclass
 from typing import Any, Literal, Optional
 
 from .fields import key, non_negative, optional_positive, positive, strings
+from .fp8_block import FP8Config
 
 #: the optimizers zeroshard builds from the config (DeepSpeed's names, matched in any case)
 OPTIMIZER_TYPES = ("Adam", "AdamW", "SGD")
@@ -541,6 +542,7 @@ class ZeroshardConfig:
     zero_optimization: ZeroConfig = key(ZeroConfig(), "ZeRO stage and communication settings.")
     fp16: FP16Config = key(FP16Config(), "float16 mixed precision with loss scaling.")
     bf16: BF16Config = key(BF16Config(), "bfloat16 mixed precision.")
+    fp8: FP8Config = key(FP8Config(), "FP8 linear layers (docs/FP8.md).")
     communication_data_type: Optional[Literal["fp32", "fp16", "bf16"]] = key(
         None, "dtype gradients are reduced in: `fp32` or the training dtype.", default_text="training dtype")
     data_types: DataTypesConfig = key(DataTypesConfig(), "Gradient accumulation dtype.")

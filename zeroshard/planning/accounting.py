@@ -7,7 +7,10 @@ differs slightly from rank to rank (``real_numel_in_shard``); summed over all ra
 formula exactly.  Everything else is reported under its own name: ``padding`` (the elements added to
 make buckets divisible by N), ``optimizer_other`` (per-tensor scalars such as Adam's ``step``),
 ``frozen_params``, ``buffers`` (module buffers) and ``comm_buffers`` (stage 2's pool of reusable
-gradient-bucket buffers, bounded by ``reduce_bucket_size`` rather than by the model).
+gradient-bucket buffers, bounded by ``reduce_bucket_size`` rather than by the model).  With stage 3's
+FP8 gathers, ``fp8_gather_buffers`` is the largest gather's packed FP8 chunks (this rank's and every
+rank's), held only while that gather runs; the gathered weights themselves are in ``gathered_params``
+as without them (dequantised into the buckets' buffers), and FP8 layers cache no FP8 weight.
 
 [Note: hybrid sharding memory]
 MiCS (``mics_shard_size: S``) shards the state over groups of S ranks and replicates it across the

@@ -8,8 +8,9 @@ from __future__ import annotations
 from typing import Optional
 
 from .estimate_request import EstimateRequest, data_parallel_size, tensor_rank_params
-from .estimator import (GB, StageEstimate, activation_bytes, all_to_all_bytes, compute_bytes, pipeline_p2p_bytes,
-                        recommend, sequence_exchange_bytes, stage_layers, tensor_parallel_bytes)
+from .estimator import (GB, StageEstimate, activation_bytes, all_to_all_bytes, compute_bytes, fp8_gather_buffer_bytes,
+                        gathered_bytes_per_pass, pipeline_p2p_bytes, recommend, sequence_exchange_bytes, stage_layers,
+                        tensor_parallel_bytes)
 
 __all__ = ["format_table"]
 
@@ -33,6 +34,13 @@ def format_table(req: EstimateRequest, estimates: list[StageEstimate], gpu_memor
                      f"{e.model_states / GB:g} | {e.activations / GB:.4g} | {e.buffers / GB:.4g} | "
                      f"{e.total / GB:.4g} | {e.host / GB:g} |")
     lines += _parallel_footer(req)
+    if req.fp8:
+        dtype, fp8 = gathered_bytes_per_pass(req)
+        lines.append(f"fp8: stage 3 gathers FP8 layers' weights at one byte per element: {fp8 / GB:.4g} GB received "
+                     f"per rank per pass over the model were every parameter such a weight (heads, embeddings, norms "
+                     f"and biases stay in the compute dtype), against {dtype / GB:.4g} GB without FP8; stage 3's "
+                     f"buffers include one gather's packed chunks ({fp8_gather_buffer_bytes(req) / GB:.4g} GB); FP8 "
+                     f"adds no model state")
     if gpu_memory_gb is not None:
         best = recommend(estimates, gpu_memory_gb)
         lines.append("")

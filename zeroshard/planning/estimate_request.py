@@ -187,6 +187,8 @@ class EstimateRequest:
     #: attention that never holds the s x s scores (flash / memory-efficient kernels; [Note: the
     #: activation estimate] in planning/estimator.py)
     flash_attention: bool = False
+    #: FP8 linear layers (the ``fp8`` block): stage 3 gathers their weights at one byte per element
+    fp8: bool = False
 
 
 def check_parallel(req: EstimateRequest) -> None:

@@ -96,7 +96,8 @@ GB = 1e9  # the seeds' tables use decimal gigabytes
 __all__ = ["GB", "StageEstimate", "state_parts", "stage_layers", "activation_bytes", "sequence_exchange_bytes",
            "compute_bytes",
            "pipeline_p2p_bytes", "all_to_all_bytes", "tensor_parallel_bytes", "buffer_bytes", "prefetch_bytes",
-           "gathered_stage_bytes", "estimate_stage", "estimate_hybrid", "estimate_all", "recommend",
+           "gathered_stage_bytes", "fp8_gather_buffer_bytes", "gathered_bytes_per_pass", "estimate_stage",
+           "estimate_hybrid", "estimate_all", "recommend",
            # estimate_request.py's, imported from here too
            "ModelShape", "EstimateError", "PipelineShape", "MoEShape", "TensorShape", "SequenceShape", "EstimateRequest",
            "moe_from_hf_config", "check_parallel", "check_tensor", "tensor_rank_params", "tensor_parallel_size",
@@ -250,7 +251,25 @@ def buffer_bytes(req: EstimateRequest, stage: int) -> float:
     # sharding/grad_chunks.py)
     written = (req.world_size - 1) / req.world_size if stage == 2 else 1.0
     buckets = 2 * bucket * grad_bytes * written if stage >= 2 else 0.0
-    return buckets + (prefetch_bytes(req) if stage == 3 else 0.0)
+    return buckets + (prefetch_bytes(req) + fp8_gather_buffer_bytes(req) if stage == 3 else 0.0)
+
+
+def fp8_gather_buffer_bytes(req: EstimateRequest) -> float:
+    """Stage 3's FP8 gathers (``--fp8``): one gather's packed chunks, this rank's and every rank's, one byte
+    per element of a prefetched unit (a unit of FP8 layers' weights alone; other parameters' elements
+    take their dtype's bytes); the dequantised weights are the prefetched units' own buffers (the memory
+    breakdown's ``fp8_gather_buffers``)."""
+    if not req.fp8:
+        return 0.0
+    unit = prefetch_bytes(req) / compute_bytes(req)
+    return unit * (req.world_size + 1) / req.world_size
+
+
+def gathered_bytes_per_pass(req: EstimateRequest) -> tuple[float, float]:
+    """The bytes one rank receives gathering every parameter once at stage 3: in the compute dtype, and at
+    one byte per element, were every parameter an FP8 layer's weight (``--fp8``)."""
+    received = req.num_params * (req.world_size - 1) / req.world_size
+    return received * compute_bytes(req), received
 
 
 def prefetch_bytes(req: EstimateRequest) -> float:

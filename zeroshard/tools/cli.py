@@ -322,7 +322,8 @@ def _estimate(args: argparse.Namespace) -> int:
                           grad_bytes=_grad_bytes(args, config), micro_steps=_micro_steps(args, config),
                           pipeline=_pipeline(args, config), moe=_moe(args, derived_moe, shape.get("layers")),
                           tensor=_tensor(args, config, derived_tensor),
-                          sequence=_sequence(args, config, derived_tensor))
+                          sequence=_sequence(args, config, derived_tensor),
+                          fp8=bool(args.fp8 if args.fp8 is not None else config.fp8.enabled))
     try:
         check_parallel(req)
     except EstimateError as err:
@@ -497,6 +498,9 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--flash-attention", action="store_true",
                      help="attention never holds the s x s scores (flash / memory-efficient kernels): "
                           "activations without them")
+    est.add_argument("--fp8", action="store_true", default=None,
+                     help="FP8 linear layers (default: the config's fp8.enabled): stage 3 gathers their weights "
+                          "at one byte per element (docs/FP8.md)")
     est.add_argument("--grad-accum", type=int,
                      help="micro steps per optimizer step (default: the config's gradient_accumulation_steps, "
                           "else 1); under bf16 more than one holds gradients in fp32")

@@ -133,12 +133,12 @@ class GatherScheduler:
         if not self.in_backward():
             self._used_in_forward.add(index)
         if self.agreement is None:
-            self.storage.gather(index, self._labels[index])
+            self.storage.gather(index, self._labels[index], compute=True)
             # the unit borrows this rank's chunk: [Note: a gathered unit borrows this rank's chunk] in
             # sharding/stage3/sharded_params.py
             self.storage.lend_chunk(index)
             for ahead in self._prefetch_candidates():
-                self.storage.gather(ahead, self._labels[ahead], async_op=True)
+                self.storage.gather(ahead, self._labels[ahead], async_op=True, compute=True)
             return
         if self.storage.state[index] is GatherState.SHARDED:
             wanted = [index, *self._prefetch_candidates()[:ROW_WIDTH - 1]]
@@ -197,7 +197,7 @@ class GatherScheduler:
         fresh = []
         for index in units:
             if self.storage.state[index] is GatherState.SHARDED:
-                self.storage.gather(index, self._labels[index], async_op=True)
+                self.storage.gather(index, self._labels[index], async_op=True, compute=True)
                 fresh.append(index)
             else:
                 self.storage.join_gather(index, self._labels[index])

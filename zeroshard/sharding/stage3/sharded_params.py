@@ -40,7 +40,7 @@ moved, not faulted").
 from __future__ import annotations
 
 from enum import Enum
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -53,6 +53,7 @@ from ...offload.policy import NoOffload, OffloadPolicy, Place, SwapFailure
 from ..flat_params import bucket_values
 from ..layout import BucketLayout, FlatLayout, ShardRanks
 from ..master_weights import MasterWeights
+from .fp8_gathers import Fp8Gathers
 from .shard_store import ShardStore
 from .param_status import ZeroParamStatus
 from .placeholder import ShardedParameterPlaceholder
@@ -113,6 +114,11 @@ class ShardedParameters:
         #: borrows this rank's chunk]); and what says the chunks are being read outside training
         self._lent: set[int] = set()
         self.copy_gate: CopyGate = NoCopies()
+        #: FP8 layers' weights gathered in FP8 for compute, and the buckets such a gather left in place
+        #: (see [Note: gathering FP8 weights in FP8] in sharding/stage3/fp8_gathers.py)
+        self.fp8_gathers: Optional[Fp8Gathers] = None
+        self._gathered_in_fp8: set[int] = set()
+        self._dequantise: dict[int, Callable[[], None]] = {}  # FP8 gathers in flight: what finishes each
         buffer_memory.keep_for_run(self.store.device_shard)  # a lent chunk's memory comes back at its release
         # released memory waits for the next buffer filled (see [Note: released pages move to the next
         # gather] in host/page_reserve.py): at most what one forward's gathers need beyond the chunks
@@ -225,8 +231,13 @@ class ShardedParameters:
         return chunk[lo - start: max(hi, lo) - start]
 
     # ------------------------------------------------------------------ gather / release
-    def gather(self, index: int, label: str, async_op: bool = False) -> None:
-        """Start (or finish) making bucket ``index``'s full values present on this rank."""
+    def gather(self, index: int, label: str, async_op: bool = False, compute: bool = False) -> None:
+        """Start (or finish) making bucket ``index``'s full values present on this rank; ``compute``: for a
+        forward or backward, which may take FP8 layers' weights in FP8 (:meth:`gather_in_fp8`)."""
+        if self._fp8_gather(index, label, compute):
+            if not async_op:
+                self.wait(index)
+            return
         if self.state[index] is GatherState.SHARDED:
             bucket = self.layout.buckets[index]
             full = self.full[index]
@@ -252,12 +263,55 @@ class ShardedParameters:
         if not async_op:
             self.wait(index)
 
+    def gather_in_fp8(self, gathers: Fp8Gathers) -> None:
+        """Gather the buckets ``gathers`` covers in FP8 for compute from now on (set once, before the first
+        step; see [Note: gathering FP8 weights in FP8] in sharding/stage3/fp8_gathers.py)."""
+        self.fp8_gathers = gathers
+
+    def _fp8_gather(self, index: int, label: str, compute: bool) -> bool:
+        """Gather bucket ``index`` in FP8 if this gather may (True: done); a bucket an FP8 gather left in
+        place is gathered again exactly for anything but compute."""
+        if not compute and index in self._gathered_in_fp8:
+            self.wait(index)
+            bucket = self.layout.buckets[index]
+            start, end = bucket.shard_range(self.ranks.of(bucket))
+            scratch = torch.empty_like(self.full[index])
+            with torch.no_grad():
+                self.comm_of(bucket).all_gather(scratch, self.full[index][start:end], f"{label}.exact")
+                self.full[index].copy_(scratch)
+            self._gathered_in_fp8.discard(index)
+            return True
+        gathers = self.fp8_gathers
+        if not compute or gathers is None or not gathers.covers(index) or self.state[index] is not GatherState.SHARDED:
+            return False
+        bucket, full = self.layout.buckets[index], self.full[index]
+        self._fill(index, lend=False)
+        start, end = bucket.shard_range(self.ranks.of(bucket))
+        own = self.store.view(bucket)
+        with torch.no_grad():
+            if own is None or own.device != full.device:
+                self.store.read_into(bucket, full[start:end])
+            else:
+                full[start:end].copy_(own)
+        self._pending[index], self._dequantise[index] = gathers.gather(
+            self.comm_of(bucket), index, self.ranks.of(bucket), full[start:end], label, full)
+        self._gathered_in_fp8.add(index)
+        self.state[index] = GatherState.GATHERING
+        return True
+
     def join_gather(self, index: int, label: str) -> None:
         """Take part in an all-gather of bucket ``index`` that other ranks need while this rank has it
         gathered already (see [Note: ranks agree on every gather] in sharding/stage3/gather_agreement.py):
         this rank's chunk is sent from its slot and what arrives goes to a scratch buffer, dropped at
         once."""
         self.wait(index)
+        if self.fp8_gathers is not None and self.fp8_gathers.covers(index):  # the others gather it in FP8
+            bucket = self.layout.buckets[index]
+            start, end = bucket.shard_range(self.ranks.of(bucket))
+            pending, _ = self.fp8_gathers.gather(self.comm_of(bucket), index, self.ranks.of(bucket),
+                                                 self.full[index][start:end], f"{label}.joined", None)
+            pending.wait()
+            return
         scratch = torch.empty_like(self.full[index])
         kept = self._secondary.get(index) if index in self._secondary_valid else None
         with torch.no_grad():
@@ -307,6 +361,9 @@ class ShardedParameters:
         pending: Optional[PendingCollective] = self._pending.pop(index, None)
         if pending is not None:
             pending.wait()
+            dequantise = self._dequantise.pop(index, None)
+            if dequantise is not None:
+                dequantise()
             self.state[index] = GatherState.GATHERED
             self._show(index, gathered=True)
             if index in self._primary_pending:
@@ -434,6 +491,7 @@ class ShardedParameters:
             memory.release(full)
         self._show(index, gathered=False)
         self.state[index] = GatherState.SHARDED
+        self._gathered_in_fp8.discard(index)
 
     def commit_full(self, index: int) -> None:
         """Copy this rank's part of a (modified) full bucket back into its shard."""

@@ -165,6 +165,8 @@ class Stage3(ShardedGradientStrategy):
                "parked_pages": self.storage.buffer_memory.parked_bytes}
         if self.storage.secondary is not None:
             out["secondary_params"] = self.storage.secondary_bytes()
+        if self.storage.fp8_gathers is not None:  # transient: one FP8 gather's packed chunks at a time
+            out["fp8_gather_buffers"] = self.storage.fp8_gathers.buffer_bytes()
         return out
 
     def remove_hooks(self) -> None:
