@@ -1,0 +1,214 @@
+"""Sequence parallelism on the Hugging Face path (DeepSpeed's ALST) trains like one process on the whole sequences.
+
+A transformers ``LlamaForCausalLM`` (2 layers, 4 query heads over 2 key/value heads, fp32, sdpa) trains 3
+steps with ``UlyssesSPAttentionHF.register_with_transformers`` wrapping its attention, the unit it returns
+passed as ``initialize(mpu=...)``, and each rank's batches cut by ``UlyssesSPDataLoaderAdapter``: rank r
+of the group draws batches r, r + P, ... and the adapter hands the group each of them in turn ([Note: the
+adapter's order of batches] in zeroshard/sequence/loader.py), so step i trains on batch i, whose sequence
+length differs from the last one's.  The labels hold -100 at uneven places: scattered, and a prompt that
+leaves one rank's slice of a batch no counted token at all.  The loss is ``sequence_loss`` (the mean over
+the group's counted tokens, [Note: a loss over the group's counted tokens] in zeroshard/sequence/loss.py),
+or DeepSpeed's tutorial's weighted all-gather where every slice counts a token.  The oracle is one process
+on the whole sequences with transformers' own loss: plain SGD (not scale-invariant, so a gradient off by
+the sequence degree shows) at ZeRO stages 0-3 and AdamW with clipping active at stages 0 and 3; losses,
+gradient norms and weights equal it (fp32, 1e-5 relative).  Refused by name on every rank: heads the
+degree does not split, eager attention, a batch without position ids, a length the degree does not split.
+
+The default suite runs the world of two (sequence 2 x data 1); the world of four (sequence 4 x data 1,
+two key/value heads repeated over four ranks) is an extended test.  The DeepSpeed tutorial's script and
+Accelerate's ``ParallelismConfig`` path run in test_sequence_hf_scripts.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from zeroshard.tools.testing import check_family, run_family
+
+V, HIDDEN, HEADS, KV_HEADS, LAYERS, ROWS, STEPS = 128, 32, 4, 2, 2, 2, 3
+LENGTHS = (16, 24, 32, 16)  # batch i's sequence length
+OPTIMIZERS = {"SGD": {"type": "SGD", "params": {"lr": 0.5}},
+              "AdamW": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}}
+CLIP = 0.05  # below every step's norm: clipping acts at every step
+
+
+def llama(heads: int = HEADS, attention: str = "sdpa") -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=V, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+                         num_attention_heads=heads, num_key_value_heads=KV_HEADS if heads % KV_HEADS == 0 else heads,
+                         max_position_embeddings=64, attn_implementation=attention)
+    return LlamaForCausalLM(config).float()
+
+
+def sample(index: int, every_slice_counts: bool = False) -> dict[str, torch.Tensor]:
+    """Batch ``index``: its own length, -100 scattered and over a prompt; with ``every_slice_counts`` the
+    prompt is short, otherwise batch 2's covers the first half of its labels (the first slices count none)."""
+    g = torch.Generator().manual_seed(index)
+    length = LENGTHS[index]
+    ids = torch.randint(0, V, (ROWS, length), generator=g)
+    labels = ids.clone()
+    labels[torch.rand(ROWS, length, generator=g) < 0.3] = -100
+    prompt = (3, 5, 3, 0)[index] if every_slice_counts else (3, 13, length // 2 + 1, 0)[index]
+    labels[:, :prompt] = -100
+    return {"input_ids": ids, "position_ids": torch.arange(length).expand(ROWS, -1), "labels": labels}
+
+
+def reference(optimizer: str, clip: float, every_slice_counts: bool) -> dict[str, Any]:
+    """One process on the whole sequences, transformers' own attention and loss."""
+    net = llama()
+    spec = OPTIMIZERS[optimizer]
+    opt = getattr(torch.optim, spec["type"])(net.parameters(), **spec["params"])
+    losses, norms = [], []
+    for step in range(STEPS):
+        loss = net(**sample(step, every_slice_counts)).loss
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), clip if clip else float("inf"))))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"state": {k: v.detach().clone() for k, v in net.state_dict().items()}, "losses": losses, "norms": norms}
+
+
+def config(stage: int, optimizer: str, clip: float, sp: int) -> dict[str, Any]:
+    extra = {"sequence_parallel_size": sp} if sp else {}  # 0: the degree comes from the unit alone
+    return {"train_micro_batch_size_per_gpu": ROWS, "collective_timeout": 60, "gradient_clipping": clip,
+            "optimizer": OPTIMIZERS[optimizer], **extra,
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "stage3_param_persistence_threshold": 0}}
+
+
+def tutorial_loss(outputs: Any, model: Any, shift_labels: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+    """DeepSpeed's tutorial's loss: each slice's mean, weighted by its counted tokens through a
+    differentiable all-gather."""
+    loss = model.loss_function(logits=outputs.logits, labels=None, shift_labels=shift_labels,
+                               vocab_size=model.config.vocab_size)
+    losses = torch.distributed.nn.functional.all_gather(loss, group=group)
+    good = (shift_labels != -100).view(-1).sum()
+    goods = torch.distributed.nn.functional.all_gather(good, group=group)
+    return sum(losses[r] * goods[r] for r in range(size)) / max(sum(goods), 1)
+
+
+def train_worker(rank: int, world: int, stage: int, optimizer: str, clip: float = 0.0, loss: str = "zeroshard",
+                 config_sp: bool = True) -> dict[str, Any]:
+    import zeroshard
+    from zeroshard.deepspeed.utils import groups
+    from zeroshard.sequence.hf import UlyssesSPAttentionHF, restore_transformers_attention
+    from zeroshard.sequence.loader import UlyssesSPDataLoaderAdapter
+    from zeroshard.sequence.loss import sequence_loss
+
+    every_slice_counts = loss == "tutorial"
+    restore_transformers_attention("sdpa")
+    expected = reference(optimizer, clip, every_slice_counts)
+    model = llama()
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model_name_or_path=model, core_attn_implementation="sdpa",
+                                                          sequence_parallel_size=world, micro_batch_size=ROWS)
+    engine = zeroshard.initialize(model=model, mpu=mpu, config=config(stage, optimizer, clip, world if config_sp else 0))[0]
+    log = engine.comm.ledger.start_log()
+    group, size, sp_rank = (groups._get_sequence_parallel_group(), groups._get_sequence_parallel_world_size(),
+                            groups._get_sequence_parallel_rank())
+    drawn = torch.utils.data.DataLoader([sample(i, every_slice_counts) for i in range(sp_rank, len(LENGTHS), size)],
+                                        batch_size=None)
+    loader = UlyssesSPDataLoaderAdapter(drawn, sp_rank=sp_rank, sp_group=group, sp_world_size=size,
+                                        device=engine.device)
+    losses, norms, counted = [], [], []
+    for _, batch in zip(range(STEPS), loader):
+        outputs = engine(**batch)
+        labels = batch["shift_labels"]
+        counted.append(int((labels != -100).sum()))
+        value = sequence_loss(outputs.logits, labels) if loss == "zeroshard" \
+            else tutorial_loss(outputs, engine.module, labels, group, size)
+        engine.backward(value)
+        engine.step()
+        losses.append(float(value.detach()))
+        norms.append(engine.get_global_grad_norm())
+    state = engine.full_state_dict(rank0_only=False)
+    worst, worst_name = max((float((state[n] - v).abs().max()) / (float(v.abs().max()) or 1.0), n)
+                            for n, v in expected["state"].items())
+    labels_sent = sorted({r.label for r in log if r.label.startswith("sequence_")})
+    engine.close()
+    restore_transformers_attention("sdpa")
+    return {"worst": worst, "worst_name": worst_name, "losses": losses, "norms": norms, "expected": {k: expected[k] for k in ("losses", "norms")},
+            "counted": counted, "length": len(loader), "labels": labels_sent, "sp": (size, sp_rank, mpu.ranks())}
+
+
+def check_train(by_rank: list[dict[str, Any]], stage: int, optimizer: str, clip: float = 0.0, loss: str = "zeroshard",
+                config_sp: bool = True) -> None:
+    world = len(by_rank)
+    for rank, result in enumerate(by_rank):
+        assert result["worst"] <= 1e-5, f"rank {rank}: {result['worst_name']} is off by {result['worst']:.2e}"
+        for name in ("losses", "norms"):
+            for step, (got, want) in enumerate(zip(result[name], result["expected"][name])):
+                assert abs(got - want) <= 1e-5 * abs(want), (rank, name, step, got, want)
+        assert result["sp"] == (world, rank, list(range(world))), result["sp"]
+        assert result["length"] == world * len(range(rank, len(LENGTHS), world)), result["length"]
+        assert {"sequence_query", "sequence_key", "sequence_value", "sequence_context", "sequence_position_ids",
+                "sequence_batch"} <= set(result["labels"]), result["labels"]
+        if loss == "zeroshard":
+            assert "sequence_loss" in result["labels"], result["labels"]
+    if loss == "zeroshard":  # the first slices of batch 2 count no token
+        assert by_rank[0]["counted"][2] == 0 and sum(r["counted"][2] for r in by_rank) > 0
+    else:
+        assert all(min(r["counted"]) > 0 for r in by_rank)
+
+
+def refusals_worker(rank: int, world: int) -> dict[str, str]:
+    """Each refusal's message, on every rank."""
+    from zeroshard.sequence.groups import SequenceParallelError
+    from zeroshard.sequence.hf import UlyssesSPAttentionHF, restore_transformers_attention
+    from zeroshard.sequence.loader import UlyssesSPDataLoaderAdapter
+    from zeroshard.sequence.unit import sequence_parallel_unit
+
+    out = {}
+    unit = sequence_parallel_unit(world)
+    no_positions = {k: v for k, v in sample(rank).items() if k != "position_ids"} if rank == world - 1 else sample(rank)
+    odd = {k: v[:, :15] for k, v in sample(0).items()}
+    attempts = {
+        "heads": lambda: UlyssesSPAttentionHF.register_with_transformers(llama(heads=1), "sdpa", world, ROWS),
+        "eager": lambda: UlyssesSPAttentionHF.register_with_transformers(llama(attention="eager"), "eager", world, ROWS),
+        "positions": lambda: next(UlyssesSPDataLoaderAdapter([no_positions], rank, unit.get_sequence_parallel_group(),
+                                                              world, "cpu")),
+        "length": lambda: next(UlyssesSPDataLoaderAdapter([odd], rank, unit.get_sequence_parallel_group(), world, "cpu")),
+    }
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            out[name] = "accepted"
+        except SequenceParallelError as err:
+            out[name] = str(err)
+    restore_transformers_attention("sdpa")
+    return out
+
+
+def check_refusals(by_rank: list[dict[str, str]]) -> None:
+    world = len(by_rank)
+    for result in by_rank:
+        assert f"1 attention heads do not split over sequence_parallel_size {world}" in result["heads"], result
+        assert "'eager' attention needs a mask of the whole sequence" in result["eager"], result
+        assert f"rank {world - 1} of the group drew a batch without position_ids" in result["positions"], result
+        assert f"sequence length 15, which does not split over sequence_parallel_size {world}" in result["length"]
+
+
+WORKERS = {"train": train_worker, "refusals": refusals_worker}
+CHECKS = {"train": check_train, "refusals": check_refusals}
+
+
+def test_hugging_face_llama_at_sequence_2_matches_one_process() -> None:
+    """Sequence 2 x data 1: SGD at stages 0-3 (stage 1 with the degree from the unit alone, as Accelerate
+    passes it), AdamW with clipping at stages 0 and 3, the tutorial's loss at stage 2; the refusals."""
+    family = [("train", {"stage": stage, "optimizer": "SGD", "config_sp": stage != 1}) for stage in range(4)]
+    family += [("train", {"stage": stage, "optimizer": "AdamW", "clip": CLIP}) for stage in (0, 3)]
+    family += [("train", {"stage": 2, "optimizer": "SGD", "loss": "tutorial"}), ("refusals", {})]
+    check_family(family, run_family(2, family, WORKERS), CHECKS, world=2)
+
+
+@pytest.mark.slow
+def test_hugging_face_llama_at_sequence_4_matches_one_process() -> None:
+    """Sequence 4 x data 1: two key/value heads, each repeated on two ranks; SGD at stages 0 and 3, AdamW
+    with clipping at stage 2."""
+    family = [("train", {"stage": stage, "optimizer": "SGD"}) for stage in (0, 3)]
+    family += [("train", {"stage": 2, "optimizer": "AdamW", "clip": CLIP})]
+    check_family(family, run_family(4, family, WORKERS), CHECKS, world=4)
