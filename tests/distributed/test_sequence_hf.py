@@ -15,18 +15,24 @@ gradient norms and weights equal it (fp32, 1e-5 relative).  Refused by name on e
 degree does not split, eager attention, a batch without position ids, a length the degree does not split.
 
 The default suite runs the world of two (sequence 2 x data 1); the world of four (sequence 4 x data 1,
-two key/value heads repeated over four ranks) is an extended test.  The DeepSpeed tutorial's script and
-Accelerate's ``ParallelismConfig`` path run in test_sequence_hf_scripts.py.
+two key/value heads repeated over four ranks) is an extended test, and so is DeepSpeed's ALST tutorial's
+script (ds_scripts/alst_tutorial.py), unmodified under ``zeroshard run --as-deepspeed`` at ZeRO-0 with plain
+SGD, equal to one process training each sample as often as the tutorial's adapter hands it out.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from zeroshard.tools.testing import check_family, run_family
+from zeroshard.tools.testing import check_family, free_port, run_family
 
 V, HIDDEN, HEADS, KV_HEADS, LAYERS, ROWS, STEPS = 128, 32, 4, 2, 2, 2, 3
 LENGTHS = (16, 24, 32, 16)  # batch i's sequence length
@@ -212,3 +218,52 @@ def test_hugging_face_llama_at_sequence_4_matches_one_process() -> None:
     family = [("train", {"stage": stage, "optimizer": "SGD"}) for stage in (0, 3)]
     family += [("train", {"stage": 2, "optimizer": "AdamW", "clip": CLIP})]
     check_family(family, run_family(4, family, WORKERS), CHECKS, world=4)
+
+
+TUTORIAL = Path(__file__).parent / "ds_scripts" / "alst_tutorial.py"
+
+
+def tutorial_reference(model_dir: Path, samples: list[tuple[torch.Tensor, ...]], lr: float) -> dict[str, Any]:
+    """One process: each sample twice in a row (the tutorial's loader is not split over the two ranks, so
+    the adapter hands the group each rank's copy), transformers' own loss, plain SGD."""
+    from transformers import AutoModelForCausalLM
+
+    net = AutoModelForCausalLM.from_pretrained(model_dir).float()
+    opt = torch.optim.SGD(net.parameters(), lr=lr)
+    losses, norms = [], []
+    for ids, positions, labels in (s for s in samples for _ in range(2)):
+        loss = net(input_ids=ids[None], position_ids=positions[None], labels=labels[None]).loss
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), float("inf"))))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return {"losses": losses, "norms": norms, "weights": {n: p.detach() for n, p in net.named_parameters()}}
+
+
+@pytest.mark.slow
+def test_the_alst_tutorial_script_trains_unmodified_under_zeroshard_run_as_deepspeed(tmp_path: Path) -> None:
+    """The tutorial's loop at ZeRO-0 (where a gradient averaged over the data ranks alone would come out
+    twice the oracle's): losses, gradient norms and weights equal one process's."""
+    llama().save_pretrained(tmp_path / "model")
+    samples = [tuple(batch[k][0] for k in ("input_ids", "position_ids", "labels"))
+               for batch in (sample(i, every_slice_counts=True) for i in range(STEPS))]
+    torch.save(samples, tmp_path / "data.pt")
+    lr = 0.5
+    (tmp_path / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "steps_per_print": 1000,
+                                                  "zero_optimization": {"stage": 0},
+                                                  "optimizer": {"type": "SGD", "params": {"lr": lr}}}))
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, "-m", "zeroshard.tools.cli", "run", "--as-deepspeed", "--num_gpus", "2",
+                           "--master_port", str(free_port()), str(TUTORIAL), "--model", str(tmp_path / "model"),
+                           "--data", str(tmp_path / "data.pt"), "--config", str(tmp_path / "ds.json"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    got, want = json.loads(out.read_text()), tutorial_reference(tmp_path / "model", samples, lr)
+    assert len(got["losses"]) == 2 * STEPS
+    for name in ("losses", "norms"):
+        for step, (a, b) in enumerate(zip(got[name], want[name])):
+            assert abs(a - b) <= 1e-5 * abs(b), (name, step, a, b)
+    for name, expected in want["weights"].items():
+        off = float((torch.tensor(got["weights"][name]) - expected).abs().max()) / float(expected.abs().max())
+        assert off <= 1e-5, f"{name} is off by {off:.2e}"
