@@ -198,14 +198,76 @@ def check_refusals(by_rank: list[dict[str, str]]) -> None:
         assert f"sequence length 15, which does not split over sequence_parallel_size {world}" in result["length"]
 
 
-WORKERS = {"train": train_worker, "refusals": refusals_worker}
-CHECKS = {"train": check_train, "refusals": check_refusals}
+def accelerate_worker(rank: int, world: int, stage: int) -> dict[str, Any]:
+    """Accelerate's ``ParallelismConfig(sp_size=world, sp_backend="deepspeed")`` with a DeepSpeed plugin, as
+    its users write it, through ``install_as_deepspeed()`` (the family's first case: transformers is not
+    imported yet in this rank): its DeepSpeed version check passes, it registers the attention, hands the
+    unit to ``initialize(mpu=...)`` without ``sequence_parallel_size`` in the config and wraps the
+    prepared loader.  The loader is split over the ranks, so the group trains each sample once, in order;
+    the loss is ``sequence_loss`` and the prompts leave slices with no counted token."""
+    import zeroshard
+
+    zeroshard.install_as_deepspeed()
+    from accelerate import Accelerator, PartialState
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DeepSpeedPlugin, DeepSpeedSequenceParallelConfig
+
+    from zeroshard.sequence import restore_transformers_attention, sequence_loss
+
+    samples = [{k: v[:1] for k, v in sample(i).items()} for i in range(len(LENGTHS))]
+    net, lr = llama(), 0.5
+    opt = torch.optim.SGD(net.parameters(), lr=lr)
+    expected = []
+    for batch in samples:
+        loss = net(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected.append(float(loss.detach()))
+    PartialState(cpu=True)
+    handler = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa")
+    plugin = DeepSpeedPlugin(hf_ds_config={"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                                           "gradient_clipping": 0.0, "zero_optimization": {"stage": stage}})
+    acc = Accelerator(deepspeed_plugin=plugin,
+                      parallelism_config=ParallelismConfig(sp_size=world, sp_backend="deepspeed", sp_handler=handler))
+    model = llama()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    loader = torch.utils.data.DataLoader(samples, batch_size=1, collate_fn=lambda batch: batch[0])
+    model, optimizer, loader = acc.prepare(model, optimizer, loader)
+    losses = []
+    for batch in loader:
+        outputs = model(**batch)
+        loss = sequence_loss(outputs.logits, batch["shift_labels"])
+        acc.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    state = model.full_state_dict(rank0_only=False)
+    worst = max(float((state[n] - v).abs().max()) / float(v.abs().max()) for n, v in net.state_dict().items())
+    kinds = (type(model).__name__, type(loader).__name__)
+    model.close()
+    restore_transformers_attention("sdpa")
+    return {"losses": losses, "expected": expected, "worst": worst, "kinds": kinds}
+
+
+def check_accelerate(by_rank: list[dict[str, Any]], stage: int) -> None:
+    for rank, result in enumerate(by_rank):
+        assert result["kinds"] == ("Engine", "UlyssesSPDataLoaderAdapter"), result["kinds"]
+        assert len(result["losses"]) == len(LENGTHS), result["losses"]
+        for step, (got, want) in enumerate(zip(result["losses"], result["expected"])):
+            assert abs(got - want) <= 1e-5 * abs(want), (rank, step, got, want)
+        assert result["worst"] <= 1e-5, f"rank {rank}: the weights are off by {result['worst']:.2e}"
+
+
+WORKERS = {"train": train_worker, "refusals": refusals_worker, "accelerate": accelerate_worker}
+CHECKS = {"train": check_train, "refusals": check_refusals, "accelerate": check_accelerate}
 
 
 def test_hugging_face_llama_at_sequence_2_matches_one_process() -> None:
     """Sequence 2 x data 1: SGD at stages 0-3 (stage 1 with the degree from the unit alone, as Accelerate
     passes it), AdamW with clipping at stages 0 and 3, the tutorial's loss at stage 2; the refusals."""
-    family = [("train", {"stage": stage, "optimizer": "SGD", "config_sp": stage != 1}) for stage in range(4)]
+    family = [("accelerate", {"stage": 3})]  # first: it installs zeroshard as deepspeed before transformers loads
+    family += [("train", {"stage": stage, "optimizer": "SGD", "config_sp": stage != 1}) for stage in range(4)]
     family += [("train", {"stage": stage, "optimizer": "AdamW", "clip": CLIP}) for stage in (0, 3)]
     family += [("train", {"stage": 2, "optimizer": "SGD", "loss": "tutorial"}), ("refusals", {})]
     check_family(family, run_family(2, family, WORKERS), CHECKS, world=2)
@@ -267,3 +329,4 @@ def test_the_alst_tutorial_script_trains_unmodified_under_zeroshard_run_as_deeps
     for name, expected in want["weights"].items():
         off = float((torch.tensor(got["weights"][name]) - expected).abs().max()) / float(expected.abs().max())
         assert off <= 1e-5, f"{name} is off by {off:.2e}"
+
