@@ -13,6 +13,11 @@ on the whole sequences with transformers' own loss: plain SGD (not scale-invaria
 the sequence degree shows) at ZeRO stages 0-3 and AdamW with clipping active at stages 0 and 3; losses,
 gradient norms and weights equal it (fp32, 1e-5 relative).  Refused by name on every rank: heads the
 degree does not split, eager attention, a batch without position ids, a length the degree does not split.
+Accelerate's ``ParallelismConfig(sp_size=2, sp_backend="deepspeed")`` (through ``install_as_deepspeed()``:
+its DeepSpeed version check, the registration, the unit into ``initialize``, its loader adapted) trains the
+same model equal to one process, as the family's first case.  AdamW's learning rate is small: its
+per-element normalisation turns the fp32 rounding of gradient elements that nearly cancel into weight
+differences in proportion to it.
 
 The default suite runs the world of two (sequence 2 x data 1); the world of four (sequence 4 x data 1,
 two key/value heads repeated over four ranks) is an extended test, and so is DeepSpeed's ALST tutorial's
