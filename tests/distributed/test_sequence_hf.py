@@ -10,8 +10,9 @@ leaves one rank's slice of a batch no counted token at all.  The loss is ``seque
 the group's counted tokens, [Note: a loss over the group's counted tokens] in zeroshard/sequence/loss.py),
 or DeepSpeed's tutorial's weighted all-gather where every slice counts a token.  The oracle is one process
 on the whole sequences with transformers' own loss: plain SGD (not scale-invariant, so a gradient off by
-the sequence degree shows) at ZeRO stages 0-3 and AdamW with clipping active at stages 0 and 3; losses,
-gradient norms and weights equal it (fp32, 1e-5 relative).  Refused by name on every rank: heads the
+the sequence degree shows) at ZeRO stages 0-3, AdamW with clipping active at stage 3 (and 2), and with
+each layer's MLP through ``TiledMLP`` (zeroshard/sequence/tiled.py) at stage 3 (and 2); losses, gradient norms and
+weights equal it (fp32, 1e-5 relative).  Refused by name on every rank: heads the
 degree does not split, eager attention, a batch without position ids, a length the degree does not split.
 Accelerate's ``ParallelismConfig(sp_size=2, sp_backend="deepspeed")`` (through ``install_as_deepspeed()``:
 its DeepSpeed version check, the registration, the unit into ``initialize``, its loader adapted) trains the
@@ -31,6 +32,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -103,8 +105,19 @@ def tutorial_loss(outputs: Any, model: Any, shift_labels: torch.Tensor, group: A
     return sum(losses[r] * goods[r] for r in range(size)) / max(sum(goods), 1)
 
 
+def tiled_mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """LlamaMLP's forward through ``TiledMLP`` in 3 tiles (uneven where 3 does not divide the slice), as
+    DeepSpeed's tutorial patches it."""
+    from zeroshard.sequence import TiledMLP
+
+    def mlp(module: Any, part: torch.Tensor) -> torch.Tensor:
+        return module.down_proj(module.act_fn(module.gate_proj(part)) * module.up_proj(part))
+
+    return TiledMLP.apply(mlp, self, x, 3, [self.down_proj.weight, self.gate_proj.weight, self.up_proj.weight])
+
+
 def train_worker(rank: int, world: int, stage: int, optimizer: str, clip: float = 0.0, loss: str = "zeroshard",
-                 config_sp: bool = True) -> dict[str, Any]:
+                 config_sp: bool = True, tiled: bool = False) -> dict[str, Any]:
     import zeroshard
     from zeroshard.deepspeed.utils import groups
     from zeroshard.sequence.hf import UlyssesSPAttentionHF, restore_transformers_attention
@@ -115,6 +128,9 @@ def train_worker(rank: int, world: int, stage: int, optimizer: str, clip: float 
     restore_transformers_attention("sdpa")
     expected = reference(optimizer, clip, every_slice_counts)
     model = llama()
+    if tiled:
+        for layer in model.model.layers:
+            layer.mlp.forward = types.MethodType(tiled_mlp_forward, layer.mlp)
     mpu = UlyssesSPAttentionHF.register_with_transformers(model_name_or_path=model, core_attn_implementation="sdpa",
                                                           sequence_parallel_size=world, micro_batch_size=ROWS)
     engine = zeroshard.initialize(model=model, mpu=mpu, config=config(stage, optimizer, clip, world if config_sp else 0))[0]
@@ -147,7 +163,7 @@ def train_worker(rank: int, world: int, stage: int, optimizer: str, clip: float 
 
 
 def check_train(by_rank: list[dict[str, Any]], stage: int, optimizer: str, clip: float = 0.0, loss: str = "zeroshard",
-                config_sp: bool = True) -> None:
+                config_sp: bool = True, tiled: bool = False) -> None:
     world = len(by_rank)
     for rank, result in enumerate(by_rank):
         assert result["worst"] <= 1e-5, f"rank {rank}: {result['worst_name']} is off by {result['worst']:.2e}"
@@ -269,21 +285,23 @@ CHECKS = {"train": check_train, "refusals": check_refusals, "accelerate": check_
 
 
 def test_hugging_face_llama_at_sequence_2_matches_one_process() -> None:
-    """Sequence 2 x data 1: SGD at stages 0-3 (stage 1 with the degree from the unit alone, as Accelerate
-    passes it), AdamW with clipping at stages 0 and 3, the tutorial's loss at stage 2; the refusals."""
+    """Sequence 2 x data 1: Accelerate's path at stage 3; SGD at stages 0, 1 (the degree from the unit
+    alone, as Accelerate passes it) and 3, the tutorial's loss at stage 2, the MLP tiled at stage 3; AdamW
+    with clipping at stage 3; the refusals."""
     family = [("accelerate", {"stage": 3})]  # first: it installs zeroshard as deepspeed before transformers loads
-    family += [("train", {"stage": stage, "optimizer": "SGD", "config_sp": stage != 1}) for stage in range(4)]
-    family += [("train", {"stage": stage, "optimizer": "AdamW", "clip": CLIP}) for stage in (0, 3)]
-    family += [("train", {"stage": 2, "optimizer": "SGD", "loss": "tutorial"}), ("refusals", {})]
+    family += [("train", {"stage": stage, "optimizer": "SGD", "config_sp": stage != 1}) for stage in (0, 1, 3)]
+    family += [("train", {"stage": 3, "optimizer": "AdamW", "clip": CLIP})]
+    family += [("train", {"stage": 2, "optimizer": "SGD", "loss": "tutorial"}),
+               ("train", {"stage": 3, "optimizer": "SGD", "tiled": True}), ("refusals", {})]
     check_family(family, run_family(2, family, WORKERS), CHECKS, world=2)
 
 
 @pytest.mark.slow
 def test_hugging_face_llama_at_sequence_4_matches_one_process() -> None:
     """Sequence 4 x data 1: two key/value heads, each repeated on two ranks; SGD at stages 0 and 3, AdamW
-    with clipping at stage 2."""
+    with clipping at stage 2 with the MLP tiled."""
     family = [("train", {"stage": stage, "optimizer": "SGD"}) for stage in (0, 3)]
-    family += [("train", {"stage": 2, "optimizer": "AdamW", "clip": CLIP})]
+    family += [("train", {"stage": 2, "optimizer": "AdamW", "clip": CLIP, "tiled": True})]
     check_family(family, run_family(4, family, WORKERS), CHECKS, world=4)
 
 
