@@ -11,7 +11,8 @@ the group's counted tokens, [Note: a loss over the group's counted tokens] in ze
 or DeepSpeed's tutorial's weighted all-gather where every slice counts a token.  The oracle is one process
 on the whole sequences with transformers' own loss: plain SGD (not scale-invariant, so a gradient off by
 the sequence degree shows) at ZeRO stages 0-3, AdamW with clipping active at stage 3 (and 2), and with
-each layer's MLP through ``TiledMLP`` (zeroshard/sequence/tiled.py) at stage 3 (and 2); losses, gradient norms and
+each layer's MLP through ``TiledMLP`` and the logits and loss through ``sequence_tiled_compute``
+(zeroshard/sequence/tiled.py) at stage 3 (and 2); losses, gradient norms and
 weights equal it (fp32, 1e-5 relative).  Refused by name on every rank: heads the
 degree does not split, eager attention, a batch without position ids, a length the degree does not split.
 Accelerate's ``ParallelismConfig(sp_size=2, sp_backend="deepspeed")`` (through ``install_as_deepspeed()``:
@@ -107,13 +108,37 @@ def tutorial_loss(outputs: Any, model: Any, shift_labels: torch.Tensor, group: A
 
 def tiled_mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     """LlamaMLP's forward through ``TiledMLP`` in 3 tiles (uneven where 3 does not divide the slice), as
-    DeepSpeed's tutorial patches it."""
+    DeepSpeed's tutorial patches it (with ``tiled``, the logits and loss are tiled too: ``TiledLoss``)."""
     from zeroshard.sequence import TiledMLP
 
     def mlp(module: Any, part: torch.Tensor) -> torch.Tensor:
         return module.down_proj(module.act_fn(module.gate_proj(part)) * module.up_proj(part))
 
     return TiledMLP.apply(mlp, self, x, 3, [self.down_proj.weight, self.gate_proj.weight, self.up_proj.weight])
+
+
+class TiledLoss(torch.nn.Module):
+    """The causal LM with its logits and loss computed 3 tiles at a time (``sequence_tiled_compute``): no
+    rank holds its whole slice's logits; the loss is the mean over the group's counted tokens."""
+
+    def __init__(self, llama: Any) -> None:
+        super().__init__()
+        self.llama = llama
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
+        from zeroshard.sequence import combine_sequence_losses, sequence_tiled_compute
+
+        hidden = self.llama.model(input_ids=input_ids, position_ids=position_ids).last_hidden_state
+
+        def loss_sum(hidden_states: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
+            logits = self.llama.lm_head(hidden_states).float()
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, V), shift_labels.reshape(-1),
+                                                     ignore_index=-100, reduction="sum")
+
+        total = sequence_tiled_compute(loss_sum, hidden.shape[1], 3, {"hidden_states": hidden,
+                                                                      "shift_labels": shift_labels},
+                                       {}, "hidden_states", output_unshard_dimension=0, output_reduction="sum")
+        return combine_sequence_losses(total, (shift_labels != -100).sum())
 
 
 def train_worker(rank: int, world: int, stage: int, optimizer: str, clip: float = 0.0, loss: str = "zeroshard",
@@ -133,7 +158,8 @@ def train_worker(rank: int, world: int, stage: int, optimizer: str, clip: float 
             layer.mlp.forward = types.MethodType(tiled_mlp_forward, layer.mlp)
     mpu = UlyssesSPAttentionHF.register_with_transformers(model_name_or_path=model, core_attn_implementation="sdpa",
                                                           sequence_parallel_size=world, micro_batch_size=ROWS)
-    engine = zeroshard.initialize(model=model, mpu=mpu, config=config(stage, optimizer, clip, world if config_sp else 0))[0]
+    engine = zeroshard.initialize(model=TiledLoss(model) if tiled else model, mpu=mpu,
+                                  config=config(stage, optimizer, clip, world if config_sp else 0))[0]
     log = engine.comm.ledger.start_log()
     group, size, sp_rank = (groups._get_sequence_parallel_group(), groups._get_sequence_parallel_world_size(),
                             groups._get_sequence_parallel_rank())
@@ -143,16 +169,19 @@ def train_worker(rank: int, world: int, stage: int, optimizer: str, clip: float 
                                         device=engine.device)
     losses, norms, counted = [], [], []
     for _, batch in zip(range(STEPS), loader):
-        outputs = engine(**batch)
         labels = batch["shift_labels"]
         counted.append(int((labels != -100).sum()))
-        value = sequence_loss(outputs.logits, labels) if loss == "zeroshard" \
-            else tutorial_loss(outputs, engine.module, labels, group, size)
+        if tiled:
+            value = engine(**batch)
+        else:
+            outputs = engine(**batch)
+            value = sequence_loss(outputs.logits, labels) if loss == "zeroshard" \
+                else tutorial_loss(outputs, engine.module, labels, group, size)
         engine.backward(value)
         engine.step()
         losses.append(float(value.detach()))
         norms.append(engine.get_global_grad_norm())
-    state = engine.full_state_dict(rank0_only=False)
+    state = {name.removeprefix("llama."): value for name, value in engine.full_state_dict(rank0_only=False).items()}
     worst, worst_name = max((float((state[n] - v).abs().max()) / (float(v.abs().max()) or 1.0), n)
                             for n, v in expected["state"].items())
     labels_sent = sorted({r.label for r in log if r.label.startswith("sequence_")})
@@ -286,7 +315,7 @@ CHECKS = {"train": check_train, "refusals": check_refusals, "accelerate": check_
 
 def test_hugging_face_llama_at_sequence_2_matches_one_process() -> None:
     """Sequence 2 x data 1: Accelerate's path at stage 3; SGD at stages 0, 1 (the degree from the unit
-    alone, as Accelerate passes it) and 3, the tutorial's loss at stage 2, the MLP tiled at stage 3; AdamW
+    alone, as Accelerate passes it) and 3, the tutorial's loss at stage 2, the MLP and the loss tiled at stage 3; AdamW
     with clipping at stage 3; the refusals."""
     family = [("accelerate", {"stage": 3})]  # first: it installs zeroshard as deepspeed before transformers loads
     family += [("train", {"stage": stage, "optimizer": "SGD", "config_sp": stage != 1}) for stage in (0, 1, 3)]
@@ -299,7 +328,7 @@ def test_hugging_face_llama_at_sequence_2_matches_one_process() -> None:
 @pytest.mark.slow
 def test_hugging_face_llama_at_sequence_4_matches_one_process() -> None:
     """Sequence 4 x data 1: two key/value heads, each repeated on two ranks; SGD at stages 0 and 3, AdamW
-    with clipping at stage 2 with the MLP tiled."""
+    with clipping at stage 2 with the MLP and the loss tiled."""
     family = [("train", {"stage": stage, "optimizer": "SGD"}) for stage in (0, 3)]
     family += [("train", {"stage": 2, "optimizer": "AdamW", "clip": CLIP, "tiled": True})]
     check_family(family, run_family(4, family, WORKERS), CHECKS, world=4)
