@@ -216,5 +216,5 @@ def _gathered_positions(comm: Collectives, positions: Tensor) -> Tensor:
     size = comm.world.world_size
     shard = positions.contiguous().view(-1)
     full = torch.empty(size * shard.numel(), dtype=shard.dtype, device=shard.device)
-    comm.all_gather(full, shard, "sequence_position_ids").wait()
+    comm.all_gather(full, shard, "sequence_position_ids")
     return full.view(size, *positions.shape).movedim(0, -2).flatten(-2)
