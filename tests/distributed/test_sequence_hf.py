@@ -23,9 +23,10 @@ differences in proportion to it.
 
 The default suite runs the world of two (sequence 2 x data 1); the world of four (sequence 4 x data 1,
 two key/value heads repeated over four ranks, and sequence 2 x data 2, where the oracle is the mean of the
-two data indices' losses, each over its own batch's counted tokens) is an extended test, and so is DeepSpeed's ALST tutorial's
-script (ds_scripts/alst_tutorial.py), unmodified under ``zeroshard run --as-deepspeed`` at ZeRO-0 with plain
-SGD, equal to one process training each sample as often as the tutorial's adapter hands it out.
+two data indices' losses, each over its own batch's counted tokens) is an extended test, and so is
+DeepSpeed's ALST tutorial's script (ds_scripts/alst_tutorial.py), unmodified under ``zeroshard run
+--as-deepspeed`` at ZeRO-0 with plain SGD, equal to one process training each sample as often as the
+tutorial's adapter hands it out.
 """
 
 from __future__ import annotations
@@ -169,8 +170,8 @@ def train_worker(rank: int, world: int, stage: int, optimizer: str, clip: float 
     group, size, sp_rank = (groups._get_sequence_parallel_group(), groups._get_sequence_parallel_world_size(),
                             groups._get_sequence_parallel_rank())
     data = rank // size
-    drawn = torch.utils.data.DataLoader([sample(i, every_slice_counts, data) for i in range(sp_rank, len(LENGTHS), size)],
-                                        batch_size=None)
+    mine = [sample(i, every_slice_counts, data) for i in range(sp_rank, len(LENGTHS), size)]
+    drawn = torch.utils.data.DataLoader(mine, batch_size=None)
     loader = UlyssesSPDataLoaderAdapter(drawn, sp_rank=sp_rank, sp_group=group, sp_world_size=size,
                                         device=engine.device)
     losses, norms, counted = [], [], []
@@ -193,7 +194,8 @@ def train_worker(rank: int, world: int, stage: int, optimizer: str, clip: float 
     labels_sent = sorted({r.label for r in log if r.label.startswith("sequence_")})
     engine.close()
     restore_transformers_attention("sdpa")
-    return {"worst": worst, "worst_name": worst_name, "losses": losses, "norms": norms, "expected": {k: expected[k] for k in ("losses", "norms")},
+    return {"worst": worst, "worst_name": worst_name, "losses": losses, "norms": norms,
+            "expected": {k: expected[k] for k in ("losses", "norms")},
             "counted": counted, "length": len(loader), "labels": labels_sent, "sp": (size, sp_rank, mpu.ranks())}
 
 
@@ -235,10 +237,12 @@ def refusals_worker(rank: int, world: int) -> dict[str, str]:
     odd = {k: v[:, :15] for k, v in sample(0).items()}
     attempts = {
         "heads": lambda: UlyssesSPAttentionHF.register_with_transformers(llama(heads=1), "sdpa", world, ROWS),
-        "eager": lambda: UlyssesSPAttentionHF.register_with_transformers(llama(attention="eager"), "eager", world, ROWS),
+        "eager": lambda: UlyssesSPAttentionHF.register_with_transformers(llama(attention="eager"), "eager", world,
+                                                                         ROWS),
         "positions": lambda: next(UlyssesSPDataLoaderAdapter([no_positions], rank, unit.get_sequence_parallel_group(),
                                                               world, "cpu")),
-        "length": lambda: next(UlyssesSPDataLoaderAdapter([odd], rank, unit.get_sequence_parallel_group(), world, "cpu")),
+        "length": lambda: next(UlyssesSPDataLoaderAdapter([odd], rank, unit.get_sequence_parallel_group(), world,
+                                                          "cpu")),
     }
     for name, attempt in attempts.items():
         try:
@@ -382,7 +386,8 @@ def test_the_alst_tutorial_script_trains_unmodified_under_zeroshard_run_as_deeps
     out = tmp_path / "out.json"
     proc = subprocess.run([sys.executable, "-m", "zeroshard.tools.cli", "run", "--as-deepspeed", "--num_gpus", "2",
                            "--master_port", str(free_port()), str(TUTORIAL), "--model", str(tmp_path / "model"),
-                           "--data", str(tmp_path / "data.pt"), "--config", str(tmp_path / "ds.json"), "--out", str(out)],
+                           "--data", str(tmp_path / "data.pt"), "--config", str(tmp_path / "ds.json"),
+                           "--out", str(out)],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     got, want = json.loads(out.read_text()), tutorial_reference(tmp_path / "model", samples, lr)

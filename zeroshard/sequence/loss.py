@@ -59,7 +59,8 @@ class _SumOverGroup(torch.autograd.Function):
     gradient summed over the group in the backward."""
 
     @staticmethod
-    def forward(ctx: Any, comm: Collectives, loss_sum: Tensor, count: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+    def forward(ctx: Any, comm: Collectives, loss_sum: Tensor,  # type: ignore[override]
+                count: Tensor) -> tuple[Tensor, Tensor]:
         ctx.comm = comm
         both = torch.stack([loss_sum.detach().double(), count.double()])
         comm.all_reduce(both, "sequence_loss")

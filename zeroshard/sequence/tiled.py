@@ -35,8 +35,9 @@ class TiledMLP:
     def apply(fn: Callable[[nn.Module, Tensor], Tensor], module: nn.Module, x: Tensor, shards: int,
               compute_params: Optional[Sequence[Tensor]] = None) -> Tensor:
         del compute_params
-        return _Tiled.apply(lambda part, _index: fn(module, part), int(shards), None, x.dim() - 2,  # type: ignore[no-any-return]
-                            x.dim() - 2, x)
+        tiled: Tensor = _Tiled.apply(lambda part, _index: fn(module, part), int(shards), None, x.dim() - 2,
+                                     x.dim() - 2, x)
+        return tiled
 
 
 def sequence_tiled_compute(fn: Callable[..., Tensor], seqlen: int, shards: int, kwargs_to_shard: dict[str, Any],
@@ -64,7 +65,8 @@ def sequence_tiled_compute(fn: Callable[..., Tensor], seqlen: int, shards: int, 
         return fn(**{grad_requiring_tensor_key: part}, **tiles, **kwargs_to_pass)
 
     del compute_params
-    return _Tiled.apply(run, len(bounds), output_reduction, 1, output_unshard_dimension, x)  # type: ignore[no-any-return]
+    tiled: Tensor = _Tiled.apply(run, len(bounds), output_reduction, 1, output_unshard_dimension, x)
+    return tiled
 
 
 def _bounds(length: int, shards: int) -> list[tuple[int, int]]:
