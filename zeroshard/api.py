@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -29,6 +30,7 @@ from .logging import log_rank
 from .pipeline import PipelineConfigError, PipelineEngine, PipelineModule
 from .pipeline.module import PipelineMPU
 from .sequence.groups import SequenceParallelError, check_sequence_axes
+from .sequence.unit import is_sequence_unit
 
 
 def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: Any = None,
@@ -65,10 +67,15 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     if mesh_param is not None:
         raise ValueError("initialize(mesh_param=): a device mesh is not taken; pass None and set the config's "
                          "sequence_parallel_size for sequence parallelism")
+    sequence_unit = mpu if is_sequence_unit(mpu) else None
+    if sequence_unit is not None:
+        mpu = None  # a sequence-parallel unit (the Hugging Face path's) says the sequence degree, no model split
     if mpu is not None and not isinstance(model, PipelineModule):
         check_mpu(mpu)  # before anything else: a wrong object is named at once
     source = _config_source(config, config_params, args)
     parsed: ZeroshardConfig = load_config(source)
+    if sequence_unit is not None:
+        parsed = _sequence_degree_of(sequence_unit, parsed)
     # the launch as zeroshard.init_distributed() reads it; a group created before (by it or the user) is kept
     world = init_distributed(timeout_s=parsed.collective_timeout, port=int(distributed_port or DEFAULT_PORT),
                              must_exist=dist_init_required is False)
@@ -99,6 +106,8 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
         worlds = dataclasses.replace(worlds, dims=axes)
     else:  # tensor parallelism from the config, or from tp_model_init() (zeroshard/tensor_parallel/)
         axes = _job_axes(parsed, world, tensor_parallel_size(model, parsed.tensor_parallel), model)
+        if sequence_unit is not None:
+            _check_unit_layout(sequence_unit, axes, world)
         prepared = prepare_tensor_parallel(model, parsed.tensor_parallel, world, axes)
         if prepared is not None:
             worlds, mpu, split, batch_check = prepared
@@ -175,6 +184,29 @@ def _tensor_parallel_degree(config: ZeroshardConfig, model: nn.Module, mpu: Any)
     if mpu is not None and not isinstance(model, PipelineModule):
         return int(getattr(mpu, check_mpu(mpu)[1])())
     return tensor_parallel_size(model, config.tensor_parallel)
+
+
+def _sequence_degree_of(unit: Any, config: ZeroshardConfig) -> ZeroshardConfig:
+    """The config with the sequence degree of ``initialize(mpu=unit)``'s sequence-parallel unit (the Hugging
+    Face path's, which Accelerate passes without ``sequence_parallel_size`` in the config); a config that
+    says another degree is refused."""
+    size = int(unit.get_sequence_parallel_world_size())
+    if config.sequence_parallel_size not in (1, size):
+        raise SequenceParallelError(f"initialize(mpu=...): the sequence-parallel unit splits sequences over {size} "
+                                    f"ranks but the config says sequence_parallel_size = "
+                                    f"{config.sequence_parallel_size}")
+    return dataclasses.replace(config, sequence_parallel_size=size)
+
+
+def _check_unit_layout(unit: Any, axes: ParallelDims, world: World) -> None:
+    """The unit's sequence group must hold the ranks of the engine's (consecutive ranks, [Note: the order of
+    the axes] in distributed/parallel_dims.py): the attention exchanges over the one, ZeRO over the other."""
+    ranks = list(dist.get_process_group_ranks(unit.get_sequence_parallel_group()))
+    expected = next(list(group) for group in axes.groups("sequence") if world.rank in group)
+    if ranks != expected:
+        raise SequenceParallelError(f"initialize(mpu=...): the unit's sequence-parallel group holds ranks {ranks}; "
+                                    f"zeroshard's sequence groups are consecutive ranks ({expected} for rank "
+                                    f"{world.rank})")
 
 
 def _data_axis(world: World, axes: ParallelDims) -> World:

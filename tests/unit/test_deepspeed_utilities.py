@@ -125,7 +125,7 @@ def test_required_torch_version() -> None:
 
 def test_git_version_info() -> None:
     info = importlib.import_module("zeroshard.git_version_info")
-    assert info is zeroshard.git_version_info and info.version == "0.16.4"
+    assert info is zeroshard.git_version_info and info.version == "0.18.2"
     assert info.git_hash == info.git_branch == "[none]"
     assert info.installed_ops == dict.fromkeys(ALL_OPS, False) and "cpu_adam" in info.installed_ops
     assert info.accelerator_name == zeroshard.accelerator.get_accelerator().device_name()

@@ -25,7 +25,7 @@ def test_import_deepspeed_is_zeroshard_and_hugging_face_sees_it() -> None:
         assert zeroshard.__spec__.name == "zeroshard" and zeroshard.runtime.zero.__spec__.name == "zeroshard.deepspeed.runtime.zero"
         assert ZeroParamStatus is zeroshard.zero.ZeroParamStatus
         assert importlib.util.find_spec("deepspeed") is not None
-        assert importlib.metadata.version("deepspeed") == "0.16.4"
+        assert importlib.metadata.version("deepspeed") == "0.18.2"
         assert importlib.metadata.metadata("deepspeed")["Name"] == "deepspeed"
         from transformers.integrations.deepspeed import is_deepspeed_available as hf
         from accelerate.utils import is_deepspeed_available as acc

@@ -30,11 +30,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Iterator, Optional, Sequence
 
-#: The DeepSpeed version zeroshard answers with.  Hugging Face's checks need >= 0.9.3 (accelerate's
-#: DeepSpeed support), >= 0.14.5 and >= 0.15.2 (its launch and plugin paths); features zeroshard lacks
-#: are gated at higher versions (accelerate's sequence parallelism at 0.18.2), so claiming this one
-#: makes them fail with their own "requires deepspeed>=..." message instead of reaching zeroshard.
-DEEPSPEED_VERSION = "0.16.4"
+#: The DeepSpeed version zeroshard answers with: the oldest whose features Hugging Face's libraries gate
+#: on and zeroshard has.  Accelerate needs >= 0.9.3 (its DeepSpeed support), >= 0.14.5 and >= 0.15.2 (its
+#: launch and plugin paths), >= 0.16.4 (AutoTP) and >= 0.18.2 for its ``ParallelismConfig(sp_backend=
+#: "deepspeed")`` path, which imports ``UlyssesSPAttentionHF`` and ``UlyssesSPDataLoaderAdapter``
+#: (zeroshard/sequence/hf.py, loader.py).  A feature gated at a later version than this one fails with
+#: its library's own "requires deepspeed>=..." message instead of reaching zeroshard.
+DEEPSPEED_VERSION = "0.18.2"
 _ALIAS, _REAL = "deepspeed", "zeroshard"
 
 

@@ -89,11 +89,22 @@ def sequence_collectives(group: Any, device: torch.device) -> Optional[Collectiv
         return None if live is None else live.sequence
     if isinstance(group, Collectives):
         return group
-    if live is not None and group is live.sequence.world.group:
+    if live is not None and _same_ranks(group, live.sequence):
         return live.sequence
     world = World(rank=dist.get_rank(group), world_size=dist.get_world_size(group), local_rank=0, device=device,
                   backend=str(dist.get_backend(group)), group=group)
     return Collectives(world)
+
+
+def _same_ranks(group: Any, comm: Collectives) -> bool:
+    """Whether ``group`` holds the ranks of ``comm``'s group, in the same order (a group made before the
+    engine, such as a sequence-parallel unit's, for the engine's own): the two then carry the same
+    exchanges, and the engine's are counted in its ledger."""
+    if group is comm.world.group:
+        return True
+    theirs = comm.world.group
+    ranks = list(range(dist.get_world_size())) if theirs is None else dist.get_process_group_ranks(theirs)
+    return dist.get_process_group_ranks(group) == ranks
 
 
 def check_sequence_axes(axes: ParallelDims, *, model_parallel: bool = False) -> None:

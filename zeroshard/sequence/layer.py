@@ -19,7 +19,10 @@ the gradient of ``sp`` times the group's mean loss (each rank's mean is over ``1
 tokens); the average over ``dp * sp`` ranks divides by ``sp`` again, which leaves the gradient of the
 mean over every token of the global batch, what one process training on the whole sequences computes.
 This holds when every rank holds the same number of counted tokens (equal slices, no padding left out
-of the mean); with uneven counts a rank must weigh its loss by its share of the tokens instead.
+of the mean).  With uneven counts every rank takes the group's mean instead, from the ranks' sums and
+counts combined over the group: the combination's backward hands each rank's sum P times its share of
+the gradient, and the same average over ``dp * sp`` ranks divides the P out (see [Note: a loss over the
+group's counted tokens] in sequence/loss.py).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""``zeroshard.deepspeed.runtime.utils``: ``set_random_seed``, ``see_memory_usage``, ``partition_balanced``."""
+"""``zeroshard.deepspeed.runtime.utils``: ``set_random_seed``, ``see_memory_usage``, ``partition_balanced``,
+``move_to_device``."""
 
 from __future__ import annotations
 
 import gc
 import resource
-from typing import Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -13,7 +14,7 @@ from ...logging import log_rank
 from ...pipeline.partition import balanced_bounds
 from ..utils import set_random_seed
 
-__all__ = ["set_random_seed", "see_memory_usage", "partition_balanced"]
+__all__ = ["set_random_seed", "see_memory_usage", "partition_balanced", "move_to_device"]
 
 GIB = 1024 ** 3
 
@@ -39,3 +40,15 @@ def partition_balanced(weights: Sequence[int], num_parts: int) -> list[int]:
     """``num_parts + 1`` boundaries cutting ``weights`` into consecutive parts whose heaviest is as light
     as possible (the pipeline's own ``partition_method="parameters"`` split)."""
     return balanced_bounds(list(weights), num_parts)
+
+
+def move_to_device(item: Any, device: Any, criterion_func: Optional[Callable[[Any], bool]] = None) -> Any:
+    """``item`` with every tensor in it (through lists, tuples and dicts) moved to ``device``; with
+    ``criterion_func``, only the tensors it accepts (DeepSpeed's signature)."""
+    if torch.is_tensor(item):
+        return item.to(device) if criterion_func is None or criterion_func(item) else item
+    if isinstance(item, (list, tuple)):
+        return type(item)(move_to_device(v, device, criterion_func) for v in item)
+    if isinstance(item, dict):
+        return {k: move_to_device(v, device, criterion_func) for k, v in item.items()}
+    return item
