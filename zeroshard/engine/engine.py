@@ -46,6 +46,7 @@ from ..experts.layer import bind_expert_groups, checked_expert_axis, expert_para
 from .memory import memory_breakdown
 from ..experts.registry import is_expert_param
 from ..optim.param_groups import TrainableParams, collect_trainable
+from ..optim.muon import adopted_marks, read_marks, split_for_muon
 from ..optim.no_optimizer import NoOptimizer, no_optimizer_error
 from ..optim.updaters import build_updater
 from ..offload.policy import OffloadPolicies
@@ -105,6 +106,7 @@ class Engine:
         refuse_a_wrapped_model(model)
         # the config's leaf modules, marked before stage 3 plans its units from the marks
         mark_configured_leaves(model, config.zero_optimization.leaf_module)
+        muon_marks = read_marks(model)  # the user's use_muon marks, before Init's parameters are swapped
         replaced, from_init = adopt_init_parameters(model, config, world.device)
         self._built_under_init = bool(replaced)
         #: hooks of a set-up on the model (``hold_hook``), removed with the engine's own
@@ -123,6 +125,9 @@ class Engine:
         self._build_groups(world, axes)
         trainable = collect_trainable(model, model_parameters,
                                       optimizer if isinstance(optimizer, Optimizer) else None, replaced)
+        if optimizer is None and config.optimizer is not None and config.optimizer.type == "Muon":
+            # see [Note: DeepSpeed's Muon split] in optim/muon.py
+            trainable = split_for_muon(trainable, adopted_marks(muon_marks, replaced))
         self.param_names = trainable.names
         self._sync_initial_state(from_init)
         self._build_storage_and_strategy(trainable, from_init)

@@ -1,0 +1,207 @@
+"""Muon at every ZeRO stage: each matrix stepped whole on the rank that owns it, equal to one process.
+
+A small model with a tied embedding (17 x 10, stepped by AdamW as DeepSpeed's split says), two hidden
+matrices of odd shapes (24 x 10 and 10 x 24, Muon's) and 1-D biases and norms (AdamW's) trains 3 steps
+with the config's ``"optimizer": {"type": "Muon"}`` at stages 0-3 in a world of two.  The oracle is one
+process on the global batch running ``torch.optim.Muon`` on the matrices and ``torch.optim.AdamW`` on the
+rest with the same hyperparameters.
+
+Tolerances: with torch's Newton-Schulz in fp32 (patched in both, ``_zeropower_via_newtonschulz``)
+the result equals the oracle to 1e-5: the only difference left is the order of the gradient average
+over ranks.  With torch's own bf16 iteration, that fp32 difference in the averaged gradient may round
+some bf16 elements of the iteration the other way; one bf16 rounding is 2^-8 relative on an update
+whose entries are at most about 1 in size, so after ``STEPS`` steps the matrices agree to within
+``STEPS * adjusted lr * 2^-7`` (and the AdamW parameters, which see the matrices through the loss,
+to the same order); the fp32 case shows that this rounding is all there is.  Each case also checks that
+the matrices did not get AdamW's update (Muon really active at stage 0 and under ``zeroshard.Init``,
+where the ``use_muon`` marks the user set on the Init parameters are honoured), the model-state bytes
+of ``memory_breakdown()`` against the formula with Muon's momentum 1/N, and the ledger's
+``all_to_all`` bytes against [Note: whole matrices, each on one rank] in zeroshard/optim/whole_matrices.py.
+Refused by name on every rank: no 2-D parameter, an unknown ``ns_method``, ``use_muon`` on a 1-D parameter.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zeroshard
+from zeroshard.config import ConfigError
+from zeroshard.optim.muon import NoMatrixError, UseMuonMarkError
+from zeroshard.tools.testing import check_family, run_family
+
+V, D, H, ROWS, SEQ, STEPS = 17, 10, 24, 2, 5, 3
+PARAMS = {"lr": 0.01, "muon_lr": 0.02, "adam_lr": 3e-3, "momentum": 0.9, "weight_decay": 0.1,
+          "betas": [0.9, 0.99], "eps": 1e-8, "ns_method": "standard"}
+MATRICES = ("up.weight", "down.weight")
+
+
+class Tiny(nn.Module):
+    """A tied embedding, a 24 x 10 and a 10 x 24 matrix, biases and a norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, D)
+        self.up = nn.Linear(D, H)
+        self.down = nn.Linear(H, D)
+        self.norm = nn.LayerNorm(D)
+        self.lm_head = nn.Linear(D, V, bias=False)
+        self.lm_head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        h = h + self.down(torch.tanh(self.up(h)))
+        return F.cross_entropy(self.lm_head(self.norm(h)).flatten(0, 1), y.flatten())
+
+
+def batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    data = torch.randint(0, V, (ROWS * world, SEQ + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def fp32_newton_schulz(grad: torch.Tensor, ns_coefficients: tuple, ns_steps: int, eps: float) -> torch.Tensor:
+    """torch's iteration, in fp32 (the bound's witness: see the module's docstring)."""
+    a, b, c = ns_coefficients
+    x = grad.float().T if grad.size(0) > grad.size(1) else grad.float().clone()
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if grad.size(0) > grad.size(1) else x
+
+
+def use_newton_schulz(ns: str) -> None:
+    import torch.optim._muon as muon_module
+    if not hasattr(muon_module, "_bf16_newton_schulz"):
+        setattr(muon_module, "_bf16_newton_schulz", muon_module._zeropower_via_newtonschulz)
+    muon_module._zeropower_via_newtonschulz = (fp32_newton_schulz if ns == "fp32"
+                                               else getattr(muon_module, "_bf16_newton_schulz"))
+
+
+def oracle(ns: str, adam_everywhere: bool = False) -> dict[str, torch.Tensor]:
+    """One process, the global batch: torch.optim.Muon on the matrices, torch.optim.AdamW on the rest."""
+    use_newton_schulz(ns)
+    torch.manual_seed(0)
+    model = Tiny()
+    named = dict(model.named_parameters())
+    muon_names = () if adam_everywhere else MATRICES
+    opts: list[torch.optim.Optimizer] = [torch.optim.AdamW(
+        [p for n, p in named.items() if n not in muon_names], lr=PARAMS["adam_lr"], betas=tuple(PARAMS["betas"]),
+        eps=PARAMS["eps"], weight_decay=PARAMS["weight_decay"])]
+    if muon_names:
+        opts.append(torch.optim.Muon([named[n] for n in muon_names], lr=PARAMS["muon_lr"],
+                                     momentum=PARAMS["momentum"], weight_decay=PARAMS["weight_decay"],
+                                     nesterov=True, adjust_lr_fn="original"))
+    for step in range(STEPS):
+        model(*batch(step, 2)).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def train(rank: int, world: int, stage: int, ns: str, init: bool = False) -> dict[str, Any]:
+    use_newton_schulz(ns)
+    config = {"train_micro_batch_size_per_gpu": ROWS, "optimizer": {"type": "Muon", "params": PARAMS},
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 200}}
+    torch.manual_seed(0)
+    if init:
+        with zeroshard.Init(config=config):
+            model = Tiny()
+        for name, p in model.named_parameters():  # the user's marks, on the Init parameters
+            p.use_muon = name in MATRICES  # type: ignore[attr-defined]
+    else:
+        model = Tiny()
+    engine, _, _, _ = zeroshard.initialize(model=model, config=config)
+    log = engine.comm.ledger.start_log()
+    for step in range(STEPS):
+        x, y = batch(step, world)
+        engine.backward(engine(x[rank * ROWS:(rank + 1) * ROWS], y[rank * ROWS:(rank + 1) * ROWS]))
+        engine.step()
+    matrices = [r for r in log if r.label.startswith("matrices_")]
+    return {"params": engine.full_state_dict(rank0_only=False), "memory": engine.memory_breakdown(),
+            "matrix_bytes": sum(r.sent for r in matrices), "matrix_labels": sorted({r.label for r in matrices})}
+
+
+def refused(rank: int, world: int) -> dict[str, str]:
+    """Each bad input's error class, on this rank."""
+    out = {}
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Muon"}, "zero_optimization": {"stage": 2}}
+    for label, build in (("no matrix", lambda: nn.Sequential(nn.LayerNorm(4))),
+                         ("1-D mark", lambda: _marked_bias())):
+        try:
+            zeroshard.initialize(model=build(), config=config)
+            out[label] = "accepted"
+        except (NoMatrixError, UseMuonMarkError) as err:
+            out[label] = type(err).__name__
+    try:
+        zeroshard.initialize(model=Tiny(), config={**config, "optimizer": {"type": "Muon",
+                                                                           "params": {"ns_method": "cubic"}}})
+        out["ns_method"] = "accepted"
+    except ConfigError as err:
+        out["ns_method"] = type(err).__name__ + (": names it" if "ns_method" in str(err) else "")
+    return out
+
+
+def _marked_bias() -> nn.Module:
+    model = nn.Linear(4, 4)
+    model.bias.use_muon = True  # type: ignore[attr-defined]
+    return model
+
+
+def check_train(by_rank: list[dict[str, Any]], stage: int, ns: str, init: bool = False) -> None:
+    want = oracle(ns)
+    adam = oracle(ns, adam_everywhere=True)
+    adjusted = PARAMS["muon_lr"] * math.sqrt(max(1, H / D))
+    tol = 1e-5 if ns == "fp32" else STEPS * adjusted * 2 ** -7
+    for result in by_rank:
+        got = result["params"]
+        for name, value in want.items():
+            err = float((got[name] - value).abs().max())
+            assert err <= tol, f"{name}: {err:.3g} from one process (bound {tol:.3g})"
+        for name in MATRICES:  # a matrix stepped by AdamW lands far from Muon's
+            assert float((got[name] - adam[name]).abs().max()) > 20 * tol, f"{name} got AdamW's update"
+    n = len(by_rank)
+    numel = {name: p.numel() for name, p in want.items()}
+    muon = sum(numel[k] for k in MATRICES)
+    rest = sum(numel.values()) - muon
+    for result in by_rank:
+        memory = result["memory"]
+        # fp32: AdamW's two state tensors per element, 1/N from stage 1; Muon's momentum 1/N at every stage
+        expected = 8 * rest / (n if stage >= 1 else 1) + 4 * muon / n
+        assert abs(memory["optimizer"] - expected) <= 8 * n, (memory["optimizer"], expected)
+        assert memory["model_states"] - memory["formula"] == pytest.approx(0, abs=16 * n)
+        # the note's count: stages 1-3 a gradient and a value in, a value out; stage 0 the matrix out
+        per_step = (3 * muon * (n - 1) // n if stage >= 1 else muon * (n - 1)) * 4 / n
+        assert result["matrix_bytes"] / STEPS == pytest.approx(per_step, rel=0.2), result["matrix_bytes"]
+    total = sum(r["matrix_bytes"] for r in by_rank) / STEPS
+    assert total == (3 * muon * (n - 1) // n if stage >= 1 else muon * (n - 1)) * 4
+
+
+def check_refused(by_rank: list[dict[str, str]]) -> None:
+    for result in by_rank:
+        assert result == {"no matrix": "NoMatrixError", "1-D mark": "UseMuonMarkError",
+                          "ns_method": "ConfigError: names it"}, result
+
+
+WORKERS = {"train": train, "refused": refused}
+CHECKS = {"train": check_train, "refused": check_refused}
+
+
+def family(world: int) -> list[tuple[str, dict[str, Any]]]:
+    cases: list[tuple[str, dict[str, Any]]] = []
+    for stage in (0, 1, 2, 3):
+        cases += [("train", {"stage": stage, "ns": "fp32"}), ("train", {"stage": stage, "ns": "bf16"})]
+    cases += [("train", {"stage": 3, "ns": "fp32", "init": True}), ("refused", {})]
+    return cases
+
+
+def test_muon_matches_one_process_at_every_stage() -> None:
+    cases = family(2)
+    check_family(cases, run_family(2, cases, WORKERS), CHECKS, world=2)

@@ -1,0 +1,311 @@
+"""Optimizers that need each matrix whole (Muon, Adafactor), stepped while their state stays sharded.
+
+[Note: whole matrices, each on one rank]
+The torch optimizer usually steps each rank's flat chunk of a bucket (see [Note: pieces] in
+optim/updater.py), and a chunk cuts matrices anywhere.  Muon's Newton-Schulz iteration and
+Adafactor's row and column moments need every element of a matrix at once, so the parameter groups
+that such an optimizer steps are updated another way:
+
+- **ownership**: each matrix of those groups is owned by one rank of the group its bucket is sharded
+  over, chosen once, largest matrix first, each to the rank that owns the fewest elements so far (ties
+  to the lowest rank), so every rank steps about 1/N of the matrices' elements;
+- **the exchange in**: at the step, every rank sends the owner the part of the matrix's averaged
+  gradient and of its values (the fp32 masters where there are any) that lies in its own chunk, in
+  one ``all_to_all`` per bucket; at stage 0 every rank holds every bucket whole, so nothing moves;
+- **the update**: the owner runs torch's own optimizer (``torch.optim.Muon``, ``torch.optim.Adafactor``)
+  on the whole matrix, whose state (Muon's momentum, Adafactor's row and column moments) lives only
+  there: the matrices' optimizer state is 1/N per rank at every stage, stage 0 included;
+- **the exchange out**: the owner sends every other rank the updated values of its part of the chunk
+  (stage 0: the whole matrix, a broadcast), in a second ``all_to_all``, and from there the stage's
+  own path goes on: the masters are published into the parameters, stages 1-3 all-gather the
+  chunks as after any step.
+
+Bytes sent per optimizer step, with M the matrices' elements, s the element size of the values (4 for
+fp32 masters) and N ranks: stages 1-3 send 2 M (N-1)/N s in (a gradient and a value per element held
+away from its owner) and M (N-1)/N s out, 3 M (N-1)/N s in all, counted in the ledger as
+``all_to_all`` (labels ``matrices_in``, ``matrices_out``); stage 0 sends M (N-1) s out (every rank but
+the owner receives each matrix) and nothing in.  The values come in because the owner holds only its
+chunk of the masters: torch's optimizer then runs exactly its own arithmetic on the matrix, so the
+result is the one process's, element for element, but for the rounding of Muon's bf16 Newton-Schulz,
+which is deterministic given the same input.  The other parameter groups (norms, biases, embeddings,
+the head) keep the chunked update.  Memory: the owner builds the matrix's gradient and values for the
+step of one bucket at a time (two copies of that bucket's owned matrices), freed after it.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..distributed.collectives import Collectives
+from ..sharding.layout import BucketLayout, ParamSlot
+
+if TYPE_CHECKING:
+    from ..sharding.strategy import ShardingStrategy
+
+
+class WholeMatrixError(ValueError):
+    """An optimizer that needs whole matrices was asked for where it cannot run."""
+
+
+@dataclass(frozen=True)
+class InnerSpec:
+    """How one optimizer group's whole parameters are stepped: ``build`` makes torch's optimizer over
+    them from the group's options; ``as_matrix``: each is stepped as a 2-D matrix (Muon), its first
+    dimension by the rest (a convolution's filters), else in its own shape (Adafactor)."""
+
+    build: Callable[[list[nn.Parameter], dict[str, Any]], torch.optim.Optimizer]
+    as_matrix: bool = True
+
+    def state_elements(self, shape: Sequence[int]) -> int:
+        """The state elements torch's optimizer keeps for a parameter of ``shape`` (the formula the
+        memory breakdown compares with): Muon one momentum element per element; Adafactor (not a
+        matrix) a row and a column moment for two or more dimensions, else one per element."""
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        if self.as_matrix or len(shape) < 2:
+            return numel
+        rest = numel // (int(shape[-1]) * int(shape[-2]))
+        return rest * (int(shape[-1]) + int(shape[-2]))
+
+
+def stepped_shape(shape: Sequence[int], as_matrix: bool) -> tuple[int, ...]:
+    """The shape a parameter is stepped in (see :class:`InnerSpec`)."""
+    if not as_matrix or len(shape) <= 2:
+        return tuple(int(d) for d in shape)
+    rows, numel = int(shape[0]), 1
+    for d in shape:
+        numel *= int(d)
+    return rows, numel // rows if rows else 0
+
+
+def assign_owners(sizes: dict[int, int], world_size: int) -> dict[int, int]:
+    """Parameter index -> owner rank: largest first, each to the least loaded rank (see [Note: whole
+    matrices, each on one rank])."""
+    load = [(0, r) for r in range(world_size)]
+    owners: dict[int, int] = {}
+    for index, numel in sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0])):
+        total, rank = heapq.heappop(load)
+        owners[index] = rank
+        heapq.heappush(load, (total + numel, rank))
+    return owners
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """Who holds which part of each matrix of one bucket, and who owns it."""
+
+    bucket: BucketLayout
+    comm: Collectives
+    rank: int
+    chunk_numel: int  # each rank's owned chunk (the whole bucket at stage 0)
+    owners: dict[int, int]  # slot index (parameter index) -> owner rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world.world_size
+
+    @property
+    def whole(self) -> bool:
+        """Every rank holds the whole bucket (stage 0, or one rank)."""
+        return self.chunk_numel == self.bucket.padded_numel
+
+    def held(self, rank: int, slot: ParamSlot) -> tuple[int, int]:
+        """[lo, hi) of ``slot``'s elements inside ``rank``'s chunk (empty when lo >= hi)."""
+        start = self.bucket.chunk_start(self.chunk_numel, rank)
+        lo = max(start, slot.offset) - slot.offset
+        hi = min(start + self.chunk_numel, slot.offset + slot.numel) - slot.offset
+        return lo, max(lo, hi)
+
+    def parts(self, sender: int, receiver: int, owner_side: int) -> list[tuple[ParamSlot, int, int]]:
+        """The matrix parts that travel from ``sender`` to ``receiver``: those of the matrices owned by
+        ``owner_side`` (the receiver in, the sender out) lying in the non-owner's chunk."""
+        if sender == receiver:
+            return []
+        other = sender if owner_side == receiver else receiver
+        out = []
+        for slot in self.bucket.slots:
+            if self.owners[slot.index] != owner_side:
+                continue
+            lo, hi = self.held(other, slot)
+            if hi > lo:
+                out.append((slot, lo, hi))
+        return out
+
+    def moved_elements(self, inbound: bool) -> int:
+        """Elements moved by every rank together in one direction (the same on every rank)."""
+        key = "_moved_in" if inbound else "_moved_out"
+        if key not in self.__dict__:
+            n = self.world_size
+            moved = 0 if inbound and self.whole else sum(
+                hi - lo for s in range(n) for r in range(n) for _, lo, hi in self.parts(s, r, r if inbound else s))
+            self.__dict__[key] = moved  # cached: the plan is fixed for the run
+        return int(self.__dict__[key])
+
+
+class WholeMatrixSteps:
+    """The whole-matrix update of the buckets of some optimizer groups (see [Note: whole matrices,
+    each on one rank]): which rank owns each matrix, the two exchanges, torch's optimizer on the owner."""
+
+    def __init__(self, strategy: "ShardingStrategy", optimizer: torch.optim.Optimizer,
+                 owned: dict[int, tuple[int, torch.Tensor]], groups: dict[int, InnerSpec]) -> None:
+        """``owned``: bucket index -> (this rank's owned elements, a tensor of the values' dtype and device)."""
+        self.optimizer = optimizer
+        self.plans: dict[int, BucketPlan] = {}
+        buckets = strategy.layout.buckets
+        by_comm: dict[int, tuple[Collectives, dict[int, int]]] = {}
+        for bucket in buckets:
+            if bucket.group_index in groups:
+                comm = strategy.comm_of(bucket)
+                by_comm.setdefault(id(comm), (comm, {}))[1].update({s.index: s.numel for s in bucket.slots})
+        owners: dict[int, int] = {}
+        for comm, sizes in by_comm.values():
+            owners.update(assign_owners(sizes, comm.world.world_size))
+        #: the whole matrices this rank owns, by parameter index: a parameter object whose values are
+        #: set for each step (the inner optimizer keys its state by it)
+        self.matrices: dict[int, nn.Parameter] = {}
+        self.inner: dict[int, torch.optim.Optimizer] = {}
+        for bucket in buckets:
+            if bucket.group_index not in groups:
+                continue
+            comm = strategy.comm_of(bucket)
+            numel, like = owned[bucket.index]
+            plan = BucketPlan(bucket, comm, strategy.ranks.of(bucket), numel,
+                              {s.index: owners[s.index] for s in bucket.slots})
+            self.plans[bucket.index] = plan
+            for slot in bucket.slots:
+                if owners[slot.index] == plan.rank:
+                    self.matrices[slot.index] = nn.Parameter(like.new_empty(0, 0), requires_grad=False)
+        for gi, spec in groups.items():
+            mine = [self.matrices[s.index] for b in buckets if b.group_index == gi
+                    for s in b.slots if s.index in self.matrices]
+            options = {k: v for k, v in optimizer.param_groups[gi].items() if k != "params"}
+            # a rank that owns none of the group's matrices still has the group (torch refuses an empty one)
+            self.inner[gi] = spec.build(mine or [nn.Parameter(torch.empty(0, 0), requires_grad=False)], options)
+        #: every rank's share of the matrices' state elements (the formula: 1/N of their total)
+        self.formula_state_elements = sum(groups[b.group_index].state_elements(s.shape) / strategy.comm_of(b).world.world_size
+                                          for b in buckets if b.group_index in groups for s in b.slots)
+        #: the elements of the parameters stepped whole
+        self.numel = sum(s.numel for b in buckets if b.group_index in groups for s in b.slots)
+        self._shapes = {s.index: stepped_shape(s.shape, groups[b.group_index].as_matrix)
+                        for b in buckets if b.group_index in groups for s in b.slots}
+
+    def covers(self, bucket: BucketLayout) -> bool:
+        return bucket.index in self.plans
+
+    # ------------------------------------------------------------------ the step
+    def step_bucket(self, bucket: BucketLayout, values: torch.Tensor, grad: torch.Tensor) -> None:
+        """Update every matrix of ``bucket`` whole: ``values`` and ``grad`` are this rank's owned chunk
+        (values updated in place)."""
+        plan = self.plans[bucket.index]
+        whole = self._gather_in(plan, values, grad)
+        self._update(plan, whole)
+        self._scatter_out(plan, values, whole)
+
+    def _gather_in(self, plan: BucketPlan, values: torch.Tensor, grad: torch.Tensor
+                   ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Owned matrix index -> (values, gradient), 1-D, whole on this rank."""
+        start = plan.bucket.chunk_start(plan.chunk_numel, plan.rank)
+        mine = [s for s in plan.bucket.slots if plan.owners[s.index] == plan.rank]
+        if plan.whole:
+            return {s.index: (values[s.offset: s.offset + s.numel], grad[s.offset: s.offset + s.numel]) for s in mine}
+        out = {s.index: (torch.empty(s.numel, dtype=values.dtype, device=values.device),
+                         torch.empty(s.numel, dtype=values.dtype, device=values.device)) for s in mine}
+        for s in mine:
+            lo, hi = plan.held(plan.rank, s)
+            if hi > lo:
+                at = s.offset + lo - start
+                out[s.index][0][lo:hi].copy_(values[at: at + hi - lo])
+                out[s.index][1][lo:hi].copy_(grad[at: at + hi - lo])
+        if plan.moved_elements(inbound=True) == 0:
+            return out
+        n, r = plan.world_size, plan.rank
+        sends = [plan.parts(r, d, d) for d in range(n)]
+        send = torch.cat([torch.cat([grad[s.offset + lo - start: s.offset + hi - start].to(values.dtype),
+                                     values[s.offset + lo - start: s.offset + hi - start]])
+                          for parts in sends for s, lo, hi in parts] or [values.new_empty(0)])
+        recvs = [plan.parts(q, r, r) for q in range(n)]
+        recv = values.new_empty(sum(2 * (hi - lo) for parts in recvs for _, lo, hi in parts))
+        plan.comm.all_to_all_uneven(recv, send, [2 * sum(hi - lo for _, lo, hi in p) for p in recvs],
+                                    [2 * sum(hi - lo for _, lo, hi in p) for p in sends], "matrices_in",
+                                    2 * plan.moved_elements(inbound=True) * values.element_size())
+        at = 0
+        for parts in recvs:
+            for s, lo, hi in parts:
+                k = hi - lo
+                out[s.index][1][lo:hi].copy_(recv[at: at + k])
+                out[s.index][0][lo:hi].copy_(recv[at + k: at + 2 * k])
+                at += 2 * k
+        return out
+
+    def _update(self, plan: BucketPlan, whole: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """torch's optimizer on this rank's whole matrices of the bucket, with the engine group's
+        current hyperparameters (an LR schedule changes the engine's groups)."""
+        if not whole:
+            return
+        gi = plan.bucket.group_index
+        inner = self.inner[gi]
+        group = self.optimizer.param_groups[gi]
+        inner.param_groups[0].update({k: v for k, v in group.items() if k in inner.defaults})
+        for index, (v, g) in whole.items():
+            p = self.matrices[index]
+            shape = self._shapes[index]
+            p.data = v.view(shape)
+            p.grad = g.view(shape)
+        inner.step()
+        for index in whole:
+            p = self.matrices[index]
+            p.grad = None
+            p.data = p.data.new_empty(0, 0)
+
+    def _scatter_out(self, plan: BucketPlan, values: torch.Tensor,
+                     whole: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Every rank's part of the updated matrices back into its chunk."""
+        start = plan.bucket.chunk_start(plan.chunk_numel, plan.rank)
+        if not plan.whole:
+            for index, (v, _) in whole.items():
+                s = next(s for s in plan.bucket.slots if s.index == index)
+                lo, hi = plan.held(plan.rank, s)
+                if hi > lo:
+                    values[s.offset + lo - start: s.offset + hi - start].copy_(v[lo:hi])
+        if plan.moved_elements(inbound=False) == 0:
+            return
+        n, r = plan.world_size, plan.rank
+        sends = [plan.parts(r, d, r) for d in range(n)]
+        send = torch.cat([whole[s.index][0][lo:hi] for parts in sends for s, lo, hi in parts]
+                         or [values.new_empty(0)])
+        recvs = [plan.parts(q, r, q) for q in range(n)]
+        recv = values.new_empty(sum(hi - lo for parts in recvs for _, lo, hi in parts))
+        plan.comm.all_to_all_uneven(recv, send, [sum(hi - lo for _, lo, hi in p) for p in recvs],
+                                    [sum(hi - lo for _, lo, hi in p) for p in sends], "matrices_out",
+                                    plan.moved_elements(inbound=False) * values.element_size())
+        at = 0
+        for parts in recvs:
+            for s, lo, hi in parts:
+                values[s.offset + lo - start: s.offset + hi - start].copy_(recv[at: at + hi - lo])
+                at += hi - lo
+
+    # ------------------------------------------------------------------ state
+    def state_bytes(self) -> int:
+        """Bytes of the inner optimizers' state tensors on this rank (the owned matrices' only)."""
+        return sum(t.numel() * t.element_size() for inner in self.inner.values() for state in inner.state.values()
+                   for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+
+    def scalar_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for inner in self.inner.values() for state in inner.state.values()
+                   for t in state.values() if isinstance(t, torch.Tensor) and t.dim() == 0)
+
+    def matrix_state(self, index: int) -> Optional[dict[str, torch.Tensor]]:
+        """The inner optimizer's state of parameter ``index`` where this rank owns it, else None."""
+        p = self.matrices.get(index)
+        if p is None:
+            return None
+        for inner in self.inner.values():
+            if p in inner.state:
+                return dict(inner.state[p])
+        return {}
