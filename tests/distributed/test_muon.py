@@ -84,9 +84,11 @@ def use_newton_schulz(ns: str) -> None:
                                                else getattr(muon_module, "_bf16_newton_schulz"))
 
 
-def oracle(ns: str, adam_everywhere: bool = False, client: str = "", world: int = 2) -> dict[str, torch.Tensor]:
+def oracle(ns: str, adam_everywhere: bool = False, client: str = "", world: int = 2,
+           worlds: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
     """One process, the global batch: torch.optim.Muon on the matrices, torch.optim.AdamW on the rest
-    (``client="adafactor"``: torch.optim.Adafactor on everything)."""
+    (``client="adafactor"``: torch.optim.Adafactor on everything); ``worlds``: each step's world size
+    where it changes (a checkpoint loaded at another world)."""
     use_newton_schulz(ns)
     torch.manual_seed(0)
     model = Tiny()
@@ -100,7 +102,7 @@ def oracle(ns: str, adam_everywhere: bool = False, client: str = "", world: int 
                                      momentum=PARAMS["momentum"], weight_decay=PARAMS["weight_decay"],
                                      nesterov=True, adjust_lr_fn="original"))
     for step in range(STEPS):
-        model(*batch(step, world)).backward()
+        model(*batch(step, worlds[step] if worlds else world)).backward()
         for opt in opts:
             opt.step()
             opt.zero_grad()
@@ -149,6 +151,43 @@ def train(rank: int, world: int, stage: int, ns: str, init: bool = False, client
     matrices = [r for r in log if r.label.startswith("matrices_")]
     return {"params": {k: v.float() for k, v in engine.full_state_dict(rank0_only=False).items()}, "memory": engine.memory_breakdown(),
             "matrix_bytes": sum(r.sent for r in matrices), "matrix_labels": sorted({r.label for r in matrices})}
+
+
+def resume(rank: int, world: int, save_stage: int, load_stage: int, path: str, phase: str = "both",
+           worlds: tuple[int, ...] = ()) -> dict[str, Any]:
+    """Two steps at ``save_stage`` and a checkpoint (``phase`` "save"), then a fresh engine at
+    ``load_stage`` loads it and takes the third step ("load"); "both" does both in this world."""
+    use_newton_schulz("fp32")
+    out: dict[str, Any] = {"params": {}}
+    phases = [("save", save_stage, range(STEPS - 1)), ("load", load_stage, range(STEPS - 1, STEPS))]
+    for name, stage, steps in phases if phase == "both" else [p for p in phases if p[0] == phase]:
+        config = {"train_micro_batch_size_per_gpu": ROWS, "optimizer": {"type": "Muon", "params": PARAMS},
+                  "zero_optimization": {"stage": stage, "reduce_bucket_size": 150}}
+        torch.manual_seed(0 if name == "save" else 1)  # the loaded engine starts from other values
+        engine, _, _, _ = zeroshard.initialize(model=Tiny(), config=config)
+        if name == "load":
+            engine.load_checkpoint(path, tag="t")
+        for step in steps:
+            x, y = batch(step, world)
+            engine.backward(engine(x[rank * ROWS:(rank + 1) * ROWS], y[rank * ROWS:(rank + 1) * ROWS]))
+            engine.step()
+        if name == "save":
+            engine.save_checkpoint(path, tag="t")
+        else:
+            out["params"] = engine.full_state_dict(rank0_only=False)
+        engine.close()
+    return out
+
+
+def check_resume(by_rank: list[dict[str, Any]], save_stage: int, load_stage: int, path: str, phase: str = "both",
+                 worlds: tuple[int, ...] = ()) -> None:
+    if phase == "save":
+        return
+    want = oracle("fp32", world=len(by_rank), worlds=worlds)
+    for result in by_rank:
+        for name, value in want.items():
+            err = float((result["params"][name] - value).abs().max())
+            assert err <= 1e-5, f"{name}: {err:.3g} from one process after the reload"
 
 
 def refused(rank: int, world: int) -> dict[str, str]:
@@ -219,15 +258,15 @@ def check_refused(by_rank: list[dict[str, str]]) -> None:
                           "ns_method": "ConfigError: names it"}, result
 
 
-WORKERS = {"train": train, "refused": refused}
-CHECKS = {"train": check_train, "refused": check_refused}
+WORKERS = {"train": train, "refused": refused, "resume": resume}
+CHECKS = {"train": check_train, "refused": check_refused, "resume": check_resume}
 
 
 def family(world: int) -> list[tuple[str, dict[str, Any]]]:
     cases: list[tuple[str, dict[str, Any]]] = []
     for stage in (0, 1, 2, 3):
         cases += [("train", {"stage": stage, "ns": "fp32"})]
-    cases += [("train", {"stage": 0, "ns": "bf16"}), ("train", {"stage": 3, "ns": "bf16"})]
+    cases += [("train", {"stage": 3, "ns": "bf16"})]
     cases += [("train", {"stage": 3, "ns": "fp32", "init": True}),
               ("train", {"stage": 1, "ns": "fp32", "client": "muon"}),
               ("train", {"stage": 2, "ns": "fp32", "client": "adafactor"}),
@@ -237,13 +276,19 @@ def family(world: int) -> list[tuple[str, dict[str, Any]]]:
     return cases
 
 
-def test_muon_matches_one_process_at_every_stage() -> None:
-    cases = family(2)
+def test_muon_matches_one_process_at_every_stage(tmp_path: Any) -> None:
+    cases = family(2) + [("resume", {"save_stage": 1, "load_stage": 3, "path": str(tmp_path / "a")})]
     check_family(cases, run_family(2, cases, WORKERS), CHECKS, world=2)
 
 
 @pytest.mark.slow
-def test_muon_matches_one_process_at_world_3() -> None:
-    """Three ranks: chunks cut each matrix in three places and ownership is two matrices on three ranks."""
+def test_muon_matches_one_process_at_world_3(tmp_path: Any) -> None:
+    """Three ranks: chunks cut each matrix in three places and ownership is two matrices on three ranks;
+    a checkpoint saved at world 2 (stage 3) loads at world 3 (stage 1), and one saved at stage 3
+    at stage 0."""
+    saved = [("resume", {"save_stage": 3, "load_stage": 1, "path": str(tmp_path / "a"), "phase": "save"})]
+    check_family(saved, run_family(2, saved, WORKERS), CHECKS, world=2)
     cases = [("train", {"stage": stage, "ns": ns}) for stage in (0, 1, 2, 3) for ns in ("fp32", "bf16")]
+    cases += [("resume", {**saved[0][1], "phase": "load", "worlds": (2, 2, 3)}),
+              ("resume", {"save_stage": 3, "load_stage": 0, "path": str(tmp_path / "b")})]
     check_family(cases, run_family(3, cases, WORKERS), CHECKS, world=3)

@@ -127,6 +127,14 @@ class ShardUpdater(ABC):
             piece.param.grad = None
             self.after_piece_step(bucket, piece)
 
+    def spread_state(self) -> None:
+        """Before a save, on every rank: the whole-matrix state into chunks (see [Note: whole-matrix
+        state in a checkpoint] in optim/whole_matrices.py)."""
+        if self.matrices is not None:
+            self.matrices.spread_state({b.index: self.pieces[b.index][0].param.data if len(self.pieces[b.index]) == 1
+                                        else torch.cat([p.param.data for p in self.pieces[b.index]])
+                                        for b in self.layout.buckets if self.matrices.covers(b)})
+
     def _step_whole_matrices(self, bucket: BucketLayout, grad: torch.Tensor, factor: float) -> None:
         """The bucket's matrices stepped whole (see [Note: whole matrices, each on one rank] in
         optim/whole_matrices.py): its pieces are the owned chunk, cut or not."""
@@ -173,6 +181,8 @@ class ShardUpdater(ABC):
             for key, t in full.items():
                 state_parts.setdefault(key, []).append(t.reshape(-1))
             scalars.update({k: t.detach().clone() for k, t in scalar_state(state).items()})
+        if self.matrices is not None and self.matrices.covers(bucket):  # [Note: whole-matrix state in a
+            state_parts.update({k: [t] for k, t in self.matrices.spread.get(bucket.index, {}).items()})  # checkpoint]
         return (torch.cat(values) if len(values) > 1 else values[0],
                 {k: torch.cat(v) if len(v) > 1 else v[0] for k, v in state_parts.items()}, scalars)
 
@@ -187,6 +197,10 @@ class ShardUpdater(ABC):
                      scalars: dict[str, torch.Tensor]) -> None:
         """Set ``bucket``'s owned values (and, unless ``state`` is None, its optimizer state), then publish."""
         assert self.optimizer is not None
+        if self.matrices is not None and self.matrices.covers(bucket):
+            if state is not None:  # sent to the owners; the chunks keep none (see [Note: whole-matrix state
+                self.matrices.load_state(bucket, state, values)  # in a checkpoint] in optim/whole_matrices.py)
+            state, scalars = (None, {}) if state is None else ({}, {})
         for piece in self.pieces[bucket.index]:
             part = values[piece.start: piece.start + piece.numel]
             opt_state = self.optimizer.state[piece.param]

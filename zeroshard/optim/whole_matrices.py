@@ -60,6 +60,9 @@ class InnerSpec:
 
     build: Callable[[list[nn.Parameter], dict[str, Any]], torch.optim.Optimizer]
     as_matrix: bool = True
+    #: the state tensors shaped as the parameter, which checkpoints save in chunks as every other state
+    #: (see [Note: whole-matrix state in a checkpoint])
+    chunk_keys: tuple[str, ...] = ()
 
     def state_elements(self, shape: Sequence[int]) -> int:
         """The state elements torch's optimizer keeps for a parameter of ``shape`` (the formula the
@@ -148,6 +151,69 @@ class BucketPlan:
         return int(self.__dict__[key])
 
 
+def _at(plan: BucketPlan, slot: ParamSlot, lo: int, hi: int) -> slice:
+    """Elements ``[lo, hi)`` of ``slot`` in this rank's chunk."""
+    start = plan.bucket.chunk_start(plan.chunk_numel, plan.rank) - slot.offset
+    return slice(lo - start, hi - start)
+
+
+def gather_to_owners(plan: BucketPlan, chunks: list[torch.Tensor], label: str) -> dict[int, list[torch.Tensor]]:
+    """Owned matrix index -> each of ``chunks`` (this rank's chunks of the bucket, one dtype) as the
+    whole matrix, 1-D, gathered from the ranks that hold its parts (views where this rank holds it all)."""
+    mine = [s for s in plan.bucket.slots if plan.owners[s.index] == plan.rank]
+    if plan.whole:
+        return {s.index: [c[s.offset: s.offset + s.numel] for c in chunks] for s in mine}
+    like = chunks[0]
+    out = {s.index: [like.new_empty(s.numel) for _ in chunks] for s in mine}
+    for s in mine:
+        lo, hi = plan.held(plan.rank, s)
+        for target, c in zip(out[s.index], chunks):
+            target[lo:hi].copy_(c[_at(plan, s, lo, hi)])
+    if plan.moved_elements(inbound=True) == 0:
+        return out
+    n, r, k = plan.world_size, plan.rank, len(chunks)
+    sends = [plan.parts(r, d, d) for d in range(n)]
+    send = torch.cat([c[_at(plan, s, lo, hi)] for parts in sends for s, lo, hi in parts for c in chunks]
+                     or [like.new_empty(0)])
+    recvs = [plan.parts(q, r, r) for q in range(n)]
+    recv = like.new_empty(sum(k * (hi - lo) for parts in recvs for _, lo, hi in parts))
+    plan.comm.all_to_all_uneven(recv, send, [k * sum(hi - lo for _, lo, hi in p) for p in recvs],
+                                [k * sum(hi - lo for _, lo, hi in p) for p in sends], label,
+                                k * plan.moved_elements(inbound=True) * like.element_size())
+    at = 0
+    for parts in recvs:
+        for s, lo, hi in parts:
+            for target in out[s.index]:
+                target[lo:hi].copy_(recv[at: at + hi - lo])
+                at += hi - lo
+    return out
+
+
+def scatter_from_owners(plan: BucketPlan, chunk: torch.Tensor, whole: dict[int, torch.Tensor], label: str) -> None:
+    """Every rank's part of the owners' whole matrices (``whole``: owned index -> 1-D) into its ``chunk``."""
+    if not plan.whole:
+        for index, v in whole.items():
+            s = next(s for s in plan.bucket.slots if s.index == index)
+            lo, hi = plan.held(plan.rank, s)
+            if hi > lo:
+                chunk[_at(plan, s, lo, hi)].copy_(v[lo:hi])
+    if plan.moved_elements(inbound=False) == 0:
+        return
+    n, r = plan.world_size, plan.rank
+    sends = [plan.parts(r, d, r) for d in range(n)]
+    send = torch.cat([whole[s.index][lo:hi] for parts in sends for s, lo, hi in parts] or [chunk.new_empty(0)])
+    recvs = [plan.parts(q, r, q) for q in range(n)]
+    recv = chunk.new_empty(sum(hi - lo for parts in recvs for _, lo, hi in parts))
+    plan.comm.all_to_all_uneven(recv, send, [sum(hi - lo for _, lo, hi in p) for p in recvs],
+                                [sum(hi - lo for _, lo, hi in p) for p in sends], label,
+                                plan.moved_elements(inbound=False) * chunk.element_size())
+    at = 0
+    for parts in recvs:
+        for s, lo, hi in parts:
+            chunk[_at(plan, s, lo, hi)].copy_(recv[at: at + hi - lo])
+            at += hi - lo
+
+
 class WholeMatrixSteps:
     """The whole-matrix update of the buckets of some optimizer groups (see [Note: whole matrices,
     each on one rank]): which rank owns each matrix, the two exchanges, torch's optimizer on the owner."""
@@ -156,6 +222,9 @@ class WholeMatrixSteps:
                  owned: dict[int, tuple[int, torch.Tensor]], groups: dict[int, InnerSpec]) -> None:
         """``owned``: bucket index -> (this rank's owned elements, a tensor of the values' dtype and device)."""
         self.optimizer = optimizer
+        self.specs = groups
+        #: the state in chunks, per bucket, as the last :meth:`spread_state` left it for a save
+        self.spread: dict[int, dict[str, torch.Tensor]] = {}
         self.plans: dict[int, BucketPlan] = {}
         buckets = strategy.layout.buckets
         by_comm: dict[int, tuple[Collectives, dict[int, int]]] = {}
@@ -203,47 +272,12 @@ class WholeMatrixSteps:
         """Update every matrix of ``bucket`` whole: ``values`` and ``grad`` are this rank's owned chunk
         (values updated in place)."""
         plan = self.plans[bucket.index]
-        whole = self._gather_in(plan, values, grad)
+        self.spread.pop(bucket.index, None)
+        whole = gather_to_owners(plan, [grad.to(values.dtype), values], "matrices_in")
         self._update(plan, whole)
-        self._scatter_out(plan, values, whole)
+        scatter_from_owners(plan, values, {i: parts[1] for i, parts in whole.items()}, "matrices_out")
 
-    def _gather_in(self, plan: BucketPlan, values: torch.Tensor, grad: torch.Tensor
-                   ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """Owned matrix index -> (values, gradient), 1-D, whole on this rank."""
-        start = plan.bucket.chunk_start(plan.chunk_numel, plan.rank)
-        mine = [s for s in plan.bucket.slots if plan.owners[s.index] == plan.rank]
-        if plan.whole:
-            return {s.index: (values[s.offset: s.offset + s.numel], grad[s.offset: s.offset + s.numel]) for s in mine}
-        out = {s.index: (torch.empty(s.numel, dtype=values.dtype, device=values.device),
-                         torch.empty(s.numel, dtype=values.dtype, device=values.device)) for s in mine}
-        for s in mine:
-            lo, hi = plan.held(plan.rank, s)
-            if hi > lo:
-                at = s.offset + lo - start
-                out[s.index][0][lo:hi].copy_(values[at: at + hi - lo])
-                out[s.index][1][lo:hi].copy_(grad[at: at + hi - lo])
-        if plan.moved_elements(inbound=True) == 0:
-            return out
-        n, r = plan.world_size, plan.rank
-        sends = [plan.parts(r, d, d) for d in range(n)]
-        send = torch.cat([torch.cat([grad[s.offset + lo - start: s.offset + hi - start].to(values.dtype),
-                                     values[s.offset + lo - start: s.offset + hi - start]])
-                          for parts in sends for s, lo, hi in parts] or [values.new_empty(0)])
-        recvs = [plan.parts(q, r, r) for q in range(n)]
-        recv = values.new_empty(sum(2 * (hi - lo) for parts in recvs for _, lo, hi in parts))
-        plan.comm.all_to_all_uneven(recv, send, [2 * sum(hi - lo for _, lo, hi in p) for p in recvs],
-                                    [2 * sum(hi - lo for _, lo, hi in p) for p in sends], "matrices_in",
-                                    2 * plan.moved_elements(inbound=True) * values.element_size())
-        at = 0
-        for parts in recvs:
-            for s, lo, hi in parts:
-                k = hi - lo
-                out[s.index][1][lo:hi].copy_(recv[at: at + k])
-                out[s.index][0][lo:hi].copy_(recv[at + k: at + 2 * k])
-                at += 2 * k
-        return out
-
-    def _update(self, plan: BucketPlan, whole: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _update(self, plan: BucketPlan, whole: dict[int, list[torch.Tensor]]) -> None:
         """torch's optimizer on this rank's whole matrices of the bucket, with the engine group's
         current hyperparameters (an LR schedule changes the engine's groups)."""
         if not whole:
@@ -252,7 +286,7 @@ class WholeMatrixSteps:
         inner = self.inner[gi]
         group = self.optimizer.param_groups[gi]
         inner.param_groups[0].update({k: v for k, v in group.items() if k in inner.defaults})
-        for index, (v, g) in whole.items():
+        for index, (g, v) in whole.items():
             p = self.matrices[index]
             shape = self._shapes[index]
             p.data = v.view(shape)
@@ -263,34 +297,51 @@ class WholeMatrixSteps:
             p.grad = None
             p.data = p.data.new_empty(0, 0)
 
-    def _scatter_out(self, plan: BucketPlan, values: torch.Tensor,
-                     whole: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Every rank's part of the updated matrices back into its chunk."""
-        start = plan.bucket.chunk_start(plan.chunk_numel, plan.rank)
-        if not plan.whole:
-            for index, (v, _) in whole.items():
-                s = next(s for s in plan.bucket.slots if s.index == index)
-                lo, hi = plan.held(plan.rank, s)
-                if hi > lo:
-                    values[s.offset + lo - start: s.offset + hi - start].copy_(v[lo:hi])
-        if plan.moved_elements(inbound=False) == 0:
-            return
-        n, r = plan.world_size, plan.rank
-        sends = [plan.parts(r, d, r) for d in range(n)]
-        send = torch.cat([whole[s.index][0][lo:hi] for parts in sends for s, lo, hi in parts]
-                         or [values.new_empty(0)])
-        recvs = [plan.parts(q, r, q) for q in range(n)]
-        recv = values.new_empty(sum(hi - lo for parts in recvs for _, lo, hi in parts))
-        plan.comm.all_to_all_uneven(recv, send, [sum(hi - lo for _, lo, hi in p) for p in recvs],
-                                    [sum(hi - lo for _, lo, hi in p) for p in sends], "matrices_out",
-                                    plan.moved_elements(inbound=False) * values.element_size())
-        at = 0
-        for parts in recvs:
-            for s, lo, hi in parts:
-                values[s.offset + lo - start: s.offset + hi - start].copy_(recv[at: at + hi - lo])
-                at += hi - lo
-
     # ------------------------------------------------------------------ state
+    def spread_state(self, like: dict[int, torch.Tensor]) -> None:
+        """[Note: whole-matrix state in a checkpoint]
+        A checkpoint saves every optimizer state in the chunks of each bucket, which is what lets it
+        load at another world size and stage.  Before a save, every rank calls this: the owners send
+        each rank its chunk's part of the state shaped as the parameter (Muon's momentum), the same
+        exchange as the step's way out (label ``matrices_state``), and the save writes those chunks;
+        a load sends the chunks to the owners (:meth:`load_state`), the step's way in.  Adafactor's row
+        and column moments are not shaped as the parameter and are not saved: a load starts them
+        afresh.  ``like``: per bucket, a chunk of the values' dtype and device."""
+        self.spread = {}
+        for index, plan in self.plans.items():
+            spec = self.specs[plan.bucket.group_index]
+            out = {}
+            for key in spec.chunk_keys:
+                chunk = torch.zeros_like(like[index])
+                whole = {i: self._state_of(i, key, like[index]) for i in self._owned(plan)}
+                scatter_from_owners(plan, chunk, whole, "matrices_state")
+                out[key] = chunk
+            self.spread[index] = out
+
+    def load_state(self, bucket: BucketLayout, state: dict[str, torch.Tensor], like: torch.Tensor) -> None:
+        """The chunks of the bucket's state shaped as the parameter (a load's) sent to the owners; a key
+        missing from ``state`` starts at zero."""
+        plan = self.plans[bucket.index]
+        inner = self.inner[bucket.group_index]
+        for key in self.specs[bucket.group_index].chunk_keys:
+            chunk = state.get(key)
+            chunk = torch.zeros_like(like) if chunk is None else chunk.to(like.dtype)
+            for index, (whole,) in gather_to_owners(plan, [chunk], "matrices_state").items():
+                inner.state[self.matrices[index]][key] = whole.clone().view(self._shapes[index])
+        self.spread.pop(bucket.index, None)
+
+    def _owned(self, plan: BucketPlan) -> list[int]:
+        return [s.index for s in plan.bucket.slots if plan.owners[s.index] == plan.rank]
+
+    def _state_of(self, index: int, key: str, like: torch.Tensor) -> torch.Tensor:
+        p = self.matrices[index]
+        for inner in self.inner.values():
+            value = inner.state.get(p, {}).get(key)
+            if isinstance(value, torch.Tensor):
+                return value.reshape(-1).to(like.dtype)
+        numel = next(s.numel for b in self.plans.values() for s in b.bucket.slots if s.index == index)
+        return like.new_zeros(numel)
+
     def state_bytes(self) -> int:
         """Bytes of the inner optimizers' state tensors on this rank (the owned matrices' only)."""
         return sum(t.numel() * t.element_size() for inner in self.inner.values() for state in inner.state.values()
