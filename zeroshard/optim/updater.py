@@ -181,8 +181,9 @@ class ShardUpdater(ABC):
             for key, t in full.items():
                 state_parts.setdefault(key, []).append(t.reshape(-1))
             scalars.update({k: t.detach().clone() for k, t in scalar_state(state).items()})
-        if self.matrices is not None and self.matrices.covers(bucket):  # [Note: whole-matrix state in a
-            state_parts.update({k: [t] for k, t in self.matrices.spread.get(bucket.index, {}).items()})  # checkpoint]
+        if self.matrices is not None and self.matrices.covers(bucket):
+            # see [Note: whole-matrix state in a checkpoint] in optim/whole_matrices.py
+            state_parts.update({k: [t] for k, t in self.matrices.spread.get(bucket.index, {}).items()})
         return (torch.cat(values) if len(values) > 1 else values[0],
                 {k: torch.cat(v) if len(v) > 1 else v[0] for k, v in state_parts.items()}, scalars)
 
