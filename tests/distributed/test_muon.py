@@ -106,6 +106,7 @@ def oracle(ns: str, adam_everywhere: bool = False, client: str = "", world: int 
         for opt in opts:
             opt.step()
             opt.zero_grad()
+    use_newton_schulz("bf16")  # torch's own again, for whatever runs next in this process
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
