@@ -32,6 +32,7 @@ from torch import nn
 
 import zeroshard
 from zeroshard.config import ConfigError
+from zeroshard.deepspeed.utils.tensor_fragment import safe_get_full_optimizer_state
 from zeroshard.optim.muon import MuonWithAuxAdam, NoMatrixError, UseMuonMarkError
 from zeroshard.tools.testing import check_family, run_family
 
@@ -107,7 +108,16 @@ def oracle(ns: str, adam_everywhere: bool = False, client: str = "", world: int 
             opt.step()
             opt.zero_grad()
     use_newton_schulz("bf16")  # torch's own again, for whatever runs next in this process
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    out = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if muon_names and client != "adafactor":
+        out.update({f"momentum:{n}": opts[1].state[named[n]]["momentum_buffer"] for n in muon_names})
+    return out
+
+
+def momenta(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Muon's momentum of each matrix, through DeepSpeed's tensor-fragment function (a collective)."""
+    named = dict(model.named_parameters())
+    return {f"momentum:{n}": safe_get_full_optimizer_state(named[n], "momentum_buffer") for n in MATRICES}
 
 
 def client_optimizer(model: nn.Module, client: str) -> torch.optim.Optimizer:
@@ -150,7 +160,10 @@ def train(rank: int, world: int, stage: int, ns: str, init: bool = False, client
         engine.backward(engine(x[rank * ROWS:(rank + 1) * ROWS], y[rank * ROWS:(rank + 1) * ROWS]))
         engine.step()
     matrices = [r for r in log if r.label.startswith("matrices_")]
-    return {"params": {k: v.float() for k, v in engine.full_state_dict(rank0_only=False).items()}, "memory": engine.memory_breakdown(),
+    params = {k: v.float() for k, v in engine.full_state_dict(rank0_only=False).items()}
+    if client != "adafactor":
+        params.update(momenta(model))
+    return {"params": params, "memory": engine.memory_breakdown(),
             "matrix_bytes": sum(r.sent for r in matrices), "matrix_labels": sorted({r.label for r in matrices})}
 
 
@@ -175,7 +188,7 @@ def resume(rank: int, world: int, save_stage: int, load_stage: int, path: str, p
         if name == "save":
             engine.save_checkpoint(path, tag="t")
         else:
-            out["params"] = engine.full_state_dict(rank0_only=False)
+            out["params"] = {**engine.full_state_dict(rank0_only=False), **momenta(engine.module)}
         engine.close()
     return out
 
@@ -233,7 +246,7 @@ def check_train(by_rank: list[dict[str, Any]], stage: int, ns: str, init: bool =
             assert err <= tol, f"{name}: {err:.3g} from one process (bound {tol:.3g})"
         for name in MATRICES if client != "adafactor" and not bf16 else ():  # a matrix stepped by AdamW lands far from Muon's
             assert float((got[name] - adam[name]).abs().max()) > 20 * tol, f"{name} got AdamW's update"
-    numel = {name: p.numel() for name, p in want.items()}
+    numel = {name: p.numel() for name, p in want.items() if not name.startswith("momentum:")}
     muon = sum(numel[k] for k in MATRICES)
     rest = sum(numel.values()) - muon
     if client == "adafactor" or offload or bf16 or n != 2:  # the sum where ownership is not even per rank

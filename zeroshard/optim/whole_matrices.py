@@ -351,12 +351,23 @@ class WholeMatrixSteps:
         return sum(t.numel() * t.element_size() for inner in self.inner.values() for state in inner.state.values()
                    for t in state.values() if isinstance(t, torch.Tensor) and t.dim() == 0)
 
-    def matrix_state(self, index: int) -> Optional[dict[str, torch.Tensor]]:
-        """The inner optimizer's state of parameter ``index`` where this rank owns it, else None."""
+    def state_keys(self, bucket: BucketLayout) -> tuple[str, ...]:
+        """The state keys of ``bucket``'s matrices shaped as the parameter (the same on every rank)."""
+        return self.specs[bucket.group_index].chunk_keys
+
+    def whole_state(self, bucket: BucketLayout, index: int, key: str, like: torch.Tensor) -> torch.Tensor:
+        """Parameter ``index``'s state ``key``, 1-D, on every rank of the bucket's group: the owner's,
+        summed with the others' zeros (one all-reduce; zeros before the first step)."""
+        plan = self.plans[bucket.index]
+        out = torch.zeros_like(like)
+        if index in self.matrices:
+            out.copy_(self._state_of(index, key, like))
+        if plan.comm.world.is_distributed:
+            plan.comm.all_reduce(out, f"matrix_state[{key}]")
+        return out
+
+    def set_whole_state(self, bucket: BucketLayout, index: int, key: str, value: torch.Tensor) -> None:
+        """Set parameter ``index``'s state ``key`` where this rank owns it (``value`` the same everywhere)."""
         p = self.matrices.get(index)
-        if p is None:
-            return None
-        for inner in self.inner.values():
-            if p in inner.state:
-                return dict(inner.state[p])
-        return {}
+        if p is not None:
+            self.inner[bucket.group_index].state[p][key] = value.detach().clone().view(self._shapes[index])
