@@ -23,6 +23,7 @@ Refused by name on every rank: no 2-D parameter, an unknown ``ns_method``, ``use
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -272,8 +273,7 @@ def check_refused(by_rank: list[dict[str, str]]) -> None:
                           "ns_method": "ConfigError: names it"}, result
 
 
-WORKERS = {"train": train, "refused": refused, "resume": resume}
-CHECKS = {"train": check_train, "refused": check_refused, "resume": check_resume}
+
 
 
 def family(world: int) -> list[tuple[str, dict[str, Any]]]:
@@ -295,14 +295,67 @@ def test_muon_matches_one_process_at_every_stage(tmp_path: Any) -> None:
     check_family(cases, run_family(2, cases, WORKERS), CHECKS, world=2)
 
 
+def script_native(rank: int, world: int, config: str, out: str) -> None:
+    """The DeepSpeed-style script's ``--native`` path (zeroshard's own API), 3 steps."""
+    import importlib.util
+    import sys
+
+    from test_ds_scripts import SCRIPT
+    spec = importlib.util.spec_from_file_location("train_ds_style", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    argv, sys.argv = sys.argv, [str(SCRIPT), "--deepspeed", "--deepspeed_config", config, "--out", out,
+                                "--steps", "3", "--native"]
+    try:
+        script.main()
+    finally:
+        sys.argv = argv
+
+
+def run_script_as_deepspeed(config: Path, out: Path) -> list[float]:
+    """The script, saying ``import deepspeed``, under ``zeroshard run --as-deepspeed`` at world 2: its losses."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from test_ds_scripts import SCRIPT
+    from zeroshard.tools.testing import free_port
+    proc = subprocess.run([sys.executable, "-m", "zeroshard.tools.cli", "run", "--as-deepspeed", "--num_gpus", "2",
+                           "--master_port", str(free_port()), str(SCRIPT), "--import-deepspeed", "--deepspeed",
+                           "--deepspeed_config", str(config), "--out", str(out), "--steps", "3"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return list(json.loads(out.read_text())["losses"])
+
+
 @pytest.mark.slow
-def test_muon_matches_one_process_at_world_3(tmp_path: Any) -> None:
+def test_muon_at_world_3_and_under_zeroshard_run_as_deepspeed(tmp_path: Any) -> None:
     """Three ranks: chunks cut each matrix in three places and ownership is two matrices on three ranks;
     a checkpoint saved at world 2 (stage 3) loads at world 3 (stage 1), and one saved at stage 3
-    at stage 0."""
-    saved = [("resume", {"save_stage": 3, "load_stage": 1, "path": str(tmp_path / "a"), "phase": "save"})]
+    at stage 0.  A script that says ``import deepspeed`` (zero.Init, GatheredParameters(modifier_rank=0),
+    a WarmupLR schedule) with DeepSpeed's Muon config at stage 3, run by ``zeroshard run
+    --as-deepspeed``, gives the losses of zeroshard's own API on the same model and data."""
+    import json
+
+    from test_ds_scripts import ds_config
+    config = {**ds_config(3), "optimizer": {"type": "Muon", "params": {"lr": 1e-2, "adam_lr": 1e-2,
+                                                                       "weight_decay": 0.01}}}
+    config_path = tmp_path / "ds.json"
+    config_path.write_text(json.dumps(config))
+    saved = [("resume", {"save_stage": 3, "load_stage": 1, "path": str(tmp_path / "a"), "phase": "save"}),
+             ("script_native", {"config": str(config_path), "out": str(tmp_path / "native.json")})]
     check_family(saved, run_family(2, saved, WORKERS), CHECKS, world=2)
+    native = json.loads((tmp_path / "native.json").read_text())["losses"]
+    losses = run_script_as_deepspeed(config_path, tmp_path / "out.json")
+    assert losses == native and losses[-1] < losses[0], (losses, native)
     cases = [("train", {"stage": stage, "ns": ns}) for stage in (0, 1, 2, 3) for ns in ("fp32", "bf16")]
     cases += [("resume", {**saved[0][1], "phase": "load", "worlds": (2, 2, 3)}),
               ("resume", {"save_stage": 3, "load_stage": 0, "path": str(tmp_path / "b")})]
     check_family(cases, run_family(3, cases, WORKERS), CHECKS, world=3)
+
+
+WORKERS = {"train": train, "refused": refused, "resume": resume, "script_native": script_native}
+CHECKS = {"train": check_train, "refused": check_refused, "resume": check_resume,
+          "script_native": lambda by_rank, **_: None}
