@@ -227,7 +227,7 @@ class Engine:
         for bucket in self.strategy.layout.buckets:
             groups[bucket.group_index]["params"].extend(self.updater.params_of(bucket))
         self.optimizer = optimizer_over_pieces(optimizer, groups, self.config, self.strategy.traits, self.offload)
-        self.updater.attach(self.optimizer)
+        self.updater.attach(self.optimizer, sliced=self.parallel_dims.tp > 1)
         setattr(self.optimizer, "overflow", False)
         self.lr_scheduler = lr_schedule(lr_scheduler, self.optimizer, isinstance(optimizer, Optimizer), self.config,
                                         self.module.parameters())

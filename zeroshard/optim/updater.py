@@ -86,9 +86,14 @@ class ShardUpdater(ABC):
     def make_pieces(self, bucket: BucketLayout) -> list[Piece]:
         """The tensors the optimizer steps for ``bucket``'s owned chunk."""
 
-    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+    def attach(self, optimizer: torch.optim.Optimizer, sliced: bool = False) -> None:
+        """``sliced``: tensor parallelism holds slices of the matrices (refused to an optimizer that needs
+        them whole)."""
         self.optimizer = optimizer
         groups = whole_matrix_groups(optimizer)
+        if groups and sliced:
+            raise WholeMatrixError(f"{type(optimizer).__name__} steps whole matrices, and tensor parallelism gives "
+                                   f"each rank a slice of them; train without tensor parallelism, or use AdamW")
         if groups:
             if self.place is Place.NVME:
                 raise WholeMatrixError(f"{type(optimizer).__name__} steps whole matrices, which NVMe offload does "
