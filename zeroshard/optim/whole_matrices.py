@@ -25,9 +25,9 @@ fp32 masters) and N ranks: stages 1-3 send 2 M (N-1)/N s in (a gradient and a va
 away from its owner) and M (N-1)/N s out, 3 M (N-1)/N s in all, counted in the ledger as
 ``all_to_all`` (labels ``matrices_in``, ``matrices_out``); stage 0 sends M (N-1) s out (every rank but
 the owner receives each matrix) and nothing in.  The values come in because the owner holds only its
-chunk of the masters: torch's optimizer then runs exactly its own arithmetic on the matrix, so the
-result is the one process's, element for element, but for the rounding of Muon's bf16 Newton-Schulz,
-which is deterministic given the same input.  The other parameter groups (norms, biases, embeddings,
+chunk of the masters; with them, torch's optimizer runs its own arithmetic on the whole matrix, and
+what differs from one process is only the order in which the gradient's average was summed (which
+Muon's bf16 Newton-Schulz may then round otherwise).  The other parameter groups (norms, biases, embeddings,
 the head) keep the chunked update.  Memory: the owner builds the matrix's gradient and values for the
 step of one bucket at a time (two copies of that bucket's owned matrices), freed after it.
 """
