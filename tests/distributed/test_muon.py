@@ -14,10 +14,16 @@ whose entries are at most about 1 in size, so after ``STEPS`` steps the matrices
 ``STEPS * adjusted lr * 2^-7`` (and the AdamW parameters, which see the matrices through the loss,
 to the same order); the fp32 case shows that this rounding is all there is.  Each case also checks that
 the matrices did not get AdamW's update (Muon really active at stage 0 and under ``zeroshard.Init``,
-where the ``use_muon`` marks the user set on the Init parameters are honoured), the model-state bytes
+where the ``use_muon`` marks the user set on the Init parameters are honoured), Muon's momentum as
+``safe_get_full_optimizer_state`` returns it, the model-state bytes
 of ``memory_breakdown()`` against the formula with Muon's momentum 1/N, and the ledger's
 ``all_to_all`` bytes against [Note: whole matrices, each on one rank] in zeroshard/optim/whole_matrices.py.
+Also equal to one process: the client ``MuonWithAuxAdam``, ``torch.optim.Adafactor`` (fp32, 1e-5), CPU
+offload, bf16 (within bf16's rounding), gradient accumulation with clipping; a checkpoint saved at stage
+1 resumes at stage 3 with Muon's momentum.
 Refused by name on every rank: no 2-D parameter, an unknown ``ns_method``, ``use_muon`` on a 1-D parameter.
+The extended test runs the world of three, checkpoints across worlds, and a DeepSpeed script under
+``zeroshard run --as-deepspeed``.
 """
 
 from __future__ import annotations
@@ -87,10 +93,10 @@ def use_newton_schulz(ns: str) -> None:
 
 
 def oracle(ns: str, adam_everywhere: bool = False, client: str = "", world: int = 2,
-           worlds: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
+           worlds: tuple[int, ...] = (), clip: float = 0.0) -> dict[str, torch.Tensor]:
     """One process, the global batch: torch.optim.Muon on the matrices, torch.optim.AdamW on the rest
     (``client="adafactor"``: torch.optim.Adafactor on everything); ``worlds``: each step's world size
-    where it changes (a checkpoint loaded at another world)."""
+    where it changes (a checkpoint loaded at another world); ``clip``: the gradient norm is clipped."""
     use_newton_schulz(ns)
     torch.manual_seed(0)
     model = Tiny()
@@ -105,6 +111,8 @@ def oracle(ns: str, adam_everywhere: bool = False, client: str = "", world: int 
                                      nesterov=True, adjust_lr_fn="original"))
     for step in range(STEPS):
         model(*batch(step, worlds[step] if worlds else world)).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         for opt in opts:
             opt.step()
             opt.zero_grad()
@@ -135,7 +143,8 @@ def client_optimizer(model: nn.Module, client: str) -> torch.optim.Optimizer:
 
 
 def train(rank: int, world: int, stage: int, ns: str, init: bool = False, client: str = "",
-          offload: bool = False, bf16: bool = False) -> dict[str, Any]:
+          offload: bool = False, bf16: bool = False, clip: float = 0.0) -> dict[str, Any]:
+    """``clip``: gradient clipping, with 2 micro steps of one row each per optimizer step."""
     use_newton_schulz(ns)
     config: dict[str, Any] = {"train_micro_batch_size_per_gpu": ROWS, "optimizer": {"type": "Muon", "params": PARAMS},
                               "zero_optimization": {"stage": stage, "reduce_bucket_size": 200}}
@@ -145,6 +154,8 @@ def train(rank: int, world: int, stage: int, ns: str, init: bool = False, client
         config["bf16"] = {"enabled": True}
     if client:
         del config["optimizer"]
+    if clip:
+        config.update(gradient_clipping=clip, train_micro_batch_size_per_gpu=ROWS // 2, gradient_accumulation_steps=2)
     torch.manual_seed(0)
     if init:
         with zeroshard.Init(config=config):
@@ -158,8 +169,11 @@ def train(rank: int, world: int, stage: int, ns: str, init: bool = False, client
     log = engine.comm.ledger.start_log()
     for step in range(STEPS):
         x, y = batch(step, world)
-        engine.backward(engine(x[rank * ROWS:(rank + 1) * ROWS], y[rank * ROWS:(rank + 1) * ROWS]))
-        engine.step()
+        x, y = x[rank * ROWS:(rank + 1) * ROWS], y[rank * ROWS:(rank + 1) * ROWS]
+        for micro in (range(2) if clip else [None]):
+            rows = slice(None) if micro is None else slice(micro, micro + 1)
+            engine.backward(engine(x[rows], y[rows]))
+            engine.step()
     matrices = [r for r in log if r.label.startswith("matrices_")]
     params = {k: v.float() for k, v in engine.full_state_dict(rank0_only=False).items()}
     if client != "adafactor":
@@ -232,9 +246,9 @@ def _marked_bias() -> nn.Module:
 
 
 def check_train(by_rank: list[dict[str, Any]], stage: int, ns: str, init: bool = False, client: str = "",
-                offload: bool = False, bf16: bool = False) -> None:
+                offload: bool = False, bf16: bool = False, clip: float = 0.0) -> None:
     n = len(by_rank)
-    want = oracle(ns, client=client, world=n)
+    want = oracle(ns, client=client, world=n, clip=clip)
     adam = oracle(ns, adam_everywhere=True, world=n)
     adjusted = PARAMS["muon_lr"] * math.sqrt(max(1, H / D))
     tol = 1e-5 if ns == "fp32" else STEPS * adjusted * 2 ** -7
@@ -286,6 +300,7 @@ def family(world: int) -> list[tuple[str, dict[str, Any]]]:
               ("train", {"stage": 2, "ns": "fp32", "client": "adafactor"}),
               ("train", {"stage": 3, "ns": "fp32", "offload": True}),
               ("train", {"stage": 2, "ns": "fp32", "bf16": True}),
+              ("train", {"stage": 2, "ns": "fp32", "clip": 0.05}),
               ("refused", {})]
     return cases
 
