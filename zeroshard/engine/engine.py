@@ -213,7 +213,8 @@ class Engine:
         self.strategy = STRATEGIES[self.config.stage].build(
             self.module, trainable.params, trainable.names, trainable.group_of, self.shard_groups,
             self.config.zero_optimization, self.precision, self.offload, InitialValues(from_init),
-            [(name_of[id(p)], p) for p in trainable.frozen], buffer_memory=self.buffer_memory, experts=experts)
+            [(name_of[id(p)], p) for p in trainable.frozen], buffer_memory=self.buffer_memory, experts=experts,
+            interleaved_groups=any("use_muon" in o for o in trainable.group_options))
         self.storage = self.strategy.storage
         self.storage.set_copy_gate(self.saves)  # an asynchronous save's copy
 

@@ -73,9 +73,11 @@ class Stage3(ShardedGradientStrategy):
               group_of: Sequence[int], groups: ShardGroups, zero: ZeroConfig,
               precision: PrecisionPolicy = PrecisionPolicy(), offload: OffloadPolicies = OffloadPolicies(),
               initial: InitialValues = InitialValues(), frozen: Sequence[tuple[str, nn.Parameter]] = (),
-              *, buffer_memory: BufferMemory, experts: Collection[int] = ()) -> "Stage3":
+              *, buffer_memory: BufferMemory, experts: Collection[int] = (),
+              interleaved_groups: bool = False) -> "Stage3":
         """Stage 3's units over sharded storage; frozen parameters above the persistence threshold
-        are sharded too (see [Note: frozen parameters at stage 3] in sharding/stage3/units.py)."""
+        are sharded too (see [Note: frozen parameters at stage 3] in sharding/stage3/units.py).  A unit's
+        buckets follow its own parameters, whatever ``interleaved_groups`` says."""
         comm = groups.shard
         spread = groups.expert_data.world.world_size if groups.expert_data is not None else 0
         plan = plan_units(model, params, names, group_of, zero.stage3_param_persistence_threshold,
