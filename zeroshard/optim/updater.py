@@ -136,9 +136,13 @@ class ShardUpdater(ABC):
         """Before a save, on every rank: the whole-matrix state into chunks (see [Note: whole-matrix
         state in a checkpoint] in optim/whole_matrices.py)."""
         if self.matrices is not None:
-            self.matrices.spread_state({b.index: self.pieces[b.index][0].param.data if len(self.pieces[b.index]) == 1
-                                        else torch.cat([p.param.data for p in self.pieces[b.index]])
-                                        for b in self.layout.buckets if self.matrices.covers(b)})
+            self.matrices.spread_state({b.index: self._owned_values(b) for b in self.layout.buckets
+                                        if self.matrices.covers(b)})
+
+    def _owned_values(self, bucket: BucketLayout) -> torch.Tensor:
+        """The bucket's owned values, its pieces joined (a copy where there are several)."""
+        pieces = self.pieces[bucket.index]
+        return pieces[0].param.data if len(pieces) == 1 else torch.cat([p.param.data for p in pieces])
 
     def _step_whole_matrices(self, bucket: BucketLayout, grad: torch.Tensor, factor: float) -> None:
         """The bucket's matrices stepped whole (see [Note: whole matrices, each on one rank] in
@@ -146,7 +150,7 @@ class ShardUpdater(ABC):
         assert self.matrices is not None
         pieces = self.pieces[bucket.index]
         grads = [self.piece_grad(p, grad[p.start: p.start + p.numel], factor) for p in pieces]
-        values = pieces[0].param.data if len(pieces) == 1 else torch.cat([p.param.data for p in pieces])
+        values = self._owned_values(bucket)
         self.matrices.step_bucket(bucket, values, grads[0] if len(grads) == 1 else torch.cat(grads))
         for piece in pieces:
             if len(pieces) > 1:
@@ -204,8 +208,10 @@ class ShardUpdater(ABC):
         """Set ``bucket``'s owned values (and, unless ``state`` is None, its optimizer state), then publish."""
         assert self.optimizer is not None
         if self.matrices is not None and self.matrices.covers(bucket):
-            if state is not None:  # sent to the owners; the chunks keep none (see [Note: whole-matrix state
-                self.matrices.load_state(bucket, state, values)  # in a checkpoint] in optim/whole_matrices.py)
+            # the state goes to the owners, the chunks keep none (see [Note: whole-matrix state in a
+            # checkpoint] in optim/whole_matrices.py)
+            if state is not None:
+                self.matrices.load_state(bucket, state, values)
             state, scalars = (None, {}) if state is None else ({}, {})
         for piece in self.pieces[bucket.index]:
             part = values[piece.start: piece.start + piece.numel]
