@@ -68,6 +68,8 @@ def test_split_marks_and_refusals() -> None:
         split_for_muon(trainable, {id(model.up.bias): True})
     with pytest.raises(NoMatrixError):
         split_for_muon(collect_trainable(nn.LayerNorm(3)), {})
+    with pytest.raises(WholeMatrixError, match="ns_method"):
+        MuonWithAuxAdam([{"params": [model.up.weight], "use_muon": True, "ns_method": "cubic"}])
     opt = MuonWithAuxAdam([{"params": [model.up.weight], "use_muon": True}])
     model(*batch(0, 1)).backward()
     with pytest.raises(WholeMatrixError, match="inside a zeroshard engine"):

@@ -35,6 +35,8 @@ from .whole_matrices import InnerSpec, WholeMatrixError
 #: torch.optim.Muon's own options, copied from an engine group into the owner's optimizer at each step
 TORCH_MUON_DEFAULTS: dict[str, Any] = {"nesterov": True, "ns_coefficients": (3.4445, -4.7750, 2.0315), "eps": 1e-7,
                                        "ns_steps": 5, "adjust_lr_fn": "original"}
+#: DeepSpeed's Newton-Schulz methods (the same polynomial: see [Note: DeepSpeed's Muon split])
+NS_METHODS = ("gram", "standard")
 #: Muon's state shaped as the parameter
 MUON_STATE = ("momentum_buffer",)
 _MUON_DEFAULTS = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.0, "ns_method": "gram"}
@@ -111,6 +113,8 @@ class MuonWithAuxAdam(torch.optim.AdamW):
             if group.get("use_muon", False):
                 group.pop("betas", None)
                 group = {**_MUON_DEFAULTS, **TORCH_MUON_DEFAULTS, **group}
+                if group["ns_method"] not in NS_METHODS:
+                    raise WholeMatrixError(f"ns_method {group['ns_method']!r} is not one of {', '.join(NS_METHODS)}")
             else:
                 group = {**_ADAM_DEFAULTS, **group, "use_muon": False}
             groups.append(group)
