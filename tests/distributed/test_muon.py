@@ -19,8 +19,9 @@ where the ``use_muon`` marks the user set on the Init parameters are honoured), 
 of ``memory_breakdown()`` against the formula with Muon's momentum 1/N, and the ledger's
 ``all_to_all`` bytes against [Note: whole matrices, each on one rank] in zeroshard/optim/whole_matrices.py.
 Also equal to one process: the client ``MuonWithAuxAdam``, ``torch.optim.Adafactor`` (fp32, 1e-5), CPU
-offload, bf16 (within bf16's rounding), gradient accumulation with clipping; a checkpoint saved at stage
-1 resumes at stage 3 with Muon's momentum.
+offload, bf16 (within bf16's rounding), gradient accumulation with clipping, DeepSpeed's MoE layer at
+ep 2 (the experts' matrices stepped over the ranks that hold them); a checkpoint saved at stage 1
+resumes at stage 3 with Muon's momentum.
 Refused by name on every rank: no 2-D parameter, an unknown ``ns_method``, ``use_muon`` on a 1-D parameter.
 The extended test runs the world of three, checkpoints across worlds, and a DeepSpeed script under
 ``zeroshard run --as-deepspeed``.
@@ -219,6 +220,46 @@ def check_resume(by_rank: list[dict[str, Any]], save_stage: int, load_stage: int
             assert err <= 1e-5, f"{name}: {err:.3g} from one process after the reload"
 
 
+def experts(rank: int, world: int, stage: int) -> dict[str, Any]:
+    """DeepSpeed's MoE layer at ep 2 x data 1 (each rank two of the four experts) with the config's Muon:
+    the experts' matrices (DeepSpeed's rule marks them, and the gate's and the head's) stepped whole
+    over the ranks that hold the same experts, the rest over both ranks."""
+    import test_expert_parallel as ep_test
+    use_newton_schulz("fp32")
+    engine, _ = ep_test.engine_for(rank, stage, 2, 2, True, {"optimizer": {"type": "Muon", "params": PARAMS}})
+    for step in range(STEPS):
+        engine.backward(engine(*ep_test.batch(step, rank)))
+        engine.step()
+    state = engine.full_state_dict(rank0_only=False)  # every expert, under its global name
+    engine.close()
+    return {"state": state}
+
+
+def check_experts(by_rank: list[dict[str, Any]], stage: int) -> None:
+    """One process holding every expert, each rank's batch routed apart and the losses averaged, with
+    torch.optim.Muon on DeepSpeed's matrices and AdamW on the rest (fp32 Newton-Schulz: 1e-5)."""
+    import test_expert_parallel as ep_test
+    use_newton_schulz("fp32")
+    model = ep_test.reference_model(2, True)
+    named = dict(model.named_parameters())
+    matrices = [n for n, p in named.items() if p.dim() >= 2 and "embed" not in n and "lm_head" not in n]
+    opts = [torch.optim.Muon([named[n] for n in matrices], lr=PARAMS["muon_lr"], momentum=PARAMS["momentum"],
+                             weight_decay=PARAMS["weight_decay"], adjust_lr_fn="original"),
+            torch.optim.AdamW([p for n, p in named.items() if n not in matrices], lr=PARAMS["adam_lr"],
+                              betas=tuple(PARAMS["betas"]), eps=PARAMS["eps"], weight_decay=PARAMS["weight_decay"])]
+    for step in range(STEPS):
+        (sum(model(*ep_test.batch(step, r)) for r in range(len(by_rank))) / len(by_rank)).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    use_newton_schulz("bf16")
+    assert any("deepspeed_experts" in n for n in matrices)
+    for result in by_rank:
+        for name, value in model.state_dict().items():
+            err = float((result["state"][name] - value).abs().max())
+            assert err <= 1e-5, f"{name}: {err:.3g} from one process"
+
+
 def refused(rank: int, world: int) -> dict[str, str]:
     """Each bad input's error class, on this rank."""
     out = {}
@@ -301,6 +342,7 @@ def family(world: int) -> list[tuple[str, dict[str, Any]]]:
               ("train", {"stage": 3, "ns": "fp32", "offload": True}),
               ("train", {"stage": 2, "ns": "fp32", "bf16": True}),
               ("train", {"stage": 2, "ns": "fp32", "clip": 0.05}),
+              ("experts", {"stage": 2}),
               ("refused", {})]
     return cases
 
@@ -371,6 +413,7 @@ def test_muon_at_world_3_and_under_zeroshard_run_as_deepspeed(tmp_path: Any) -> 
     check_family(cases, run_family(3, cases, WORKERS), CHECKS, world=3)
 
 
-WORKERS = {"train": train, "refused": refused, "resume": resume, "script_native": script_native}
-CHECKS = {"train": check_train, "refused": check_refused, "resume": check_resume,
+WORKERS = {"train": train, "refused": refused, "resume": resume, "script_native": script_native,
+           "experts": experts}
+CHECKS = {"train": check_train, "refused": check_refused, "resume": check_resume, "experts": check_experts,
           "script_native": lambda by_rank, **_: None}
