@@ -46,7 +46,7 @@ from ..experts.layer import bind_expert_groups, checked_expert_axis, expert_para
 from .memory import memory_breakdown
 from ..experts.registry import is_expert_param
 from ..optim.param_groups import TrainableParams, collect_trainable
-from ..optim.muon import adopted_marks, read_marks, split_for_muon
+from ..optim.muon import config_split, read_marks
 from ..optim.no_optimizer import NoOptimizer, no_optimizer_error
 from ..optim.updaters import build_updater
 from ..offload.policy import OffloadPolicies
@@ -125,9 +125,7 @@ class Engine:
         self._build_groups(world, axes)
         trainable = collect_trainable(model, model_parameters,
                                       optimizer if isinstance(optimizer, Optimizer) else None, replaced)
-        if optimizer is None and config.optimizer is not None and config.optimizer.type == "Muon":
-            # see [Note: DeepSpeed's Muon split] in optim/muon.py
-            trainable = split_for_muon(trainable, adopted_marks(muon_marks, replaced))
+        trainable = config_split(trainable, config.optimizer if optimizer is None else None, muon_marks, replaced)
         self.param_names = trainable.names
         self._sync_initial_state(from_init)
         self._build_storage_and_strategy(trainable, from_init)

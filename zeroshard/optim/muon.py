@@ -28,6 +28,7 @@ from typing import Any, Iterable, Mapping, Optional
 import torch
 from torch import nn
 
+from ..config.schema import OptimizerConfig
 from ..config.spec_params import OPTIMIZER_PARAMS, resolve
 from .param_groups import TrainableParams
 from .whole_matrices import InnerSpec, WholeMatrixError
@@ -94,6 +95,15 @@ def split_for_muon(trainable: TrainableParams, marks: Mapping[int, bool]) -> Tra
             options.append({**trainable.group_options[g], "use_muon": flag})
         group_of.append(index[(g, flag)])
     return TrainableParams(trainable.params, trainable.names, group_of, options, trainable.frozen)
+
+
+def config_split(trainable: TrainableParams, config: Optional[OptimizerConfig], marks: Mapping[int, bool],
+                 replaced: Mapping[int, nn.Parameter]) -> TrainableParams:
+    """The groups the config's optimizer steps: its ``Muon``'s split (see [Note: DeepSpeed's Muon
+    split]; ``marks`` as read before ``Init``'s parameters were ``replaced``), else as they are."""
+    if config is None or config.type != "Muon":
+        return trainable
+    return split_for_muon(trainable, adopted_marks(marks, replaced))
 
 
 class MuonWithAuxAdam(torch.optim.AdamW):
