@@ -75,6 +75,10 @@ class ShardedStateful(Protocol):
 
     def publish(self) -> None: ...
 
+    def spread_state(self) -> None:
+        """Before a save, on every rank: state kept whole on one rank put into chunks (see [Note:
+        whole-matrix state in a checkpoint] in optim/whole_matrices.py)."""
+
 
 class ModuleStateful(Protocol):
     """The model's keys and its non-trainable tensors."""

@@ -78,6 +78,9 @@ class RenamedShards:
     def publish(self) -> None:
         self.inner.publish()
 
+    def spread_state(self) -> None:
+        self.inner.spread_state()
+
 
 class JobNamedShards(RenamedShards):
     """A part's shards under the job's parameter names, its buckets numbered from ``bucket_base``."""

@@ -151,6 +151,13 @@ def files_to_read(parts: CheckpointParts, reader: Reader) -> set[str]:
     return files & set(reader.data["files"])
 
 
+def _saved_keys(reader: Reader, bucket: BucketLayout, keys: list[str], known: set[str]) -> list[str]:
+    """The optimizer states saved for ``bucket``'s parameters: an optimizer whose parameter groups keep
+    different states (Muon's momentum, AdamW's moments) saves each bucket's own."""
+    names = [s.name for s in bucket.slots if s.name in known]
+    return [k for k in keys if not names or any(reader.holds(n, f"optim.{k}") for n in names)]
+
+
 def _fill(reader: Reader, bucket: BucketLayout, start: int, target: torch.Tensor, key: str,
           known: set[str]) -> None:
     """Copy into ``target`` (a chunk starting at ``start`` in ``bucket``) every parameter element it holds."""
@@ -250,7 +257,7 @@ def _load(parts: CheckpointParts, reader: Reader, load_optimizer_states: bool,
             start = bucket.chunk_start(values.numel(), parts.shards.rank_of(bucket))
             _fill(reader, bucket, start, values, "param", known)
             if keys:
-                for key in keys:
+                for key in _saved_keys(reader, bucket, keys, known):
                     buffer = state.get(key)
                     if buffer is None or buffer.numel() != values.numel():
                         buffer = torch.zeros_like(values)

@@ -150,6 +150,12 @@ class CheckpointReader:
         return {k[len(prefix):-len(suffix)]: handle.get_tensor(k) for k in handle.keys()
                 if k.startswith(prefix) and k.endswith(suffix)}
 
+    def holds(self, name: str, key: str) -> bool:
+        """Whether ``key`` (``optim.<state>``) was saved for parameter ``name``'s bucket."""
+        bucket, _ = self._place[name]
+        index = int(bucket["index"])
+        return f"{key}.b{index}" in self._open(self.scalar_file(index))
+
     def optimizer_state_keys(self) -> list[str]:
         """Names of the chunk-shaped optimizer states saved (``exp_avg``, ``exp_avg_sq``, ...)."""
         handle = self._open(self._home)

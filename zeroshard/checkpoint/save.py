@@ -223,6 +223,7 @@ def capture(parts: CheckpointParts, save_dir: str | Path, tag: str, client_state
             shutil.rmtree(staging)
         staging.mkdir()
     barrier(parts, "checkpoint_start")
+    parts.shards.spread_state()  # every rank, before any bucket is read
     model = parts.module.describe()
     job = parts.job
     keeps_extra = leader if job is None else job.leader

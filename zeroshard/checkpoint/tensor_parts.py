@@ -101,6 +101,9 @@ class TensorPartsReader:
     def home_file(self) -> str:
         return self.readers[0].home_file()
 
+    def holds(self, name: str, key: str) -> bool:
+        return self.readers[0].holds(name, key)
+
     def optimizer_state_keys(self) -> list[str]:
         return self.readers[0].optimizer_state_keys()
 

@@ -25,22 +25,23 @@ from .fields import key, non_negative, optional_positive, positive, strings
 from .fp8_block import FP8Config
 
 #: the optimizers zeroshard builds from the config (DeepSpeed's names, matched in any case)
-OPTIMIZER_TYPES = ("Adam", "AdamW", "SGD")
+OPTIMIZER_TYPES = ("Adam", "AdamW", "SGD", "Muon")
 
 
 @dataclass(frozen=True)
 class OptimizerConfig:
     """``optimizer``: which torch optimizer zeroshard builds over each rank's shard."""
 
-    type: Literal["Adam", "AdamW", "SGD"] = key(
-        "AdamW", "`Adam`, `AdamW` or `SGD` (DeepSpeed's `Adam` is decoupled, as AdamW, unless `adam_w_mode` is "
-        "false).")
+    type: Literal["Adam", "AdamW", "SGD", "Muon"] = key(
+        "AdamW", "`Adam`, `AdamW`, `SGD` or `Muon` (DeepSpeed's `Adam` is decoupled, as AdamW, unless `adam_w_mode` "
+        "is false; `Muon` steps the hidden matrices by Muon, each whole on one rank, and the rest by AdamW).")
     params: dict = key(
         {}, "Keyword arguments of the optimizer, checked per type. Adam/AdamW: `lr`, `betas`, `eps`, "
         "`weight_decay`, `amsgrad` (`adam_w_mode` for Adam; `torch_adam` picks the class as DeepSpeed does: true "
         "torch's `Adam`/`AdamW`, false `FusedAdam`, or `DeepSpeedCPUAdam` under optimizer offload; every one "
         "steps torch's fused kernel); SGD: `lr`, `momentum`, `dampening`, `weight_decay`, "
-        "`nesterov`.", default_text="torch's")
+        "`nesterov`; Muon (DeepSpeed's keys): `lr`, `muon_lr`, `adam_lr`, `momentum`, `weight_decay`, `betas`, "
+        "`eps`, `ns_method` (`gram` or `standard`).", default_text="torch's")
 
 
 @dataclass(frozen=True)

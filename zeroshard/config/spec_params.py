@@ -84,6 +84,18 @@ OPTIMIZER_PARAMS: dict[str, dict[str, ParamSpec]] = {
         "weight_decay": ParamSpec(0.0, "non_negative"),
         "nesterov": ParamSpec(False, "bool"),
     },
+    # DeepSpeed's Muon keys; unset ones take its defaults per kind of group (see [Note: DeepSpeed's Muon
+    # split] in optim/muon.py)
+    "Muon": {
+        "lr": ParamSpec(None, "optional_positive"),
+        "muon_lr": ParamSpec(None, "optional_positive"),
+        "adam_lr": ParamSpec(None, "optional_positive"),
+        "momentum": ParamSpec(None, "optional_non_negative"),
+        "weight_decay": ParamSpec(None, "optional_non_negative"),
+        "betas": ParamSpec(None, "optional_betas"),
+        "eps": ParamSpec(None, "optional_positive"),
+        "ns_method": ParamSpec("gram", "choice:gram|standard"),
+    },
 }
 
 _WARMUP = {

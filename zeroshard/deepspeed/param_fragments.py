@@ -137,6 +137,31 @@ class ParamFragment:
         self.engine.storage.take_back_chunks()
 
     # ------------------------------------------------------------------ fp32 values and optimizer state
+    def stepped_whole(self, key: str) -> bool:
+        """Whether ``key`` is state of a matrix stepped whole on one rank (Muon's momentum: see [Note:
+        whole matrices, each on one rank] in optim/whole_matrices.py); a key such an optimizer does not
+        keep is refused on every rank."""
+        matrices = self.engine.updater.matrices
+        if matrices is None or not matrices.covers(self.bucket):
+            return False
+        if key not in matrices.state_keys(self.bucket):
+            raise ValueError(f"optimizer state {key!r} not found: {self.slot.name} is stepped whole, whose "
+                             f"optimizer keeps {list(matrices.state_keys(self.bucket))} per element")
+        return True
+
+    def read_whole_state(self, key: str) -> torch.Tensor:
+        """The whole state ``key`` of a matrix stepped whole, in the parameter's shape, on every rank (a
+        collective: it lives on the matrix's owner)."""
+        matrices = self.engine.updater.matrices
+        assert matrices is not None
+        like = torch.zeros(self.slot.numel, dtype=torch.float32, device=self.device)
+        return matrices.whole_state(self.bucket, self.slot.index, key, like).view(self.slot.shape)
+
+    def write_whole_state(self, key: str, value: torch.Tensor) -> None:
+        matrices = self.engine.updater.matrices
+        assert matrices is not None
+        matrices.set_whole_state(self.bucket, self.slot.index, key, self.flat_value(value, local=False))
+
     def read(self, key: Optional[str] = None) -> torch.Tensor:
         """The fragment's fp32 values (``key`` None) or optimizer state ``key``, 1D on the device."""
         self._settle()

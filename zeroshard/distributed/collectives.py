@@ -319,6 +319,26 @@ class Collectives:
                   lambda: dist.all_to_all_single(output, input, group=self.world.group, async_op=True), False,
                   input)
 
+    def all_to_all_uneven(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
+                          input_splits: list[int], label: str, total_bytes: int) -> None:
+        """Rank r's ``output`` gets, in rank order, the ``output_splits[q]`` elements every rank q sends
+        it; this rank sends ``input_splits[d]`` elements of ``input`` to rank d (its own split is 0).
+        ``total_bytes``: what every rank together sends, the same number on each (what the consistency
+        check compares)."""
+        counter = self.counters[CommKind.ALL_TO_ALL]
+        counter.calls += 1
+        size = input.element_size()
+        sent = sum(input_splits) * size if self.world.world_size > 1 else 0
+        counter.bytes_sent += sent
+        counter.bytes_received += sum(output_splits) * output.element_size() if self.world.world_size > 1 else 0
+        self.ledger.record(CommKind.ALL_TO_ALL, label, self.world, self.scope, total_bytes, sent)
+        if not self.world.is_distributed:
+            output.copy_(input)
+            return
+        self._run(CommKind.ALL_TO_ALL, label, counter,
+                  lambda: dist.all_to_all_single(output, input, output_splits, input_splits,
+                                                 group=self.world.group, async_op=True), False, input)
+
     def send_recv(self, send: torch.Tensor, recv: torch.Tensor, label: str,
                   async_op: bool = False) -> PendingCollective:
         """One step of a ring over the group: ``send`` goes to the next rank (rank + 1, wrapping round)

@@ -46,6 +46,7 @@ from ..experts.layer import bind_expert_groups, checked_expert_axis, expert_para
 from .memory import memory_breakdown
 from ..experts.registry import is_expert_param
 from ..optim.param_groups import TrainableParams, collect_trainable
+from ..optim.muon import config_split, read_marks
 from ..optim.no_optimizer import NoOptimizer, no_optimizer_error
 from ..optim.updaters import build_updater
 from ..offload.policy import OffloadPolicies
@@ -106,6 +107,7 @@ class Engine:
         refuse_a_wrapped_model(model)
         # the config's leaf modules, marked before stage 3 plans its units from the marks
         mark_configured_leaves(model, config.zero_optimization.leaf_module)
+        muon_marks = read_marks(model)  # the user's use_muon marks, before Init's parameters are swapped
         replaced, from_init = adopt_init_parameters(model, config, world.device)
         self._built_under_init = bool(replaced)
         #: hooks of a set-up on the model (``hold_hook``), removed with the engine's own
@@ -124,6 +126,7 @@ class Engine:
         self._build_groups(world, axes)
         trainable = collect_trainable(model, model_parameters,
                                       optimizer if isinstance(optimizer, Optimizer) else None, replaced)
+        trainable = config_split(trainable, config.optimizer if optimizer is None else None, muon_marks, replaced)
         self.param_names = trainable.names
         self._sync_initial_state(from_init)
         self._build_storage_and_strategy(trainable, from_init)
@@ -209,7 +212,8 @@ class Engine:
         self.strategy = STRATEGIES[self.config.stage].build(
             self.module, trainable.params, trainable.names, trainable.group_of, self.shard_groups,
             self.config.zero_optimization, self.precision, self.offload, InitialValues(from_init),
-            [(name_of[id(p)], p) for p in trainable.frozen], buffer_memory=self.buffer_memory, experts=experts)
+            [(name_of[id(p)], p) for p in trainable.frozen], buffer_memory=self.buffer_memory, experts=experts,
+            interleaved_groups=any("use_muon" in o for o in trainable.group_options))
         self.storage = self.strategy.storage
         self.storage.set_copy_gate(self.saves)  # an asynchronous save's copy
 
@@ -223,7 +227,7 @@ class Engine:
         for bucket in self.strategy.layout.buckets:
             groups[bucket.group_index]["params"].extend(self.updater.params_of(bucket))
         self.optimizer = optimizer_over_pieces(optimizer, groups, self.config, self.strategy.traits, self.offload)
-        self.updater.attach(self.optimizer)
+        self.updater.attach(self.optimizer, sliced=self.parallel_dims.tp > 1)
         setattr(self.optimizer, "overflow", False)
         self.lr_scheduler = lr_schedule(lr_scheduler, self.optimizer, isinstance(optimizer, Optimizer), self.config,
                                         self.module.parameters())

@@ -48,8 +48,26 @@ def memory_breakdown(strategy: "ShardingStrategy", updater: "ShardUpdater", prec
     kind, optimizer_bytes = "mixed" if precision.mixed else "fp32", 12 if strategy.masters is not None else None
     out["formula"] = model_state_bytes(strategy.stage, strategy.layout.numel, strategy.world.world_size,
                                        kind, grad_size, optimizer_bytes).total
+    if updater.matrices is not None:
+        out["formula"] = whole_matrix_formula(strategy, updater, kind, grad_size)
     if expert_parallel_size > 1:  # this rank's experts apart, each part's formula over its own group
         out.update(expert_breakdown(strategy, opt_real, kind, grad_size, optimizer_bytes))
         out["dense_model_states"] = out["model_states"] - out["expert_model_states"]
         out["formula"] = out["dense_formula"] + out["expert_formula"]
     return out
+
+
+def whole_matrix_formula(strategy: "ShardingStrategy", updater: "ShardUpdater", kind: str, grad_size: int) -> float:
+    """The formula when some groups are stepped whole (see [Note: whole matrices, each on one rank] in
+    optim/whole_matrices.py): the stage's parameters and gradients, AdamW's two fp32 tensors for the
+    elements stepped in chunks, fp32 masters if any (1/N from stage 1), and the whole-matrix
+    optimizer's state 1/N at every stage."""
+    matrices = updater.matrices
+    assert matrices is not None
+    n, stage, numel = strategy.world.world_size, strategy.stage, strategy.layout.numel
+    base = model_state_bytes(stage, numel, n, kind, grad_size, 0)
+    chunked = 8 if isinstance(updater.optimizer, torch.optim.AdamW) else 0
+    masters = 4 if strategy.masters is not None else 0
+    per_rank = n if stage >= 1 else 1
+    optimizer = ((numel - matrices.numel) * chunked + numel * masters) / per_rank
+    return base.params + base.grads + optimizer + 4 * matrices.formula_state_elements

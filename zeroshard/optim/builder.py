@@ -9,6 +9,7 @@ from torch.optim import Optimizer
 
 from ..config.spec_params import OPTIMIZER_PARAMS, resolve
 from .fused_adam import DeepSpeedCPUAdam, FusedAdam
+from .muon import from_muon_config
 
 
 def _foreach_kwargs() -> dict[str, Any]:
@@ -43,6 +44,8 @@ def from_config(type_name: str, params: dict, groups: Sequence[dict], on_host: b
     got back sees DeepSpeed's answer; every one of them is torch's fused kernel (optim/fused_adam.py),
     one update rule, so the choice changes the class and nothing the weights see.
     """
+    if type_name == "Muon":
+        return from_muon_config(params, list(groups))
     full = resolve(params, OPTIMIZER_PARAMS[type_name], f"optimizer.params ({type_name})")
     if type_name == "SGD":
         return torch.optim.SGD(groups, **full, **_foreach_kwargs())

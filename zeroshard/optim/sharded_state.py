@@ -71,6 +71,11 @@ class ShardedState:
                      scalars: dict[str, torch.Tensor]) -> None:
         self.updater.write_bucket(bucket, values, state, scalars)
 
+    def spread_state(self) -> None:
+        """Before a save, on every rank: the whole-matrix state into chunks (see [Note: whole-matrix state
+        in a checkpoint] in optim/whole_matrices.py)."""
+        self.updater.spread_state()
+
     def publish(self) -> None:
         """After writing every bucket: make the full parameters current wherever they are kept whole."""
         for bucket in self.layout.buckets:

@@ -34,6 +34,8 @@ from ..offload.policy import Place, SwapFailure
 from ..offload.swap_files import SwapFile
 from ..sharding.layout import BucketLayout
 from .clipping import clip_
+from .muon import whole_matrix_groups
+from .whole_matrices import WholeMatrixError, WholeMatrixSteps
 
 if TYPE_CHECKING:
     from ..sharding.strategy import ShardingStrategy
@@ -76,14 +78,28 @@ class ShardUpdater(ABC):
         self.layout = strategy.layout
         self.masters = strategy.masters
         self.optimizer: Optional[torch.optim.Optimizer] = None
+        #: the groups whose matrices are stepped whole (Muon, Adafactor), else None
+        self.matrices: Optional[WholeMatrixSteps] = None
         self.pieces: list[list[Piece]] = [self.make_pieces(b) for b in self.layout.buckets]
 
     @abstractmethod
     def make_pieces(self, bucket: BucketLayout) -> list[Piece]:
         """The tensors the optimizer steps for ``bucket``'s owned chunk."""
 
-    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+    def attach(self, optimizer: torch.optim.Optimizer, sliced: bool = False) -> None:
+        """``sliced``: tensor parallelism holds slices of the matrices (refused to an optimizer that needs
+        them whole)."""
         self.optimizer = optimizer
+        groups = whole_matrix_groups(optimizer)
+        if groups and sliced:
+            raise WholeMatrixError(f"{type(optimizer).__name__} steps whole matrices, and tensor parallelism gives "
+                                   f"each rank a slice of them; train without tensor parallelism, or use AdamW")
+        if groups:
+            if self.place is Place.NVME:
+                raise WholeMatrixError(f"{type(optimizer).__name__} steps whole matrices, which NVMe offload does "
+                                       f"not hold in memory; offload the optimizer to the cpu, or use AdamW")
+            owned = {b.index: (self.owned_numel(b), self.pieces[b.index][0].param.data) for b in self.layout.buckets}
+            self.matrices = WholeMatrixSteps(self.strategy, optimizer, owned, groups)
 
     def params_of(self, bucket: BucketLayout) -> list[nn.Parameter]:
         return [p.param for p in self.pieces[bucket.index]]
@@ -107,10 +123,38 @@ class ShardUpdater(ABC):
     def step_bucket(self, bucket: BucketLayout, grad: torch.Tensor, factor: float) -> None:
         """Update every piece of ``bucket`` from ``grad`` (its owned gradient) times ``factor``, and publish."""
         assert self.optimizer is not None
+        if self.matrices is not None and self.matrices.covers(bucket):
+            self._step_whole_matrices(bucket, grad, factor)
+            return
         for piece in self.pieces[bucket.index]:
             piece.param.grad = self.piece_grad(piece, grad[piece.start: piece.start + piece.numel], factor)
             self.optimizer.step()
             piece.param.grad = None
+            self.after_piece_step(bucket, piece)
+
+    def spread_state(self) -> None:
+        """Before a save, on every rank: the whole-matrix state into chunks (see [Note: whole-matrix
+        state in a checkpoint] in optim/whole_matrices.py)."""
+        if self.matrices is not None:
+            self.matrices.spread_state({b.index: self._owned_values(b) for b in self.layout.buckets
+                                        if self.matrices.covers(b)})
+
+    def _owned_values(self, bucket: BucketLayout) -> torch.Tensor:
+        """The bucket's owned values, its pieces joined (a copy where there are several)."""
+        pieces = self.pieces[bucket.index]
+        return pieces[0].param.data if len(pieces) == 1 else torch.cat([p.param.data for p in pieces])
+
+    def _step_whole_matrices(self, bucket: BucketLayout, grad: torch.Tensor, factor: float) -> None:
+        """The bucket's matrices stepped whole (see [Note: whole matrices, each on one rank] in
+        optim/whole_matrices.py): its pieces are the owned chunk, cut or not."""
+        assert self.matrices is not None
+        pieces = self.pieces[bucket.index]
+        grads = [self.piece_grad(p, grad[p.start: p.start + p.numel], factor) for p in pieces]
+        values = self._owned_values(bucket)
+        self.matrices.step_bucket(bucket, values, grads[0] if len(grads) == 1 else torch.cat(grads))
+        for piece in pieces:
+            if len(pieces) > 1:
+                piece.param.data.copy_(values[piece.start: piece.start + piece.numel])
             self.after_piece_step(bucket, piece)
 
     def piece_grad(self, piece: Piece, grad: torch.Tensor, factor: float) -> torch.Tensor:
@@ -146,6 +190,9 @@ class ShardUpdater(ABC):
             for key, t in full.items():
                 state_parts.setdefault(key, []).append(t.reshape(-1))
             scalars.update({k: t.detach().clone() for k, t in scalar_state(state).items()})
+        if self.matrices is not None and self.matrices.covers(bucket):
+            # see [Note: whole-matrix state in a checkpoint] in optim/whole_matrices.py
+            state_parts.update({k: [t] for k, t in self.matrices.spread.get(bucket.index, {}).items()})
         return (torch.cat(values) if len(values) > 1 else values[0],
                 {k: torch.cat(v) if len(v) > 1 else v[0] for k, v in state_parts.items()}, scalars)
 
@@ -160,6 +207,12 @@ class ShardUpdater(ABC):
                      scalars: dict[str, torch.Tensor]) -> None:
         """Set ``bucket``'s owned values (and, unless ``state`` is None, its optimizer state), then publish."""
         assert self.optimizer is not None
+        if self.matrices is not None and self.matrices.covers(bucket):
+            # the state goes to the owners, the chunks keep none (see [Note: whole-matrix state in a
+            # checkpoint] in optim/whole_matrices.py)
+            if state is not None:
+                self.matrices.load_state(bucket, state, values)
+            state, scalars = (None, {}) if state is None else ({}, {})
         for piece in self.pieces[bucket.index]:
             part = values[piece.start: piece.start + piece.numel]
             opt_state = self.optimizer.state[piece.param]
@@ -212,6 +265,9 @@ class ShardUpdater(ABC):
                                     for v in scalar_state(self.optimizer.state.get(piece.param, {})).values())
             out["real"] += tensors * owned_real * size
             out["padding"] += tensors * (owned - owned_real) * size
+        if self.matrices is not None:  # the matrices' state: only on the ranks that own them
+            out["real"] += self.matrices.state_bytes()
+            out["other"] += self.matrices.scalar_bytes()
         if self.place is Place.HOST:
             out["host"] = out["real"]
         elif self.place is Place.NVME:

@@ -206,13 +206,42 @@ def capped_bucket_numel(configured: int, trainable_numel: int, per_model: int = 
     return min(int(configured), cap)
 
 
+def runs_by_kind(indices: Iterable[int], numels: Sequence[int], kind: Sequence[Hashable],
+                 bucket_numel: int) -> list[list[int]]:
+    """[Note: buckets of groups that alternate]
+    Where the parameter groups alternate in model order (Muon's matrices and their biases, see [Note:
+    DeepSpeed's Muon split] in optim/muon.py), :func:`size_runs` would close a run at every change, one
+    bucket per parameter: as many collectives.  Here each kind keeps a run of its own open, which
+    closes at about ``bucket_numel``, so a run gathers its kind's parameters from several layers.  The
+    runs are ordered by their last parameter in the order given (reverse registration, close to
+    backward's): the order in which backward completes them, so launching buckets in order (see
+    [Note: launching buckets in order] in sharding/strategy.py) waits for nothing but each bucket's own
+    gradients."""
+    open_runs: dict[Hashable, tuple[list[int], int]] = {}  # kind -> (run, elements)
+    last: dict[Hashable, int] = {}  # kind -> position of its open run's last parameter
+    closed: list[tuple[int, list[int]]] = []  # (position of the last parameter, run)
+    for position, i in enumerate(indices):
+        run, size = open_runs.pop(kind[i], ([], 0))
+        run.append(i)
+        size += numels[i]
+        if size >= bucket_numel:
+            closed.append((position, run))
+        else:
+            open_runs[kind[i]] = (run, size)
+            last[kind[i]] = position
+    closed += [(last[k], run) for k, (run, _) in open_runs.items()]
+    return [run for _, run in sorted(closed, key=lambda item: item[0])]
+
+
 def plan_buckets(params: Sequence[torch.Tensor], names: Sequence[str], group_of: Sequence[int],
                  bucket_numel: int, world_size: int, experts: Collection[int] = (),
-                 experts_world_size: int = 0) -> FlatLayout:
+                 experts_world_size: int = 0, interleaved_groups: bool = False) -> FlatLayout:
     """Group parameters (in reverse order, see [Note: bucket order]) into buckets of about ``bucket_numel``;
-    the parameters ``experts`` (indices) into buckets of their own, sharded over ``experts_world_size``."""
+    the parameters ``experts`` (indices) into buckets of their own, sharded over ``experts_world_size``;
+    ``interleaved_groups``: see [Note: buckets of groups that alternate]."""
     builder = LayoutBuilder(params, names, world_size)
     kind = [(group_of[i], i in experts) for i in range(len(params))]
-    for run in size_runs(reversed(range(len(params))), [p.numel() for p in params], kind, bucket_numel):
+    plan = runs_by_kind if interleaved_groups else size_runs
+    for run in plan(reversed(range(len(params))), [p.numel() for p in params], kind, bucket_numel):
         builder.add(run, group_of[run[0]], experts_world_size=experts_world_size if run[0] in experts else 0)
     return builder.layout()

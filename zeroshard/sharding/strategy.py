@@ -315,17 +315,21 @@ class ShardingStrategy(ABC):
               group_of: Sequence[int], groups: ShardGroups, zero: ZeroConfig,
               precision: PrecisionPolicy = PrecisionPolicy(), offload: OffloadPolicies = OffloadPolicies(),
               initial: InitialValues = InitialValues(), frozen: Sequence[tuple[str, nn.Parameter]] = (),
-              *, buffer_memory: BufferMemory, experts: Collection[int] = ()) -> "ShardingStrategy":
+              *, buffer_memory: BufferMemory, experts: Collection[int] = (),
+              interleaved_groups: bool = False) -> "ShardingStrategy":
         """Lay out the trainable parameters and take them over (stages 0-2: one flat buffer), sharded
         over ``groups.shard``; ``frozen`` (name, parameter) pairs stay whole at stages 0-2, as in DDP;
         ``buffer_memory``: the engine's (see [Note: one buffer memory per engine] in
         host/buffer_memory.py); ``experts``: the indices of experts' parameters (expert
-        parallelism), in buckets of their own over ``groups.expert_data``."""
+        parallelism), in buckets of their own over ``groups.expert_data``; ``interleaved_groups``: the
+        parameter groups alternate in model order (see [Note: buckets of groups that alternate] in
+        sharding/layout.py)."""
         comm = groups.shard
         bucket_numel = capped_bucket_numel(zero.reduce_bucket_size, sum(p.numel() for p in params),
                                            cls.traits.buckets_per_model)
         layout = plan_buckets(params, names, group_of, bucket_numel, comm.world.world_size, experts,
-                              groups.expert_data.world.world_size if groups.expert_data is not None else 0)
+                              groups.expert_data.world.world_size if groups.expert_data is not None else 0,
+                              interleaved_groups)
         masters = cls.make_masters(layout, shard_ranks(groups), precision, offload, params[0].device, comm)
         storage = FlatParameters(layout, params, comm, buffer_memory, precision.compute, masters, groups.job)
         strategy = cls(storage, params, groups, zero, precision)

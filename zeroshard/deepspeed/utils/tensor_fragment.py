@@ -72,13 +72,17 @@ def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
 def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> Optional[torch.Tensor]:
     """The parameter's optimizer state ``optim_state_key`` (e.g. ``"exp_avg"``); a collective."""
     fragment = ParamFragment.of(param)
+    if fragment is not None and fragment.stepped_whole(optim_state_key):
+        return fragment.read_whole_state(optim_state_key)
     return None if fragment is None else _assemble(fragment, fragment.read(optim_state_key))
 
 
 def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
     """Set the parameter's optimizer state ``optim_state_key`` to ``value`` (the same on every rank)."""
     fragment = ParamFragment.of(param)
-    if fragment is not None:
+    if fragment is not None and fragment.stepped_whole(optim_state_key):
+        fragment.write_whole_state(optim_state_key, value)
+    elif fragment is not None:
         fragment.write(_own_part(fragment, value)[1], optim_state_key)
 
 
@@ -132,12 +136,18 @@ def safe_set_local_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
 def safe_get_local_optimizer_state(param: torch.Tensor, optim_state_key: str) -> Optional[torch.Tensor]:
     """This rank's fragment of the parameter's optimizer state ``optim_state_key`` (1D)."""
     fragment = ParamFragment.of(param)
+    if fragment is not None and fragment.stepped_whole(optim_state_key):  # on its owner: a collective
+        start, end = fragment.in_param
+        return fragment.read_whole_state(optim_state_key).reshape(-1)[start:end].clone()
     return None if fragment is None else fragment.read(optim_state_key)
 
 
 def safe_set_local_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
     """Set this rank's fragment of the parameter's optimizer state ``optim_state_key``."""
     fragment = ParamFragment.of(param)
+    if fragment is not None and fragment.stepped_whole(optim_state_key):
+        raise ValueError(f"{fragment.slot.name} is stepped whole on one rank, which keeps its {optim_state_key!r}: "
+                         f"set it with safe_set_full_optimizer_state")
     if fragment is not None:
         fragment.write(fragment.flat_value(value, local=True), optim_state_key)
 

@@ -73,13 +73,15 @@ class Stage3(ShardedGradientStrategy):
               group_of: Sequence[int], groups: ShardGroups, zero: ZeroConfig,
               precision: PrecisionPolicy = PrecisionPolicy(), offload: OffloadPolicies = OffloadPolicies(),
               initial: InitialValues = InitialValues(), frozen: Sequence[tuple[str, nn.Parameter]] = (),
-              *, buffer_memory: BufferMemory, experts: Collection[int] = ()) -> "Stage3":
+              *, buffer_memory: BufferMemory, experts: Collection[int] = (),
+              interleaved_groups: bool = False) -> "Stage3":
         """Stage 3's units over sharded storage; frozen parameters above the persistence threshold
-        are sharded too (see [Note: frozen parameters at stage 3] in sharding/stage3/units.py)."""
+        are sharded too (see [Note: frozen parameters at stage 3] in sharding/stage3/units.py).  A unit's
+        buckets are its own parameters' (one per group); ``interleaved_groups``: see :func:`plan_units`."""
         comm = groups.shard
         spread = groups.expert_data.world.world_size if groups.expert_data is not None else 0
         plan = plan_units(model, params, names, group_of, zero.stage3_param_persistence_threshold,
-                          zero.reduce_bucket_size, comm.world.world_size, frozen, experts, spread)
+                          zero.reduce_bucket_size, comm.world.world_size, frozen, experts, spread, interleaved_groups)
         masters = cls.make_masters(plan.layout.trainable(), shard_ranks(groups), precision, offload, params[0].device, comm)
         storage = ShardedParameters(plan.layout, plan.params, comm, model, buffer_memory, plan.persistent_buckets,
                                     precision.compute, masters, offload.params, initial, groups.secondary,

@@ -43,7 +43,7 @@ from typing import Collection, Iterator, Mapping, Sequence
 
 from torch import nn
 
-from ..layout import FlatLayout, LayoutBuilder, size_runs
+from ..layout import FlatLayout, LayoutBuilder, runs_by_kind, size_runs
 
 ROOT = "<root>"
 #: the optimizer-group index of frozen parameters' buckets (they belong to no optimizer group)
@@ -142,12 +142,15 @@ def _block_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def plan_units(model: nn.Module, params: Sequence[nn.Parameter], names: Sequence[str],
                group_of: Sequence[int], persistence_threshold: int, bucket_numel: int,
                world_size: int, frozen: Sequence[tuple[str, nn.Parameter]] = (),
-               experts: Collection[int] = (), experts_world_size: int = 0) -> Stage3Plan:
+               experts: Collection[int] = (), experts_world_size: int = 0,
+               interleaved_groups: bool = False) -> Stage3Plan:
     """Assign each trainable parameter to a unit (or to a persistent bucket) and lay out buckets; then
     the ``frozen`` (name, parameter) pairs above the threshold, in buckets of their own (see
     [Note: frozen parameters at stage 3]).  ``experts`` (indices of trainable parameters): experts'
     parameters, in buckets of their own sharded over ``experts_world_size`` ranks (see [Note: experts
-    sharded over the ranks that hold them] in experts/groups.py)."""
+    sharded over the ranks that hold them] in experts/groups.py).  A unit has a bucket per group;
+    ``interleaved_groups``: the persistent parameters' buckets gather each group's from several layers
+    (see [Note: buckets of groups that alternate] in sharding/layout.py)."""
     sharded_frozen = [(n, p) for n, p in frozen if p.numel() > persistence_threshold]
     trainable_count = len(params)
     params = [*params, *(p for _, p in sharded_frozen)]
@@ -191,7 +194,8 @@ def plan_units(model: nn.Module, params: Sequence[nn.Parameter], names: Sequence
     add_units(frozen_ones=False)
     kind = [(group_of[i], i in experts) for i in range(len(params))]
     persistent_buckets = [bucket_of(run, group_of[run[0]]) for run in
-                          size_runs(reversed(persistent), [p.numel() for p in params], kind, bucket_numel)]
+                          (runs_by_kind if interleaved_groups else size_runs)(
+                              reversed(persistent), [p.numel() for p in params], kind, bucket_numel)]
     add_units(frozen_ones=True)  # after every trainable bucket
     assert all(i < trainable_count for i in persistent)
     return Stage3Plan(builder.layout(), tuple(units), frozenset(persistent_buckets), tuple(params), tuple(names))
