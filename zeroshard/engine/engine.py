@@ -311,8 +311,7 @@ class Engine:
         check_unchanged(self.module, self._parameter_names)
         if self.strategy.traits.forward_communicates:
             self._agree.agree(Call.FORWARD, self.micro_steps, self.global_steps)
-        if self.shard_groups.sequence is not None:
-            check_sequence_inputs(self.shard_groups.sequence, args, kwargs)
+        check_sequence_inputs(self.shard_groups.sequence, args, kwargs)
         self.strategy.before_forward()
         tokens = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
         if tokens is not None and not tokens.is_floating_point() and torch.is_grad_enabled():
@@ -586,8 +585,7 @@ class Engine:
     # ------------------------------------------------------------------ compilation
     def compile(self, backend: Backend = "inductor", compile_kwargs: Optional[dict[str, Any]] = None,
                 schedule: Any = None) -> None:
-        """Compile the wrapped module in place (see [Note: compiling the engine's module in place] in
-        engine/compile.py)."""
+        """Compile the wrapped module in place ([Note: compiling the engine's module in place] in engine/compile.py)."""
         self.module.compile(**compile_options(backend, compile_kwargs, schedule, self.stage))
         self._compiled = True
 

@@ -14,7 +14,7 @@ adapter); this check catches the slices cut otherwise.
 from __future__ import annotations
 
 import zlib
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -31,12 +31,13 @@ def _shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, tu
     return [(name, tuple(value.shape)) for name, value in named if isinstance(value, torch.Tensor)]
 
 
-def check_sequence_inputs(comm: Collectives, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Raise :class:`SequenceParallelError` on every rank of ``comm``'s sequence group unless each rank's
-    tensor inputs have the same shapes ([Note: a sequence group's inputs are checked before the forward])."""
-    world = comm.world
-    if world.world_size == 1:
+def check_sequence_inputs(comm: Optional[Collectives], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raise :class:`SequenceParallelError` on every rank of ``comm``'s sequence group (None: no sequence
+    axis, nothing to check) unless each rank's tensor inputs have the same shapes ([Note: a sequence
+    group's inputs are checked before the forward])."""
+    if comm is None or comm.world.world_size == 1:
         return
+    world = comm.world
     shapes = _shapes(args, kwargs)
     first = list(shapes[0][1][:_DIMS]) if shapes else []
     row = torch.tensor([zlib.crc32(repr(shapes).encode()), len(first), *first, *[0] * (_DIMS - len(first))],
