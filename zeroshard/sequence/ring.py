@@ -16,6 +16,13 @@ Under a causal mask, blocks wholly in the future of a rank's queries (those from
 group, in the consecutive layout) are passed on without being computed; the messages are the same on
 every rank, so the ranks agree on every message of the group.
 
+[Note: each pair on the fused kernel]
+On the CPU each chunk pair runs on torch's fused attention kernel (the one ``scaled_dot_product_attention``
+calls there), which returns the log-sum-exp the merge needs; its backward, handed the whole rows' output
+and log-sum-exp, gives exactly the pair's share of the gradients.  Grouped key/value heads are expanded to
+the query heads for the kernel and their gradients summed back.  Elsewhere (and for a value head size
+unlike the key's) the pair runs as plain matmul, mask and softmax, the same arithmetic unfused.
+
 [Note: head-tail sharding balances the causal ring]
 In the consecutive layout, rank r's queries see r + 1 of the P blocks, so under a causal mask the last
 rank computes P blocks while the first computes one, and every step of the ring waits for the slowest.
@@ -91,6 +98,46 @@ def _scores(q: Tensor, k: Tensor, scale: float, diagonal: bool) -> Tensor:
     return scores
 
 
+def _fused(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether a pair runs on torch's fused CPU attention kernel ([Note: each pair on the fused kernel])."""
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and k.shape[-1] == v.shape[-1]
+
+
+def _heads(t: Tensor, groups: int) -> Tensor:
+    """``[b, hk, s, d]`` as ``[b, hk * groups, s, d]``: each key/value head once for each of its queries."""
+    b, hk, s, d = t.shape
+    return t.unsqueeze(2).expand(b, hk, groups, s, d).reshape(b, hk * groups, s, d)
+
+
+def _pair_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, diagonal: bool) -> tuple[Tensor, Tensor]:
+    """One chunk pair's attention and log-sum-exp: ``q`` ``[b, hk, g, sq, d]`` against ``k``, ``v`` ``[b,
+    hk, sk, d]``; ``[b, hk, g, sq, dv]`` and ``[b, hk, g, sq, 1]``, the future masked on a diagonal pair."""
+    if _fused(q, k, v):
+        b, hk, g, sq, d = q.shape
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.reshape(b, hk * g, sq, d), _heads(k, g), _heads(v, g), 0.0, diagonal, scale=scale)
+        return out.view(b, hk, g, sq, -1), lse.view(b, hk, g, sq, 1).to(q.dtype)
+    scores = _scores(q, k, scale, diagonal)
+    lse = scores.logsumexp(-1, keepdim=True)  # finite: every row of a pair sees a key
+    return torch.exp(scores - lse) @ v.unsqueeze(2), lse
+
+
+def _pair_backward(grad_o: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, delta: Tensor,
+                   scale: float, diagonal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """One chunk pair's share of the gradients of ``q``, ``k`` and ``v``, its probabilities recomputed
+    against the whole rows' ``lse`` (and ``out``, ``delta``: rowsum(dO * O))."""
+    if _fused(q, k, v):
+        b, hk, g, sq, d = q.shape
+        grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_o.reshape(b, hk * g, sq, -1), q.reshape(b, hk * g, sq, d), _heads(k, g), _heads(v, g),
+            out.reshape(b, hk * g, sq, -1), lse.reshape(b, hk * g, sq).float(), 0.0, diagonal, scale=scale)
+        return (grad_q.view(q.shape), grad_k.unflatten(1, (hk, g)).sum(2), grad_v.unflatten(1, (hk, g)).sum(2))
+    probs = torch.exp(_scores(q, k, scale, diagonal) - lse)
+    grad_v = (probs.transpose(-1, -2) @ grad_o).sum(2)
+    grad_scores = probs * (grad_o @ v.unsqueeze(2).transpose(-1, -2) - delta) * scale
+    return grad_scores @ k.unsqueeze(2), (grad_scores.transpose(-1, -2) @ q).sum(2), grad_v
+
+
 class _Ring:
     """The blocks' journey round the group: who holds which block at each step, which chunk pairs of
     it this rank's queries see, and the messages."""
@@ -135,9 +182,7 @@ class _RingAttention(torch.autograd.Function):
             incoming, pending = ring.send_on(block, "sequence_ring_kv") if step < ring.size - 1 else (None, None)
             k, v = (ring.split(t) for t in _unpack(block, (key, value)))
             for i, j, diagonal in ring.pairs(step):
-                scores = _scores(q[i], k[j], scale, diagonal)
-                pair_lse = scores.logsumexp(-1, keepdim=True)  # finite: every row of a pair sees a key
-                pair_out = torch.exp(scores - pair_lse) @ v[j].unsqueeze(2)
+                pair_out, pair_lse = _pair_forward(q[i], k[j], v[j], scale, diagonal)
                 out, lse = outs[i], lses[i]
                 if out is None or lse is None:  # the first pair of this query chunk
                     outs[i], lses[i] = pair_out, pair_lse
@@ -162,17 +207,18 @@ class _RingAttention(torch.autograd.Function):
         grouped, grad_out = _grouped(query, key.shape[1]), _grouped(grad, key.shape[1])
         delta = (grad_out * out).sum(-1, keepdim=True)  # rowsum(dO * O): the softmax's backward
         grad_query = torch.zeros_like(grouped)
-        q, grad_q, grad_o, lse_q, delta_q = (ring.split(t) for t in (grouped, grad_query, grad_out, lse, delta))
+        q, grad_q, grad_o, out_q, lse_q, delta_q = (ring.split(t) for t in (grouped, grad_query, grad_out, out, lse,
+                                                                             delta))
         like = (key, value, key, value)
         block = _pack(key, value, torch.zeros_like(key), torch.zeros_like(value))
         for step in range(ring.size):
             k, v, grad_k, grad_v = (ring.split(t) for t in _unpack(block, like))
             for i, j, diagonal in ring.pairs(step):
-                probs = torch.exp(_scores(q[i], k[j], ctx.scale, diagonal) - lse_q[i])
-                grad_v[j].add_((probs.transpose(-1, -2) @ grad_o[i]).sum(2))
-                grad_scores = probs * (grad_o[i] @ v[j].unsqueeze(2).transpose(-1, -2) - delta_q[i]) * ctx.scale
-                grad_q[i].add_(grad_scores @ k[j].unsqueeze(2))
-                grad_k[j].add_((grad_scores.transpose(-1, -2) @ q[i]).sum(2))
+                pair_q, pair_k, pair_v = _pair_backward(grad_o[i], q[i], k[j], v[j], out_q[i], lse_q[i], delta_q[i],
+                                                        ctx.scale, diagonal)
+                grad_q[i].add_(pair_q)
+                grad_k[j].add_(pair_k)
+                grad_v[j].add_(pair_v)
             if step == ring.size - 1:  # the gradients alone go on once more, to the block's owner
                 block = block[key.numel() + value.numel():]
             block, pending = ring.send_on(block, "sequence_ring_kv_grad")
