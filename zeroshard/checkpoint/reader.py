@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .client_state import CLIENT_STATE_FILE
 from .format import EXTRA_FILE, CheckpointError, Manifest, SafetensorsFile, rank_file
 
 
@@ -158,6 +159,18 @@ class CheckpointReader:
     def rank_tensor(self, rank: int, name: str) -> Optional[torch.Tensor]:
         handle = self._open(rank_file(rank))
         return handle.get_tensor(name) if name in handle else None
+
+    def client_tensor(self, name: str) -> torch.Tensor:
+        """One tensor of the client state ([Note: client state holds tensors, never pickles] in
+        checkpoint/client_state.py)."""
+        if CLIENT_STATE_FILE not in self.manifest.data["files"]:
+            raise CheckpointError(f"{self.directory}: the client state names tensor {name!r} but the manifest lists "
+                                  f"no {CLIENT_STATE_FILE}")
+        handle = self._open(CLIENT_STATE_FILE)
+        if name not in handle:
+            raise CheckpointError(f"{self.directory / CLIENT_STATE_FILE}: no tensor {name!r}, which the client "
+                                  f"state names")
+        return handle.get_tensor(name)
 
     def extra_files(self) -> list[str]:
         """The files of frozen parameters and module buffers (one per part of a job in parts)."""

@@ -577,7 +577,7 @@ NOT_SUPPORTED_YET: dict[str, tuple[str, ...]] = {
     "": (
         "amp", "sparse_gradients", "memory_breakdown",
         "flops_profiler", "wandb", "comms_logger", "elasticity",
-        "aio", "autotuning", "compression_training", "dump_state", "hybrid_engine",
+        "autotuning", "compression_training", "dump_state", "hybrid_engine",
     ),
     "zero_optimization": (
         "round_robin_gradients",
