@@ -4,7 +4,8 @@ script starts its second rank), every run of the family in that one world:
 - Lightning's own ``DeepSpeedStrategy`` at ZeRO-3, unmodified but for its CUDA-only checks, with
   ``import deepspeed`` answered by zeroshard (``install_as_deepspeed()``);
 - zeroshard's strategy at stages 1-3 (``"zeroshard_stage_1"``, ``"zeroshard_stage_2"``,
-  ``ZeroshardStrategy(stage=3, ...)``) with ``accumulate_grad_batches`` and ``gradient_clip_val``;
+  ``ZeroshardStrategy(stage=3, ...)``) with ``accumulate_grad_batches`` and ``gradient_clip_val``, and
+  at stage 3 a module whose ``configure_model`` builds its layers (under ``zeroshard.Init``);
 - a ``ModelCheckpoint`` save and a ``ckpt_path`` resume.
 
 Each equals Lightning's DDP strategy with the same Trainer settings (fp32, to float rounding), and the
@@ -44,6 +45,11 @@ def test_lightnings_deepspeed_strategy_at_stage_3_trains_on_zeroshard_equal_to_d
 def test_zeroshard_strategy_with_accumulation_and_clipping_equals_ddp(lightning_runs, stage) -> None:
     assert lightning_runs[f"zeroshard_stage_{stage}_steps"] == lightning_runs["ddp_accumulated_steps"] == 8
     assert lightning_runs[f"zeroshard_stage_{stage}"] <= TOLERANCE
+
+
+def test_a_model_built_in_configure_model_is_built_under_init_and_trains_equal_to_ddp(lightning_runs) -> None:
+    assert lightning_runs["configure_model_under_init"] == [True]
+    assert lightning_runs["zeroshard_stage_3_configure_model"] <= TOLERANCE
 
 
 def test_a_model_checkpoint_resume_continues_equal_to_the_uninterrupted_run(lightning_runs) -> None:

@@ -61,6 +61,24 @@ class Classifier(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=2e-2, weight_decay=0.01)
 
 
+class BuiltInConfigureModel(Classifier):
+    """The same module, its layers built in ``configure_model`` (under the strategy's sharded-model
+    context: ``zeroshard.Init`` at stage 3), as Lightning users build models too large for one rank."""
+
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+        self.net = None
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+            BUILT_SHARDED.append(all(hasattr(p, "ds_id") for p in self.net.parameters()))  # Init's parameters
+
+
+#: for each module built in configure_model: whether every parameter came out of zeroshard.Init
+BUILT_SHARDED: list = []
+
+
 def loader() -> torch.utils.data.DataLoader:
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(64, 8, generator=generator)
@@ -68,10 +86,10 @@ def loader() -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
 
 
-def fit(strategy, accumulate: int = 1, ckpt_path=None, callbacks=()) -> tuple[dict, int]:
+def fit(strategy, accumulate: int = 1, ckpt_path=None, callbacks=(), kind=Classifier) -> tuple[dict, int]:
     """Fit a fresh module (the same initial weights every time) for two epochs; its final weights."""
     torch.manual_seed(0)
-    module = Classifier()
+    module = kind()
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=2, logger=False,
                         enable_progress_bar=False, enable_checkpointing=bool(callbacks), callbacks=list(callbacks),
                         accumulate_grad_batches=accumulate, gradient_clip_val=0.5)
@@ -100,6 +118,10 @@ def main() -> None:
     for stage in (1, 2):
         weights, result[f"zeroshard_stage_{stage}_steps"] = fit(f"zeroshard_stage_{stage}", accumulate=2)
         result[f"zeroshard_stage_{stage}"] = rel_diff(weights, ddp_accumulated)
+    built_under_init, _ = fit(ZeroshardStrategy(stage=3, config={"zero_optimization": SHARD_ALL}), accumulate=2,
+                              kind=BuiltInConfigureModel)
+    result["zeroshard_stage_3_configure_model"] = rel_diff(built_under_init, ddp_accumulated)
+    result["configure_model_under_init"] = BUILT_SHARDED
     checkpoints = out / "checkpoints"
     saving = ModelCheckpoint(dirpath=checkpoints, save_top_k=-1, every_n_epochs=1)
     stage3, result["zeroshard_stage_3_steps"] = fit(ZeroshardStrategy(stage=3, config={"zero_optimization": SHARD_ALL}),
