@@ -11,6 +11,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from .config import ConfigError, ZeroshardConfig, load_config, resolve_batch_sizes
+from .config.kept_defaults import announce_kept_defaults
+from .config.loader import read_config_source
 from .engine.data import DistributedLoader, build_loader
 from .distributed.launch_env import DEFAULT_PORT
 from .distributed.model_parallel import ModelParallelWorlds, check_mpu, model_parallel_worlds
@@ -66,6 +68,8 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
         check_mpu(mpu)  # before anything else: a wrong object is named at once
     source = _config_source(config, config_params, args)
     parsed: ZeroshardConfig = load_config(source)
+    if not isinstance(source, ZeroshardConfig):  # see [Note: a default that DeepSpeed moved] in config/kept_defaults.py
+        announce_kept_defaults(read_config_source(source))
     # the launch as zeroshard.init_distributed() reads it; a group created before (by it or the user) is kept
     world = init_distributed(timeout_s=parsed.collective_timeout, port=int(distributed_port or DEFAULT_PORT),
                              must_exist=dist_init_required is False)

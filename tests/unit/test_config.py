@@ -345,3 +345,21 @@ def test_deepspeeds_aio_block_at_its_defaults_is_accepted_and_anything_else_refu
     assert "'aio.block_size' = 2 would do nothing" in err({"aio": {"block_size": 2}})
     assert "unknown config key 'aio.depth'" in err({"aio": {"depth": 8}})
     assert "same key under two names" in err({"aio": {"thread_count": 1, "intra_op_parallelism": 1}})
+
+
+def test_a_default_deepspeed_moved_is_kept_and_said_once_when_the_key_is_left_out(monkeypatch) -> None:
+    """DeepSpeed 0.19.3 moved gradient_clipping's default from 0 to 1.0; zeroshard reports an older
+    DeepSpeed and keeps its default, 0, saying so once per process when a config leaves the key out
+    (bumping the reported version past the move must revisit the default: the last assertion fails)."""
+    from packaging.version import Version
+
+    from zeroshard.config import kept_defaults
+    from zeroshard.deepspeed.install import DEEPSPEED_VERSION
+
+    monkeypatch.setattr(kept_defaults, "_ANNOUNCED", set())
+    assert kept_defaults.announce_kept_defaults({"gradient_clipping": "auto"}) == []
+    assert kept_defaults.announce_kept_defaults({}) == ["gradient_clipping"]
+    assert kept_defaults.announce_kept_defaults({}) == []
+    moved = kept_defaults.MOVED_DEFAULTS["gradient_clipping"]
+    assert load_config({}).gradient_clipping == moved.kept == 0.0
+    assert Version(DEEPSPEED_VERSION) < Version(moved.since)
