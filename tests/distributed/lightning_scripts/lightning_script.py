@@ -3,7 +3,8 @@
 (``torchrun --nproc_per_node 2 lightning_script.py --out DIR``).
 
 Every run fits the same LightningModule on the same data for two epochs: Lightning's own DDP strategy
-(the reference), Lightning's ``DeepSpeedStrategy`` at ZeRO-3 with ``import deepspeed`` answered by
+(the reference), Lightning's ``DeepSpeedStrategy`` at ZeRO-1, 2 and 3 (its default config, and at stage 3
+a ``config=`` that shards every parameter) with ``import deepspeed`` answered by
 zeroshard, and zeroshard's own strategy at stages 1-3 (with gradient accumulation and clipping); then a
 resume from the first epoch's ``ModelCheckpoint`` by ``ckpt_path``.  Rank 0 writes result.json: the
 largest relative difference of each run's final weights from its reference, and the steps taken.
@@ -113,6 +114,9 @@ def main() -> None:
     result: dict = {}
     ddp, result["ddp_steps"] = fit("ddp")
     ddp_accumulated, result["ddp_accumulated_steps"] = fit("ddp", accumulate=2)
+    for stage in (1, 2):
+        door, result[f"deepspeed_stage_{stage}_steps"] = fit(CPUDeepSpeedStrategy(stage=stage))
+        result[f"deepspeed_stage_{stage}"] = rel_diff(door, ddp)
     door, result["deepspeed_stage_3_steps"] = fit(CPUDeepSpeedStrategy(config={"zero_optimization": {"stage": 3, **SHARD_ALL}}))
     result["deepspeed_stage_3"] = rel_diff(door, ddp)
     for stage in (1, 2):
