@@ -4,10 +4,11 @@
 ``save_checkpoint(client_state=...)`` takes what the script hands it, and trainers hand it tensors
 (Lightning's ``ModelCheckpoint`` keeps its best scores as tensors, its loops their counters beside them).
 DeepSpeed pickles the whole object with ``torch.save``; loading a pickle runs whatever it names, so
-zeroshard never writes one.  The client state is walked once: JSON values stay in the manifest as they
-are, each tensor goes into ``client_state.safetensors`` (rank 0 writes it, checksummed and listed like
-every file of the checkpoint) and leaves a ``{"__tensor__": name}`` reference, and the two forms JSON
-would change, a tuple and a dict whose keys are not all strings (or that uses one of these reserved
+zeroshard never writes one.  The client state is walked once, on every rank (one that cannot be saved
+is refused on every rank alike): JSON values stay in the manifest as they are, each tensor goes into
+``client_state.safetensors`` (rank 0 writes it, in a node-local save each node's first rank;
+checksummed and listed like every file of the checkpoint) and leaves a ``{"__tensor__": name}``
+reference, and the two forms JSON would change, a tuple and a dict whose keys are not all strings (or that uses one of these reserved
 keys), leave ``{"__tuple__": [...]}`` and ``{"__dict__": [[key, value], ...]}``.  A load rebuilds the
 same object: the same tensors (dtype, shape, values; on the CPU, as DeepSpeed's loads map them), tuples
 as tuples, keys of their own types.  Any other object (a class instance, a set, a function) is refused

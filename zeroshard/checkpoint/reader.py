@@ -40,7 +40,8 @@ class CheckpointReader:
         if storage.get("node_local") and rank is not None:
             per_node = int(storage["ranks_per_node"])
             node = rank // per_node
-            only = {rank_file(r) for r in range(node * per_node, (node + 1) * per_node)} | {EXTRA_FILE}
+            only = {rank_file(r) for r in range(node * per_node, (node + 1) * per_node)}
+            only |= {EXTRA_FILE, CLIENT_STATE_FILE}
             self._home, self._home_rank = rank_file(rank), rank
         elif rank is not None and rank_file(rank) in self.manifest.data["files"] and all(
                 rank < b["num_chunks"] for b in self.manifest.buckets):

@@ -37,8 +37,9 @@ class ZeroshardPrecision(Precision):
 
     def __init__(self, precision: str = "32-true") -> None:
         if precision not in PRECISION_CONFIG:
-            raise ValueError(f"Trainer(strategy='zeroshard...', precision={precision!r}) is not supported; choose one of "
-                             f"{', '.join(PRECISION_CONFIG)} (zeroshard keeps fp32 masters under mixed precision)")
+            raise ValueError(f"Trainer(strategy='zeroshard...', precision={precision!r}) is not supported; choose "
+                             f"one of {', '.join(PRECISION_CONFIG)} (zeroshard keeps fp32 masters under mixed "
+                             f"precision)")
         self.precision = precision  # type: ignore[assignment]
 
     @property

@@ -117,7 +117,8 @@ def main() -> None:
     for stage in (1, 2):
         door, result[f"deepspeed_stage_{stage}_steps"] = fit(CPUDeepSpeedStrategy(stage=stage))
         result[f"deepspeed_stage_{stage}"] = rel_diff(door, ddp)
-    door, result["deepspeed_stage_3_steps"] = fit(CPUDeepSpeedStrategy(config={"zero_optimization": {"stage": 3, **SHARD_ALL}}))
+    door, result["deepspeed_stage_3_steps"] = fit(
+        CPUDeepSpeedStrategy(config={"zero_optimization": {"stage": 3, **SHARD_ALL}}))
     result["deepspeed_stage_3"] = rel_diff(door, ddp)
     for stage in (1, 2):
         weights, result[f"zeroshard_stage_{stage}_steps"] = fit(f"zeroshard_stage_{stage}", accumulate=2)
