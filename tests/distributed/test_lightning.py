@@ -48,6 +48,13 @@ def test_zeroshard_strategy_with_accumulation_and_clipping_equals_ddp(lightning_
     assert lightning_runs[f"zeroshard_stage_{stage}"] <= TOLERANCE
 
 
+def test_bf16_mixed_validate_and_test_run_on_the_engine(lightning_runs) -> None:
+    found = lightning_runs["bf16_with_evaluation"]
+    assert found["dtype"] == "torch.bfloat16"
+    assert all(0 < found[k] < 2 for k in ("val_loss", "test_loss", "fresh_test_loss")), found
+    assert found["val_loss"] == found["test_loss"]  # the same data, the same fitted weights
+
+
 def test_a_model_built_in_configure_model_is_built_under_init_and_trains_equal_to_ddp(lightning_runs) -> None:
     assert lightning_runs["configure_model_under_init"] == [True]
     assert lightning_runs["zeroshard_stage_3_configure_model"] <= TOLERANCE

@@ -7,6 +7,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
+from lightning_utilities import apply_to_collection
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.optim import Optimizer
@@ -16,6 +17,9 @@ import lightning.pytorch as pl
 from ..engine.engine import Engine
 
 __all__ = ["ZeroshardPrecision", "PRECISION_CONFIG"]
+
+#: the dtype floating-point inputs are handed to the model in, by precision flag (fp32: as they come)
+_INPUT_DTYPE = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 #: Lightning's precision flags zeroshard trains in, and the config block each one is
 PRECISION_CONFIG: dict[str, dict[str, Any]] = {
@@ -46,6 +50,14 @@ class ZeroshardPrecision(Precision):
     def config(self) -> dict[str, Any]:
         """This precision's block of the engine's config."""
         return dict(PRECISION_CONFIG[str(self.precision)])
+
+    def convert_input(self, data: Any) -> Any:
+        """Floating-point tensors of the batch, at any depth, in the 16-bit dtype the weights compute in
+        (as Lightning's DeepSpeed plugin hands them to DeepSpeed's engine)."""
+        dtype = _INPUT_DTYPE.get(str(self.precision))
+        if dtype is None:
+            return data
+        return apply_to_collection(data, torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
     def backward(self, tensor: torch.Tensor, model: "pl.LightningModule", optimizer: Any,  # type: ignore[override]
                  *args: Any, **kwargs: Any) -> None:

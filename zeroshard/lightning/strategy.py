@@ -141,7 +141,9 @@ class ZeroshardStrategy(DDPStrategy):
         config = self.engine_config(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self._engine = self._training_engine(module, config)
-        else:
+        else:  # forward passes only: stages 1-2 keep whole parameters, so stage 0 is the same engine without
+            if self.stage < 3:  # optimizer state to shard (which an engine without an optimizer cannot have)
+                config["zero_optimization"]["stage"] = 0
             self._engine, *_ = initialize(model=module, config=config, dist_init_required=False)
         self.model = _as_model(self._engine)
         self.barrier()

@@ -58,6 +58,14 @@ class Classifier(L.LightningModule):
         self.log("loss", loss)
         return loss
 
+    def validation_step(self, batch, index):
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.net(x), y), sync_dist=True)
+
+    def test_step(self, batch, index):
+        x, y = batch
+        self.log("test_loss", nn.functional.cross_entropy(self.net(x), y), sync_dist=True)
+
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=2e-2, weight_decay=0.01)
 
@@ -101,6 +109,23 @@ def fit(strategy, accumulate: int = 1, ckpt_path=None, callbacks=(), kind=Classi
     return weights, trainer.global_step
 
 
+def bf16_with_evaluation() -> dict:
+    """``precision="bf16-mixed"`` at stage 2, then ``validate`` and ``test`` on the fitted engine and a
+    ``test`` of a fresh module (an engine without optimizer): the losses each one logs."""
+    torch.manual_seed(0)
+    module = Classifier()
+    trainer = L.Trainer(strategy="zeroshard_stage_2", accelerator="cpu", devices=2, max_epochs=1, logger=False,
+                        enable_progress_bar=False, enable_checkpointing=False, precision="bf16-mixed")
+    trainer.fit(module, loader(), loader())
+    found = {"dtype": str(next(trainer.strategy.model.module.parameters()).dtype)}
+    found.update(trainer.validate(module, loader(), verbose=False)[0])
+    found.update(trainer.test(module, loader(), verbose=False)[0])
+    fresh = L.Trainer(strategy="zeroshard_stage_2", accelerator="cpu", devices=2, logger=False,
+                      enable_progress_bar=False)
+    found["fresh_test_loss"] = fresh.test(Classifier(), loader(), verbose=False)[0]["test_loss"]
+    return found
+
+
 def rel_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return max(float((a[k].float() - b[k].float()).abs().max() / b[k].float().abs().max()) for k in a)
@@ -123,6 +148,7 @@ def main() -> None:
     for stage in (1, 2):
         weights, result[f"zeroshard_stage_{stage}_steps"] = fit(f"zeroshard_stage_{stage}", accumulate=2)
         result[f"zeroshard_stage_{stage}"] = rel_diff(weights, ddp_accumulated)
+    result["bf16_with_evaluation"] = bf16_with_evaluation()
     built_under_init, _ = fit(ZeroshardStrategy(stage=3, config={"zero_optimization": SHARD_ALL}), accumulate=2,
                               kind=BuiltInConfigureModel)
     result["zeroshard_stage_3_configure_model"] = rel_diff(built_under_init, ddp_accumulated)
