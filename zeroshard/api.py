@@ -12,6 +12,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from .config import ConfigError, ZeroshardConfig, load_config, resolve_batch_sizes
+from .config.kept_defaults import announce_kept_defaults
+from .config.loader import read_config_source
 from .engine.data import DistributedLoader, build_loader
 from .distributed.launch_env import DEFAULT_PORT
 from .distributed.model_parallel import ModelParallelWorlds, check_mpu, model_parallel_worlds
@@ -76,6 +78,8 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     parsed: ZeroshardConfig = load_config(source)
     if sequence_unit is not None:
         parsed = _sequence_degree_of(sequence_unit, parsed)
+    if not isinstance(source, ZeroshardConfig):  # see [Note: a default that DeepSpeed moved] in config/kept_defaults.py
+        announce_kept_defaults(read_config_source(source))
     # the launch as zeroshard.init_distributed() reads it; a group created before (by it or the user) is kept
     world = init_distributed(timeout_s=parsed.collective_timeout, port=int(distributed_port or DEFAULT_PORT),
                              must_exist=dist_init_required is False)

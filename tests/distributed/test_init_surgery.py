@@ -243,6 +243,10 @@ ENGINE_EXPECTED = {"resize": "raised", "state_dict read": "raised", "load_state_
                    "to bf16": "raised", "init_weights": "raised", "get_peft_model": "raised",
                    "a new head": "refused at forward",
                    "gradient_checkpointing_enable": "trains", "tie_weights": "trains"}
+#: where a case's outcome depends on the engine's precision: a bf16 engine's model is already bf16, so
+#: ``to(bf16)`` moves and converts nothing (see [Note: operations a placeholder answers without its
+#: values] in sharding/stage3/placeholder.py)
+ENGINE_EXPECTED_AT = {"to bf16 (untied, bf16)": "trains", "to bf16 (tied, bf16)": "trains"}
 
 
 def engine_guard_worker(rank: int, world: int, directory: str) -> dict[str, str]:
@@ -292,7 +296,8 @@ def check_operations_on_a_stage_3_engines_model_raise_by_name_or_train_like_ddp(
         by_rank: list[dict[str, str]]) -> None:
     for rank, results in enumerate(by_rank):
         for key, outcome in results.items():
-            assert outcome == ENGINE_EXPECTED[key.split(" (")[0]], f"rank {rank}, {key}: {outcome}"
+            expected = ENGINE_EXPECTED_AT.get(key, ENGINE_EXPECTED[key.split(" (")[0]])
+            assert outcome == expected, f"rank {rank}, {key}: {outcome}"
 
 
 GUARD = "operations_on_init_built_parameters_equal_unsharded_or_raise_by_name"

@@ -328,3 +328,38 @@ def test_deepspeeds_compile_block_takes_only_deepcompile_off() -> None:
     assert load_config({"compile": {"deepcompile": False}}).compile.deepcompile is False
     assert "DeepSpeed's DeepCompile graph passes, which zeroshard does not have" in err({"compile": {"deepcompile": True}})
     assert "unknown config key 'compile.offload_activation'" in err({"compile": {"offload_activation": True}})
+
+
+def test_deepspeeds_aio_block_at_its_defaults_is_accepted_and_anything_else_refused_by_name() -> None:
+    """DeepSpeed's ``aio`` block as Lightning writes it out (every key at DeepSpeed's default, the intra-op
+    count under its older name ``thread_count``) asks for nothing and loads; a value that would tune an
+    I/O path zeroshard does not have is refused with the key named, as is a key DeepSpeed does not know."""
+    lightning_block = {"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True,
+                       "thread_count": 1}
+    assert load_config({"aio": lightning_block}) == load_config({})
+    assert load_config({"aio": {"intra_op_parallelism": 1, "use_gds": False}}) == load_config({})
+    assert "'aio.queue_depth' = 32 would do nothing" in err({"aio": {"queue_depth": 32}})
+    assert "'aio.thread_count' = 4 would do nothing" in err({"aio": {"thread_count": 4}})
+    assert "'aio.overlap_events' = false would do nothing" in err({"aio": {"overlap_events": False}})
+    assert "'aio.use_gds' = true would do nothing" in err({"aio": {"use_gds": True}})
+    assert "'aio.block_size' = 2 would do nothing" in err({"aio": {"block_size": 2}})
+    assert "unknown config key 'aio.depth'" in err({"aio": {"depth": 8}})
+    assert "same key under two names" in err({"aio": {"thread_count": 1, "intra_op_parallelism": 1}})
+
+
+def test_a_default_deepspeed_moved_is_kept_and_said_once_when_the_key_is_left_out(monkeypatch) -> None:
+    """DeepSpeed 0.19.3 moved gradient_clipping's default from 0 to 1.0; zeroshard reports an older
+    DeepSpeed and keeps its default, 0, saying so once per process when a config leaves the key out
+    (bumping the reported version past the move must revisit the default: the last assertion fails)."""
+    from packaging.version import Version
+
+    from zeroshard.config import kept_defaults
+    from zeroshard.deepspeed.install import DEEPSPEED_VERSION
+
+    monkeypatch.setattr(kept_defaults, "_ANNOUNCED", set())
+    assert kept_defaults.announce_kept_defaults({"gradient_clipping": "auto"}) == []
+    assert kept_defaults.announce_kept_defaults({}) == ["gradient_clipping"]
+    assert kept_defaults.announce_kept_defaults({}) == []
+    moved = kept_defaults.MOVED_DEFAULTS["gradient_clipping"]
+    assert load_config({}).gradient_clipping == moved.kept == 0.0
+    assert Version(DEEPSPEED_VERSION) < Version(moved.since)

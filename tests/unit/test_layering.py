@@ -143,3 +143,21 @@ def test_the_walk_sees_every_kind_of_import() -> None:
     assert not face_violations({("zeroshard/tools/cli.py", "zeroshard.deepspeed.launcher"),
                                 ("zeroshard/__init__.py", "zeroshard.deepspeed"),
                                 ("zeroshard/deepspeed/comm.py", "zeroshard.deepspeed.utils")})
+
+
+def test_only_zeroshard_lightning_imports_lightning() -> None:
+    """Lightning is optional: only ``zeroshard/lightning/`` imports it, and nothing imports that package,
+    so ``import zeroshard`` never needs Lightning."""
+    lightning = {"lightning", "pytorch_lightning"}
+    outside = {rel for rel in (p.relative_to(ROOT).as_posix() for p in PACKAGE.rglob("*.py"))
+               if not rel.startswith("zeroshard/lightning/")}
+    offenders = {(path, target) for path, target in edges()
+                 if path in outside and _under(target, "zeroshard.lightning")}
+    for rel in sorted(outside):
+        for node in ast.walk(ast.parse((ROOT / rel).read_text(), rel)):
+            if isinstance(node, ast.Import):
+                offenders |= {(rel, a.name) for a in node.names if a.name.split(".")[0] in lightning}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                if (node.module or "").split(".")[0] in lightning:
+                    offenders.add((rel, node.module or ""))
+    assert not offenders, "Lightning imported outside zeroshard/lightning/:\n" + _listed(offenders)

@@ -88,3 +88,41 @@ def test_loads_and_closed_engines_hold_no_files(tmp_path) -> None:
     for _ in range(3):
         engine_for(nn.Linear(3, 2)).close()
     assert len(os.listdir("/proc/self/fd")) == count
+
+
+def test_client_state_with_tensors_round_trips_exactly_and_nothing_is_pickled(tmp_path) -> None:
+    """Client state as trainers hand it (Lightning's callbacks keep tensors; tuples, keys that are not
+    strings) loads back as the same object: tensors with their dtype, shape and values in a safetensors
+    file, the rest JSON; an object that only a pickle could hold is refused by its place."""
+    from zeroshard.checkpoint.format import CheckpointError
+
+    engine = engine_for(nn.Linear(3, 2))
+    wide = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    state = {"epoch": 2, "best": torch.tensor(0.25), "kth": torch.tensor(float("inf")),
+             "scores": {"a.ckpt": torch.tensor([1.5, 2.5], dtype=torch.bfloat16)}, "steps": (1, [2, 3], "x"),
+             "by_index": {0: "first", 1: torch.tensor([7], dtype=torch.int64)}, "odd": {"__tensor__": "literal"},
+             "view": wide.t(), "grad": torch.ones(2, requires_grad=True), "none": None, "rate": float("inf")}
+    engine.save_checkpoint(tmp_path, tag="t", client_state=state)
+    _, loaded = engine.load_checkpoint(tmp_path, tag="t")
+
+    def same(a, b) -> bool:
+        if isinstance(a, torch.Tensor):
+            return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                    and torch.equal(a.detach(), b))
+        if isinstance(a, dict):
+            return type(b) is dict and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)):
+            return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return a == b and type(a) is type(b)
+
+    assert same(state, loaded)
+    assert sorted(p.name for p in (tmp_path / "t").iterdir()) == [
+        "client_state.safetensors", "manifest.json", "rank00000.safetensors"]
+    for refused, place in [({"cb": {"obj": object()}}, "client_state['cb']['obj']"), ({"s": {1, 2}}, "client_state['s']"),
+                           ({"k": {(1, 2): 3}}, "client_state['k']")]:
+        try:
+            engine.save_checkpoint(tmp_path, tag="r", client_state=refused)
+        except CheckpointError as error:
+            assert str(error).startswith(f"{place} cannot be saved"), error
+        else:
+            raise AssertionError(f"{refused} was saved")

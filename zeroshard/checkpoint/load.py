@@ -35,6 +35,7 @@ import torch
 from ..logging import logger
 from ..sharding.layout import BucketLayout
 from .format import LATEST, MANIFEST, CheckpointError, published_dir, rank_file, resolve_tag  # resolve_tag: public
+from .client_state import CLIENT_STATE_FILE, decode
 from .interface import CheckpointParts
 from .reader import CheckpointReader, chunk_saver
 from .tensor_parts import TENSOR_SPLIT_FILE, TensorPartsReader, is_tensor_parallel_job
@@ -141,7 +142,7 @@ def files_to_read(parts: CheckpointParts, reader: Reader) -> set[str]:
     state) and the frozen parameters and buffers.  A rank never checksums files it does not read, so
     verification costs each rank about its own share of the checkpoint, not all of it."""
     known = set(reader.param_names())
-    files = {reader.home_file(), rank_file(parts.world.rank), *reader.extra_files()}
+    files = {reader.home_file(), rank_file(parts.world.rank), *reader.extra_files(), CLIENT_STATE_FILE}
     for bucket, (chunk_numel, _) in zip(parts.shards.layout.buckets, parts.shards.chunk_layout()):
         start = bucket.chunk_start(chunk_numel, parts.shards.rank_of(bucket))
         # the ranges _fill reads, walked without reading (the callback answers None: nothing copied)
@@ -273,7 +274,7 @@ def _load(parts: CheckpointParts, reader: Reader, load_optimizer_states: bool,
     manifest = reader.data
     if not load_module_only:
         _load_rest(parts, reader, manifest, with_optimizer, load_lr_scheduler_states, restore_rng)
-    return reader.directory, manifest.get("client_state")
+    return reader.directory, decode(manifest.get("client_state"), reader.client_tensor)
 
 
 def _load_rest(parts: CheckpointParts, reader: Reader, manifest: dict, with_optimizer: bool,

@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .client_state import CLIENT_STATE_FILE
 from .format import EXTRA_FILE, CheckpointError, Manifest, SafetensorsFile, rank_file
 
 
@@ -39,7 +40,8 @@ class CheckpointReader:
         if storage.get("node_local") and rank is not None:
             per_node = int(storage["ranks_per_node"])
             node = rank // per_node
-            only = {rank_file(r) for r in range(node * per_node, (node + 1) * per_node)} | {EXTRA_FILE}
+            only = {rank_file(r) for r in range(node * per_node, (node + 1) * per_node)}
+            only |= {EXTRA_FILE, CLIENT_STATE_FILE}
             self._home, self._home_rank = rank_file(rank), rank
         elif rank is not None and rank_file(rank) in self.manifest.data["files"] and all(
                 rank < b["num_chunks"] for b in self.manifest.buckets):
@@ -164,6 +166,18 @@ class CheckpointReader:
     def rank_tensor(self, rank: int, name: str) -> Optional[torch.Tensor]:
         handle = self._open(rank_file(rank))
         return handle.get_tensor(name) if name in handle else None
+
+    def client_tensor(self, name: str) -> torch.Tensor:
+        """One tensor of the client state ([Note: client state holds tensors, never pickles] in
+        checkpoint/client_state.py)."""
+        if CLIENT_STATE_FILE not in self.manifest.data["files"]:
+            raise CheckpointError(f"{self.directory}: the client state names tensor {name!r} but the manifest lists "
+                                  f"no {CLIENT_STATE_FILE}")
+        handle = self._open(CLIENT_STATE_FILE)
+        if name not in handle:
+            raise CheckpointError(f"{self.directory / CLIENT_STATE_FILE}: no tensor {name!r}, which the client "
+                                  f"state names")
+        return handle.get_tensor(name)
 
     def extra_files(self) -> list[str]:
         """The files of frozen parameters and module buffers (one per part of a job in parts)."""

@@ -21,6 +21,7 @@ import torch
 
 from ..distributed.collectives import Collectives
 from ..version import __version__
+from .client_state import CLIENT_STATE_FILE, encode
 from .format import (replaced_dir, EXTRA_FILE, FORMAT_NAME, FORMAT_VERSION, LATEST, MANIFEST, CheckpointError, rank_file,
                      FileWriting, SafetensorsWriter, write_json_atomic, write_text_atomic)
 from .interface import CheckpointParts
@@ -158,7 +159,8 @@ def _manifest(parts: CheckpointParts, tag: str, client_state: Any, files: dict[s
         "lr_scheduler": _json_or_error(scheduler, "the LR scheduler's state"),
         "engine": {**parts.counters.state_dict(), "loss_scaler": parts.loss_scaler.state_dict()},
         "loader": parts.loader.state_dict() if parts.loader is not None else None,
-        "client_state": _json_or_error(client_state, "client_state"),
+        # JSON, its tensors referenced: [Note: client state holds tensors, never pickles] in checkpoint/client_state.py
+        "client_state": client_state,
         "model": {**model, "hf_config": _json_or_error(model["hf_config"], "the model's config"),
                   "peft_config": _json_or_error(model.get("peft_config"), "the peft adapter's config")},
         "files": files,
@@ -189,6 +191,8 @@ class SaveRequest:
     stage_into: Optional[StagingBuffers] = None
     #: the file this rank writes the frozen parameters and buffers into (None: it writes none)
     extra_file: Optional[str] = None
+    #: the client state's tensors, which the leader writes into CLIENT_STATE_FILE (host copies)
+    client_tensors: Optional[dict[str, torch.Tensor]] = None
 
     @property
     def staging(self) -> Path:
@@ -230,10 +234,13 @@ def capture(parts: CheckpointParts, save_dir: str | Path, tag: str, client_state
     # every rank: stage 3 gathers its frozen buckets; the leader (of each part) keeps them (copies)
     extra = parts.module.extra_tensors(set(model["trainable_of"]), keep=keeps_extra, exclude_frozen=exclude_frozen)
     manifest = None
+    # every rank: a client state that cannot be saved is refused on every rank alike, and each leader
+    # writes the tensors into its directory (node-local saves: one per node)
+    client_document, client_tensors = encode(client_state)
     experts = parts.experts
     if rank == 0 or (job is not None and job.leader) or (experts is not None and experts.leads):
         # a JSON round trip: the values as they are now
-        manifest = json.loads(json.dumps(_manifest(parts, tag, client_state, {}, model)))
+        manifest = json.loads(json.dumps(_manifest(parts, tag, client_document, {}, model)))
     if job is not None:  # see [Note: a checkpoint of a job in parts] in checkpoint/job.py
         fragments = parts.comm.all_gather_json(manifest if job.leader else None, "checkpoint_parts")
         manifest = merged_manifest(fragments, model["class"]) if rank == 0 else None
@@ -245,7 +252,8 @@ def capture(parts: CheckpointParts, save_dir: str | Path, tag: str, client_state
                                "ranks_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", parts.world.world_size))}
     request = SaveRequest(root, tag, rank, leader, node_local, save_latest, rank_tensors(parts, buffers is None),
                           extra, manifest, writing, stage_into=buffers,
-                          extra_file=(extra_file(job.part) if job is not None else EXTRA_FILE) if keeps_extra else None)
+                          extra_file=(extra_file(job.part) if job is not None else EXTRA_FILE) if keeps_extra else None,
+                          client_tensors=client_tensors if leader and client_tensors else None)
     if not copy_later:
         request.stage()
     return request
@@ -302,6 +310,9 @@ def write(request: SaveRequest, comm: Collectives, copy_failed: Optional[Excepti
                 name = request.extra_file
                 assert name is not None
                 files[name] = _write_file(staging / name, extra, request.writing, pacing)
+            if request.client_tensors:
+                files[CLIENT_STATE_FILE] = _write_file(staging / CLIENT_STATE_FILE, request.client_tensors.items(),
+                                                       request.writing, None)
     except Exception as err:  # noqa: BLE001 - every rank must hear of it, or the others wait forever
         problem = _describe(err, staging)
     reports = comm.all_gather_json({"files": files, "problem": problem}, "checkpoint_files")
@@ -345,10 +356,11 @@ def _all_files(reported: list[dict[str, Any]]) -> dict[str, Any]:
     directory first.
     """
     files: dict[str, Any] = {}
-    extras = {json.dumps(theirs[EXTRA_FILE], sort_keys=True) for theirs in reported if EXTRA_FILE in theirs}
-    if len(extras) > 1:
-        raise CheckpointError(f"{EXTRA_FILE} differs between nodes (frozen parameters or buffers that are not "
-                              f"the same on every node); this checkpoint was not published")
+    for name, what in ((EXTRA_FILE, "frozen parameters or buffers"), (CLIENT_STATE_FILE, "client state tensors")):
+        copies = {json.dumps(theirs[name], sort_keys=True) for theirs in reported if name in theirs}
+        if len(copies) > 1:
+            raise CheckpointError(f"{name} differs between nodes ({what} that are not the same on every node); "
+                                  f"this checkpoint was not published")
     for theirs in reported:
         files.update({name: meta for name, meta in theirs.items() if name not in files})
     return files

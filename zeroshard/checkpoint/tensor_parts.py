@@ -113,6 +113,9 @@ class TensorPartsReader:
     def extra_files(self) -> list[str]:
         return self.readers[0].extra_files()
 
+    def client_tensor(self, name: str) -> torch.Tensor:
+        return self.readers[0].client_tensor(name)
+
     def files_holding(self, name: str, start: int = 0, end: Optional[int] = None) -> set[str]:
         return set()  # every part's files were verified at opening
 

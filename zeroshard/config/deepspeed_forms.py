@@ -15,6 +15,7 @@ import json
 from typing import Any, Mapping
 
 from ..logging import logger
+from .aio import check_aio
 from .errors import ConfigError
 from .gradient_reduction import normalize_allreduce_op
 from .schema import OPTIMIZER_TYPES
@@ -75,6 +76,8 @@ _ALIASES = {("", "bfloat16"): "bf16",
 def normalize(raw: Mapping[str, Any]) -> dict[str, Any]:
     """The config with DeepSpeed's aliases renamed and inert keys dropped (see the Note)."""
     out = _block(dict(raw), "")
+    if "aio" in out:  # DeepSpeed's libaio tuning: accepted at its defaults, which ask for nothing here
+        check_aio(out.pop("aio"))
     normalize_allreduce_op(out)
     zero = out.get("zero_optimization")
     if isinstance(zero, bool):  # DeepSpeed's legacy form: true means stage 1

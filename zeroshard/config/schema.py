@@ -474,8 +474,10 @@ class ZeroshardConfig:
     sequence_parallel: SequenceParallelConfig = key(
         SequenceParallelConfig(), "zeroshard's own block: how attention runs over the split sequences (Ulysses' "
         "all-to-all or a ring).")
-    gradient_clipping: float = key(0.0, "Clip the global (all-shard) gradient norm to this value; 0 turns it off.",
-                                   non_negative)
+    gradient_clipping: float = key(
+        0.0, "Clip the global (all-shard) gradient norm to this value; 0 turns it off. The default is DeepSpeed's "
+        "before 0.19.3 (from 0.19.3 on DeepSpeed defaults to 1.0; `initialize()` says so once when the key is "
+        "absent).", non_negative)
     steps_per_print: float = key(
         10, "Every this many optimizer steps rank 0 logs loss, lr, gradient norm, samples/s, tokens/s, TFLOP/s, "
         "communication bytes and time, peak memory (`Infinity`, as Hugging Face writes it: never).",
@@ -580,7 +582,7 @@ NOT_SUPPORTED_YET: dict[str, tuple[str, ...]] = {
     "": (
         "amp", "sparse_gradients", "memory_breakdown",
         "flops_profiler", "wandb", "comms_logger", "elasticity",
-        "aio", "autotuning", "compression_training", "dump_state", "hybrid_engine",
+        "autotuning", "compression_training", "dump_state", "hybrid_engine",
     ),
     "zero_optimization": (
         "round_robin_gradients",

@@ -37,7 +37,7 @@ DEEPSPEED_PATHS = ("accelerator", "checkpointing", "comm", "git_version_info", "
                    "runtime.zero.linear", "runtime.zero.muon", "runtime.zero.muon.muon_optimizer",
                    "runtime.zero.offload_config", "runtime.zero.partition_parameters",
                    "runtime.zero.stage3", "runtime.zero.stage_1_and_2", "runtime.zero.tiling",
-                   "utils", "utils.groups", "utils.init_on_device", "utils.pin_memory_tracker",
+                   "utils", "utils.groups", "utils.init_on_device", "utils.logging", "utils.pin_memory_tracker",
                    "utils.tensor_fragment", "utils.torch", "utils.z3_leaf_module", "utils.zero_to_fp32", "zero")
 
 

@@ -1,21 +1,20 @@
-"""``zeroshard.utils`` (DeepSpeed's ``deepspeed.utils``): the logger, ``RepeatingLoader``, ``log_dist``,
-``set_random_seed``, ``zero_to_fp32``, the tensor-fragment functions (``safe_get_full_fp32_param``, ...)
+"""``zeroshard.utils`` (DeepSpeed's ``deepspeed.utils``): the logger and ``log_dist`` (its module
+``logging``, DeepSpeed's ``deepspeed.utils.logging``), ``RepeatingLoader``, ``set_random_seed``, ``zero_to_fp32``, the tensor-fragment functions (``safe_get_full_fp32_param``, ...)
 and the ZeRO-3 leaf-module marks (``set_z3_leaf_modules``, ...).  As in DeepSpeed, the attribute
 ``z3_leaf_module`` is the function; the module of that name is ``sys.modules``' (``import
 deepspeed.utils.z3_leaf_module``)."""
 
 from __future__ import annotations
 
-import logging
 import random
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator
 
 # ``torch`` in this package is its submodule utils/torch.py, as in DeepSpeed
 import torch as _torch
 
-from ...logging import current_rank, logger
-from . import groups, tensor_fragment, torch, zero_to_fp32
+from . import groups, logging, tensor_fragment, torch, zero_to_fp32
 from .init_on_device import OnDevice
+from .logging import log_dist, logger
 from .tensor_fragment import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
                               safe_get_local_fp32_param, safe_get_local_grad, safe_get_local_optimizer_state,
                               safe_set_full_fp32_param, safe_set_full_grad, safe_set_full_optimizer_state,
@@ -33,14 +32,6 @@ __all__ = ["groups", "logger", "log_dist", "RepeatingLoader", "set_random_seed",
            "safe_set_local_grad", "z3_leaf_module", "set_z3_leaf_modules", "unset_z3_leaf_modules",
            "get_z3_leaf_modules", "z3_leaf_parameter", "set_z3_leaf_module", "set_z3_leaf_modules_by_name",
            "set_z3_leaf_modules_by_suffix", "OnDevice"]
-
-
-def log_dist(message: str, ranks: Optional[Iterable[int]] = None, level: int = logging.INFO) -> None:
-    """Log ``message`` on the listed ranks (``None`` or ``[-1]``: every rank), prefixed with the rank."""
-    chosen = None if ranks is None else set(ranks)
-    me = current_rank()
-    if chosen is None or -1 in chosen or me in chosen:
-        logger.log(level, f"[Rank {me}] {message}")
 
 
 class RepeatingLoader:

@@ -11,6 +11,15 @@ A read never gathers on its own: a gather is a collective, and a read that one r
 (``if rank == 0: print(w.sum())``) would wait for the others forever.  Parameters built under
 ``zeroshard.Init`` follow the same rule before ``initialize()`` (see [Note: what an Init-built
 parameter does with each operation] in sharding/stage3/init_param.py).
+
+[Note: operations a placeholder answers without its values]
+Trainers walk a whole model with operations that read no values: Lightning's strategies take
+``module.state_dict()`` (``detach()`` on every parameter) and drop the parameters' entries when the
+engine writes the checkpoint itself, and move the module to the CPU when training ends
+(``module.cpu()``: ``.cpu()`` / ``.to(device)`` and then ``param.data = result``).  ``detach()`` and
+a device move answer the placeholder itself: it still holds no values and any read still raises,
+naming the parameter; the values stay in the engine's shards, on the device the engine computes on.
+A move that changes the dtype would change values, and is refused like a read.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ IS_META_GETTER = getattr(torch.Tensor.is_meta, "__get__")
 METADATA_FUNCTIONS = frozenset(
     {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.__repr__,
      torch.Tensor.__format__, torch.Tensor.__hash__, torch.Tensor.is_floating_point, torch.Tensor.is_complex,
-     torch.Tensor.element_size}
+     torch.Tensor.element_size, torch._has_compatible_shallow_copy_type}
     | {getattr(torch.Tensor, name).__get__ for name in _METADATA_PROPERTIES}
 )
 
@@ -47,6 +56,22 @@ METADATA_FUNCTIONS = frozenset(
 #: Face's ``model.device``, and code that builds new tensors "next to" a parameter, rely on it), as a
 #: DeepSpeed stage-3 parameter reports its accelerator although its own data is empty.
 DEVICE_GETTER = getattr(torch.Tensor.device, "__get__")  # typeshed does not describe the descriptor
+
+
+#: ``param.data = value``: allowed only with the placeholder itself (what ``module.cpu()`` writes back)
+DATA_SETTER = getattr(torch.Tensor.data, "__set__")
+
+
+def _answers_itself(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether ``func`` is ``detach()``, a move that keeps the dtype, or ``.data = `` the placeholder itself."""
+    if func is torch.Tensor.detach or func is torch.Tensor.cpu:
+        return True
+    if func == DATA_SETTER:
+        return len(args) == 2 and args[1] is args[0]
+    if func is torch.Tensor.to:
+        _, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
+        return dtype is None or dtype == args[0].dtype
+    return False
 
 
 class ShardedParameterError(RuntimeError):
@@ -96,6 +121,10 @@ class ShardedParameterPlaceholder(nn.Parameter):
         storage, bucket = self._storage()
         return storage.own_part(bucket, self.ds_id)
 
+    def partition_numel(self) -> int:
+        """How many of the parameter's elements this rank holds (DeepSpeed's method of the same name)."""
+        return int(self.ds_tensor.numel())
+
     def _storage(self) -> tuple[PartitionedStorage, int]:
         home = HOMES.home_of(self)
         if home is None:
@@ -116,6 +145,8 @@ class ShardedParameterPlaceholder(nn.Parameter):
             return _SHOWN_AS[args[0]][1]
         if func == IS_META_GETTER:
             return False
+        if _answers_itself(func, args, kwargs or {}):  # see [Note: operations a placeholder answers without its values]
+            return None if func == DATA_SETTER else args[0]
         name = next((_SHOWN_AS[a][0] for a in args if isinstance(a, cls) and a in _SHOWN_AS), "a parameter")
         raise ShardedParameterError(
             f"{name!r} is sharded by zeroshard stage 3 and is not gathered now; read or change it inside "
