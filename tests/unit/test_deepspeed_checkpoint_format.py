@@ -1,0 +1,83 @@
+"""DeepSpeed's checkpoint files read as data (zeroshard/checkpoint/deepspeed_format/), without DeepSpeed.
+
+The fixtures are real DeepSpeed 0.19.8 checkpoints (tests/fixtures/deepspeed/make_fixtures.py).  At
+stages 1-2 DeepSpeed also saves the whole module, so the masters rebuilt from its partitions are checked
+against it independently: bitwise in fp32, and rounding to the saved weights in bf16.  ZeRO-3 rebuilds
+the same model as ZeRO-2 (both trained the same steps).  A file naming any global beyond the stand-ins
+is refused by name before anything is unpickled.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from zeroshard.checkpoint.deepspeed_format import DeepSpeedPickleError, DeepSpeedReader, deepspeed_directory
+from zeroshard.checkpoint.deepspeed_format.unpickle import load_deepspeed_file
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed"
+
+
+def reader(case: str) -> DeepSpeedReader:
+    directory = deepspeed_directory(FIXTURES / case / "checkpoint", None)
+    assert directory is not None
+    return DeepSpeedReader(directory)
+
+
+@pytest.mark.parametrize("case", ["zero1_fp32", "zero2_fp32", "zero1_bf16", "zero2_bf16"])
+def test_masters_equal_the_saved_module(case: str) -> None:
+    ds = reader(case)
+    module = load_deepspeed_file(ds.directory / "mp_rank_00_model_states.pt")["module"]
+    assert list(ds.param_names()) == list(module)
+    for name, saved in module.items():
+        master = ds.tensor(name)
+        assert torch.equal(master.to(saved.dtype), saved), name
+        assert ds.tensor(name, "optim.exp_avg_sq").min() >= 0
+    assert ds.whole.scalars == [{"step": torch.tensor(3.0)}]
+    assert ds.data["engine"]["global_steps"] == 3 and ds.data["lr_scheduler"] == {"last_batch_iteration": 2}
+    assert {k: ds.client_state()[k] for k in ("epoch", "note", "best_loss")} == {"epoch": 4, "note": "tiny",
+                                                                                 "best_loss": 0.125}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_stage3_rebuilds_what_stage2_saved(precision: str) -> None:
+    two, three = reader(f"zero2_{precision}"), reader(f"zero3_{precision}")
+    assert three.stage == 3 and three.param_names() == two.param_names()
+    for name in two.param_names():
+        for key in ("param", "optim.exp_avg", "optim.exp_avg_sq"):
+            assert torch.allclose(three.read(name, key), two.read(name, key), rtol=1e-5, atol=1e-7), (name, key)
+
+
+class Exploit:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_foreign_global_is_refused_by_name(tmp_path: Path) -> None:
+    shutil.copytree(FIXTURES / "zero3_fp32" / "checkpoint", tmp_path / "checkpoint")
+    target = tmp_path / "checkpoint" / "step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    state = {"optimizer_state_dict": {"zero_stage": 3, "payload": Exploit(str(tmp_path / "ran"))}, "ds_version": "0.19.8"}
+    torch.save(state, target)
+    with pytest.raises(DeepSpeedPickleError, match="does not read as data: posix.system [(]nothing") as err:
+        reader_of = deepspeed_directory(tmp_path / "checkpoint", None)
+        assert reader_of is not None
+        DeepSpeedReader(reader_of)
+    assert str(target) in str(err.value)
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_zeroshard_checkpoint_is_not_taken_for_deepspeed(tmp_path: Path) -> None:
+    (tmp_path / "latest").write_text("t")
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "manifest.json").write_text("{}")
+    (tmp_path / "t" / "mp_rank_00_model_states.pt").write_bytes(b"")
+    assert deepspeed_directory(tmp_path, None) is None
+    assert deepspeed_directory(tmp_path / "nothing", None) is None
