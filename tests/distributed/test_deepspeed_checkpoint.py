@@ -8,7 +8,7 @@ and Adam moments equal what DeepSpeed saved bitwise (as its partitions hold them
 counters, the LR schedule, the Adam step and the client state equal DeepSpeed's, and the next 2 steps
 on the same batches give DeepSpeed's losses and final fp32 weights to float rounding (at world 2 the
 sums are DeepSpeed's, bf16 included; at world 3 a bf16 gradient is summed in another order).  A crafted model file naming a foreign global is refused on every rank by name, with nothing
-executed and the engine unchanged.
+executed and the engine unchanged.  A ``zeroshard convert`` of a fixture loads and continues the same.
 
 The default suite loads each fixture at world 2 and its own stage, and one at another stage; the
 extended test loads them at world 3 and other stages (the same global batch of 6, 2 per rank).
@@ -30,6 +30,7 @@ import torch
 import zeroshard
 from zeroshard.checkpoint import CheckpointError
 from zeroshard.checkpoint.deepspeed_format import DeepSpeedReader, deepspeed_directory
+from zeroshard.checkpoint.deepspeed_format.convert import convert_deepspeed
 from zeroshard.deepspeed.utils.tensor_fragment import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from zeroshard.tools.testing import check_family, run_family
 
@@ -50,13 +51,15 @@ def global_batch(inputs: dict[str, torch.Tensor], step: int, saved_world: int) -
             torch.cat([inputs[f"y.{step}.{r}"] for r in range(saved_world)]))
 
 
-def load_and_continue(rank: int, world: int, case: str, stage: int) -> dict[str, Any]:
+def load_and_continue(rank: int, world: int, case: str, stage: int, source: str = "") -> dict[str, Any]:
+    """``source``: where to load from (default: the fixture's DeepSpeed checkpoint; a ``zeroshard
+    convert`` of it)."""
     meta, cont = fixture(case)
     config = dict(meta["config"], zero_optimization={"stage": stage})
     per_rank = make_fixtures.PER_RANK_BATCH * meta["world_size"] // world
     config["train_micro_batch_size_per_gpu"] = per_rank
     engine = zeroshard.initialize(model=make_fixtures.TinyNet(), config=config)[0]
-    path, client = engine.load_checkpoint(str(FIXTURES / case / "checkpoint"))
+    path, client = engine.load_checkpoint(source or str(FIXTURES / case / "checkpoint"))
     loaded = {name: {"param": safe_get_full_fp32_param(p).clone(),
                      **{k: safe_get_full_optimizer_state(p, k).clone() for k in ("exp_avg", "exp_avg_sq")}}
               for name, p in engine.module.named_parameters()}
@@ -78,7 +81,7 @@ def load_and_continue(rank: int, world: int, case: str, stage: int) -> dict[str,
     return out
 
 
-def check_load_and_continue(results: list[dict[str, Any]], case: str, stage: int) -> None:
+def check_load_and_continue(results: list[dict[str, Any]], case: str, stage: int, source: str = "") -> None:
     meta, cont = fixture(case)
     saved = DeepSpeedReader(deepspeed_directory(FIXTURES / case / "checkpoint", None))
     world = len(results)
@@ -156,7 +159,10 @@ def test_deepspeed_checkpoints_at_world_2() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         crafted = Path(tmp) / "crafted"
         make_crafted(crafted)
-        family_with_crafted = [*family, ("crafted", {"directory": str(crafted)})]
+        converted = Path(tmp) / "converted"
+        convert_deepspeed(FIXTURES / "zero2_bf16" / "checkpoint", converted)
+        family_with_crafted = [*family, ("crafted", {"directory": str(crafted)}),
+                               ("load", {"case": "zero2_bf16", "stage": 3, "source": str(converted)})]
         check_family(family_with_crafted, run_family(2, family_with_crafted, WORKERS), CHECKS, world=2)
 
 

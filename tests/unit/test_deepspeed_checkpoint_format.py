@@ -81,3 +81,28 @@ def test_a_zeroshard_checkpoint_is_not_taken_for_deepspeed(tmp_path: Path) -> No
     (tmp_path / "t" / "mp_rank_00_model_states.pt").write_bytes(b"")
     assert deepspeed_directory(tmp_path, None) is None
     assert deepspeed_directory(tmp_path / "nothing", None) is None
+
+
+def test_convert_writes_a_zeroshard_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from zeroshard.checkpoint import CheckpointReader, consolidate, describe
+    from zeroshard.checkpoint.load import check_manifest
+    from zeroshard.tools.cli import main
+
+    assert main(["convert", str(FIXTURES / "zero3_bf16" / "checkpoint"), str(tmp_path / "zs")]) == 0
+    assert "wrote" in capsys.readouterr().out
+    ds = reader("zero3_bf16")
+    with CheckpointReader(tmp_path / "zs" / "step3") as converted:  # verifies every checksum
+        check_manifest(converted.directory, converted.data)
+        assert converted.param_names() == ds.param_names()
+        for name in ds.param_names():
+            for key in ("param", "optim.exp_avg", "optim.exp_avg_sq"):
+                assert torch.equal(converted.read(name, key), ds.read(name, key)), (name, key)
+        assert converted.scalar_state(0) == {"step": torch.tensor(3.0)}
+        data = converted.data
+        assert data["engine"]["global_steps"] == 3 and data["lr_scheduler"] == {"last_batch_iteration": 2}
+        assert data["client_state"]["epoch"] == 4 and data["client_state"]["ds_version"] == "0.19.8"
+    assert "checksums verified" in describe(tmp_path / "zs")
+    consolidate(tmp_path / "zs", tmp_path / "model.safetensors")
+    from safetensors.torch import load_file
+    weights = load_file(tmp_path / "model.safetensors")
+    assert all(torch.equal(weights[n], ds.tensor(n)) for n in ds.param_names())
