@@ -1,12 +1,13 @@
 """Checkpoints written by real DeepSpeed 0.19.8 load into zeroshard and continue as DeepSpeed did.
 
 The fixtures (tests/fixtures/deepspeed/, written by make_fixtures.py under real DeepSpeed on CPU at
-world 2; the suite never imports DeepSpeed) are a tiny model trained 3 AdamW steps under WarmupLR at
+world 2; the suite never imports DeepSpeed) are a tiny model (a frozen layer, a buffer) trained 3 AdamW steps under WarmupLR at
 ZeRO 1, 2 and 3, fp32 and bf16, saved with client state, and DeepSpeed's own next 2 steps.  Each case
 loads one into a zeroshard engine with ``engine.load_checkpoint(dir)``: every parameter's fp32 master
 and Adam moments equal what DeepSpeed saved bitwise (as its partitions hold them, unpadded), the
 counters, the LR schedule, the Adam step and the client state equal DeepSpeed's, and the next 2 steps
-on the same batches give DeepSpeed's losses and final fp32 weights to float rounding (at world 2 the
+on the same batches (through the frozen layer and the buffer, which zeroshard's model starts from other
+values of) give DeepSpeed's losses and final fp32 weights to float rounding (at world 2 the
 sums are DeepSpeed's, bf16 included; at world 3 a bf16 gradient is summed in another order).  A crafted model file naming a foreign global is refused on every rank by name, with nothing
 executed and the engine unchanged.  A ``zeroshard convert`` of a fixture loads and continues the same.
 
@@ -62,7 +63,7 @@ def load_and_continue(rank: int, world: int, case: str, stage: int, source: str 
     path, client = engine.load_checkpoint(source or str(FIXTURES / case / "checkpoint"))
     loaded = {name: {"param": safe_get_full_fp32_param(p).clone(),
                      **{k: safe_get_full_optimizer_state(p, k).clone() for k in ("exp_avg", "exp_avg_sq")}}
-              for name, p in engine.module.named_parameters()}
+              for name, p in engine.module.named_parameters() if p.requires_grad}
     out: dict[str, Any] = {
         "path": str(path), "loaded": loaded, "global_steps": engine.global_steps,
         "global_samples": engine.global_samples, "scheduler": engine.lr_scheduler.state_dict(),
@@ -76,7 +77,8 @@ def load_and_continue(rank: int, world: int, case: str, stage: int, source: str 
         engine.backward(loss)
         engine.step()
         out["losses"].append(float(loss.detach()))
-    out["weights"] = {name: safe_get_full_fp32_param(p).clone() for name, p in engine.module.named_parameters()}
+    out["weights"] = {name: safe_get_full_fp32_param(p).clone() for name, p in engine.module.named_parameters()
+                      if p.requires_grad}
     engine.close()
     return out
 

@@ -33,8 +33,9 @@ def reader(case: str) -> DeepSpeedReader:
 def test_masters_equal_the_saved_module(case: str) -> None:
     ds = reader(case)
     module = load_deepspeed_file(ds.directory / "mp_rank_00_model_states.pt")["module"]
-    assert list(ds.param_names()) == list(module)
-    for name, saved in module.items():
+    assert list(ds.param_names()) == [k for k in module if k not in ("frozen.weight", "shift")]
+    for name in ds.param_names():
+        saved = module[name]
         master = ds.tensor(name)
         assert torch.equal(master.to(saved.dtype), saved), name
         assert ds.tensor(name, "optim.exp_avg_sq").min() >= 0
@@ -42,6 +43,17 @@ def test_masters_equal_the_saved_module(case: str) -> None:
     assert ds.data["engine"]["global_steps"] == 3 and ds.data["lr_scheduler"] == {"last_batch_iteration": 2}
     assert {k: ds.client_state()[k] for k in ("epoch", "note", "best_loss")} == {"epoch": 4, "note": "tiny",
                                                                                  "best_loss": 0.125}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_buffers_and_frozen_parameters_at_every_stage(precision: str) -> None:
+    """Stages 1-2 keep them in the model file, stage 3 the frozen weight in every rank's fragments."""
+    one, two, three = (reader(f"zero{stage}_{precision}").extra() for stage in (1, 2, 3))
+    assert sorted(one) == sorted(two) == sorted(three) == ["frozen.weight", "shift"]
+    assert three["frozen.weight"].shape == (9, 9)
+    for name in one:
+        assert torch.equal(one[name], two[name]) and torch.equal(one[name], three[name]), name
+    assert not torch.equal(one["shift"], torch.zeros(5))
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -12,7 +12,13 @@ What is read: ZeRO stages 1-3 of one data-parallel group (no tensor or pipeline 
 bf16 (``bf16_`` optimizer files), with Adam-family moments; the counters, the LR scheduler's state and
 the client state as DeepSpeed's ``load_checkpoint`` returns it; the model's buffers.  Everything else
 (ZeRO stage 0's optimizer inside the model file, pipeline layer files, MoE expert files, universal
-folders, frozen parameters at stage 3) is refused by name.
+folders) is refused by name.
+
+[Note: frozen parameters in a DeepSpeed checkpoint]
+At stages 0-2 DeepSpeed's model file holds the whole module: its buffers, its frozen parameters and
+(replaced here by the fp32 masters) its trained ones.  At stage 3 it holds the buffers, and each rank's
+model file its piece of every frozen parameter (``frozen_param_fragments``, padded like a trained one),
+which are joined in rank order and cut to ``frozen_param_shapes``, as ``zero_to_fp32.py`` does.
 """
 
 from __future__ import annotations
@@ -105,8 +111,6 @@ class DeepSpeedReader:
         if any(self.directory.glob("layer_*-model_states.pt")) or any(self.directory.glob("*expert_*")):
             raise CheckpointError(f"{self.directory}: DeepSpeed pipeline layer files or MoE expert files are not "
                                   f"read yet")
-        if self.model.get("frozen_param_fragments"):
-            raise CheckpointError(f"{path}: frozen parameters of a ZeRO-3 DeepSpeed checkpoint are not read yet")
 
     def _hyperparameters(self, rank0: dict[str, Any]) -> list[dict[str, Any]]:
         base = rank0.get("base_optimizer_state") or rank0.get("optimizer_state_dict") or {}
@@ -164,9 +168,24 @@ class DeepSpeedReader:
         return None  # DeepSpeed saves no random generator states
 
     def extra(self) -> dict[str, torch.Tensor]:
-        """The model's buffers (stages 0-2 also save the trained weights there, which the masters replace)."""
+        """The model's buffers and frozen parameters, by state-dict name (see [Note: frozen parameters
+        in a DeepSpeed checkpoint])."""
         module = self.model.get("module") or {}
-        return {name: module[name] for name in self.model.get("buffer_names") or [] if name in module}
+        shared = set(self.model.get("shared_params") or {})
+        if self.stage < 3:
+            return {k: v for k, v in module.items() if k not in self.whole.shapes and k not in shared}
+        out = {name: module[name] for name in self.model.get("buffer_names") or [] if name in module}
+        shapes = self.model.get("frozen_param_shapes") or {}
+        if shapes:
+            ranks = [self.model] + [load_deepspeed_file(self.directory / stage3_model_file(r))
+                                    for r in range(1, self.world_size)]
+            for name, shape in shapes.items():
+                pieces = [(m.get("frozen_param_fragments") or {}).get(name) for m in ranks]
+                flat = [p.reshape(-1) for p in pieces if isinstance(p, torch.Tensor)]
+                if len(flat) != len(ranks):
+                    raise CheckpointError(f"{self.directory}: frozen parameter {name!r} lacks a rank's fragment")
+                out[name] = torch.cat(flat)[:torch.Size(shape).numel()].view(shape).clone()
+        return out
 
     def home_file(self) -> str:
         return MODEL_FILE
