@@ -1,8 +1,8 @@
 """Checkpoints written by real DeepSpeed 0.19.8 load into zeroshard and continue as DeepSpeed did.
 
 The fixtures (tests/fixtures/deepspeed/, written by make_fixtures.py under real DeepSpeed on CPU at
-world 2; the suite never imports DeepSpeed) are a tiny model (a frozen layer, a buffer) trained 3 AdamW steps under WarmupLR at
-ZeRO 1, 2 and 3, fp32 and bf16, saved with client state, and DeepSpeed's own next 2 steps.  Each case
+world 2; the suite never imports DeepSpeed) are a tiny model (a frozen layer, a buffer) trained 3
+AdamW steps under WarmupLR at ZeRO 0-3, fp32 and bf16, saved with client state, and DeepSpeed's own next 2 steps.  Each case
 loads one into a zeroshard engine with ``engine.load_checkpoint(dir)``: every parameter's fp32 master
 and Adam moments equal what DeepSpeed saved bitwise (as its partitions hold them, unpadded), the
 counters, the LR schedule, the Adam step and the client state equal DeepSpeed's, and the next 2 steps
@@ -152,7 +152,7 @@ def check_crafted(results: list[dict[str, Any]], directory: str) -> None:
 
 WORKERS = {"load": load_and_continue, "crafted": crafted_refused}
 CHECKS = {"load": check_load_and_continue, "crafted": check_crafted}
-CASES = ("zero1_fp32", "zero2_fp32", "zero3_fp32", "zero1_bf16", "zero2_bf16", "zero3_bf16")
+CASES = tuple(f"zero{stage}_{precision}" for precision in ("fp32", "bf16") for stage in range(4))
 
 
 def test_deepspeed_checkpoints_at_world_2() -> None:
@@ -171,5 +171,5 @@ def test_deepspeed_checkpoints_at_world_2() -> None:
 @pytest.mark.slow
 def test_deepspeed_checkpoints_at_world_3_other_stages() -> None:
     family = [("load", {"case": case, "stage": stage}) for case, stage in (
-        ("zero1_fp32", 3), ("zero2_fp32", 2), ("zero3_fp32", 2), ("zero2_bf16", 3), ("zero3_bf16", 1))]
+        ("zero0_fp32", 2), ("zero0_bf16", 3), ("zero1_fp32", 3), ("zero2_fp32", 2), ("zero3_fp32", 2), ("zero2_bf16", 3), ("zero3_bf16", 1))]
     check_family(family, run_family(3, family, WORKERS), CHECKS, world=3)

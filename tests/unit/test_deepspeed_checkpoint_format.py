@@ -1,7 +1,7 @@
 """DeepSpeed's checkpoint files read as data (zeroshard/checkpoint/deepspeed_format/), without DeepSpeed.
 
 The fixtures are real DeepSpeed 0.19.8 checkpoints (tests/fixtures/deepspeed/make_fixtures.py).  At
-stages 1-2 DeepSpeed also saves the whole module, so the masters rebuilt from its partitions are checked
+stages 0-2 DeepSpeed also saves the whole module, so the masters rebuilt from its partitions are checked
 against it independently: bitwise in fp32, and rounding to the saved weights in bf16.  ZeRO-3 rebuilds
 the same model as ZeRO-2 (both trained the same steps).  A file naming any global beyond the stand-ins
 is refused by name before anything is unpickled.
@@ -29,7 +29,7 @@ def reader(case: str) -> DeepSpeedReader:
     return DeepSpeedReader(directory)
 
 
-@pytest.mark.parametrize("case", ["zero1_fp32", "zero2_fp32", "zero1_bf16", "zero2_bf16"])
+@pytest.mark.parametrize("case", ["zero0_fp32", "zero1_fp32", "zero2_fp32", "zero0_bf16", "zero1_bf16", "zero2_bf16"])
 def test_masters_equal_the_saved_module(case: str) -> None:
     ds = reader(case)
     module = load_deepspeed_file(ds.directory / "mp_rank_00_model_states.pt")["module"]
@@ -39,7 +39,8 @@ def test_masters_equal_the_saved_module(case: str) -> None:
         master = ds.tensor(name)
         assert torch.equal(master.to(saved.dtype), saved), name
         assert ds.tensor(name, "optim.exp_avg_sq").min() >= 0
-    assert ds.whole.scalars == [{"step": torch.tensor(3.0)}]
+    # without ZeRO, DeepSpeed's bf16 optimizer creates its state with one step of zero gradients
+    assert ds.whole.scalars == [{"step": torch.tensor(4.0 if case == "zero0_bf16" else 3.0)}]
     assert ds.data["engine"]["global_steps"] == 3 and ds.data["lr_scheduler"] == {"last_batch_iteration": 2}
     assert {k: ds.client_state()[k] for k in ("epoch", "note", "best_loss")} == {"epoch": 4, "note": "tiny",
                                                                                  "best_loss": 0.125}
@@ -47,12 +48,12 @@ def test_masters_equal_the_saved_module(case: str) -> None:
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_buffers_and_frozen_parameters_at_every_stage(precision: str) -> None:
-    """Stages 1-2 keep them in the model file, stage 3 the frozen weight in every rank's fragments."""
-    one, two, three = (reader(f"zero{stage}_{precision}").extra() for stage in (1, 2, 3))
-    assert sorted(one) == sorted(two) == sorted(three) == ["frozen.weight", "shift"]
+    """Stages 0-2 keep them in the model file, stage 3 the frozen weight in every rank's fragments."""
+    zero, one, two, three = (reader(f"zero{stage}_{precision}").extra() for stage in (0, 1, 2, 3))
+    assert sorted(zero) == sorted(one) == sorted(two) == sorted(three) == ["frozen.weight", "shift"]
     assert three["frozen.weight"].shape == (9, 9)
     for name in one:
-        assert torch.equal(one[name], two[name]) and torch.equal(one[name], three[name]), name
+        assert all(torch.equal(one[name], other[name]) for other in (zero, two, three)), name
     assert not torch.equal(one["shift"], torch.zeros(5))
 
 
@@ -118,3 +119,13 @@ def test_convert_writes_a_zeroshard_checkpoint(tmp_path: Path, capsys: pytest.Ca
     from safetensors.torch import load_file
     weights = load_file(tmp_path / "model.safetensors")
     assert all(torch.equal(weights[n], ds.tensor(n)) for n in ds.param_names())
+
+
+def test_stage0_state_given_to_another_list_of_parameters_is_refused() -> None:
+    from zeroshard.checkpoint.deepspeed_format.partitions import merge_stage0
+
+    model = load_deepspeed_file(FIXTURES / "zero0_fp32" / "checkpoint" / "step3" / "mp_rank_00_model_states.pt")
+    optimizer = model["optimizer"]
+    shifted = {"state": {i - 1: v for i, v in optimizer["state"].items()}, "param_groups": optimizer["param_groups"]}
+    with pytest.raises(Exception, match="has shape .* but the parameter in its place, frozen.weight"):
+        merge_stage0(model["module"], model["buffer_names"], shifted, "here")

@@ -10,6 +10,16 @@ Stage 3 partitions every parameter on its own: each is padded to a multiple of `
 holds its ``r``-th equal piece; a rank's flat vector (``fp32_flat_groups``, and the moments of the
 same sub-group) is its pieces of every parameter in order, so a parameter is the ranks' pieces at the
 same offset, joined and cut to ``numel``.  These are the rules of DeepSpeed's own ``zero_to_fp32.py``.
+
+[Note: ZeRO stage 0 in DeepSpeed's model file]
+Without ZeRO, DeepSpeed saves the optimizer inside the model file, by position, not by name: torch's
+optimizer state (``state[i]`` for the ``i``-th parameter handed to the optimizer, which is the model's
+``i``-th parameter as ``model.parameters()`` lists them, frozen ones included) in fp32; under bf16 its
+mixed-precision optimizer's ``fp32_groups`` (the masters of the trained parameters only, in the model's
+order) beside torch's state of those masters.  A parameter is named by its position among the module's
+parameters (fp32), or as the next trained one whose saved weight its master rounds to (bf16); every
+moment's shape is checked against the parameter it is given to, and a mismatch (an optimizer built on
+another list of parameters) is refused by name.
 """
 
 from __future__ import annotations
@@ -124,4 +134,47 @@ def merge_stage3(shapes: dict[str, torch.Size], ranks: list[dict[str, Any]], whe
                                for k in flats[0]}
         whole.group_of[name] = next(g for g, end in enumerate(ends) if offset < end)
         offset += piece
+    return whole
+
+
+def _named_state(state: dict[Any, Any], index: int, name: str, shape: torch.Size, where: str) -> dict[str, torch.Tensor]:
+    entry = _moments(state, index, where)
+    if tuple(entry["exp_avg"].shape) != tuple(shape):
+        raise CheckpointError(f"{where}: optimizer state {index} has shape {tuple(entry['exp_avg'].shape)}, but the "
+                              f"parameter in its place, {name}, has {tuple(shape)} (an optimizer built on another list "
+                              f"of parameters is not read)")
+    return entry
+
+
+def merge_stage0(module: dict[str, torch.Tensor], buffers: Sequence[str], optimizer: dict[str, Any],
+                 where: str) -> WholeState:
+    """ZeRO stage 0 (see [Note: ZeRO stage 0 in DeepSpeed's model file])."""
+    names = [k for k in module if k not in set(buffers)]
+    whole = WholeState({})
+    masters = optimizer.get("fp32_groups")
+    torch_state = optimizer["optimizer_state_dict"] if masters is not None else optimizer
+    state, groups = torch_state["state"], torch_state["param_groups"]
+    candidates = iter(names)
+    for g, group in enumerate(groups):
+        for position, index in enumerate(group["params"]):
+            if masters is None:
+                if index >= len(names) or index not in state:
+                    continue  # no state: a frozen parameter (or one never stepped), kept with the module
+                name, master = names[index], module[names[index]].float()
+            else:
+                master = masters[g][position].float()
+                name = next((n for n in candidates if module[n].shape == master.shape
+                             and torch.equal(master.to(module[n].dtype), module[n])), "")
+                if not name:
+                    raise CheckpointError(f"{where}: fp32 master {position} of group {g} matches no parameter of "
+                                          f"the saved module")
+            entry = _named_state(state, index, name, master.shape, where)
+            whole.shapes[name] = master.shape
+            whole.tensors[name] = {"param": master.reshape(-1).clone(),
+                                   **{m: entry[m].reshape(-1).float().clone() for m in MOMENTS}}
+            whole.group_of[name] = g
+            if len(whole.scalars) == g:
+                whole.scalars.append(_scalars(entry))
+    order = {n: i for i, n in enumerate(names)}
+    whole.shapes = dict(sorted(whole.shapes.items(), key=lambda item: order[item[0]]))
     return whole

@@ -8,10 +8,10 @@ world size and stage exactly as it does zeroshard's own checkpoints.  This costs
 optimizer state in host memory for the length of the load; ``zeroshard convert`` turns the checkpoint
 into zeroshard's format once, whose loads read only each rank's share.
 
-What is read: ZeRO stages 1-3 of one data-parallel group (no tensor or pipeline parallelism), fp32 and
+What is read: ZeRO stages 0-3 of one data-parallel group (no tensor or pipeline parallelism), fp32 and
 bf16 (``bf16_`` optimizer files), with Adam-family moments; the counters, the LR scheduler's state and
 the client state as DeepSpeed's ``load_checkpoint`` returns it; the model's buffers.  Everything else
-(ZeRO stage 0's optimizer inside the model file, pipeline layer files, MoE expert files, universal
+(pipeline layer files, MoE expert files, universal
 folders) is refused by name.
 
 [Note: frozen parameters in a DeepSpeed checkpoint]
@@ -30,7 +30,7 @@ from typing import Any, Optional
 import torch
 
 from ..format import LATEST, MANIFEST, CheckpointError
-from .partitions import MOMENTS, WholeState, merge_stage3, merge_stage12
+from .partitions import MOMENTS, WholeState, merge_stage0, merge_stage3, merge_stage12
 from .unpickle import load_deepspeed_file
 
 #: the model file of stages 0-2 (one, written by data-parallel rank 0)
@@ -79,20 +79,29 @@ class DeepSpeedReader:
         self._refuse_unread(model_path)
         world = int(self.model["dp_world_size"])
         bf16 = (self.directory / optimizer_file(0, True)).is_file()
-        if not bf16 and not (self.directory / optimizer_file(0, False)).is_file():
-            raise CheckpointError(f"{self.directory}: a DeepSpeed checkpoint without ZeRO optimizer files "
-                                  f"(*zero_pp_rank_0_mp_rank_00_optim_states.pt): ZeRO stage 0 checkpoints are not "
-                                  f"read yet")
-        ranks = [load_deepspeed_file(self.directory / optimizer_file(r, bf16))["optimizer_state_dict"]
-                 for r in range(world)]
-        self.stage = int(ranks[0]["zero_stage"])
-        groups = [dict(g) for g in self.model["param_shapes"]]
         where = str(self.directory)
-        self.whole: WholeState = merge_stage3({k: v for g in groups for k, v in g.items()}, ranks, where) \
-            if self.stage == 3 else merge_stage12(groups, ranks, where)
+        if self.model.get("optimizer") is not None:  # no ZeRO: the optimizer is in the model file
+            self.stage = 0
+            bf16 = "fp32_groups" in self.model["optimizer"]
+            optimizer = self.model["optimizer"]
+            rank0 = optimizer.get("optimizer_state_dict", optimizer)
+            self.whole: WholeState = merge_stage0(self.model["module"], self.model.get("buffer_names") or [],
+                                                  optimizer, f"{model_path}")
+        elif bf16 or (self.directory / optimizer_file(0, False)).is_file():
+            ranks = [load_deepspeed_file(self.directory / optimizer_file(r, bf16))["optimizer_state_dict"]
+                     for r in range(world)]
+            self.stage = int(ranks[0]["zero_stage"])
+            groups = [dict(g) for g in self.model["param_shapes"]]
+            self.whole = merge_stage3({k: v for g in groups for k, v in g.items()}, ranks, where) \
+                if self.stage == 3 else merge_stage12(groups, ranks, where)
+            rank0 = ranks[0]
+        else:
+            raise CheckpointError(f"{self.directory}: a DeepSpeed checkpoint with neither ZeRO optimizer files "
+                                  f"(*zero_pp_rank_0_mp_rank_00_optim_states.pt) nor an optimizer in its model file "
+                                  f"(saved without an optimizer, or with load_optimizer_states only): not read")
         self.world_size = world
         self.bf16 = bf16
-        self._param_groups = self._hyperparameters(ranks[0])
+        self._param_groups = self._hyperparameters(rank0)
         self.manifest = _Verified()
 
     def identity(self) -> str:
@@ -113,7 +122,7 @@ class DeepSpeedReader:
                                   f"read yet")
 
     def _hyperparameters(self, rank0: dict[str, Any]) -> list[dict[str, Any]]:
-        base = rank0.get("base_optimizer_state") or rank0.get("optimizer_state_dict") or {}
+        base = rank0.get("base_optimizer_state") or rank0.get("optimizer_state_dict") or rank0
         return [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items() if k != "params"}
                 for g in base.get("param_groups", [])]
 
