@@ -4,7 +4,7 @@
 Stages 1 and 2 flatten each parameter group (in ``param_shapes`` order) into one vector padded to a
 multiple of ``2 x world`` and cut it into ``world`` equal partitions; rank ``r``'s file holds its
 partition of the fp32 masters (``single_partition_of_fp32_groups``, without the padding on the last
-rank, whose size ``group_paddings`` gives) and of each Adam moment (with the padding).  The whole
+rank, whose size that rank's ``group_paddings`` gives) and of each Adam moment (with the padding).  The whole
 vector is the ranks' partitions, unpadded, end to end, and each parameter its next ``numel`` elements.
 Stage 3 partitions every parameter on its own: each is padded to a multiple of ``world`` and rank ``r``
 holds its ``r``-th equal piece; a rank's flat vector (``fp32_flat_groups``, and the moments of the
@@ -82,7 +82,7 @@ def merge_stage12(groups: list[dict[str, torch.Size]], ranks: list[dict[str, Any
             here = f"{where} (rank {r})"
             fp32 = sd["single_partition_of_fp32_groups"][g]
             moments = _moments(sd["base_optimizer_state"]["state"], g, here)
-            padding = int(sd.get("group_paddings", [0] * len(groups))[g]) if r == len(ranks) - 1 else 0
+            padding = int(sd.get("group_paddings", [0] * len(groups))[g])  # each rank's own (the last's only)
             if any(p for p in (sd.get("param_alignment_paddings") or [[]])[g]):
                 raise CheckpointError(f"{here}: per-parameter alignment padding is not read yet")
             size = moments["exp_avg"].numel() - padding

@@ -10,9 +10,9 @@ into zeroshard's format once, whose loads read only each rank's share.
 
 What is read: ZeRO stages 0-3 of one data-parallel group (no tensor or pipeline parallelism), fp32 and
 bf16 (``bf16_`` optimizer files), with Adam-family moments; the counters, the LR scheduler's state and
-the client state as DeepSpeed's ``load_checkpoint`` returns it; the model's buffers.  Everything else
-(pipeline layer files, MoE expert files, universal
-folders) is refused by name.
+the client state as DeepSpeed's ``load_checkpoint`` returns it; the model's buffers and frozen
+parameters.  Everything else (tensor- and pipeline-parallel files, MoE expert files, universal
+checkpoint folders) is refused by name.
 
 [Note: frozen parameters in a DeepSpeed checkpoint]
 At stages 0-2 DeepSpeed's model file holds the whole module: its buffers, its frozen parameters and
@@ -120,6 +120,9 @@ class DeepSpeedReader:
         if any(self.directory.glob("layer_*-model_states.pt")) or any(self.directory.glob("*expert_*")):
             raise CheckpointError(f"{self.directory}: DeepSpeed pipeline layer files or MoE expert files are not "
                                   f"read yet")
+        if (self.directory / "zero").is_dir():
+            raise CheckpointError(f"{self.directory}: a DeepSpeed universal checkpoint (one folder per parameter "
+                                  f"under zero/) is not read yet")
 
     def _hyperparameters(self, rank0: dict[str, Any]) -> list[dict[str, Any]]:
         base = rank0.get("base_optimizer_state") or rank0.get("optimizer_state_dict") or rank0
