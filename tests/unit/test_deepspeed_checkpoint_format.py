@@ -141,3 +141,22 @@ def test_layouts_not_read_yet_are_refused_by_name(tmp_path: Path, what: str) -> 
     assert directory is not None
     with pytest.raises(Exception, match="not read yet"):
         DeepSpeedReader(directory)
+
+
+def test_a_step_kept_per_group_is_read(tmp_path: Path) -> None:
+    """DeepSpeed's FusedAdam of older checkpoints keeps Adam's step (an int) in the parameter group."""
+    shutil.copytree(FIXTURES / "zero2_fp32" / "checkpoint", tmp_path / "checkpoint")
+    for rank in range(2):
+        path = tmp_path / "checkpoint" / "step3" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+        saved = load_deepspeed_file(path)
+        sd = saved["optimizer_state_dict"]
+        sd["zero_stage"] = 2  # plain values only: the stand-ins do not pickle back under DeepSpeed's names
+        del sd["loss_scaler"], sd["param_slice_mappings"]
+        base = sd["base_optimizer_state"]
+        base["param_groups"][0]["step"] = int(base["state"][0].pop("step"))
+        torch.save(saved, path)
+    directory = deepspeed_directory(tmp_path / "checkpoint", None)
+    assert directory is not None
+    ds = DeepSpeedReader(directory)
+    assert ds.whole.scalars == [{"step": torch.tensor(3.0)}]
+    assert "step" not in ds.data["optimizer"]["param_groups"][0]

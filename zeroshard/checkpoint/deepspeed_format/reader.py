@@ -102,6 +102,7 @@ class DeepSpeedReader:
         self.world_size = world
         self.bf16 = bf16
         self._param_groups = self._hyperparameters(rank0)
+        self._steps_from_groups(rank0)
         self.manifest = _Verified()
 
     def identity(self) -> str:
@@ -124,10 +125,21 @@ class DeepSpeedReader:
             raise CheckpointError(f"{self.directory}: a DeepSpeed universal checkpoint (one folder per parameter "
                                   f"under zero/) is not read yet")
 
-    def _hyperparameters(self, rank0: dict[str, Any]) -> list[dict[str, Any]]:
+    @staticmethod
+    def _groups(rank0: dict[str, Any]) -> list[dict[str, Any]]:
         base = rank0.get("base_optimizer_state") or rank0.get("optimizer_state_dict") or rank0
-        return [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items() if k != "params"}
-                for g in base.get("param_groups", [])]
+        return list(base.get("param_groups", []))
+
+    def _hyperparameters(self, rank0: dict[str, Any]) -> list[dict[str, Any]]:
+        return [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items() if k not in ("params", "step")}
+                for g in self._groups(rank0)]
+
+    def _steps_from_groups(self, rank0: dict[str, Any]) -> None:
+        """Adam's step where an optimizer kept it per group rather than per state (DeepSpeed's FusedAdam
+        of older checkpoints)."""
+        for scalars, group in zip(self.whole.scalars, self._groups(rank0)):
+            if "step" not in scalars and "step" in group:
+                scalars["step"] = torch.tensor(float(group["step"]))
 
     # ------------------------------------------------------------------ the reader interface
     @property
