@@ -12,7 +12,8 @@ sums are DeepSpeed's, bf16 included; at world 3 a bf16 gradient is summed in ano
 executed and the engine unchanged.  A ``zeroshard convert`` of a fixture loads and continues the same.
 
 The default suite loads each fixture at world 2 and its own stage, and one at another stage; the
-extended test loads them at world 3 and other stages (the same global batch of 6, 2 per rank).
+extended tests load them at world 3 and other stages (the same global batch of 6, 2 per rank) and in
+one process.
 """
 
 from __future__ import annotations
@@ -173,3 +174,10 @@ def test_deepspeed_checkpoints_at_world_3_other_stages() -> None:
     family = [("load", {"case": case, "stage": stage}) for case, stage in (
         ("zero0_fp32", 2), ("zero0_bf16", 3), ("zero1_fp32", 3), ("zero2_fp32", 2), ("zero3_fp32", 2), ("zero2_bf16", 3), ("zero3_bf16", 1))]
     check_family(family, run_family(3, family, WORKERS), CHECKS, world=3)
+
+
+@pytest.mark.slow
+def test_deepspeed_checkpoints_in_one_process() -> None:
+    """World 1, no process group: the whole global batch of 6 on one rank."""
+    for case, stage in (("zero3_bf16", 2), ("zero1_fp32", 3)):
+        check_load_and_continue([load_and_continue(0, 1, case, stage)], case, stage)
