@@ -8,10 +8,12 @@ and Adam moments equal what DeepSpeed saved bitwise (as its partitions hold them
 counters, the LR schedule, the Adam step and the client state equal DeepSpeed's, and the next 2 steps
 on the same batches (through the frozen layer and the buffer, which zeroshard's model starts from other
 values of) give DeepSpeed's losses and final fp32 weights to float rounding (at world 2 the
-sums are DeepSpeed's, bf16 included; at world 3 a bf16 gradient is summed in another order).  A crafted model file naming a foreign global is refused on every rank by name, with nothing
-executed and the engine unchanged.  A ``zeroshard convert`` of a fixture loads and continues the same.
+sums are DeepSpeed's, bf16 included; at world 3 a bf16 gradient is summed in another order).  A
+crafted model file naming a foreign global is refused on every rank by name, with nothing executed
+and the engine unchanged.  A ``zeroshard convert`` of a fixture loads and continues the same.
 
-The default suite loads each fixture at world 2 and its own stage, and one at another stage; the
+The default suite loads each fixture at world 2 and its own stage, one at another stage, the crafted
+file and a converted checkpoint, in one world; the
 extended tests load them at world 3 and other stages (the same global batch of 6, 2 per rank) and in
 one process.
 """
