@@ -1,21 +1,20 @@
 """Checkpoints written by real DeepSpeed 0.19.8 load into zeroshard and continue as DeepSpeed did.
 
 The fixtures (tests/fixtures/deepspeed/, written by make_fixtures.py under real DeepSpeed on CPU at
-world 2; the suite never imports DeepSpeed) are a tiny model (a frozen layer, a buffer) trained 3
-AdamW steps under WarmupLR at ZeRO 0-3, fp32 and bf16, saved with client state, and DeepSpeed's own next 2 steps.  Each case
-loads one into a zeroshard engine with ``engine.load_checkpoint(dir)``: every parameter's fp32 master
-and Adam moments equal what DeepSpeed saved bitwise (as its partitions hold them, unpadded), the
-counters, the LR schedule, the Adam step and the client state equal DeepSpeed's, and the next 2 steps
-on the same batches (through the frozen layer and the buffer, which zeroshard's model starts from other
-values of) give DeepSpeed's losses and final fp32 weights to float rounding (at world 2 the
-sums are DeepSpeed's, bf16 included; at world 3 a bf16 gradient is summed in another order).  A
-crafted model file naming a foreign global is refused on every rank by name, with nothing executed
-and the engine unchanged.  A ``zeroshard convert`` of a fixture loads and continues the same.
+world 2; the suite never imports DeepSpeed) are a tiny model (a frozen layer, a buffer) trained 3 AdamW
+steps under WarmupLR at ZeRO 0-3, fp32 and bf16, saved with client state, and DeepSpeed's own next 2
+steps. Each case loads one into a zeroshard engine with ``engine.load_checkpoint(dir)``: every
+parameter's fp32 master and Adam moments equal what DeepSpeed saved bitwise (as its partitions hold
+them, unpadded), the counters, the LR schedule, the Adam step and the client state equal DeepSpeed's,
+and the next 2 steps on the same batches (through the frozen layer and the buffer, which zeroshard's
+model starts from other values of) give DeepSpeed's losses and final fp32 weights to float rounding (at
+world 2 the sums are DeepSpeed's, bf16 included; at world 3 a bf16 gradient is summed in another order).
+A crafted model file naming a foreign global is refused on every rank by name, with nothing executed and
+the engine unchanged. A ``zeroshard convert`` of a fixture loads and continues the same.
 
 The default suite loads each fixture at world 2 and its own stage, one at another stage, the crafted
-file and a converted checkpoint, in one world; the
-extended tests load them at world 3 and other stages (the same global batch of 6, 2 per rank) and in
-one process.
+file and a converted checkpoint, in one world; the extended tests load them at world 3 and other stages
+(the same global batch of 6, 2 per rank) and in one process.
 """
 
 from __future__ import annotations
