@@ -34,6 +34,7 @@ import torch
 
 from ..logging import logger
 from ..sharding.layout import BucketLayout
+from .deepspeed_format import DeepSpeedReader, deepspeed_directory
 from .format import LATEST, MANIFEST, CheckpointError, published_dir, rank_file, resolve_tag  # resolve_tag: public
 from .client_state import CLIENT_STATE_FILE, decode
 from .interface import CheckpointParts
@@ -166,13 +167,30 @@ def _fill(reader: Reader, bucket: BucketLayout, start: int, target: torch.Tensor
                       if slot.name in known else None)
 
 
-#: what a load reads from: one checkpoint, or a tensor-parallel job's parts joined
-Reader = Union[CheckpointReader, TensorPartsReader]
+#: what a load reads from: one checkpoint, a tensor-parallel job's parts joined, or one DeepSpeed wrote
+Reader = Union[CheckpointReader, TensorPartsReader, DeepSpeedReader]
+
+
+def _open_deepspeed(parts: CheckpointParts, directory: Path, strict: bool) -> tuple[Reader, str]:
+    """A checkpoint DeepSpeed wrote, read whole and checked against ``parts`` (see [Note: a DeepSpeed
+    checkpoint read whole] in checkpoint/deepspeed_format/reader.py)."""
+    if parts.tensor_slice is not None and parts.tensor_slice[1] > 1:
+        raise CheckpointError(f"{directory}: a DeepSpeed checkpoint into a tensor-parallel engine is not read yet")
+    reader = DeepSpeedReader(directory)
+    try:
+        _check_model(parts, reader, strict)
+    except BaseException:
+        reader.close()
+        raise
+    return reader, reader.identity()
 
 
 def _open_reader(parts: CheckpointParts, root: Path, tag: Optional[str], strict: bool) -> tuple[Reader, str]:
     """The checkpoint under ``root`` opened and checked against ``parts``, and its identity (what every
     rank must agree on); a tensor-parallel job's parts are joined at this rank's size."""
+    deepspeed = None if is_tensor_parallel_job(root) else deepspeed_directory(root, tag)
+    if deepspeed is not None:
+        return _open_deepspeed(parts, deepspeed, strict)
     rank, size, dims = parts.tensor_slice or (0, 1, {})
     if is_tensor_parallel_job(root) or size > 1:  # parts joined, or a whole model split, at this size
         joined = TensorPartsReader(root, tag, rank, size, dims)  # every part verified as it opens
