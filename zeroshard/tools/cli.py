@@ -509,9 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--layers", type=int)
     est.add_argument("--heads", type=int)
     est.add_argument("--checkpointing", action="store_true", help="activation checkpointing on")
-    est.add_argument("--flash-attention", action="store_true",
-                     help="attention never holds the s x s scores (flash / memory-efficient kernels): "
-                          "activations without them")
+    est.add_argument("--flash-attention", action="store_true", help="attention holds no s x s scores (fused kernels)")
     est.add_argument("--fp8", action="store_true", default=None,
                      help="FP8 linear layers (default: the config's fp8.enabled): stage 3 gathers their weights "
                           "at one byte per element (docs/FP8.md)")

@@ -188,6 +188,15 @@ class DeepSpeedReader:
     def optimizer_state_keys(self) -> list[str]:
         return list(MOMENTS)
 
+    def holds(self, name: str, key: str) -> bool:
+        """Whether ``key`` (``optim.<state>``) was saved for ``name``: DeepSpeed saves every moment of all."""
+        return name in self.whole.tensors and key[len("optim."):] in self.whole.tensors[name]
+
+    def client_tensor(self, name: str) -> torch.Tensor:
+        """DeepSpeed's client state holds its values as they were (``client_state()``): none is stored apart."""
+        raise CheckpointError(f"{self.directory}: a DeepSpeed checkpoint stores no client-state tensor apart "
+                              f"({name!r} asked for)")
+
     def rank_tensor(self, rank: int, name: str) -> Optional[torch.Tensor]:
         return None  # DeepSpeed saves no random generator states
 
