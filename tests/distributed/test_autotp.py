@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
@@ -223,6 +224,7 @@ CASES = [*(("train", {"stage": stage}) for stage in range(4)),
          *(("refused", {"what": what}) for what in ("size", "heads", "pattern", "batch"))]
 
 
+@pytest.mark.slow  # extended: runs in CI; test_tensor_parallel.py keeps a tensor-parallel family in the default suite
 def test_autotp_trains_like_one_process(tmp_path: Path) -> None:
     by_rank = run_family(WORLD, CASES, {"train": train, "reshapes": reshapes, "refused": refused}, root=tmp_path)
     check_family(CASES, by_rank, {"train": check_train, "reshapes": check_reshapes, "refused": check_refused}, WORLD)

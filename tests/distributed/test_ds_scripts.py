@@ -128,6 +128,7 @@ def test_an_unmodified_import_deepspeed_script_under_zeroshard_run_as_deepspeed(
 PIPE_SCRIPT = Path(__file__).parent / "ds_scripts" / "train_pipe_ds_style.py"
 
 
+@pytest.mark.slow  # extended (a launcher run): runs in CI (see conftest.py)
 def test_a_deepspeed_pipeline_script_trains_under_zeroshard_run_as_deepspeed(tmp_path) -> None:
     """DeepSpeed's pipeline example's shape (PipelineModule of LayerSpecs, initialize(training_data=...),
     train_batch() without an iterator), unmodified, at world 4: 2 stages x 2 data-parallel ranks."""

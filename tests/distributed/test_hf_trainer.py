@@ -81,7 +81,8 @@ def test_trainer_with_a_deepspeed_config_equals_ddp(trainer_runs, stage, world) 
     assert (out / "checkpoint-2" / "global_step2" / "manifest.json").is_file()
 
 
-@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.nightly)])  # stage 3: a repeated variant
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow),  # extended: runs in CI
+                                   pytest.param(3, marks=pytest.mark.nightly)])  # stage 3: a repeated variant
 def test_trainer_bf16(tmp_path, trainer_runs, stage) -> None:
     result = launch("trainer_script.py", tmp_path, "--stage", str(stage), "--bf16")
     assert result["wrapped"] == "zeroshard.engine.engine.Engine"
