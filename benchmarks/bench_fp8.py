@@ -1,9 +1,10 @@
 """FP8 training on CPU at world 2: fp32 vs bf16 vs FP8 (bf16 with FP8 layers) at ZeRO stages 0 and 3.
 
-    .venv/bin/python benchmarks/bench_fp8.py [--steps 200] [--recipe tensorwise] [--out benchmarks/out/fp8.json]
+    .venv/bin/python benchmarks/bench_fp8.py [--steps 200] [--size 20m|small] [--stages 0 3] [--recipe tensorwise]
+        [--out benchmarks/out/fp8.json]
 
 A ~20M-parameter byte-level GPT (zeroshard/tools/demo/model.py: d_model 512, 6 layers, seq 128, vocabulary
-256) trains on deterministic data (the same batches for every run) with AdamW at world 2 (gloo, one
+256; ``--size small``: d_model 256, 4 layers, 3.2M) trains on deterministic data (the same batches for every run) with AdamW at world 2 (gloo, one
 intra-op thread per rank), each run in a fresh world.  Per run: the loss curve and final loss, the median
 step time, the all-gather bytes per step from the ledger (stage 3 gathers the blocks' weights; FP8 runs
 gather them in FP8 unless ``--hp-gathers``) and the peak RSS per rank (VmHWM).  FP8 runs are bf16 runs
@@ -33,7 +34,9 @@ from zeroshard.tools.demo.model import GPT, GPTConfig  # noqa: E402
 from zeroshard.tools.testing import run_world  # noqa: E402
 
 PRECISIONS = ("fp32", "bf16", "fp8")
-MODEL = dict(vocab_size=256, seq_len=128, d_model=512, n_layer=6, n_head=8)
+SIZES = {"20m": dict(vocab_size=256, seq_len=128, d_model=512, n_layer=6, n_head=8),
+         # FP8 GEMMs run slowly on a CPU (no FP8 units): the small model keeps 200 steps within minutes here
+         "small": dict(vocab_size=256, seq_len=128, d_model=256, n_layer=4, n_head=4)}
 BUCKET = 6_250_000
 
 
@@ -60,8 +63,8 @@ def config(stage: int, precision: str, micro: int, recipe: str, hp_gathers: bool
 
 
 def run(rank: int, world: int, stage: int, precision: str, micro: int, steps: int, recipe: str,
-        hp_gathers: bool) -> dict:
-    cfg = GPTConfig(**MODEL)
+        hp_gathers: bool, model: dict) -> dict:
+    cfg = GPTConfig(**model)
     torch.manual_seed(0)
     engine, _, _, _ = zeroshard.initialize(model=GPT(cfg), config=config(stage, precision, micro, recipe, hp_gathers))
     losses, times = [], []
@@ -85,6 +88,7 @@ def run(rank: int, world: int, stage: int, precision: str, micro: int, steps: in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--size", choices=sorted(SIZES), default="20m")
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--stages", type=int, nargs="*", default=[0, 3])
     parser.add_argument("--recipe", default="tensorwise", choices=["tensorwise", "rowwise"])
@@ -96,14 +100,14 @@ def main() -> None:
     for stage in args.stages:
         for precision in PRECISIONS:
             ranks = run_world(run, 2, args=(stage, precision, args.micro_batch, args.steps, args.recipe,
-                                            args.hp_gathers), timeout=24 * 3600)
+                                            args.hp_gathers, SIZES[args.size]), timeout=24 * 3600)
             results[f"{stage}/{precision}"] = {
                 "final_loss": ranks[0]["losses"][-1], "losses": ranks[0]["losses"],
                 "median_step_s": max(r["median_step_s"] for r in ranks),
                 "all_gather_bytes_per_step": ranks[0]["all_gather_bytes_per_step"],
                 "peak_rss_mib": max(r["peak_rss_bytes"] for r in ranks) / 2**20, "params": ranks[0]["params"]}
             print(f"finished stage {stage} {precision}", flush=True)
-    print(f"\nGPT {MODEL}, world 2, micro batch {args.micro_batch}, {args.steps} steps, recipe {args.recipe}\n")
+    print(f"\nGPT {SIZES[args.size]}, world 2, micro batch {args.micro_batch}, {args.steps} steps, recipe {args.recipe}\n")
     print("| stage | precision | final loss | vs bf16 | vs fp32 | step (s) | all-gather bytes/step "
           "| peak RSS/rank (MiB) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -115,7 +119,7 @@ def main() -> None:
               f"{r['peak_rss_mib']:.0f} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": MODEL, "steps": args.steps, "recipe": args.recipe,
+    out.write_text(json.dumps({"model": SIZES[args.size], "steps": args.steps, "recipe": args.recipe,
                                "hp_gathers": args.hp_gathers, "results": results}, indent=1))
 
 

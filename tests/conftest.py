@@ -45,8 +45,8 @@ def cuda_env() -> dict[str, str]:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Extended tests (``@pytest.mark.slow``) run in CI (``CI=true``) or with ``ZEROSHARD_EXTENDED=1``;
-    a plain local ``bash test.sh`` skips them, saying how to run them.  Soak and crash sweeps, and
-    repeated variants of the slowest launcher runs (``@pytest.mark.nightly``), run only with
+    a plain local ``bash test.sh`` skips them, saying how to run them.  Soak and crash sweeps
+    (``@pytest.mark.nightly``) run only with
     ``ZEROSHARD_NIGHTLY=1``: CI runs them in a step of their own after the suite (``.ci/run``).  Tests
     marked ``cuda`` run only where the host has a GPU."""
     extended = os.environ.get("CI", "").lower() == "true" or os.environ.get("ZEROSHARD_EXTENDED") == "1"

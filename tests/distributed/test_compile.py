@@ -9,14 +9,16 @@ forward ([Note: stage-3 hooks run outside compiled regions] in sharding/stage3/g
 The backend is ``aot_eager`` (traced through autograd, no C++ compile);
 ``engine.compile(backend="inductor", compile_kwargs={})`` is accepted as Accelerate calls it, each
 option that cannot work is refused by name, and dynamo warns of nothing in zeroshard it cannot trace.
-Compiled equals eager also with gradient accumulation (stage 2 through the engine, stage 3 whole),
-each layer checkpointed (stage 0 whole, stage 3 layer by layer) and bf16 (stages 1 and 3, 1e-2).
+Compiled equals eager also with gradient accumulation (stage 2 through the engine), each layer
+checkpointed (stage 3 layer by layer), bf16 (stage 3, 1e-2) and the parameters and optimizer offloaded to
+the CPU (stage 3 whole); an engine whose forward communicates
+(sequence parallelism here) is refused by name.
 After a warm-up of two optimizer steps (two micro-steps each) and an eval forward, ten more micro-steps
 across five accumulation boundaries, a checkpoint save and another eval forward compile no new frame
 (stages 0 and 3); the warm-up compiled one graph per forward at stage 0 and one per layer at stage 3,
 with no graph break.  A world of one runs the stage-3 case
 again: there no agreement rounds break the graph, and the hooks must stay outside it on their own.
-The extended suite trains with inductor.
+The extended suite trains the world of one with inductor.
 """
 
 from __future__ import annotations
@@ -82,7 +84,9 @@ def batch(step: int, rank: int) -> torch.Tensor:
 
 
 EXTRAS = {"": {}, "accumulation": {"gradient_accumulation_steps": 2}, "checkpointing": {},
-          "bf16": {"bf16": {"enabled": True}}}
+          "bf16": {"bf16": {"enabled": True}},
+          "offload": {"zero_optimization": {"offload_param": {"device": "cpu"},
+                                            "offload_optimizer": {"device": "cpu"}}}}
 TOLERANCE = {"bf16": 1e-2}  # compiled bf16 may fuse and round otherwise than eager; fp32 is 1e-5
 
 
@@ -90,7 +94,8 @@ def trained(rank: int, stage: int, how: str, backend: str, extra: str = "",
             steps: int = STEPS) -> dict[str, torch.Tensor]:
     """The full weights after ``steps`` optimizer steps; ``how``: "eager", "whole" (torch.compile before
     initialize), "blocks" (each layer compiled before initialize) or "engine" (engine.compile); ``extra``:
-    one of ``EXTRAS`` (gradient accumulation over two micro-steps, each layer checkpointed, bf16)."""
+    one of ``EXTRAS`` (gradient accumulation over two micro-steps, each layer checkpointed, bf16, parameters
+    and optimizer offloaded to the CPU)."""
     torch._dynamo.reset()  # each case compiles afresh: no cache limit reached by earlier cases' frames
     model = build()
     if extra == "checkpointing":
@@ -100,7 +105,10 @@ def trained(rank: int, stage: int, how: str, backend: str, extra: str = "",
     if how == "blocks":
         for i, layer in enumerate(model.layers):
             model.layers[i] = torch.compile(layer, backend=backend)
-    engine, _, _, _ = zeroshard.initialize(model=model, config={**config(stage), **EXTRAS[extra]})
+    settings = config(stage)
+    for key, value in EXTRAS[extra].items():  # blocks merged into the base config's
+        settings[key] = {**settings[key], **value} if key in settings else value
+    engine, _, _, _ = zeroshard.initialize(model=model, config=settings)
     if how == "engine":
         engine.compile(backend=backend)
         assert engine.is_compiled
@@ -149,15 +157,17 @@ def check_accepted(results: list[bool]) -> None:
     assert all(results), "engine.compile(backend='inductor', compile_kwargs={}) did not compile"
 
 
-REFUSED = {"schedule": (3, {"schedule": [(0, ["prefetch"])]}),
-           "fullgraph": (3, {"compile_kwargs": {"fullgraph": True}}),
-           "cudagraphs": (3, {"compile_kwargs": {"mode": "reduce-overhead"}}),
-           "backend": (0, {"backend": "no_such_backend"})}
+REFUSED = {"schedule": (3, {"schedule": [(0, ["prefetch"])]}, {}),
+           "fullgraph": (3, {"compile_kwargs": {"fullgraph": True}}, {}),
+           "cudagraphs": (3, {"compile_kwargs": {"mode": "reduce-overhead"}}, {}),
+           "backend": (0, {"backend": "no_such_backend"}, {}),
+           # a forward that communicates (its collectives are not kept out of the graphs yet)
+           "sequence": (1, {}, {"sequence_parallel_size": 2})}
 
 
 def refused(rank: int, world: int, what: str) -> str:
-    stage, arguments = REFUSED[what]
-    engine, _, _, _ = zeroshard.initialize(model=build(), config=config(stage))
+    stage, arguments, extra = REFUSED[what]
+    engine, _, _, _ = zeroshard.initialize(model=build(), config={**config(stage), **extra})
     try:
         engine.compile(**arguments)
         return "accepted"
@@ -170,7 +180,7 @@ def refused(rank: int, world: int, what: str) -> str:
 
 def check_refused(results: list[str], what: str) -> None:
     named = {"schedule": "schedule=", "fullgraph": "'fullgraph': True", "cudagraphs": "'reduce-overhead'",
-             "backend": "'no_such_backend'"}[what]
+             "backend": "'no_such_backend'", "sequence": "with sequence parallelism is not supported yet"}[what]
     for result in results:
         assert named in result, result
 
@@ -232,10 +242,9 @@ CASES = [*(("train", {"stage": stage, "how": how}) for stage in (0, 3) for how i
          *(("train", {"stage": stage, "how": "engine"}) for stage in (1, 2)),
          ("train", {"stage": 3, "how": "blocks"}),
          ("train", {"stage": 2, "how": "engine", "extra": "accumulation"}),
-         ("train", {"stage": 3, "how": "whole", "extra": "accumulation"}),
-         ("train", {"stage": 0, "how": "whole", "extra": "checkpointing"}),
          ("train", {"stage": 3, "how": "blocks", "extra": "checkpointing"}),
-         *(("train", {"stage": stage, "how": "engine", "extra": "bf16"}) for stage in (1, 3)),
+         ("train", {"stage": 3, "how": "engine", "extra": "bf16"}),
+         ("train", {"stage": 3, "how": "whole", "extra": "offload"}),
          ("accepted", {}),
          *(("refused", {"what": what}) for what in REFUSED),
          *(("steady", {"stage": stage}) for stage in (0, 3))]
@@ -258,6 +267,6 @@ def test_stage3_compiled_in_a_world_of_one() -> None:
 
 @pytest.mark.slow
 def test_inductor_trains_like_eager() -> None:
-    cases = [("train", {"stage": stage, "how": "engine", "backend": "inductor"}) for stage in (0, 3)]
-    check_family(cases, run_family(WORLD, cases, WORKERS), CHECKS, WORLD)
+    """Inductor at stage 3 in a world of one, where it first failed (a 1-D placeholder reached the graph);
+    Accelerate's inductor path at stage 2 in a world of two: test_hf_trainer.py."""
     check_train(run_world(alone, 1, args=("inductor",)))

@@ -363,7 +363,7 @@ def check_follow(results: list[dict], world: int, cases: list[Case]) -> None:
     failures.raise_any()
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # world 3: extended (CI)
+@pytest.mark.parametrize("world", [2, 3])
 def test_bf16_and_fp16_follow_fp32_ddp(world: int, request) -> None:
     check_follow(request.getfixturevalue(f"default_world_{world}"), world, FOLLOW_CASES)
 

@@ -70,7 +70,7 @@ def reference(steps: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
-@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.nightly), 3])  # stage 2: a repeated variant
+@pytest.mark.parametrize("stage", [3])  # stage 3: the stage whose gathers cross the nodes too
 def test_two_agents_as_two_nodes_train_as_one_process(stage: int, tmp_path: Path) -> None:
     check_two_node_run(tmp_path, stage, run_two_agents(tmp_path, stage))
     placements = [json.loads((tmp_path / f"placement{r}.json").read_text()) for r in range(4)]
@@ -78,11 +78,11 @@ def test_two_agents_as_two_nodes_train_as_one_process(stage: int, tmp_path: Path
 
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
-@pytest.mark.parametrize("hybrid", ["mics", pytest.param("hpz", marks=pytest.mark.nightly)])  # hpz: a repeated variant
+@pytest.mark.parametrize("hybrid", ["mics"])  # hpZ's groups per node: test_hybrid.py (ranks told their node)
 def test_two_agents_with_hybrid_sharding_train_as_one_process(hybrid: str, tmp_path: Path) -> None:
-    """MiCS and hpZ with a group per node (torchrun's nodes): the same weights as one process; MiCS
-    sends across nodes only the once-per-step all-reduce of each gradient shard (fp32: 2 (R-1)/R x 4
-    bytes per shard element, R = 2 replicas), hpZ keeps every gather but the first of each step inside."""
+    """MiCS with a group per node (torchrun's nodes): the same weights as one process; it sends across
+    nodes only the once-per-step all-reduce of each gradient shard (fp32: 2 (R-1)/R x 4 bytes per shard
+    element, R = 2 replicas).  hpZ's groups per node are tested with ranks told their node (test_hybrid.py)."""
     check_two_node_run(tmp_path, 3, run_two_agents(tmp_path, 3, hybrid=hybrid))
     placements = [json.loads((tmp_path / f"placement{r}.json").read_text()) for r in range(4)]
     for p in placements:
@@ -151,7 +151,7 @@ def check_two_node_run(tmp_path: Path, stage: int, agents: list[subprocess.Compl
 
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
-@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.nightly), 3])  # stage 1: a repeated variant
+@pytest.mark.parametrize("stage", [3])
 def test_node_local_checkpoints_resume_exactly_with_each_node_reading_only_its_own(stage: int,
                                                                                   tmp_path: Path) -> None:
     """checkpoint.use_node_local_storage: each "node" saves into a directory only it uses; a new job

@@ -131,8 +131,8 @@ CASES: list[Case] = [
     ("llama", 3, 2, "fp32", False),
     ("llama", 3, 2, "fp32", True),  # the whole path: from_pretrained under Init, LoRA, export
     ("llama", 0, 2, "fp32", False), ("llama", 3, 2, "bf16", False),
-    ("llama", 2, 3, "fp32", False), ("gpt2", 3, 3, "fp32", False),
-    ("llama", 1, 1, "fp32", False),
+    ("llama", 2, 2, "fp32", False), ("gpt2", 3, 2, "fp32", False),
+    ("llama", 1, 2, "fp32", False),
 ]
 
 
@@ -176,7 +176,7 @@ def peft_root(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [2])
 def test_peft_lora_trains_as_one_process_and_its_adapter_loads(world: int, peft_root: Path) -> None:
     results = run_cases(world, peft_root)
     failures = CaseFailures()

@@ -34,9 +34,14 @@ and the ring at sequence 4 x data 1) is an extended test.
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -49,7 +54,7 @@ from zeroshard.distributed.parallel_dims import SequenceParallelSizeError
 from zeroshard.planning.estimator import EstimateRequest, ModelShape, SequenceShape, sequence_exchange_bytes
 from zeroshard.checkpointing import checkpoint_modules
 from zeroshard.sequence import DistributedAttention, SequenceParallelError, sequence_positions
-from zeroshard.tools.testing import check_family, run_family
+from zeroshard.tools.testing import check_family, free_port, run_family
 
 V, D, HEADS, LAYERS, SEQ, ROWS, STEPS, SP = 23, 16, 4, 2, 8, 2, 3, 2
 OPTIMIZERS = {"SGD": {"type": "SGD", "params": {"lr": 0.5}},
@@ -445,3 +450,38 @@ def test_sequence_parallel_matches_one_process_at_sequence_2_data_2() -> None:
                                                     "balanced": stage == 3} for stage in (0, 3)])
     family.append(("resume", {"saved": (SP, 3), "loads": [(1, 2), (2 * SP, 1)]}))
     check_family(family, run_family(2 * SP, family, WORKERS), CHECKS, world=2 * SP)
+
+
+ULYSSES_SCRIPT = Path(__file__).parent / "ds_scripts" / "ulysses_ds_style.py"
+
+
+@pytest.mark.slow  # extended (a launcher run): runs in CI (see conftest.py)
+def test_a_deepspeed_ulysses_script_trains_unmodified_under_zeroshard_run_as_deepspeed(tmp_path: Path) -> None:
+    """ds_scripts/ulysses_ds_style.py (``import deepspeed``, ``deepspeed.sequence.layer.DistributedAttention``,
+    ``deepspeed.utils.groups``, ``sequence_parallel_size`` 2) at ZeRO-2 with plain SGD equals the same script's
+    one-process reference on the whole sequences: losses (the mean of the two slices') and weights."""
+    g = torch.Generator().manual_seed(5)
+    torch.save(tuple(torch.randint(0, 31, (STEPS, ROWS, SEQ), generator=g) for _ in range(2)), tmp_path / "data.pt")
+    lr = 0.5
+    (tmp_path / "ds.json").write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": ROWS, "sequence_parallel_size": 2, "steps_per_print": 1000,
+        "zero_optimization": {"stage": 2}, "optimizer": {"type": "SGD", "params": {"lr": lr}}}))
+    common = [str(ULYSSES_SCRIPT), "--deepspeed_config", str(tmp_path / "ds.json"), "--data", str(tmp_path / "data.pt")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "zeroshard.tools.cli", "run", "--as-deepspeed", "--num_gpus", "2",
+                           "--master_port", str(free_port()), *common, "--out", str(tmp_path / "out.json")],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    runner = ("import runpy, sys, zeroshard; zeroshard.install_as_deepspeed(); sys.argv = sys.argv[1:]; "
+              "runpy.run_path(sys.argv[0], run_name='__main__')")
+    ref = subprocess.run([sys.executable, "-c", runner, *common, "--reference", str(lr), "--out",
+                          str(tmp_path / "ref.json")], capture_output=True, text=True, timeout=300, env=env)
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-6000:]
+    got, want = (json.loads((tmp_path / name).read_text()) for name in ("out.json", "ref.json"))
+    assert got["sequence_world"] == 2
+    for step, expected in enumerate(want["losses"]):
+        mean = sum(losses[step] for losses in got["losses"]) / 2
+        assert abs(mean - expected) <= 1e-5 * abs(expected), (step, mean, expected)
+    for name, expected in want["weights"].items():
+        e, w = torch.tensor(expected), torch.tensor(got["weights"][name])
+        assert float((w - e).abs().max()) <= 1e-5 * float(e.abs().max()), name

@@ -12,8 +12,11 @@ as in DeepSpeed, whose callers may pass both), and what cannot work is refused b
 needs DeepSpeed's graph passes; ``fullgraph=True`` at stage 3, whose hooks break the graph at every
 unit; and CUDA graphs at stage 3 (the ``cudagraphs`` backend, ``mode="reduce-overhead"`` or
 ``"max-autotune"``), which replay recorded addresses while a unit's parameters are gathered into new
-memory on every pass.  ``torch.compile(model)`` before ``initialize()`` is the other way in and needs
-nothing of the engine.
+memory on every pass; and an engine whose forward itself communicates: tensor parallelism (DTensor's
+collectives), sequence parallelism (the all-to-alls or the ring), expert parallelism (the tokens'
+all-to-all) and pipeline stages (their sends and receives), whose collectives zeroshard does not yet keep
+out of the compiled graphs.  ``torch.compile(model)`` before ``initialize()`` is the other way in and
+needs nothing of the engine.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 
+from ..distributed.parallel_dims import ParallelDims
 from ..errors import NotSupportedByZeroshard
 
 Backend = Union[str, Callable[..., Any]]
@@ -36,8 +40,15 @@ class CompileError(NotSupportedByZeroshard):
 
 
 def compile_options(backend: Backend, compile_kwargs: Optional[Mapping[str, Any]], schedule: Any,
-                    stage: int) -> dict[str, Any]:
+                    stage: int, axes: Optional[ParallelDims] = None) -> dict[str, Any]:
     """The keyword arguments for ``nn.Module.compile``, or a :class:`CompileError` naming what cannot work."""
+    if axes is not None:
+        inside = [name for name, size in (("tensor", axes.tp), ("sequence", axes.sp), ("expert", axes.ep),
+                                          ("pipeline", axes.pp)) if size > 1]
+        if inside:
+            raise CompileError(f"engine.compile() with {' and '.join(inside)} parallelism is not supported yet: its "
+                               f"collectives run inside the forward, and zeroshard does not yet keep them out of "
+                               f"the compiled graphs; train this engine eager")
     options = dict(compile_kwargs or {})
     if schedule is not None:
         raise CompileError("engine.compile(schedule=...) is DeepCompile's pass schedule, which zeroshard does not "

@@ -586,7 +586,7 @@ class Engine:
     def compile(self, backend: Backend = "inductor", compile_kwargs: Optional[dict[str, Any]] = None,
                 schedule: Any = None) -> None:
         """Compile the wrapped module in place ([Note: compiling the engine's module in place] in engine/compile.py)."""
-        self.module.compile(**compile_options(backend, compile_kwargs, schedule, self.stage))
+        self.module.compile(**compile_options(backend, compile_kwargs, schedule, self.stage, self.parallel_dims))
         self._compiled = True
 
     @property
