@@ -91,6 +91,7 @@ def main() -> None:
     parser.add_argument("--size", choices=sorted(SIZES), default="20m")
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--stages", type=int, nargs="*", default=[0, 3])
+    parser.add_argument("--precisions", nargs="*", default=list(PRECISIONS), choices=PRECISIONS)
     parser.add_argument("--recipe", default="tensorwise", choices=["tensorwise", "rowwise"])
     parser.add_argument("--hp-gathers", action="store_true", help="FP8 runs gather weights in bf16 at stage 3")
     parser.add_argument("--out", default="benchmarks/out/fp8.json")
@@ -98,7 +99,7 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results: dict[str, dict] = {}
     for stage in args.stages:
-        for precision in PRECISIONS:
+        for precision in args.precisions:
             ranks = run_world(run, 2, args=(stage, precision, args.micro_batch, args.steps, args.recipe,
                                             args.hp_gathers, SIZES[args.size]), timeout=24 * 3600)
             results[f"{stage}/{precision}"] = {
@@ -113,10 +114,10 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for key, r in results.items():
         stage, precision = key.split("/")
-        bf16, fp32 = results[f"{stage}/bf16"]["final_loss"], results[f"{stage}/fp32"]["final_loss"]
-        print(f"| {stage} | {precision} | {r['final_loss']:.4f} | {r['final_loss'] / bf16 - 1:+.2%} | "
-              f"{r['final_loss'] / fp32 - 1:+.2%} | {r['median_step_s']:.3f} | {r['all_gather_bytes_per_step']:,} | "
-              f"{r['peak_rss_mib']:.0f} |")
+        bf16, fp32 = (results.get(f"{stage}/{p}", {}).get("final_loss") for p in ("bf16", "fp32"))
+        versus = [f"{r['final_loss'] / ref - 1:+.2%}" if ref else "-" for ref in (bf16, fp32)]
+        print(f"| {stage} | {precision} | {r['final_loss']:.4f} | {versus[0]} | {versus[1]} | {r['median_step_s']:.3f} | "
+              f"{r['all_gather_bytes_per_step']:,} | {r['peak_rss_mib']:.0f} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"model": SIZES[args.size], "steps": args.steps, "recipe": args.recipe,
