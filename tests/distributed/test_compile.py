@@ -18,7 +18,7 @@ across five accumulation boundaries, a checkpoint save and another eval forward 
 (stages 0 and 3); the warm-up compiled one graph per forward at stage 0 and one per layer at stage 3,
 with no graph break.  A world of one runs the stage-3 case
 again: there no agreement rounds break the graph, and the hooks must stay outside it on their own.
-The extended suite trains the world of one with inductor.
+Inductor trains a stage-3 engine through Accelerate's dynamo path in test_hf_trainer.py (extended).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import tempfile
 import warnings
 from typing import Any
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -264,9 +263,3 @@ def alone(rank: int, world: int, backend: str) -> tuple[float, list[str]]:
 def test_stage3_compiled_in_a_world_of_one() -> None:
     check_train(run_world(alone, 1, args=("aot_eager",)))
 
-
-@pytest.mark.slow
-def test_inductor_trains_like_eager() -> None:
-    """Inductor at stage 3 in a world of one, where it first failed (a 1-D placeholder reached the graph);
-    Accelerate's inductor path at stage 2 in a world of two: test_hf_trainer.py."""
-    check_train(run_world(alone, 1, args=("inductor",)))

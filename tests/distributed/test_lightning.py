@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("lightning")
+pytestmark = pytest.mark.slow  # extended (a launcher run): runs in CI (see conftest.py)
 
 SCRIPT = Path(__file__).parent / "lightning_scripts" / "lightning_script.py"
 TOLERANCE = 1e-5  # fp32, relative to each tensor's largest value

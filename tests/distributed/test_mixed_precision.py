@@ -363,7 +363,7 @@ def check_follow(results: list[dict], world: int, cases: list[Case]) -> None:
     failures.raise_any()
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # world 3: extended (CI)
 def test_bf16_and_fp16_follow_fp32_ddp(world: int, request) -> None:
     check_follow(request.getfixturevalue(f"default_world_{world}"), world, FOLLOW_CASES)
 
@@ -440,6 +440,7 @@ def test_mixed_precision_memory_is_the_seed_formula(extended_world_2, extended_w
     failures.raise_any()
 
 
+@pytest.mark.slow  # extended (world 3): runs in CI (see conftest.py)
 def test_bf16_holds_bf16_gradients_without_accumulation_and_updates_as_fp32_ones(default_world_3) -> None:
     """With one micro step per optimizer step and a bf16 reduction, bf16 gradients hold exactly what fp32
     ones would (autograd's gradients are bf16, and so is what the ranks sum): the default keeps them in
