@@ -18,13 +18,14 @@ import json
 import resource
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from all_to_all_steps import timed_steps  # noqa: E402
 from zeroshard.tools.testing import run_world  # noqa: E402
 
 VOCAB, HIDDEN, FFN, EXPERTS, LAYERS, MICRO, SEQ, TOPK = 512, 256, 1024, 8, 4, 8, 64, 2
@@ -36,7 +37,6 @@ def worker(rank: int, world: int, stage: int, ep: int, steps: int, warmup: int) 
     from torch import nn
 
     import zeroshard
-    from zeroshard.distributed.collectives import CommKind
     from zeroshard.experts import MoE
     from zeroshard.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
@@ -62,18 +62,7 @@ def worker(rank: int, world: int, stage: int, ep: int, steps: int, warmup: int) 
     engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=groups, config={
         "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
         "zero_optimization": {"stage": stage}, "steps_per_print": 10**9})
-    g = torch.Generator().manual_seed(rank)
-    times, sent = [], []
-    for step in range(warmup + steps):
-        x = torch.randint(0, VOCAB, (MICRO, SEQ), generator=g)
-        y = torch.randint(0, VOCAB, (MICRO, SEQ), generator=g)
-        before = engine.comm.counters[CommKind.ALL_TO_ALL].bytes_sent
-        start = time.perf_counter()
-        engine.backward(engine(x, y))
-        engine.step()
-        if step >= warmup:
-            times.append(time.perf_counter() - start)
-            sent.append(engine.comm.counters[CommKind.ALL_TO_ALL].bytes_sent - before)
+    times, sent = timed_steps(engine, VOCAB, SEQ, MICRO, steps, warmup, seed=rank)
     memory = engine.memory_breakdown()
     engine.close()
     return {"times": times, "all_to_all": sent[-1], "model_states": memory["model_states"],

@@ -19,13 +19,14 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from all_to_all_steps import timed_steps  # noqa: E402
 from zeroshard.tools.testing import run_world  # noqa: E402
 
 SIZES = {"tiny": (4096, 64, 128, 2, 4), "91m": (8192, 256, 768, 12, 12)}
@@ -38,7 +39,6 @@ def worker(rank: int, world: int, size: str, stage: int, optimizer: str, steps: 
     import torch
 
     import zeroshard
-    from zeroshard.distributed.collectives import CommKind
     from zeroshard.tools.demo.model import GPT, GPTConfig
 
     vocab, seq, width, layers, heads = SIZES[size]
@@ -51,18 +51,7 @@ def worker(rank: int, world: int, size: str, stage: int, optimizer: str, steps: 
         "train_micro_batch_size_per_gpu": MICRO, "optimizer": OPTIMIZERS[optimizer],
         "zero_optimization": {"stage": stage}, "steps_per_print": 10**9})
     matrices = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and not n.startswith(("tok.", "pos.", "head.")))
-    g = torch.Generator().manual_seed(rank)
-    times, sent = [], []
-    for step in range(warmup + steps):
-        x = torch.randint(0, vocab, (MICRO, seq), generator=g)
-        y = torch.randint(0, vocab, (MICRO, seq), generator=g)
-        before = engine.comm.counters[CommKind.ALL_TO_ALL].bytes_sent
-        start = time.perf_counter()
-        engine.backward(engine(x, y))
-        engine.step()
-        if step >= warmup:
-            times.append(time.perf_counter() - start)
-            sent.append(engine.comm.counters[CommKind.ALL_TO_ALL].bytes_sent - before)
+    times, sent = timed_steps(engine, vocab, seq, MICRO, steps, warmup, seed=rank)
     memory = engine.memory_breakdown()
     engine.close()
     return {"times": times, "all_to_all": sent[-1], "matrices": matrices,
