@@ -114,3 +114,44 @@ def test_the_ring_of_one_rank_is_attention_forward_and_backward(causal: bool, ba
     grad = torch.randn(out.shape, dtype=torch.float64, generator=g)
     grads = torch.autograd.grad(out, (q, k, v), grad)
     torch.testing.assert_close(grads, torch.autograd.grad(expected, (q, k, v), grad))
+
+
+def test_the_ring_takes_a_scale() -> None:
+    """``scale`` (transformers' ``scaling``) replaces ``1 / sqrt(head_dim)``, forward and backward."""
+    comm = Collectives(World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none"))
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 4, 3, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(3))
+    out = ring_attention(comm, q, k, v, True, scale=0.3)
+    expected = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(expected.sum(), (q, k, v)))
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    ({"dropout": 0.1}, "attention dropout 0.1"), ({"softcap": 30.0}, "softcap=30.0"),
+    ({"sliding_window": 8}, "sliding_window=8"), ({"output_attentions": True}, "output_attentions"),
+    ({"is_causal": False}, "is not causal but sequence_parallel.causal is true")])
+def test_the_hugging_face_ring_refuses_what_it_cannot_honour(kwargs: dict, named: str) -> None:
+    """Refused before any message (so on every rank alike), each by name ([Note: ring attention on the
+    Hugging Face path] in zeroshard/sequence/hf_ring.py)."""
+    from zeroshard.sequence.hf_ring import hf_ring_attention
+    from zeroshard.sequence.policy import SequenceAttention
+
+    q = torch.zeros(1, 4, 6, 8)
+    with pytest.raises(SequenceParallelError, match=named):
+        hf_ring_attention(None, SequenceAttention(ring=True), nn.Module(), q, q[:, :2], q[:, :2],  # type: ignore[arg-type]
+                          (), {"position_ids": None, **kwargs})
+    with pytest.raises(SequenceParallelError, match="load_balance cuts each rank's slice into two chunks"):
+        hf_ring_attention(None, SequenceAttention(ring=True, balanced=True), nn.Module(), q[:, :, :5],  # type: ignore[arg-type]
+                          q[:, :2, :5], q[:, :2, :5], (), {})
+
+
+def test_the_adapter_refuses_a_length_head_tail_sharding_does_not_cut() -> None:
+    from zeroshard.sequence.loader import _check
+
+    batch = {k: {"shape": [2, 12], "dtype": "torch.int64"} for k in ("input_ids", "labels", "position_ids")}
+    _check([batch] * 4, 4, False)
+    _check([batch] * 3, 3, True)
+    with pytest.raises(SequenceParallelError, match="does not split into the 8 chunks of sequence_parallel.load_balance"
+                                                     ": pad the batches to a multiple of 8"):
+        _check([batch] * 4, 4, True)

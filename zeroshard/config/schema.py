@@ -181,14 +181,16 @@ class SequenceParallelConfig:
         "local attention (the query heads must divide by `sequence_parallel_size`); `ring`: the keys and values "
         "travel round the sequence group, each rank's queries meeting every block, with the blocks' softmaxes "
         "merged exactly: any head count at any degree, no local attention called (the ring computes "
-        "`softmax(q k^T / sqrt(head_dim)) v` itself, masked by `causal`).")
+        "`softmax(q k^T / sqrt(head_dim)) v` itself, masked by `causal`). The Hugging Face path "
+        "(`UlyssesSPAttentionHF`) follows it too.")
     causal: bool = key(
         True, "With `mode` `ring`: each position attends only to itself and the positions before it (false: to "
         "every position). With `ulysses` the local attention decides the mask, and `false` is refused.")
     load_balance: bool = key(
         False, "With `mode` `ring` (and `causal`): head-tail sharding, each rank's causal work equal. The sequence "
         "is cut into 2 x `sequence_parallel_size` chunks and rank r holds chunks r and 2P - 1 - r, in that order: "
-        "the data must be cut the same way (`zeroshard.sequence.sequence_positions`). False: rank r holds the "
+        "the data must be cut the same way (`zeroshard.sequence.sequence_positions`; `UlyssesSPDataLoaderAdapter` "
+        "cuts so). False: rank r holds the "
         "r-th consecutive slice. Refused with `ulysses`.")
 
 

@@ -5,10 +5,12 @@ with ``(module, query, key, value, attention_mask, **kwargs)``, query ``[b, head
 ``register_with_transformers`` puts a wrapper under the name of the model's own implementation (``sdpa``,
 a flash attention, ...), so every code path transformers takes for that name still runs, and only the
 call to attention changes: the wrapper runs the Ulysses exchange of ``DistributedAttention`` (layer.py)
-around the original function, which then sees every position of ``heads / P`` heads.
+around the original function, which then sees every position of ``heads / P`` heads; or, when the live
+engine's ``sequence_parallel.mode`` is ``"ring"``, the ring of ring.py in its place (hf_ring.py).
 
 [Note: what the Hugging Face path takes from the batch]
-Each rank holds a consecutive slice of every sequence (the data-loader adapter, loader.py, cuts it).
+Each rank holds a slice of every sequence (the data-loader adapter, loader.py, cuts it): the consecutive
+slice, or with the ring's ``load_balance`` the head-tail chunks of ``sequence_positions``.
 The model computes its rotary embedding from the ``position_ids`` it is given, so each rank's slice must
 come with its own global positions, never ``arange`` of the slice: the adapter cuts ``position_ids`` with
 the tokens, and they are required.  The attention mask transformers builds is for the slice's length, so
@@ -27,6 +29,7 @@ from torch import Tensor, nn
 
 from ..distributed.collectives import Collectives
 from .groups import SequenceParallelError, sequence_attention, sequence_collectives
+from .hf_ring import hf_ring_attention
 from .layer import DistributedAttention
 from .unit import SequenceParallelUnit, sequence_parallel_unit
 
@@ -37,12 +40,15 @@ _NEEDS_A_MASK = ("eager", "paged|eager")
 
 
 class UlyssesSPAttentionHF(nn.Module):
-    """The Ulysses exchange around a transformers attention function (DeepSpeed's signature).
+    """The Ulysses exchange around a transformers attention function (DeepSpeed's signature), or the ring
+    in its place when the live engine's ``sequence_parallel.mode`` is ``"ring"`` ([Note: ring attention on
+    the Hugging Face path] in zeroshard/sequence/hf_ring.py).
 
     ``attn``: the function from ``ALL_ATTENTION_FUNCTIONS`` (``(module, q, k, v, mask, **kw) -> (context
-    [b, s, heads, d], weights)``).  ``attn_head_count`` query heads must divide by the group's size P;
-    ``kv_head_count`` key/value heads must divide by P or divide P (then each is repeated, as
-    ``DistributedAttention`` does).  ``seq_length_is_variable`` False: every slice holds
+    [b, s, heads, d], weights)``).  Under Ulysses ``attn_head_count`` query heads must divide by the group's
+    size P and ``kv_head_count`` key/value heads must divide by P or divide P (then each is repeated, as
+    ``DistributedAttention`` does), refused by name at the first forward (the mode is the engine's, which
+    may not exist yet here); the ring runs any head count.  ``seq_length_is_variable`` False: every slice holds
     ``local_seq_length`` positions of a ``global_seq_length`` sequence (refused by name otherwise);
     True: any length the group splits evenly.  ``disable_in_eval``: a module in eval mode attends over
     what it holds, unexchanged.  ``batch_size`` and ``num_hidden_layers`` are DeepSpeed's and are kept.
@@ -64,12 +70,6 @@ class UlyssesSPAttentionHF(nn.Module):
         self.local_seq_length, self.global_seq_length = local_seq_length, global_seq_length
         self.core_attn_implementation: Optional[str] = None
         size = self.world_size
-        if attn_head_count % size:
-            raise SequenceParallelError(f"UlyssesSPAttentionHF: {attn_head_count} attention heads do not split over "
-                                        f"sequence_parallel_size {size}")
-        if kv_head_count % size and size % kv_head_count:
-            raise SequenceParallelError(f"UlyssesSPAttentionHF: {kv_head_count} key/value heads neither divide by "
-                                        f"sequence_parallel_size {size} nor divide it")
         if not seq_length_is_variable and (local_seq_length is None or global_seq_length != local_seq_length * size):
             raise SequenceParallelError(f"UlyssesSPAttentionHF: with seq_length_is_variable=False, global_seq_length "
                                         f"({global_seq_length}) must be {size} x local_seq_length ({local_seq_length})")
@@ -84,20 +84,34 @@ class UlyssesSPAttentionHF(nn.Module):
         comm = sequence_collectives(self.process_group, query.device)
         if comm is None or comm.world.world_size == 1:
             return self.attn(module, query, key, value, attention_mask, *args, **kwargs)  # type: ignore[no-any-return]
-        if sequence_attention().ring:
-            raise SequenceParallelError("UlyssesSPAttentionHF runs Ulysses' exchange; sequence_parallel.mode "
-                                        "\"ring\" is not supported on the Hugging Face path yet")
         self._check_slice(query)
         if kwargs.get("position_ids") is None:
             raise SequenceParallelError(
                 "UlyssesSPAttentionHF needs position_ids in every forward (each slice's global positions, which "
                 "UlyssesSPDataLoaderAdapter cuts with the tokens): see [Note: what the Hugging Face path takes "
                 "from the batch] in zeroshard/sequence/hf.py")
+        attention = sequence_attention()
+        batch, _, local, _ = query.shape
+        if attention.ring:
+            context = hf_ring_attention(comm, attention, module, query, key, value, args, kwargs)
+            return context.transpose(1, 2).reshape(batch, local, -1), None
+        self._check_heads()
         kwargs["position_ids"] = _gathered_positions(comm, kwargs["position_ids"])
         weights: list[Any] = []
         context = self.layer(query, key, value, module, attention_mask, weights, *args, **kwargs)
-        batch, _, local, _ = context.shape
         return context.transpose(1, 2).reshape(batch, local, -1), (weights[0] if weights else None)
+
+    def _check_heads(self) -> None:
+        """Ulysses splits the heads over the group (the ring does not): refused by name, on every rank alike,
+        head counts it cannot split."""
+        size = self.world_size
+        if self.attn_head_count % size:
+            raise SequenceParallelError(f"UlyssesSPAttentionHF: {self.attn_head_count} attention heads do not split "
+                                        f"over sequence_parallel_size {size} (sequence_parallel.mode \"ring\" runs any "
+                                        f"head count)")
+        if self.global_kv_head_count % size and size % self.global_kv_head_count:
+            raise SequenceParallelError(f"UlyssesSPAttentionHF: {self.global_kv_head_count} key/value heads neither "
+                                        f"divide by sequence_parallel_size {size} nor divide it")
 
     def _check_slice(self, query: Tensor) -> None:
         """A fixed-length run's slice must be the length it was registered with (every rank of the group
@@ -114,7 +128,7 @@ class UlyssesSPAttentionHF(nn.Module):
                                    disable_in_eval: bool = False, max_length: Optional[int] = None,
                                    ) -> Optional[SequenceParallelUnit]:
         """Wrap transformers' ``core_attn_implementation`` in Ulysses' exchange over ``sequence_parallel_size``
-        consecutive ranks, and return the unit (``mpu``) of those groups for ``initialize(mpu=...)``;
+        consecutive ranks (or the ring, as the engine's ``sequence_parallel.mode`` says), and return the unit (``mpu``) of those groups for ``initialize(mpu=...)``;
         None (nothing registered) at a size of 1.  ``model_name_or_path``: the model (its ``config``) or a
         name/path ``AutoConfig`` reads.  ``max_length`` is the old name of ``seq_length``.  Registering
         again replaces the previous wrapper (it never wraps a wrapper)."""

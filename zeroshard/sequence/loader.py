@@ -6,13 +6,16 @@ The ranks of a group each draw a batch from their own loader; the adapter gather
 and hands them out one after the other, each cut over the group: at the i-th step of a round every rank
 of the group holds its slice of the batch rank i drew.  A round of P steps thus trains on what P
 data-parallel ranks would have drawn in one step, and the adapter's length is the loader's times P.
-Every batch is cut into P consecutive slices along dimension 1 (the sequence); rank r keeps slice r.
-Before the cut the labels are shifted by one position (``shift_labels``: the label of position t is the
-token at t + 1, the last position's -100), because a slice's last position predicts the first token of
-the next slice, which the slice does not hold; a model's loss must then take ``shift_labels`` as they
-are (transformers' ``loss_function(..., shift_labels=...)`` does).  A batch whose length the group does
-not split, or without ``position_ids``, is refused on every rank alike: the checks run on what the
-group gathered.
+Every batch is cut along dimension 1 (the sequence) into the positions ``sequence_positions`` gives rank
+r: the r-th of P consecutive slices, or, when the live engine's ring runs with
+``sequence_parallel.load_balance``, chunks r and 2P - 1 - r of 2P, the layout the ring computes in
+([Note: head-tail sharding balances the causal ring] in sequence/ring.py); the mode is asked for at every
+refill, as the attention asks at every forward.  Before the cut the labels are shifted by one position
+(``shift_labels``: the label of position t is the token at t + 1, the last position's -100), because a
+slice's last position predicts the first token of the next slice, which the slice does not hold; a
+model's loss must then take ``shift_labels`` as they are (transformers' ``loss_function(...,
+shift_labels=...)`` does).  A batch whose length does not cut into those slices, or without
+``position_ids``, is refused on every rank alike: the checks run on what the group gathered.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import torch
 from torch import Tensor
 
 from ..distributed.collectives import Collectives
-from .groups import SequenceParallelError, sequence_collectives
+from .groups import SequenceParallelError, sequence_attention, sequence_collectives
+from .ring import sequence_positions
 
 __all__ = ["UlyssesSPDataLoaderAdapter", "shift_labels"]
 
@@ -73,18 +77,17 @@ class UlyssesSPDataLoaderAdapter:
         if comm is None:
             raise SequenceParallelError("UlyssesSPDataLoaderAdapter: no sequence-parallel group (sp_group=None "
                                         "and no engine with sequence_parallel_size)")
-        for gathered in _gather_batches(comm, batch, self.device):
-            self.micro_batches.append(self._cut(gathered))
+        balanced = sequence_attention().balanced
+        for gathered in _gather_batches(comm, batch, self.device, balanced):
+            self.micro_batches.append(self._cut(gathered, balanced))
 
-    def _cut(self, batch: dict[str, Any]) -> dict[str, Any]:
-        size = self.sp_world_size
-        length = batch["input_ids"].shape[1]
-        part = length // size
+    def _cut(self, batch: dict[str, Any], balanced: bool) -> dict[str, Any]:
+        positions = sequence_positions(batch["input_ids"].shape[1], self.sp_rank, self.sp_world_size, balanced)
         out = {k: v for k, v in batch.items() if k != "labels"}
         out["shift_labels"] = shift_labels(batch["labels"])
         for key, value in out.items():
             if isinstance(value, Tensor):
-                out[key] = value[:, part * self.sp_rank:part * (self.sp_rank + 1)].cpu().contiguous()
+                out[key] = value[:, positions.to(value.device)].cpu().contiguous()
         return out
 
 
@@ -106,7 +109,7 @@ def _describe(batch: Any) -> dict[str, Any]:
     return described
 
 
-def _check(described: list[dict[str, Any]], size: int) -> None:
+def _check(described: list[dict[str, Any]], size: int, balanced: bool) -> None:
     """Refuse, on every rank alike, batches the group cannot cut: the reasons are named per rank."""
     for rank, batch in enumerate(described):
         if "error" in batch and isinstance(batch["error"], str):
@@ -117,11 +120,13 @@ def _check(described: list[dict[str, Any]], size: int) -> None:
                 f"UlyssesSPDataLoaderAdapter: rank {rank} of the group drew a batch without {', '.join(missing)}; "
                 f"Ulysses needs input_ids, labels and position_ids (each position's place in its sequence, "
                 f"arange(seq_len) per sample unless sequences are packed)")
-        length = batch["input_ids"]["shape"][1]
-        if length % size:
+        length, parts = batch["input_ids"]["shape"][1], 2 * size if balanced else size
+        if length % parts:
+            cut = f"into the {parts} chunks of sequence_parallel.load_balance" if balanced else \
+                f"over sequence_parallel_size {size}"
             raise SequenceParallelError(
                 f"UlyssesSPDataLoaderAdapter: rank {rank} of the group drew a batch of sequence length {length}, "
-                f"which does not split over sequence_parallel_size {size}: pad the batches to a multiple of {size}")
+                f"which does not split {cut}: pad the batches to a multiple of {parts}")
         first = described[0]
         if sorted(batch) != sorted(first) or any(("shape" in batch[k]) != ("shape" in first[k])
                                                  or batch[k].get("dtype") != first[k].get("dtype") for k in batch):
@@ -140,11 +145,11 @@ def _check(described: list[dict[str, Any]], size: int) -> None:
                     f"from rank 0's {first[key]['shape']} elsewhere than along the sequence")
 
 
-def _gather_batches(comm: Collectives, batch: Any, device: torch.device) -> list[dict[str, Any]]:
+def _gather_batches(comm: Collectives, batch: Any, device: torch.device, balanced: bool) -> list[dict[str, Any]]:
     """Every rank of the group's batch, in rank order, on every rank of it."""
     size = comm.world.world_size
     described = comm.all_gather_json(_describe(batch), "sequence_batch_keys")
-    _check(described, size)
+    _check(described, size, balanced)
     gathered: list[dict[str, Any]] = [{} for _ in range(size)]
     for key, meta in described[0].items():
         if "shape" not in meta:

@@ -3,8 +3,10 @@
 Each rank of a group of P ranks holds the queries, keys and values of its slice of every sequence.  The
 key/value blocks travel round the ring of the group (rank r sends to r + 1 and receives from r - 1), so
 that after P - 1 steps every rank's queries have met every block; each block's attention is merged into
-the running result with its log-sum-exp (an online softmax), which is exact.  Nothing is split by heads,
-so any head count runs at any degree.
+the running result with its log-sum-exp (an online softmax), which is exact.  The running result and the
+log-sum-exps are fp32 whatever the inputs' dtype (as flash attention keeps its accumulator), so a 16-bit
+ring rounds once, at its output, not at every merge.  Nothing is split by heads, so any head count runs at
+any degree.
 
 [Note: the ring's backward runs the ring again]
 The forward keeps only its inputs, its output and the log-sum-exp of every query row; the backward
@@ -59,15 +61,15 @@ def sequence_positions(length: int, rank: int, size: int, balanced: bool = False
 
 
 def ring_attention(comm: Collectives, query: Tensor, key: Tensor, value: Tensor, causal: bool,
-                   balanced: bool = False) -> Tensor:
-    """``softmax(query key^T / sqrt(head_dim)) value`` over the whole sequences, each rank of ``comm``
+                   balanced: bool = False, scale: Optional[float] = None) -> Tensor:
+    """``softmax(query key^T x scale) value`` over the whole sequences, each rank of ``comm``
     holding its slice: ``query`` ``[b, heads, s/P, d]``, ``key`` and ``value`` ``[b, kv_heads, s/P, d]``
     (``kv_heads`` dividing ``heads``: consecutive query heads share a key/value head); returns ``[b, heads,
     s/P, value's d]``.  ``causal``: a position attends only to itself and the positions before it,
     positions counted over the whole sequence: rank r's slice is the r-th, or with ``balanced`` the
-    positions ``sequence_positions`` gives.  Differentiable; the bytes are counted in ``comm``'s ledger
-    as ``sequence_ring_kv`` (``sequence_ring_kv_grad`` in the backward)."""
-    return _RingAttention.apply(comm, causal, balanced, query, key, value)
+    positions ``sequence_positions`` gives.  ``scale``: None is ``1 / sqrt(head_dim)``.  Differentiable; the
+    bytes are counted in ``comm``'s ledger as ``sequence_ring_kv`` (``sequence_ring_kv_grad`` in the backward)."""
+    return _RingAttention.apply(comm, causal, balanced, scale, query, key, value)
 
 
 def _chunks(rank: int, size: int, balanced: bool) -> list[int]:
@@ -78,6 +80,11 @@ def _chunks(rank: int, size: int, balanced: bool) -> list[int]:
 def _grouped(query: Tensor, kv_heads: int) -> Tensor:
     """``[b, heads, s, d]`` as ``[b, kv_heads, heads / kv_heads, s, d]``: each key/value head's queries."""
     return query.unflatten(1, (kv_heads, -1))
+
+
+def _wide(t: Tensor) -> Tensor:
+    """``t`` in fp32, or as it is where it is wider: the dtype of the merge and the log-sum-exps."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 def _pack(*tensors: Tensor) -> Tensor:
@@ -111,15 +118,16 @@ def _heads(t: Tensor, groups: int) -> Tensor:
 
 def _pair_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, diagonal: bool) -> tuple[Tensor, Tensor]:
     """One chunk pair's attention and log-sum-exp: ``q`` ``[b, hk, g, sq, d]`` against ``k``, ``v`` ``[b,
-    hk, sk, d]``; ``[b, hk, g, sq, dv]`` and ``[b, hk, g, sq, 1]``, the future masked on a diagonal pair."""
+    hk, sk, d]``; ``[b, hk, g, sq, dv]`` (the inputs' dtype) and ``[b, hk, g, sq, 1]`` (at least fp32), the future
+    masked on a diagonal pair."""
     if _fused(q, k, v):
         b, hk, g, sq, d = q.shape
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q.reshape(b, hk * g, sq, d), _heads(k, g), _heads(v, g), 0.0, diagonal, scale=scale)
-        return out.view(b, hk, g, sq, -1), lse.view(b, hk, g, sq, 1).to(q.dtype)
-    scores = _scores(q, k, scale, diagonal)
+        return out.view(b, hk, g, sq, -1), _wide(lse.view(b, hk, g, sq, 1))
+    scores = _wide(_scores(q, k, scale, diagonal))
     lse = scores.logsumexp(-1, keepdim=True)  # finite: every row of a pair sees a key
-    return torch.exp(scores - lse) @ v.unsqueeze(2), lse
+    return torch.exp(scores - lse).to(q.dtype) @ v.unsqueeze(2), lse
 
 
 def _pair_backward(grad_o: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, delta: Tensor,
@@ -132,7 +140,7 @@ def _pair_backward(grad_o: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
             grad_o.reshape(b, hk * g, sq, -1), q.reshape(b, hk * g, sq, d), _heads(k, g), _heads(v, g),
             out.reshape(b, hk * g, sq, -1), lse.reshape(b, hk * g, sq).float(), 0.0, diagonal, scale=scale)
         return (grad_q.view(q.shape), grad_k.unflatten(1, (hk, g)).sum(2), grad_v.unflatten(1, (hk, g)).sum(2))
-    probs = torch.exp(_scores(q, k, scale, diagonal) - lse)
+    probs = torch.exp(_wide(_scores(q, k, scale, diagonal)) - lse).to(q.dtype)
     grad_v = (probs.transpose(-1, -2) @ grad_o).sum(2)
     grad_scores = probs * (grad_o @ v.unsqueeze(2).transpose(-1, -2) - delta) * scale
     return grad_scores @ k.unsqueeze(2), (grad_scores.transpose(-1, -2) @ q).sum(2), grad_v
@@ -170,10 +178,10 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, comm: Collectives, causal: bool, balanced: bool,  # type: ignore[override]
-                query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+                scale: Optional[float], query: Tensor, key: Tensor, value: Tensor) -> Tensor:
         ring = _Ring(comm, causal, balanced)
         q = ring.split(_grouped(query, key.shape[1]))
-        scale = 1.0 / math.sqrt(query.shape[-1])
+        scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
         block = _pack(key, value)
         outs: list[Optional[Tensor]] = [None] * ring.parts
         lses: list[Optional[Tensor]] = [None] * ring.parts
@@ -185,16 +193,16 @@ class _RingAttention(torch.autograd.Function):
                 pair_out, pair_lse = _pair_forward(q[i], k[j], v[j], scale, diagonal)
                 out, lse = outs[i], lses[i]
                 if out is None or lse is None:  # the first pair of this query chunk
-                    outs[i], lses[i] = pair_out, pair_lse
+                    outs[i], lses[i] = _wide(pair_out), pair_lse
                 else:
                     merged = torch.logaddexp(lse, pair_lse)
-                    outs[i] = out * torch.exp(lse - merged) + pair_out * torch.exp(pair_lse - merged)
+                    outs[i] = out * torch.exp(lse - merged) + _wide(pair_out) * torch.exp(pair_lse - merged)
                     lses[i] = merged
             if pending is not None and incoming is not None:
                 pending.wait()
                 block = incoming
         # every query chunk met its own chunk at step 0
-        out_all = torch.cat([o for o in outs if o is not None], dim=-2)
+        out_all = torch.cat([o for o in outs if o is not None], dim=-2).to(query.dtype)
         lse_all = torch.cat([lse for lse in lses if lse is not None], dim=-2)
         ctx.comm, ctx.causal, ctx.balanced, ctx.scale = comm, causal, balanced, scale
         ctx.save_for_backward(query, key, value, out_all, lse_all)
@@ -224,4 +232,4 @@ class _RingAttention(torch.autograd.Function):
             block, pending = ring.send_on(block, "sequence_ring_kv_grad")
             pending.wait()
         grad_key, grad_value = _unpack(block, (key, value))
-        return None, None, None, grad_query.flatten(1, 2), grad_key, grad_value
+        return None, None, None, None, grad_query.flatten(1, 2), grad_key, grad_value
