@@ -368,41 +368,59 @@ WORKERS = {"train": train_worker, "refusals": refusals_worker, "accelerate": acc
 CHECKS = {"train": check_train, "refusals": check_refusals, "accelerate": check_accelerate}
 
 
-def test_hugging_face_llama_at_sequence_2_matches_one_process() -> None:
-    """Sequence 2 x data 1: Accelerate's path at stage 3; SGD at stages 0, 1 (the degree from the unit
-    alone, as Accelerate passes it) and 3, the tutorial's loss at stage 2, the MLP and the loss tiled at stage 3; AdamW
-    with clipping at stage 3; the refusals.  The ring (the config's ``sequence_parallel.mode``): SGD at stage 0
-    (the degree from the unit alone) and, with head-tail sharding and transformers' gradient checkpointing,
-    at stage 2; AdamW with clipping at stage 1 (head-tail) and 3."""
-    family = [("accelerate", {"stage": 3})]  # first: it installs zeroshard as deepspeed before transformers loads
-    family += [("train", {"stage": stage, "optimizer": "SGD", "config_sp": stage != 1}) for stage in (0, 1, 3)]
-    family += [("train", {"stage": 3, "optimizer": "AdamW", "clip": CLIP})]
-    family += [("train", {"stage": 2, "optimizer": "SGD", "loss": "tutorial"}),
+def ring_case(stage: int, optimizer: str, balanced: bool, **more: Any) -> tuple[str, dict[str, Any]]:
+    """The ring at ``stage`` with plain SGD or with AdamW and clipping, with head-tail sharding or not."""
+    return ("train", {"stage": stage, "optimizer": optimizer, "clip": CLIP if optimizer == "AdamW" else 0.0,
+                      "mode": "balanced" if balanced else "ring", **more})
+
+
+def ring_cases(**more: Any) -> list[tuple[str, dict[str, Any]]]:
+    """The ring at stages 0-3, each with SGD and with AdamW and clipping, head-tail sharding in turn."""
+    return [ring_case(stage, optimizer, (stage + index) % 2 == 1, **more)
+            for stage in range(4) for index, optimizer in enumerate(("SGD", "AdamW"))]
+
+
+#: sequence 2 x data 1: Accelerate's path at stage 3 (first: it installs zeroshard as deepspeed before
+#: transformers loads); Ulysses with SGD at stages 0, 1 (the degree from the unit alone, as Accelerate
+#: passes it) and 3, the tutorial's loss at stage 2, the MLP and the loss tiled at stage 3, AdamW with
+#: clipping at stage 3 and, with transformers' gradient checkpointing, at stage 2, bf16 with SGD at stage 1
+#: (within bf16's tolerance of the fp32 oracle); the refusals; the ring
+#: (the config's ``sequence_parallel.mode``) at stages 0-3 with SGD and with AdamW and clipping (at stage 0
+#: the degree from the unit alone) and with gradient checkpointing at stage 3 (head-tail)
+SEQUENCE_2 = [("accelerate", {"stage": 3})]
+SEQUENCE_2 += [("train", {"stage": stage, "optimizer": "SGD", "config_sp": stage != 1}) for stage in (0, 1, 3)]
+SEQUENCE_2 += [("train", {"stage": 3, "optimizer": "AdamW", "clip": CLIP}),
+               ("train", {"stage": 2, "optimizer": "AdamW", "clip": CLIP, "checkpointing": True}),
+               ("train", {"stage": 1, "optimizer": "SGD", "bf16": True})]
+SEQUENCE_2 += [("train", {"stage": 2, "optimizer": "SGD", "loss": "tutorial"}),
                ("train", {"stage": 3, "optimizer": "SGD", "tiled": True}), ("refusals", {})]
-    family += [("train", {"stage": 0, "optimizer": "SGD", "mode": "ring", "config_sp": False}),
-               ("train", {"stage": 1, "optimizer": "AdamW", "clip": CLIP, "mode": "balanced"}),
-               ("train", {"stage": 2, "optimizer": "SGD", "mode": "balanced", "checkpointing": True}),
-               ("train", {"stage": 3, "optimizer": "AdamW", "clip": CLIP, "mode": "ring"})]
-    check_family(family, run_family(2, family, WORKERS), CHECKS, world=2)
+SEQUENCE_2 += [ring_case(0, "SGD", False, config_sp=False)] + ring_cases()[1:]
+SEQUENCE_2 += [("train", {"stage": 3, "optimizer": "SGD", "mode": "balanced", "checkpointing": True})]
+
+#: sequence 4 x data 1 (two key/value heads, each repeated on two ranks under Ulysses): Ulysses with SGD at
+#: stages 0 and 3, AdamW with clipping at stage 2 with the MLP and the loss tiled; the ring at stages 0-3
+#: with SGD and with AdamW and clipping (a degree above the key/value heads), a Llama of 2 heads (a degree
+#: above the head count) at stages 0 and 3, and bf16 with SGD at stage 1 (head-tail, within bf16's
+#: tolerance of the fp32 oracle).  Sequence 2 x data 2: Ulysses with SGD at stage 1; the ring at stages
+#: 0-3, SGD and AdamW with clipping in turn
+WORLD_4 = [("train", {"stage": stage, "optimizer": "SGD"}) for stage in (0, 3)]
+WORLD_4 += [("train", {"stage": 2, "optimizer": "AdamW", "clip": CLIP, "tiled": True}),
+            ("train", {"stage": 1, "optimizer": "SGD", "sp": 2})]
+WORLD_4 += ring_cases() + [ring_case(0, "SGD", False, heads=2), ring_case(3, "AdamW", True, heads=2)]
+WORLD_4 += [ring_case(1, "SGD", True, bf16=True)]
+WORLD_4 += [ring_case(stage, optimizer, balanced, sp=2) for stage, optimizer, balanced in
+            ((0, "SGD", False), (1, "AdamW", True), (2, "SGD", True), (3, "AdamW", False))]
+
+
+def test_hugging_face_llama_at_sequence_2_matches_one_process() -> None:
+    """Sequence 2 x data 1: ``SEQUENCE_2``'s cases."""
+    check_family(SEQUENCE_2, run_family(2, SEQUENCE_2, WORKERS), CHECKS, world=2)
 
 
 @pytest.mark.slow
 def test_hugging_face_llama_in_a_world_of_4_matches_one_process() -> None:
-    """Sequence 4 x data 1: two key/value heads, each repeated on two ranks; SGD at stages 0 and 3, AdamW
-    with clipping at stage 2 with the MLP and the loss tiled.  Sequence 2 x data 2: SGD at stage 1.  The
-    ring at sequence 4 (a degree above the two key/value heads): AdamW with clipping at stage 0 (head-tail),
-    bf16 with SGD at stage 1 (head-tail, within bf16's tolerance of the fp32 oracle), and a Llama of 2
-    heads (a degree above the head count) with SGD at stage 3; at sequence 2 x data 2, SGD at stage 1 and
-    AdamW with clipping at stage 2 (head-tail)."""
-    family = [("train", {"stage": stage, "optimizer": "SGD"}) for stage in (0, 3)]
-    family += [("train", {"stage": 2, "optimizer": "AdamW", "clip": CLIP, "tiled": True}),
-               ("train", {"stage": 1, "optimizer": "SGD", "sp": 2})]
-    family += [("train", {"stage": 0, "optimizer": "AdamW", "clip": CLIP, "mode": "balanced"}),
-               ("train", {"stage": 1, "optimizer": "SGD", "mode": "balanced", "bf16": True}),
-               ("train", {"stage": 3, "optimizer": "SGD", "mode": "ring", "heads": 2}),
-               ("train", {"stage": 1, "optimizer": "SGD", "mode": "ring", "sp": 2}),
-               ("train", {"stage": 2, "optimizer": "AdamW", "clip": CLIP, "mode": "balanced", "sp": 2})]
-    check_family(family, run_family(4, family, WORKERS), CHECKS, world=4)
+    """Sequence 4 x data 1 and 2 x 2: ``WORLD_4``'s cases."""
+    check_family(WORLD_4, run_family(4, WORLD_4, WORKERS), CHECKS, world=4)
 
 
 TUTORIAL = Path(__file__).parent / "ds_scripts" / "alst_tutorial.py"

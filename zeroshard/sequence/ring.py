@@ -4,9 +4,9 @@ Each rank of a group of P ranks holds the queries, keys and values of its slice 
 key/value blocks travel round the ring of the group (rank r sends to r + 1 and receives from r - 1), so
 that after P - 1 steps every rank's queries have met every block; each block's attention is merged into
 the running result with its log-sum-exp (an online softmax), which is exact.  The running result and the
-log-sum-exps are fp32 whatever the inputs' dtype (as flash attention keeps its accumulator), so a 16-bit
-ring rounds once, at its output, not at every merge.  Nothing is split by heads, so any head count runs at
-any degree.
+log-sum-exps are fp32 whatever the inputs' dtype (as flash attention keeps its accumulator), so the
+merges of a 16-bit ring add no rounding to each block's.  Nothing is split by heads, so any head count
+runs at any degree.
 
 [Note: the ring's backward runs the ring again]
 The forward keeps only its inputs, its output and the log-sum-exp of every query row; the backward
