@@ -124,7 +124,8 @@ def test_the_ring_takes_a_scale() -> None:
     out = ring_attention(comm, q, k, v, True, scale=0.3)
     expected = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3)
     torch.testing.assert_close(out, expected)
-    torch.testing.assert_close(torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(expected.sum(), (q, k, v)))
+    torch.testing.assert_close(torch.autograd.grad(out.sum(), (q, k, v)),
+                               torch.autograd.grad(expected.sum(), (q, k, v)))
 
 
 @pytest.mark.parametrize("kwargs, named", [
@@ -137,13 +138,20 @@ def test_the_hugging_face_ring_refuses_what_it_cannot_honour(kwargs: dict, named
     from zeroshard.sequence.hf_ring import hf_ring_attention
     from zeroshard.sequence.policy import SequenceAttention
 
-    q = torch.zeros(1, 4, 6, 8)
+    q, kv = torch.zeros(1, 4, 6, 8), torch.zeros(1, 2, 6, 8)
     with pytest.raises(SequenceParallelError, match=named):
-        hf_ring_attention(None, SequenceAttention(ring=True), nn.Module(), q, q[:, :2], q[:, :2],  # type: ignore[arg-type]
+        hf_ring_attention(None, SequenceAttention(ring=True), nn.Module(), q, kv, kv,  # type: ignore[arg-type]
                           (), {"position_ids": None, **kwargs})
+
+
+def test_the_hugging_face_ring_refuses_a_slice_head_tail_sharding_does_not_halve() -> None:
+    from zeroshard.sequence.hf_ring import hf_ring_attention
+    from zeroshard.sequence.policy import SequenceAttention
+
+    q, kv = torch.zeros(1, 4, 5, 8), torch.zeros(1, 2, 5, 8)
     with pytest.raises(SequenceParallelError, match="load_balance cuts each rank's slice into two chunks"):
-        hf_ring_attention(None, SequenceAttention(ring=True, balanced=True), nn.Module(), q[:, :, :5],  # type: ignore[arg-type]
-                          q[:, :2, :5], q[:, :2, :5], (), {})
+        hf_ring_attention(None, SequenceAttention(ring=True, balanced=True),  # type: ignore[arg-type]
+                          nn.Module(), q, kv, kv, (), {})
 
 
 def test_the_adapter_refuses_a_length_head_tail_sharding_does_not_cut() -> None:

@@ -4,8 +4,8 @@ sequence-parallel group; DeepSpeed-Ulysses computes attention on a share of the 
 trades one split for the other (all_to_all.py), or a ring passes the keys and values round the group
 (ring.py; the config's mode: policy.py); the live engine's groups (groups.py).  The Hugging Face path
 (DeepSpeed's ALST): transformers' attention wrapped in the exchange (hf.py) or replaced by the ring
-(hf_ring.py), the groups made before the engine (unit.py), each batch cut over the group (loader.py), the loss over the group's counted tokens
-(loss.py), and computations tiled along the sequence (tiled.py)."""
+(hf_ring.py), the groups made before the engine (unit.py), each batch cut over the group (loader.py), the
+loss over the group's counted tokens (loss.py), and computations tiled along the sequence (tiled.py)."""
 
 from .all_to_all import sequence_all_to_all
 from .groups import SequenceParallelError, check_sequence_axes, live_sequence_groups

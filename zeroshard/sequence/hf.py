@@ -48,8 +48,8 @@ class UlyssesSPAttentionHF(nn.Module):
     [b, s, heads, d], weights)``).  Under Ulysses ``attn_head_count`` query heads must divide by the group's
     size P and ``kv_head_count`` key/value heads must divide by P or divide P (then each is repeated, as
     ``DistributedAttention`` does), refused by name at the first forward (the mode is the engine's, which
-    may not exist yet here); the ring runs any head count.  ``seq_length_is_variable`` False: every slice holds
-    ``local_seq_length`` positions of a ``global_seq_length`` sequence (refused by name otherwise);
+    may not exist yet here); the ring runs any head count.  ``seq_length_is_variable`` False: every slice
+    holds ``local_seq_length`` positions of a ``global_seq_length`` sequence (refused by name otherwise);
     True: any length the group splits evenly.  ``disable_in_eval``: a module in eval mode attends over
     what it holds, unexchanged.  ``batch_size`` and ``num_hidden_layers`` are DeepSpeed's and are kept.
     """
@@ -128,10 +128,11 @@ class UlyssesSPAttentionHF(nn.Module):
                                    disable_in_eval: bool = False, max_length: Optional[int] = None,
                                    ) -> Optional[SequenceParallelUnit]:
         """Wrap transformers' ``core_attn_implementation`` in Ulysses' exchange over ``sequence_parallel_size``
-        consecutive ranks (or the ring, as the engine's ``sequence_parallel.mode`` says), and return the unit (``mpu``) of those groups for ``initialize(mpu=...)``;
-        None (nothing registered) at a size of 1.  ``model_name_or_path``: the model (its ``config``) or a
-        name/path ``AutoConfig`` reads.  ``max_length`` is the old name of ``seq_length``.  Registering
-        again replaces the previous wrapper (it never wraps a wrapper)."""
+        consecutive ranks (or the ring, as the engine's ``sequence_parallel.mode`` says), and return the unit
+        (``mpu``) of those groups for ``initialize(mpu=...)``; None (nothing registered) at a size of 1.
+        ``model_name_or_path``: the model (its ``config``) or a name/path ``AutoConfig`` reads.
+        ``max_length`` is the old name of ``seq_length``.  Registering again replaces the previous wrapper
+        (it never wraps a wrapper)."""
         if sequence_parallel_size == 1:
             return None
         seq_length = seq_length if seq_length is not None else max_length
