@@ -19,8 +19,9 @@ Accelerate's ``ParallelismConfig(sp_size=2, sp_backend="deepspeed")`` (through `
 its DeepSpeed version check, the registration, the unit into ``initialize``, its loader adapted) trains the
 same model equal to one process, as the family's first case.  The ring (the config's
 ``sequence_parallel.mode: "ring"``, with and without ``load_balance``'s head-tail sharding) trains the same
-way, the adapter's slices checked against ``sequence_positions``, and with transformers' gradient
-checkpointing (each layer's ring run again in the backward).  AdamW's learning rate is small and its eps
+way, the adapter's slices checked against ``sequence_positions``, and with transformers' activation
+checkpointing (each layer's ring run again in the backward), as Ulysses does; bf16 within its tolerance
+of the fp32 oracle.  AdamW's learning rate is small and its eps
 1e-6: its per-element normalisation turns the fp32 rounding of gradient elements that nearly cancel
 (which the ring's block-by-block softmax rounds otherwise than one attention over the whole sequence)
 into weight differences in proportion to the learning rate, and to 1 / eps where they are near zero.
@@ -158,7 +159,7 @@ def train_worker(rank: int, world: int, stage: int, optimizer: str, clip: float 
                  checkpointing: bool = False, bf16: bool = False) -> dict[str, Any]:
     """``sp`` ranks (0: the world) split each sequence; the rest of the world is data-parallel.  ``mode``:
     ``ulysses``, ``ring`` or ``balanced`` (the ring with head-tail sharding), the config's choice;
-    ``checkpointing``: transformers' gradient checkpointing, every layer's forward (its attention's
+    ``checkpointing``: transformers' activation checkpointing, every layer's forward (its attention's
     exchanges too) run again in the backward; ``bf16``: the engine trains in bf16 (the oracle stays fp32)."""
     import zeroshard
     from zeroshard.deepspeed.utils import groups
@@ -172,7 +173,7 @@ def train_worker(rank: int, world: int, stage: int, optimizer: str, clip: float 
     expected = reference(optimizer, clip, every_slice_counts, world // sp, heads)
     model = llama(heads)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if tiled:
         for layer in model.model.layers:
             layer.mlp.forward = types.MethodType(tiled_mlp_forward, layer.mlp)
@@ -383,10 +384,10 @@ def ring_cases(**more: Any) -> list[tuple[str, dict[str, Any]]]:
 #: sequence 2 x data 1: Accelerate's path at stage 3 (first: it installs zeroshard as deepspeed before
 #: transformers loads); Ulysses with SGD at stages 0, 1 (the degree from the unit alone, as Accelerate
 #: passes it) and 3, the tutorial's loss at stage 2, the MLP and the loss tiled at stage 3, AdamW with
-#: clipping at stage 3 and, with transformers' gradient checkpointing, at stage 2, bf16 with SGD at stage 1
+#: clipping at stage 3 and, with transformers' activation checkpointing, at stage 2, bf16 with SGD at stage 1
 #: (within bf16's tolerance of the fp32 oracle); the refusals; the ring
 #: (the config's ``sequence_parallel.mode``) at stages 0-3 with SGD and with AdamW and clipping (at stage 0
-#: the degree from the unit alone) and with gradient checkpointing at stage 3 (head-tail)
+#: the degree from the unit alone) and with activation checkpointing at stage 3 (head-tail)
 SEQUENCE_2 = [("accelerate", {"stage": 3})]
 SEQUENCE_2 += [("train", {"stage": stage, "optimizer": "SGD", "config_sp": stage != 1}) for stage in (0, 1, 3)]
 SEQUENCE_2 += [("train", {"stage": 3, "optimizer": "AdamW", "clip": CLIP}),
