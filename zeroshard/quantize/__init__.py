@@ -1,0 +1,6 @@
+"""Block quantisation of flat tensors for communication (ZeRO++'s qwZ and qgZ): symmetric int8 or
+packed 4-bit values with one fp32 scale per block (blocks.py)."""
+
+from .blocks import BlockFormat, QuantisationError, dequantise, pack, packed_bytes, quantise, unpack
+
+__all__ = ["BlockFormat", "QuantisationError", "dequantise", "pack", "packed_bytes", "quantise", "unpack"]
