@@ -366,6 +366,20 @@ class ZeroConfig:
         1, "ZeRO++ hpZ (stage 3): a secondary partition of the parameters over groups of this many consecutive "
         "ranks (a node); after the first gather of each step, gathers stay inside the group. 1: off. Must divide "
         "the world size.", positive)
+    zero_quantized_weights: bool = key(
+        False, "ZeRO++ qwZ (stage 3): every gather of parameters for forward and backward moves them as int8, "
+        "symmetric in blocks of `zero_quantized_block_size` elements with one fp32 scale each (about half of "
+        "bf16's bytes, a quarter of fp32's), dequantised into the gathered unit; masters, optimizer state, "
+        "checkpoints and gathers for anything but compute stay exact. With hpZ the gather over all ranks is "
+        "quantised and the secondary partition keeps its dequantised values, gathered inside the node as they "
+        "are (docs/MULTI_NODE.md, \"ZeRO++\").")
+    zero_quantized_nontrainable_weights: bool = key(
+        False, "ZeRO++ (stage 3): as `zero_quantized_weights`, for frozen parameters only (a LoRA base); their "
+        "stored shards stay in their own dtype.")
+    zero_quantized_block_size: int = key(
+        4096, "zeroshard's own key: elements per scale of `zero_quantized_weights`' int8 blocks (DeepSpeed's "
+        "quantiser aims at groups of 4k-8k elements per parameter; zeroshard's blocks run over each rank's "
+        "chunk, any size, the last block padded).", positive)
     host_page_reuse: bool = key(
         True, "zeroshard's own key: in host memory on Linux (a CPU run), buffers kept for the run (stage 3's "
         "gathered units and gradient chunks, every stage's gradient bucket pool) keep their addresses and give "
@@ -587,7 +601,7 @@ NOT_SUPPORTED_YET: dict[str, tuple[str, ...]] = {
     "zero_optimization": (
         "round_robin_gradients",
         "load_from_fp32_weights", "ignore_unused_parameters", "pipeline_loading_checkpoint",
-        "zero_quantized_weights", "zero_quantized_gradients", "use_multi_rank_bucket_allreduce",
+        "zero_quantized_gradients", "use_multi_rank_bucket_allreduce",
         "stage3_use_all_reduce_for_fetch_params",
     ),
     "fp16": ("auto_cast", "fp16_master_weights_and_grads"),

@@ -1,0 +1,176 @@
+"""ZeRO++'s quantised communication on four ranks that zeroshard is told are two nodes of two: qwZ
+(``zero_quantized_weights``: stage 3's gathers for compute move int8 blocks and their scales) alone,
+with hpZ, for frozen parameters only (``zero_quantized_nontrainable_weights``), a checkpoint saved with
+it loaded without it, and the refusals of what it does not serve.
+
+Each training case runs the same job twice, without and with quantisation, from the same seed: the
+gathers must be the same calls in the same order, each quantised one moving exactly ``payload +
+scales`` bytes per rank (never the parameters' own bytes), the loss must fall and stay close to the
+unquantised run's.  One world of four runs every case in turn (``run_family``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import pytest
+import torch
+from zs_common import make_model, rank_micro_batches, zero_config
+
+import zeroshard
+from zeroshard.distributed.collectives import CallRecord, CommKind, CommScope
+from zeroshard.quantize import BlockFormat, packed_bytes
+from zeroshard.tools.testing import Case, check_family, run_family
+
+WORLD, PER_NODE, STEPS, MICRO, ACCUM, BLOCK = 4, 2, 3, 2, 2, 64
+BF16 = 2
+
+
+def config(quantised: Optional[str], hybrid: bool = False, stage: int = 3, **zero: Any) -> dict:
+    out = zero_config(stage, MICRO, ACCUM, stage3_param_persistence_threshold=20, **zero)
+    out["optimizer"]["params"]["lr"] = 3e-2
+    out["gradient_clipping"] = 1.0
+    out["bf16"] = {"enabled": True}
+    if hybrid:
+        out["zero_optimization"]["zero_hpz_partition_size"] = PER_NODE
+    if quantised is not None:
+        key = {"all": "zero_quantized_weights", "frozen": "zero_quantized_nontrainable_weights"}[quantised]
+        out["zero_optimization"].update({key: True, "zero_quantized_block_size": BLOCK})
+    return out
+
+
+def train(engine: Any, steps: int) -> list[float]:
+    """``steps`` optimizer steps on one fixed batch (the loss must fall); every micro step's loss."""
+    losses = []
+    for _ in range(steps):
+        for x, y in rank_micro_batches(0, engine.world.rank, WORLD, MICRO, ACCUM):
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+    return losses
+
+
+def run(quantised: Optional[str], hybrid: bool) -> dict:
+    engine, _, _, _ = zeroshard.initialize(model=make_model(), config=config(quantised, hybrid))
+    log = engine.comm.ledger.start_log()
+    losses = train(engine, STEPS)
+    out = {"log": list(log), "losses": losses, "state": engine.full_state_dict(),
+           "memory": engine.memory_breakdown(),
+           "frozen": {b.index for b in engine.storage.layout.buckets if b.frozen}}
+    engine.close()
+    return out
+
+
+def quantised_and_plain(rank: int, world: int, directory: str, quantised: str, hybrid: bool) -> dict:
+    return {"quantised": run(quantised, hybrid), "plain": run(None, hybrid)}
+
+
+def compute_gathers(log: list[CallRecord]) -> list[CallRecord]:
+    """The gathers of units for forward and backward (not the persistent buckets' after the step)."""
+    return [r for r in log if r.kind is CommKind.ALL_GATHER and not r.label.startswith("param_bucket")]
+
+
+def check_qwz_gathers_move_int8_blocks_and_train_as_unquantised(results: list[dict], directory: Path,
+                                                               quantised: str, hybrid: bool) -> None:
+    fmt = BlockFormat(8, BLOCK)
+    for result in results:
+        q, p = result["quantised"], result["plain"]
+        q_gathers, p_gathers = compute_gathers(q["log"]), compute_gathers(p["log"])
+        assert len(q_gathers) == len(p_gathers) > 0  # the same gathers, in the same order
+        moved = plain_moved = 0
+        for qr, pr in zip(q_gathers, p_gathers):
+            if pr.group_size != WORLD:  # hpZ's later gathers, inside the node: the dequantised values as they are
+                assert hybrid and qr == pr and pr.label.endswith(".hpz") and pr.scope is CommScope.INSIDE_NODE
+                continue
+            assert pr.full_bytes % (WORLD * BF16) == 0
+            shard = pr.full_bytes // (WORLD * BF16)
+            if qr.label == pr.label:  # not quantised: only trainable buckets with the frozen-only key
+                assert quantised == "frozen" and qr == pr
+                continue
+            # quantised: int8 payload + fp32 scales per block of each rank's chunk, never bf16's bytes
+            assert qr.label == pr.label + ".qwz" and qr.scope is pr.scope is CommScope.ACROSS_NODES
+            assert qr.full_bytes == WORLD * packed_bytes(shard, fmt) < pr.full_bytes
+            assert qr.sent == (WORLD - 1) * packed_bytes(shard, fmt)
+            moved, plain_moved = moved + qr.sent, plain_moved + pr.sent
+        assert moved > 0
+        if quantised == "all":  # a little over half of bf16's bytes: the scales, one per 64 elements
+            assert 0.5 < moved / plain_moved < 0.5 + 4 / (2 * BLOCK) + 0.05
+        # masters and training: the loss falls, close to the unquantised run's; finite weights
+        for losses in (q["losses"], p["losses"]):  # each step's first micro batch: the same batch every step
+            firsts = losses[::ACCUM]
+            assert all(b < a for a, b in zip(firsts, firsts[1:])) and firsts[-1] < 0.97 * firsts[0], firsts
+        assert abs(q["losses"][-1] - p["losses"][-1]) <= 0.02 * p["losses"][-1]
+        for name, value in q["state"].items():
+            assert torch.isfinite(value).all(), name
+        assert q["memory"]["qwz_gather_buffers"] > 0 and "qwz_gather_buffers" not in p["memory"]
+
+
+def resume_without(rank: int, world: int, directory: str) -> dict:
+    """Two steps with qwZ, a save; a job without it loads the save: the same masters, bit for bit."""
+    engine, _, _, _ = zeroshard.initialize(model=make_model(), config=config("all"))
+    train(engine, 2)
+    engine.save_checkpoint(directory, tag="qwz")
+    masters, state = engine.strategy.masters.data.clone(), engine.full_state_dict(rank0_only=False)
+    engine.close()
+    plain, _, _, _ = zeroshard.initialize(model=make_model(seed=3), config=config(None))
+    plain.load_checkpoint(directory, tag="qwz")
+    out = {"equal": torch.equal(masters, plain.strategy.masters.data),
+           "state": all(torch.equal(v, plain.full_state_dict(rank0_only=False)[k]) for k, v in state.items())}
+    plain.close()
+    return out
+
+
+def check_a_save_with_qwz_loads_without_it(results: list[dict], directory: Path) -> None:
+    assert all(r["equal"] and r["state"] for r in results)
+
+
+def build_with(rank: int, world: int, directory: str, stage: int, zero: dict, words: str) -> str:
+    cfg = zero_config(stage, 1, 1, **zero)
+    try:
+        zeroshard.initialize(model=make_model(), config=cfg)
+    except ValueError as err:
+        return str(err)
+    return "built"
+
+
+def check_refused_on_every_rank(results: list[str], directory: Path, stage: int, zero: dict, words: str) -> None:
+    assert all(words in message for message in results), results
+
+
+QWZ = "qwz_gathers_move_int8_blocks_and_train_as_unquantised"
+RESUME = "a_save_with_qwz_loads_without_it"
+REFUSED = "refused_on_every_rank"
+WORKERS: dict[str, Callable[..., Any]] = {QWZ: quantised_and_plain, RESUME: resume_without, REFUSED: build_with}
+CHECKS: dict[str, Callable[..., None]] = {QWZ: check_qwz_gathers_move_int8_blocks_and_train_as_unquantised,
+                                          RESUME: check_a_save_with_qwz_loads_without_it,
+                                          REFUSED: check_refused_on_every_rank}
+#: qwZ over all ranks and the refusals by default; with hpZ, for frozen parameters only and the save extended
+DEFAULT_CASES: list[Case] = [
+    (QWZ, {"quantised": "all", "hybrid": False}),
+    (REFUSED, {"stage": 2, "zero": {"zero_quantized_weights": True},
+               "words": "'zero_optimization.zero_quantized_weights' needs ZeRO stage 3"}),
+    (REFUSED, {"stage": 3, "zero": {"zero_quantized_weights": True, "zero_quantized_block_size": 0},
+               "words": "zero_quantized_block_size"}),
+]
+EXTENDED_CASES: list[Case] = [(QWZ, {"quantised": "all", "hybrid": True}), (QWZ, {"quantised": "frozen", "hybrid": False}),
+                              (RESUME, {})]
+
+
+def labels(name: str, world: int, arguments: dict[str, Any]) -> dict[str, Any]:
+    return {"check": name, "stage": 3, "world": world, "precision": "bf16", **arguments}
+
+
+def test_zeropp_cases(tmp_path: Path) -> None:
+    """On two nodes of two: qwZ's gathers and training; qwZ at stage 2 and a block size of 0 refused on
+    every rank."""
+    nodes = run_family(WORLD, DEFAULT_CASES, WORKERS, labels=labels, root=tmp_path, ranks_per_node=PER_NODE)
+    check_family(DEFAULT_CASES, nodes, CHECKS, WORLD, labels=labels, root=tmp_path)
+
+
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
+def test_zeropp_extended_cases(tmp_path: Path) -> None:
+    """On two nodes of two: qwZ with hpZ, for frozen parameters only, and a qwZ save loaded without it."""
+    nodes = run_family(WORLD, EXTENDED_CASES, WORKERS, labels=labels, root=tmp_path, ranks_per_node=PER_NODE)
+    check_family(EXTENDED_CASES, nodes, CHECKS, WORLD, labels=labels, root=tmp_path)
