@@ -52,19 +52,66 @@ def train(engine: Any, steps: int) -> list[float]:
     return losses
 
 
-def run(quantised: Optional[str], hybrid: bool) -> dict:
-    engine, _, _, _ = zeroshard.initialize(model=make_model(), config=config(quantised, hybrid))
+def run(quantised: Optional[str], hybrid: bool, stage: int = 3, **zero: Any) -> dict:
+    engine, _, _, _ = zeroshard.initialize(model=make_model(), config=config(quantised, hybrid, stage, **zero))
     log = engine.comm.ledger.start_log()
     losses = train(engine, STEPS)
-    out = {"log": list(log), "losses": losses, "state": engine.full_state_dict(),
+    out = {"log": list(log), "losses": losses, "by_scope": engine.comm.bytes_sent_by_scope(), "state": engine.full_state_dict(),
            "memory": engine.memory_breakdown(),
-           "frozen": {b.index for b in engine.storage.layout.buckets if b.frozen}}
+           "frozen": {b.index for b in engine.storage.layout.buckets if b.frozen},
+           "shards": {b.index: b.shard_numel for b in engine.strategy.layout.buckets}}
     engine.close()
     return out
 
 
 def quantised_and_plain(rank: int, world: int, directory: str, quantised: str, hybrid: bool) -> dict:
     return {"quantised": run(quantised, hybrid), "plain": run(None, hybrid)}
+
+
+def gradients_quantised_and_plain(rank: int, world: int, directory: str, stage: int, bits: int) -> dict:
+    qgz = {"zero_quantized_gradients": True, "zero_quantized_gradients_bits": bits, "zero_quantized_block_size": BLOCK}
+    return {"quantised": run(None, False, stage, **qgz), "plain": run(None, False, stage)}
+
+
+def check_qgz_reduces_in_two_quantised_hops_and_trains_as_unquantised(results: list[dict], directory: Path,
+                                                                     stage: int, bits: int) -> None:
+    """Every gradient bucket's reduce-scatter becomes one all-to-all inside the node and one across, each
+    moving ``bits``-bit blocks and their scales: (L-1) pieces of M chunks inside, (M-1) chunks across."""
+    fmt, nodes, local = BlockFormat(bits, BLOCK), WORLD // PER_NODE, PER_NODE
+    for result in results:
+        q, p = result["quantised"], result["plain"]
+        plain = [r for r in p["log"] if r.kind is CommKind.REDUCE_SCATTER and r.label.startswith("grad_bucket")]
+        hops = [r for r in q["log"] if r.kind is CommKind.ALL_TO_ALL]
+        assert plain and not [r for r in q["log"] if r.kind is CommKind.REDUCE_SCATTER]
+        assert len(hops) == 2 * len(plain)  # the same reductions, each in two hops
+        across = plain_across = 0
+        for pr, inside, outside in zip(plain, hops[::2], hops[1::2]):
+            shard = q["shards"][int(pr.label.removeprefix("grad_bucket"))]
+            assert inside.label == outside.label == pr.label + ".qgz"
+            assert inside.scope is CommScope.INSIDE_NODE and outside.scope is CommScope.ACROSS_NODES
+            assert inside.sent == (local - 1) * packed_bytes(nodes * shard, fmt)
+            assert outside.sent == (nodes - 1) * packed_bytes(shard, fmt)
+            across, plain_across = across + outside.sent, plain_across + pr.sent
+        # across nodes: (M-1) S elements at bits/8 bytes (+ scales) against the ring's (N-1) S of bf16's
+        assert across < plain_across * bits / 16 * (nodes - 1) / (WORLD - 1) * 1.2
+        assert q["by_scope"]["across_nodes"] - p["by_scope"]["across_nodes"] == across - plain_across
+        assert_falls(q["losses"])
+        assert_falls(p["losses"])
+        assert abs(q["losses"][-1] - p["losses"][-1]) <= 0.03 * p["losses"][-1]
+        # the trained weights: finite, and their distance from the unquantised run's a fraction of how far
+        # training moved them (Adam moves an element by about lr whatever its gradient's size)
+        start = make_model().state_dict()
+        names = [n for n in q["state"] if n in start]
+        off = sum(float((q["state"][n].float() - p["state"][n].float()).pow(2).sum()) for n in names)
+        moved = sum(float((p["state"][n].float() - start[n].float()).pow(2).sum()) for n in names)
+        assert all(torch.isfinite(q["state"][n]).all() for n in names)
+        assert not names or (off / moved) ** 0.5 < 0.5
+
+
+def assert_falls(losses: list[float]) -> None:
+    """Each step's first micro batch (the same batch every step) has a lower loss than the step before."""
+    firsts = losses[::ACCUM]
+    assert all(b < a for a, b in zip(firsts, firsts[1:])) and firsts[-1] < 0.99 * firsts[0], firsts
 
 
 def compute_gathers(log: list[CallRecord]) -> list[CallRecord]:
@@ -98,9 +145,8 @@ def check_qwz_gathers_move_int8_blocks_and_train_as_unquantised(results: list[di
         if quantised == "all":  # a little over half of bf16's bytes: the scales, one per 64 elements
             assert 0.5 < moved / plain_moved < 0.5 + 4 / (2 * BLOCK) + 0.05
         # masters and training: the loss falls, close to the unquantised run's; finite weights
-        for losses in (q["losses"], p["losses"]):  # each step's first micro batch: the same batch every step
-            firsts = losses[::ACCUM]
-            assert all(b < a for a, b in zip(firsts, firsts[1:])) and firsts[-1] < 0.97 * firsts[0], firsts
+        assert_falls(q["losses"])
+        assert_falls(p["losses"])
         assert abs(q["losses"][-1] - p["losses"][-1]) <= 0.02 * p["losses"][-1]
         for name, value in q["state"].items():
             assert torch.isfinite(value).all(), name
@@ -140,22 +186,26 @@ def check_refused_on_every_rank(results: list[str], directory: Path, stage: int,
 
 
 QWZ = "qwz_gathers_move_int8_blocks_and_train_as_unquantised"
+QGZ = "qgz_reduces_in_two_quantised_hops_and_trains_as_unquantised"
 RESUME = "a_save_with_qwz_loads_without_it"
 REFUSED = "refused_on_every_rank"
-WORKERS: dict[str, Callable[..., Any]] = {QWZ: quantised_and_plain, RESUME: resume_without, REFUSED: build_with}
+WORKERS: dict[str, Callable[..., Any]] = {QWZ: quantised_and_plain, RESUME: resume_without, REFUSED: build_with,
+                                          QGZ: gradients_quantised_and_plain}
 CHECKS: dict[str, Callable[..., None]] = {QWZ: check_qwz_gathers_move_int8_blocks_and_train_as_unquantised,
                                           RESUME: check_a_save_with_qwz_loads_without_it,
-                                          REFUSED: check_refused_on_every_rank}
+                                          REFUSED: check_refused_on_every_rank,
+                                          QGZ: check_qgz_reduces_in_two_quantised_hops_and_trains_as_unquantised}
 #: qwZ over all ranks and the refusals by default; with hpZ, for frozen parameters only and the save extended
 DEFAULT_CASES: list[Case] = [
     (QWZ, {"quantised": "all", "hybrid": False}),
+    (QGZ, {"stage": 2, "bits": 4}),
     (REFUSED, {"stage": 2, "zero": {"zero_quantized_weights": True},
                "words": "'zero_optimization.zero_quantized_weights' needs ZeRO stage 3"}),
     (REFUSED, {"stage": 3, "zero": {"zero_quantized_weights": True, "zero_quantized_block_size": 0},
                "words": "zero_quantized_block_size"}),
 ]
 EXTENDED_CASES: list[Case] = [(QWZ, {"quantised": "all", "hybrid": True}), (QWZ, {"quantised": "frozen", "hybrid": False}),
-                              (RESUME, {})]
+                              (RESUME, {}), (QGZ, {"stage": 1, "bits": 4}), (QGZ, {"stage": 3, "bits": 8})]
 
 
 def labels(name: str, world: int, arguments: dict[str, Any]) -> dict[str, Any]:
