@@ -44,7 +44,7 @@ def train(engine: Any, steps: int) -> list[float]:
     """``steps`` optimizer steps on one fixed batch (the loss must fall); every micro step's loss."""
     losses = []
     for _ in range(steps):
-        for x, y in rank_micro_batches(0, engine.world.rank, WORLD, MICRO, ACCUM):
+        for x, y in rank_micro_batches(0, engine.world.rank, engine.world.world_size, MICRO, ACCUM):
             loss = engine(x, y)
             engine.backward(loss)
             engine.step()
@@ -77,24 +77,34 @@ def check_qgz_reduces_in_two_quantised_hops_and_trains_as_unquantised(results: l
                                                                      stage: int, bits: int) -> None:
     """Every gradient bucket's reduce-scatter becomes one all-to-all inside the node and one across, each
     moving ``bits``-bit blocks and their scales: (L-1) pieces of M chunks inside, (M-1) chunks across."""
-    fmt, nodes, local = BlockFormat(bits, BLOCK), WORLD // PER_NODE, PER_NODE
+    world = len(results)
+    nodes = WORLD // PER_NODE if world == WORLD else 1  # the world of 3 is one node
+    fmt, local = BlockFormat(bits, BLOCK), world // nodes
     for result in results:
         q, p = result["quantised"], result["plain"]
         plain = [r for r in p["log"] if r.kind is CommKind.REDUCE_SCATTER and r.label.startswith("grad_bucket")]
         hops = [r for r in q["log"] if r.kind is CommKind.ALL_TO_ALL]
         assert plain and not [r for r in q["log"] if r.kind is CommKind.REDUCE_SCATTER]
-        assert len(hops) == 2 * len(plain)  # the same reductions, each in two hops
-        across = plain_across = 0
-        for pr, inside, outside in zip(plain, hops[::2], hops[1::2]):
+        hops_per_bucket = 2 if nodes > 1 else 1  # within one node the first hop is the whole reduction
+        assert len(hops) == hops_per_bucket * len(plain)  # the same reductions
+        moved = plain_moved = 0
+        for i, pr in enumerate(plain):
             shard = q["shards"][int(pr.label.removeprefix("grad_bucket"))]
-            assert inside.label == outside.label == pr.label + ".qgz"
-            assert inside.scope is CommScope.INSIDE_NODE and outside.scope is CommScope.ACROSS_NODES
+            inside = hops[hops_per_bucket * i]
+            assert inside.label == pr.label + ".qgz" and inside.scope is CommScope.INSIDE_NODE
             assert inside.sent == (local - 1) * packed_bytes(nodes * shard, fmt)
+            if nodes == 1:
+                moved, plain_moved = moved + inside.sent, plain_moved + pr.sent
+                continue
+            outside = hops[2 * i + 1]
+            assert outside.label == pr.label + ".qgz" and outside.scope is CommScope.ACROSS_NODES
             assert outside.sent == (nodes - 1) * packed_bytes(shard, fmt)
-            across, plain_across = across + outside.sent, plain_across + pr.sent
-        # across nodes: (M-1) S elements at bits/8 bytes (+ scales) against the ring's (N-1) S of bf16's
-        assert across < plain_across * bits / 16 * (nodes - 1) / (WORLD - 1) * 1.2
-        assert q["by_scope"]["across_nodes"] - p["by_scope"]["across_nodes"] == across - plain_across
+            moved, plain_moved = moved + outside.sent, plain_moved + pr.sent
+        # across nodes: (M-1) S elements at bits/8 bytes (+ scales) against the ring's (N-1) S of bf16's;
+        # on one node, (L-1) S elements against the same ring's
+        assert moved < plain_moved * bits / 16 * max(nodes - 1, local - 1) / (world - 1) * 1.2
+        scope = "across_nodes" if nodes > 1 else "inside_node"
+        assert q["by_scope"][scope] - p["by_scope"][scope] == moved - plain_moved
         assert_falls(q["losses"])
         assert_falls(p["losses"])
         assert abs(q["losses"][-1] - p["losses"][-1]) <= 0.03 * p["losses"][-1]
@@ -121,25 +131,26 @@ def compute_gathers(log: list[CallRecord]) -> list[CallRecord]:
 
 def check_qwz_gathers_move_int8_blocks_and_train_as_unquantised(results: list[dict], directory: Path,
                                                                quantised: str, hybrid: bool) -> None:
-    fmt = BlockFormat(8, BLOCK)
+    fmt, world = BlockFormat(8, BLOCK), len(results)
     for result in results:
         q, p = result["quantised"], result["plain"]
         q_gathers, p_gathers = compute_gathers(q["log"]), compute_gathers(p["log"])
         assert len(q_gathers) == len(p_gathers) > 0  # the same gathers, in the same order
         moved = plain_moved = 0
         for qr, pr in zip(q_gathers, p_gathers):
-            if pr.group_size != WORLD:  # hpZ's later gathers, inside the node: the dequantised values as they are
+            if pr.group_size != world:  # hpZ's later gathers, inside the node: the dequantised values as they are
                 assert hybrid and qr == pr and pr.label.endswith(".hpz") and pr.scope is CommScope.INSIDE_NODE
                 continue
-            assert pr.full_bytes % (WORLD * BF16) == 0
-            shard = pr.full_bytes // (WORLD * BF16)
+            assert pr.full_bytes % (world * BF16) == 0
+            shard = pr.full_bytes // (world * BF16)
             if qr.label == pr.label:  # not quantised: only trainable buckets with the frozen-only key
                 assert quantised == "frozen" and qr == pr
                 continue
             # quantised: int8 payload + fp32 scales per block of each rank's chunk, never bf16's bytes
-            assert qr.label == pr.label + ".qwz" and qr.scope is pr.scope is CommScope.ACROSS_NODES
-            assert qr.full_bytes == WORLD * packed_bytes(shard, fmt) < pr.full_bytes
-            assert qr.sent == (WORLD - 1) * packed_bytes(shard, fmt)
+            assert qr.label == pr.label + ".qwz" and qr.scope is pr.scope
+            assert qr.scope is (CommScope.ACROSS_NODES if world == WORLD else CommScope.INSIDE_NODE)
+            assert qr.full_bytes == world * packed_bytes(shard, fmt) < pr.full_bytes
+            assert qr.sent == (world - 1) * packed_bytes(shard, fmt)
             moved, plain_moved = moved + qr.sent, plain_moved + pr.sent
         assert moved > 0
         if quantised == "all":  # a little over half of bf16's bytes: the scales, one per 64 elements
@@ -208,6 +219,10 @@ EXTENDED_CASES: list[Case] = [(QWZ, {"quantised": "all", "hybrid": True}), (QWZ,
                               (RESUME, {}), (QGZ, {"stage": 1, "bits": 4}), (QGZ, {"stage": 3, "bits": 8})]
 
 
+#: one node of three: every chunk and block size odd, qgZ in one hop
+ODD_CASES: list[Case] = [(QWZ, {"quantised": "all", "hybrid": False}), (QGZ, {"stage": 3, "bits": 4})]
+
+
 def labels(name: str, world: int, arguments: dict[str, Any]) -> dict[str, Any]:
     return {"check": name, "stage": 3, "world": world, "precision": "bf16", **arguments}
 
@@ -221,6 +236,11 @@ def test_zeropp_cases(tmp_path: Path) -> None:
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
 def test_zeropp_extended_cases(tmp_path: Path) -> None:
-    """On two nodes of two: qwZ with hpZ, for frozen parameters only, and a qwZ save loaded without it."""
+    """On two nodes of two: qwZ with hpZ, for frozen parameters only, a qwZ save loaded without it, and qgZ
+    at stage 1 (4 bits) and 3 (8 bits); on one node of three (odd sizes, one hop): qwZ and qgZ together at
+    stage 3."""
     nodes = run_family(WORLD, EXTENDED_CASES, WORKERS, labels=labels, root=tmp_path, ranks_per_node=PER_NODE)
     check_family(EXTENDED_CASES, nodes, CHECKS, WORLD, labels=labels, root=tmp_path)
+    three = tmp_path / "three"
+    odd = run_family(3, ODD_CASES, WORKERS, labels=labels, root=three)
+    check_family(ODD_CASES, odd, CHECKS, 3, labels=labels, root=three)
