@@ -20,6 +20,8 @@ from zs_common import make_model, rank_micro_batches, zero_config
 
 import zeroshard
 from zeroshard.distributed.collectives import CallRecord, CommKind, CommScope
+from zeroshard.planning.quantised_traffic import Quantisation
+from zeroshard.planning.scale_model import traffic_per_step
 from zeroshard.quantize import BlockFormat, packed_bytes
 from zeroshard.tools.testing import Case, check_family, run_family
 
@@ -93,12 +95,14 @@ def check_qgz_reduces_in_two_quantised_hops_and_trains_as_unquantised(results: l
             inside = hops[hops_per_bucket * i]
             assert inside.label == pr.label + ".qgz" and inside.scope is CommScope.INSIDE_NODE
             assert inside.sent == (local - 1) * packed_bytes(nodes * shard, fmt)
+            model = predicted(stage, shard * world, world, local, Quantisation(gradient_bits=bits, block=BLOCK))
+            assert model["grad_qgz_inside"] == inside.sent  # zeroshard estimate's bytes, exactly
             if nodes == 1:
                 moved, plain_moved = moved + inside.sent, plain_moved + pr.sent
                 continue
             outside = hops[2 * i + 1]
             assert outside.label == pr.label + ".qgz" and outside.scope is CommScope.ACROSS_NODES
-            assert outside.sent == (nodes - 1) * packed_bytes(shard, fmt)
+            assert outside.sent == (nodes - 1) * packed_bytes(shard, fmt) == model["grad_qgz_across"]
             moved, plain_moved = moved + outside.sent, plain_moved + pr.sent
         # across nodes: (M-1) S elements at bits/8 bytes (+ scales) against the ring's (N-1) S of bf16's;
         # on one node, (L-1) S elements against the same ring's
@@ -116,6 +120,15 @@ def check_qgz_reduces_in_two_quantised_hops_and_trains_as_unquantised(results: l
         moved = sum(float((p["state"][n].float() - start[n].float()).pow(2).sum()) for n in names)
         assert all(torch.isfinite(q["state"][n]).all() for n in names)
         assert not names or (off / moved) ** 0.5 < 0.5
+
+
+def predicted(stage: int, padded: int, world: int, per_node: int, quantisation: Quantisation,
+              hpz: Optional[int] = None) -> dict[str, int]:
+    """What ``zeroshard estimate``'s scale model says one call of each collective of a bucket of ``padded``
+    elements sends (bf16 gathers and reductions)."""
+    traffic = traffic_per_step(stage, padded, world, per_node, 1, BF16, BF16, hpz_partition_size=hpz,
+                               quantisation=quantisation)
+    return {c.name: c.bytes_sent // c.calls for c in traffic.by_collective}
 
 
 def assert_falls(losses: list[float]) -> None:
@@ -151,6 +164,9 @@ def check_qwz_gathers_move_int8_blocks_and_train_as_unquantised(results: list[di
             assert qr.scope is (CommScope.ACROSS_NODES if world == WORLD else CommScope.INSIDE_NODE)
             assert qr.full_bytes == world * packed_bytes(shard, fmt) < pr.full_bytes
             assert qr.sent == (world - 1) * packed_bytes(shard, fmt)
+            model = predicted(3, shard * world, world, PER_NODE if world == WORLD else world,
+                              Quantisation(weights=True, block=BLOCK), PER_NODE if hybrid else None)
+            assert qr.sent == model["param_gather_first_forward" if hybrid else "param_gather_forward"]
             moved, plain_moved = moved + qr.sent, plain_moved + pr.sent
         assert moved > 0
         if quantised == "all":  # a little over half of bf16's bytes: the scales, one per 64 elements

@@ -32,9 +32,10 @@ def test_round_trip_within_half_a_step(bits: int, numel: int, block: int) -> Non
 
 
 def test_sizes_and_exact_values() -> None:
-    assert BlockFormat(8, 4096).payload_bytes(4097) == 8192  # the last block padded
-    assert BlockFormat(4, 3).payload_bytes(5) == 3  # two blocks of 3, six nibbles
-    assert BlockFormat(4, 5).payload_bytes(5) == 3  # five nibbles in three bytes
+    assert BlockFormat(8, 4096).payload_bytes(4097) == 4097  # the last block's padding is not sent
+    assert BlockFormat(8, 4096).scale_bytes(4097) == 8  # but it has its scale
+    assert BlockFormat(4, 3).payload_bytes(5) == 3  # five nibbles in three bytes
+    assert BlockFormat(4, 5).payload_bytes(6) == 3
     zeros = torch.zeros(10)
     payload, scales = quantise(zeros, BlockFormat(4, 4))
     assert torch.equal(scales, torch.zeros(3)) and torch.equal(dequantise(payload, scales, 10, BlockFormat(4, 4)), zeros)

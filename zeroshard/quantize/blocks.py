@@ -1,66 +1,30 @@
 """Symmetric block quantisation of a flat tensor: int8, or 4-bit values packed two to a byte, with one
-fp32 scale per block of ``block`` elements.
+fp32 scale per block of ``block`` elements (the sizes: format.py).
 
 [Note: symmetric blocks of any size]
-A tensor of ``n`` elements is cut into ``ceil(n / block)`` blocks; the last one is padded with zeros,
-so no size needs to be a multiple of anything (DeepSpeed's CUDA quantiser asserts multiples of 8 and
-searches a group count that divides the size).  Each block's scale is its amax over ``qmax``
-(127 for 8 bits, 7 for 4 bits: the symmetric range, so that zero is exact and -qmax..qmax needs no
-offset), and each element is rounded to the nearest multiple of the scale: the round trip moves an
-element by at most half a step (``scale / 2``) of its own block, which is what bounds the error, and a
-block of zeros has scale 0 and comes back as zeros.  4-bit values are stored offset by 8 (1..15), two
-to a byte, the first element in the low nibble.  The packed form that travels is the payload followed
-by the scales' bytes, ``packed_bytes(n)`` bytes in all, so one collective moves both.
+A tensor of ``n`` elements is cut into ``ceil(n / block)`` blocks; the last one is padded with zeros
+for the arithmetic (the padding is never sent), so no size needs to be a multiple of anything
+(DeepSpeed's CUDA quantiser asserts multiples of 8 and searches a group count that divides the size).
+Each block's scale is its amax over ``qmax`` (127 for 8 bits, 7 for 4 bits: the symmetric range, so
+that zero is exact and -qmax..qmax needs no offset), and each element is rounded to the nearest
+multiple of the scale: the round trip moves an element by at most half a step (``scale / 2``) of its
+own block, which is what bounds the error, and a block of zeros has scale 0 and comes back as zeros.
+4-bit values are stored offset by 8 (1..15), two to a byte, the first element in the low nibble.  The
+packed form that travels is the payload (``ceil(n bits / 8)`` bytes) followed by the scales' bytes,
+``packed_bytes(n)`` bytes in all, so one collective moves both.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-__all__ = ["BlockFormat", "QuantisationError", "dequantise", "pack", "packed_bytes", "quantise", "unpack"]
+from .format import BlockFormat, packed_bytes
 
-SCALE = torch.float32
-BITS = (4, 8)
+__all__ = ["dequantise", "pack", "quantise", "unpack"]
 
-
-class QuantisationError(ValueError):
-    """A block format that cannot be used (bits other than 4 or 8, a block of fewer than one element)."""
-
-
-@dataclass(frozen=True)
-class BlockFormat:
-    """How a tensor is quantised: ``bits`` per element (4 or 8), one scale per ``block`` elements."""
-
-    bits: int = 8
-    block: int = 4096
-
-    def __post_init__(self) -> None:
-        if self.bits not in BITS:
-            raise QuantisationError(f"block quantisation has {self.bits} bits: it takes 4 or 8")
-        if self.block < 1:
-            raise QuantisationError(f"block quantisation's block size is {self.block}: it takes 1 or more elements")
-
-    @property
-    def qmax(self) -> int:
-        return (1 << (self.bits - 1)) - 1
-
-    def blocks(self, numel: int) -> int:
-        return -(-numel // self.block)
-
-    def payload_bytes(self, numel: int) -> int:
-        """Bytes of the quantised values of ``numel`` elements (the last block padded)."""
-        return -(-self.blocks(numel) * self.block * self.bits // 8)
-
-    def scale_bytes(self, numel: int) -> int:
-        return self.blocks(numel) * SCALE.itemsize
-
-
-def packed_bytes(numel: int, fmt: BlockFormat) -> int:
-    """Bytes of ``numel`` elements packed (payload, then scales)."""
-    return fmt.payload_bytes(numel) + fmt.scale_bytes(numel)
+SCALE = torch.float32  # format.py's SCALE_BYTES
 
 
 def _blocks_of(values: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
@@ -79,6 +43,7 @@ def quantise(values: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, torc
     scales = rows.abs().amax(dim=1) / fmt.qmax  # 0 for a block of zeros
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     q = torch.round(rows / safe[:, None]).clamp_(-fmt.qmax, fmt.qmax).to(torch.int8).reshape(-1)
+    q = q[: values.numel()]  # the last block's padding is not sent
     if fmt.bits == 8:
         return q.view(torch.uint8), scales
     nibbles = (q + 8).to(torch.uint8)
@@ -96,7 +61,9 @@ def dequantise(payload: torch.Tensor, scales: torch.Tensor, numel: int, fmt: Blo
         q = payload.view(torch.int8).float()
     else:
         q = torch.stack([payload & 0xF, payload >> 4], dim=1).reshape(-1).float() - 8
-    values = (q[: scales.numel() * fmt.block].view(-1, fmt.block) * scales[:, None]).reshape(-1)[:numel]
+    padded = scales.numel() * fmt.block
+    q = torch.cat([q[:numel], q.new_zeros(padded - numel)]) if padded != numel else q[:numel]
+    values = (q.view(-1, fmt.block) * scales[:, None]).reshape(-1)[:numel]
     if out is None:
         return values
     out.copy_(values)
