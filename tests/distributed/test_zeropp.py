@@ -112,6 +112,7 @@ def check_qgz_reduces_in_two_quantised_hops_and_trains_as_unquantised(results: l
         assert_falls(q["losses"])
         assert_falls(p["losses"])
         assert abs(q["losses"][-1] - p["losses"][-1]) <= 0.03 * p["losses"][-1]
+        assert q["memory"]["qgz_buffers"] > 0 and "qgz_buffers" not in p["memory"]
         # the trained weights: finite, and their distance from the unquantised run's a fraction of how far
         # training moved them (Adam moves an element by about lr whatever its gradient's size)
         start = make_model().state_dict()

@@ -379,7 +379,11 @@ class ShardingStrategy(ABC):
 
     def extra_memory(self) -> dict[str, Any]:
         """Stage-specific entries of the memory breakdown."""
-        return {}
+        if self.quantised_reduction is None:
+            return {}
+        # transient: each bucket in flight holds its two hops' packed buffers and fp32 sums while it reduces
+        largest = max(self.quantised_reduction.buffer_bytes(b.shard_numel) for b in self.layout.buckets)
+        return {"qgz_buffers": self.traits.max_buckets_in_flight * largest}
 
     # ------------------------------------------------------------------ stage-specific
     @abstractmethod

@@ -168,7 +168,7 @@ class Stage3(ShardedGradientStrategy):
         self.storage.drop_secondary()
 
     def extra_memory(self) -> dict[str, Any]:
-        out = {"persistent_params": self.storage.persistent_bytes(),
+        out = {**super().extra_memory(), "persistent_params": self.storage.persistent_bytes(),
                "gathered_params": self.storage.gathered_bytes(),
                # released pages waiting for the next gather (see host/page_reserve.py; none on a device)
                "parked_pages": self.storage.buffer_memory.parked_bytes}
