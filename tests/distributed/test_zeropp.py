@@ -66,13 +66,30 @@ def run(quantised: Optional[str], hybrid: bool, stage: int = 3, **zero: Any) -> 
     return out
 
 
-def quantised_and_plain(rank: int, world: int, directory: str, quantised: str, hybrid: bool) -> dict:
-    return {"quantised": run(quantised, hybrid), "plain": run(None, hybrid)}
+def quantised_and_plain(rank: int, world: int, directory: str, quantised: str, hybrid: bool,
+                        qgz: bool = False) -> dict:
+    """``qgz``: the quantised run reduces its gradients with qgZ too (hpZ + qwZ + qgZ: all of ZeRO++)."""
+    return {"quantised": run(quantised, hybrid, 3, **(qgz_keys(4) if qgz else {})), "plain": run(None, hybrid)}
+
+
+def qgz_keys(bits: int) -> dict:
+    return {"zero_quantized_gradients": True, "zero_quantized_gradients_bits": bits, "zero_quantized_block_size": BLOCK}
 
 
 def gradients_quantised_and_plain(rank: int, world: int, directory: str, stage: int, bits: int) -> dict:
-    qgz = {"zero_quantized_gradients": True, "zero_quantized_gradients_bits": bits, "zero_quantized_block_size": BLOCK}
-    return {"quantised": run(None, False, stage, **qgz), "plain": run(None, False, stage)}
+    return {"quantised": run(None, False, stage, **qgz_keys(bits)), "plain": run(None, False, stage)}
+
+
+def each_and_plain(rank: int, world: int, directory: str) -> dict:
+    """Stage 3 three times: without quantisation, with qwZ, with qgZ (4 bits)."""
+    return {"plain": run(None, False), "qwz": run("all", False), "qgz": run(None, False, 3, **qgz_keys(4))}
+
+
+def check_qwz_and_qgz_each_against_the_same_plain_run(results: list[dict], directory: Path) -> None:
+    check_qwz_gathers_move_int8_blocks_and_train_as_unquantised(
+        [{"quantised": r["qwz"], "plain": r["plain"]} for r in results], directory, "all", False)
+    check_qgz_reduces_in_two_quantised_hops_and_trains_as_unquantised(
+        [{"quantised": r["qgz"], "plain": r["plain"]} for r in results], directory, 3, 4)
 
 
 def check_qgz_reduces_in_two_quantised_hops_and_trains_as_unquantised(results: list[dict], directory: Path,
@@ -144,7 +161,7 @@ def compute_gathers(log: list[CallRecord]) -> list[CallRecord]:
 
 
 def check_qwz_gathers_move_int8_blocks_and_train_as_unquantised(results: list[dict], directory: Path,
-                                                               quantised: str, hybrid: bool) -> None:
+                                                               quantised: str, hybrid: bool, qgz: bool = False) -> None:
     fmt, world = BlockFormat(8, BLOCK), len(results)
     for result in results:
         q, p = result["quantised"], result["plain"]
@@ -175,7 +192,7 @@ def check_qwz_gathers_move_int8_blocks_and_train_as_unquantised(results: list[di
         # masters and training: the loss falls, close to the unquantised run's; finite weights
         assert_falls(q["losses"])
         assert_falls(p["losses"])
-        assert abs(q["losses"][-1] - p["losses"][-1]) <= 0.02 * p["losses"][-1]
+        assert abs(q["losses"][-1] - p["losses"][-1]) <= (0.03 if qgz else 0.02) * p["losses"][-1]
         for name, value in q["state"].items():
             assert torch.isfinite(value).all(), name
         assert q["memory"]["qwz_gather_buffers"] > 0 and "qwz_gather_buffers" not in p["memory"]
@@ -215,29 +232,30 @@ def check_refused_on_every_rank(results: list[str], directory: Path, stage: int,
 
 QWZ = "qwz_gathers_move_int8_blocks_and_train_as_unquantised"
 QGZ = "qgz_reduces_in_two_quantised_hops_and_trains_as_unquantised"
+EACH = "qwz_and_qgz_each_against_the_same_plain_run"
 RESUME = "a_save_with_qwz_loads_without_it"
 REFUSED = "refused_on_every_rank"
 WORKERS: dict[str, Callable[..., Any]] = {QWZ: quantised_and_plain, RESUME: resume_without, REFUSED: build_with,
-                                          QGZ: gradients_quantised_and_plain}
+                                          QGZ: gradients_quantised_and_plain, EACH: each_and_plain}
 CHECKS: dict[str, Callable[..., None]] = {QWZ: check_qwz_gathers_move_int8_blocks_and_train_as_unquantised,
                                           RESUME: check_a_save_with_qwz_loads_without_it,
                                           REFUSED: check_refused_on_every_rank,
-                                          QGZ: check_qgz_reduces_in_two_quantised_hops_and_trains_as_unquantised}
+                                          QGZ: check_qgz_reduces_in_two_quantised_hops_and_trains_as_unquantised,
+                                          EACH: check_qwz_and_qgz_each_against_the_same_plain_run}
 #: qwZ over all ranks and the refusals by default; with hpZ, for frozen parameters only and the save extended
 DEFAULT_CASES: list[Case] = [
-    (QWZ, {"quantised": "all", "hybrid": False}),
-    (QGZ, {"stage": 2, "bits": 4}),
+    (EACH, {}),
     (REFUSED, {"stage": 2, "zero": {"zero_quantized_weights": True},
                "words": "'zero_optimization.zero_quantized_weights' needs ZeRO stage 3"}),
     (REFUSED, {"stage": 3, "zero": {"zero_quantized_weights": True, "zero_quantized_block_size": 0},
                "words": "zero_quantized_block_size"}),
 ]
-EXTENDED_CASES: list[Case] = [(QWZ, {"quantised": "all", "hybrid": True}), (QWZ, {"quantised": "frozen", "hybrid": False}),
-                              (RESUME, {}), (QGZ, {"stage": 1, "bits": 4}), (QGZ, {"stage": 3, "bits": 8})]
+EXTENDED_CASES: list[Case] = [(QWZ, {"quantised": "all", "hybrid": True, "qgz": True}), (QWZ, {"quantised": "frozen", "hybrid": False}),
+                              (RESUME, {}), (QGZ, {"stage": 1, "bits": 4}), (QGZ, {"stage": 2, "bits": 8})]
 
 
 #: one node of three: every chunk and block size odd, qgZ in one hop
-ODD_CASES: list[Case] = [(QWZ, {"quantised": "all", "hybrid": False}), (QGZ, {"stage": 3, "bits": 4})]
+ODD_CASES: list[Case] = [(EACH, {})]
 
 
 def labels(name: str, world: int, arguments: dict[str, Any]) -> dict[str, Any]:
@@ -245,16 +263,16 @@ def labels(name: str, world: int, arguments: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_zeropp_cases(tmp_path: Path) -> None:
-    """On two nodes of two: qwZ's gathers and training; qwZ at stage 2 and a block size of 0 refused on
-    every rank."""
+    """On two nodes of two, stage 3: qwZ's gathers and qgZ's reductions, each against the same unquantised
+    run; qwZ at stage 2 and a block size of 0 refused on every rank."""
     nodes = run_family(WORLD, DEFAULT_CASES, WORKERS, labels=labels, root=tmp_path, ranks_per_node=PER_NODE)
     check_family(DEFAULT_CASES, nodes, CHECKS, WORLD, labels=labels, root=tmp_path)
 
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
 def test_zeropp_extended_cases(tmp_path: Path) -> None:
-    """On two nodes of two: qwZ with hpZ, for frozen parameters only, a qwZ save loaded without it, and qgZ
-    at stage 1 (4 bits) and 3 (8 bits); on one node of three (odd sizes, one hop): qwZ and qgZ together at
+    """On two nodes of two: qwZ with hpZ and qgZ (all of ZeRO++), qwZ for frozen parameters only, a qwZ save loaded without it, and qgZ
+    at stages 1 (4 bits) and 2 (8 bits); on one node of three (odd sizes, qgZ in one hop): qwZ and qgZ at
     stage 3."""
     nodes = run_family(WORLD, EXTENDED_CASES, WORKERS, labels=labels, root=tmp_path, ranks_per_node=PER_NODE)
     check_family(EXTENDED_CASES, nodes, CHECKS, WORLD, labels=labels, root=tmp_path)
