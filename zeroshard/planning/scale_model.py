@@ -510,8 +510,11 @@ def sharding_estimate(req: EstimateRequest, cluster: Cluster, sharding: Sharding
     multiple = sharding.padding_multiple or dp
     numel = math.ceil(sum(psi for psi, _ in state_parts(req)) / multiple) * multiple
     held = req.pipeline is not None and req.pipeline.holds_gathered_parameters(sharding.stage)
+    quant = req.quantisation  # the engine refuses qgZ beside MiCS, and ZeRO++ inside a pipeline
+    if quant is not None and (sharding.mics_shard_size is not None or pp > 1):
+        quant = dataclasses.replace(quant, gradient_bits=None, weights=quant.weights and pp == 1)
     zero = traffic_per_step(sharding.stage, numel, dp, cluster.gpus_per_node, micro_steps, elem, elem,
-                            sharding.mics_shard_size, sharding.hpz_partition_size, tp, pp, held, req.quantisation)
+                            sharding.mics_shard_size, sharding.hpz_partition_size, tp, pp, held, quant)
     traffic = Traffic(micro_steps, zero.by_collective + tuple(model_parallel))
     forward, backward = compute_seconds(req.num_params / (tp * pp), req.micro_batch * req.seq_len, cluster.tflops,
                                         req.checkpointing)
