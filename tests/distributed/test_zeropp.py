@@ -6,7 +6,8 @@ it loaded without it, and the refusals of what it does not serve.
 Each training case runs the same job twice, without and with quantisation, from the same seed: the
 gathers must be the same calls in the same order, each quantised one moving exactly ``payload +
 scales`` bytes per rank (never the parameters' own bytes), the loss must fall and stay close to the
-unquantised run's.  One world of four runs every case in turn (``run_family``).
+unquantised run's.  The cases on four ranks join test_hybrid.py's worlds of two nodes of two (one launch
+each for the default and the extended cases, ``run_family``); this file launches only the world of three.
 """
 
 from __future__ import annotations
@@ -244,7 +245,8 @@ CHECKS: dict[str, Callable[..., None]] = {QWZ: check_qwz_gathers_move_int8_block
                                           REFUSED: check_refused_on_every_rank,
                                           QGZ: check_qgz_reduces_in_two_quantised_hops_and_trains_as_unquantised,
                                           EACH: check_qwz_and_qgz_each_against_the_same_plain_run}
-#: qwZ over all ranks and the refusals by default; with hpZ, for frozen parameters only and the save extended
+#: on two nodes of two (run in test_hybrid.py's worlds): qwZ and qgZ at stage 3 and the refusals by default;
+#: all of ZeRO++ with hpZ, qwZ for frozen parameters only, the save, and qgZ at stages 1-2 extended
 DEFAULT_CASES: list[Case] = [
     (EACH, {}),
     (REFUSED, {"stage": 2, "zero": {"zero_quantized_weights": True},
@@ -264,20 +266,9 @@ def labels(name: str, world: int, arguments: dict[str, Any]) -> dict[str, Any]:
     return {"check": name, "stage": 3, "world": world, "precision": "bf16", **arguments}
 
 
-def test_zeropp_cases(tmp_path: Path) -> None:
-    """On two nodes of two, stage 3: qwZ's gathers and qgZ's reductions, each against the same unquantised
-    run; qwZ at stage 2 and a block size of 0 refused on every rank."""
-    nodes = run_family(WORLD, DEFAULT_CASES, WORKERS, labels=labels, root=tmp_path, ranks_per_node=PER_NODE)
-    check_family(DEFAULT_CASES, nodes, CHECKS, WORLD, labels=labels, root=tmp_path)
-
-
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
-def test_zeropp_extended_cases(tmp_path: Path) -> None:
-    """On two nodes of two: qwZ with hpZ and qgZ (all of ZeRO++), qwZ for frozen parameters only, a qwZ save loaded without it, and qgZ
-    at stages 1 (4 bits) and 2 (8 bits); on one node of three (odd sizes, qgZ in one hop): qwZ and qgZ at
-    stage 3."""
-    nodes = run_family(WORLD, EXTENDED_CASES, WORKERS, labels=labels, root=tmp_path, ranks_per_node=PER_NODE)
-    check_family(EXTENDED_CASES, nodes, CHECKS, WORLD, labels=labels, root=tmp_path)
-    three = tmp_path / "three"
-    odd = run_family(3, ODD_CASES, WORKERS, labels=labels, root=three)
-    check_family(ODD_CASES, odd, CHECKS, 3, labels=labels, root=three)
+def test_zeropp_on_one_node_of_three(tmp_path: Path) -> None:
+    """On one node of three (odd sizes, qgZ in one hop): qwZ and qgZ at stage 3.  The cases on two nodes of
+    two run in test_hybrid.py's worlds (``DEFAULT_CASES``, ``EXTENDED_CASES``)."""
+    odd = run_family(3, ODD_CASES, WORKERS, labels=labels, root=tmp_path)
+    check_family(ODD_CASES, odd, CHECKS, 3, labels=labels, root=tmp_path)
