@@ -105,9 +105,9 @@ class _TwoHops:
         local, nodes, me = plan.local, plan.nodes, plan.inside.world.rank
         rank = (plan.across.world.rank if plan.across is not None else 0) * local + me
         chunks = self.full.view(nodes, local, shard)
-        sums = chunks[:, me, :].to(torch.float32, copy=True)  # this rank's own parts, exact
-        if self.own is not None:
-            sums[rank // local] = self.own.float()
+        sums = torch.empty(nodes, shard, dtype=torch.float32, device=self.full.device)
+        for node in range(nodes):  # this rank's own parts, exact; its own chunk's from ``own`` where given
+            sums[node].copy_(self.own if self.own is not None and node == rank // local else chunks[node, me])
         if local == 1:
             return sums
         size = packed_bytes(nodes * shard, plan.format)
