@@ -140,7 +140,7 @@ def exact_after_fp8(rank: int, world: int) -> tuple[int, float]:
     run_steps(engine, rank, world, range(1))
     (x, y), = rank_micro_batches(1, rank, world, MICRO, 1)
     loss = engine(x, y)
-    held = len(engine.storage._gathered_in_fp8)
+    held = len(engine.storage._gathered_compressed)
     full = engine.full_state_dict(rank0_only=False)
     masters = full_masters(engine)
     engine.backward(loss)

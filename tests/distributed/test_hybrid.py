@@ -3,9 +3,9 @@ zeroshard is told are two nodes of two (as torchrun tells them): each trains as 
 whole global batch, and every collective is where it should be, checked call by call: which group it
 ran over, whether its bytes stayed inside a node, and the exact bytes that crossed nodes.
 
-One world of four runs its cases in turn (``run_family``), each from the same seed, in a directory of
-its own, with engines it closes; the test then checks every case, and a failure names the case: its
-check, stage, world size, hybrid sharding and arguments.
+One world of four runs its cases in turn (``run_family``), ZeRO++'s qwZ and qgZ too (test_zeropp.py),
+each from the same seed, in a directory of its own, with engines it closes; the test then checks every
+case, and a failure names the case: its check, stage, world size, hybrid sharding and arguments.
 """
 
 from __future__ import annotations
@@ -16,6 +16,11 @@ from typing import Any, Callable
 import pytest
 import torch
 from safetensors import safe_open
+from test_zeropp import CHECKS as ZEROPP_CHECKS
+from test_zeropp import DEFAULT_CASES as ZEROPP_DEFAULT_CASES
+from test_zeropp import EXTENDED_CASES as ZEROPP_EXTENDED_CASES
+from test_zeropp import WORKERS as ZEROPP_WORKERS
+from test_zeropp import labels as zeropp_labels
 from zs_common import make_model, rank_micro_batches, single_process_reference, zero_config
 
 import zeroshard
@@ -236,33 +241,37 @@ RESUME = "hybrid_checkpoints_resume_exactly_and_reshard"
 REFUSED = "a_group_size_that_does_not_divide_the_world_is_refused_on_every_rank"
 #: each case's worker (called with the case's own directory first), and the check of its results (one per rank)
 WORKERS: dict[str, Callable[..., Any]] = {MICS: train_and_log, HPZ: train_and_log, RESUME: save_resume_modify,
-                                          REFUSED: build_with}
+                                          REFUSED: build_with, **ZEROPP_WORKERS}
 CHECKS: dict[str, Callable[..., None]] = {
     MICS: check_mics_trains_as_one_process_and_only_the_replica_all_reduce_crosses_nodes,
     HPZ: check_hpz_trains_as_one_process_and_gathers_inside_the_node_after_the_first,
     RESUME: check_hybrid_checkpoints_resume_exactly_and_reshard,
     REFUSED: check_a_group_size_that_does_not_divide_the_world_is_refused_on_every_rank,
+    **ZEROPP_CHECKS,  # ZeRO++'s qwZ and qgZ (test_zeropp.py), on the same two nodes of two
 }
 
 #: on two nodes of two (world 4): MiCS at stage 3 and the refusals of a group size of 3 by default, the
 #: rest extended
 DEFAULT_NODE_CASES: list[Case] = [(MICS, {"stage": 3, "hybrid": "mics"}),
                                   (REFUSED, {"stage": 3, "zero": {"mics_shard_size": 3}}),
-                                  (REFUSED, {"stage": 3, "zero": {"zero_hpz_partition_size": 3}})]
+                                  (REFUSED, {"stage": 3, "zero": {"zero_hpz_partition_size": 3}}),
+                                  *ZEROPP_DEFAULT_CASES]
 EXTENDED_NODE_CASES: list[Case] = [(MICS, {"stage": 1, "hybrid": "mics"}), (MICS, {"stage": 2, "hybrid": "mics"}),
                                    (HPZ, {"stage": 3, "hybrid": "hpz"}),
-                                   (RESUME, {"hybrid": "mics"}), (RESUME, {"hybrid": "hpz"})]
+                                   (RESUME, {"hybrid": "mics"}), (RESUME, {"hybrid": "hpz"}), *ZEROPP_EXTENDED_CASES]
 
 
 def labels(name: str, world: int, arguments: dict[str, Any]) -> dict[str, Any]:
     """How a case is named in failures: its check, stage, world size, precision and other arguments."""
+    if name in ZEROPP_CHECKS:
+        return zeropp_labels(name, world, arguments)
     rest = {"stage": 3, **arguments}
     return {"check": name, "stage": rest.pop("stage"), "world": world, "precision": "fp32", **rest}
 
 
 def test_hybrid_cases(tmp_path: Path) -> None:
     """On two nodes of two: MiCS at stage 3; a group size that does not divide the world (3) is refused
-    on every rank (MiCS and hpZ)."""
+    on every rank (MiCS and hpZ); ZeRO++'s qwZ and qgZ at stage 3 and their refusals (test_zeropp.py)."""
     nodes = run_family(WORLD, DEFAULT_NODE_CASES, WORKERS, labels=labels, root=tmp_path, ranks_per_node=PER_NODE)
     check_family(DEFAULT_NODE_CASES, nodes, CHECKS, WORLD, labels=labels, root=tmp_path)
 
@@ -270,7 +279,7 @@ def test_hybrid_cases(tmp_path: Path) -> None:
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
 def test_hybrid_extended_cases(tmp_path: Path) -> None:
     """On two nodes of two: MiCS at stages 1 and 2, hpZ, and checkpoints of both that resume exactly and
-    reshard: each save is then loaded by plain stage 2 on 3 ranks."""
+    reshard: each save is then loaded by plain stage 2 on 3 ranks; ZeRO++'s extended cases (test_zeropp.py)."""
     nodes = run_family(WORLD, EXTENDED_NODE_CASES, WORKERS, labels=labels, root=tmp_path, ranks_per_node=PER_NODE)
     saves = [index for index, (name, _) in enumerate(EXTENDED_NODE_CASES) if name == RESUME]
     loaded = run_world(load_plain, 3, args=([str(case_directory(tmp_path, i)) for i in saves],), timeout=600)[0]

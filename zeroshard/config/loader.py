@@ -42,6 +42,7 @@ def load_config(source: Union[str, os.PathLike, Mapping[str, Any], ZeroshardConf
         _check_offload(config)
         _check_checkpointing(config)
         _check_hybrid(config)
+        _check_quantised_gathers(config)
         _check_sequence_parallel(config)
         _check_compile(config)
         check_allreduce_op(config.gradient_allreduce_op, config.stage)
@@ -264,6 +265,34 @@ def _check_hybrid(config: ZeroshardConfig) -> None:
         raise ConfigError("'checkpoint.use_node_local_storage' is not supported with "
                           "'zero_optimization.mics_shard_size' yet (the first shard group writes every shard); "
                           "save to a shared directory")
+
+
+def _check_quantised_gathers(config: ZeroshardConfig) -> None:
+    """ZeRO++'s qwZ quantises stage 3's gathers: refused where there are none, and beside FP8 gathers,
+    which would claim the same buckets; qgZ replaces the reduce-scatter to each chunk's owner: refused
+    where there is none (stage 0, ``reduce_scatter: false``) and beside MiCS."""
+    zero = config.zero_optimization
+    for name in ("zero_quantized_weights", "zero_quantized_nontrainable_weights"):
+        if getattr(zero, name) and zero.stage != 3:
+            raise ConfigError(f"'zero_optimization.{name}' needs ZeRO stage 3 (it quantises stage 3's parameter "
+                              f"gathers; stages 0-2 gather nothing for compute); the config says stage "
+                              f"{zero.stage}: set 'zero_optimization.stage' to 3 or the key to false")
+    if zero.zero_quantized_gradients:
+        if zero.stage == 0:
+            raise ConfigError("'zero_optimization.zero_quantized_gradients' needs ZeRO stage 1, 2 or 3 (it replaces "
+                              "the reduce-scatter of gradients to their owners; stage 0 all-reduces them): set "
+                              "'zero_optimization.stage' or the key to false")
+        if not zero.reduce_scatter:
+            raise ConfigError("'zero_optimization.zero_quantized_gradients' with 'zero_optimization.reduce_scatter': "
+                              "false: qgZ is a reduction to each chunk's owner; remove one of the two")
+        if zero.mics_shard_size > 0:
+            raise ConfigError("'zero_optimization.zero_quantized_gradients' with 'zero_optimization.mics_shard_size' "
+                              "is not supported (the replicas' all-reduce would stay unquantised); choose one")
+    fp8 = config.fp8
+    if zero.zero_quantized_weights and fp8.enabled and fp8.gather_weights_in_fp8:
+        raise ConfigError("'zero_optimization.zero_quantized_weights' with 'fp8.gather_weights_in_fp8': both "
+                          "would compress the FP8 layers' weight gathers; set 'fp8.gather_weights_in_fp8' to "
+                          "false (int8 gathers of every weight) or 'zero_quantized_weights' to false")
 
 
 def _check_compile(config: ZeroshardConfig) -> None:

@@ -368,6 +368,28 @@ class ZeroConfig:
         1, "ZeRO++ hpZ (stage 3): a secondary partition of the parameters over groups of this many consecutive "
         "ranks (a node); after the first gather of each step, gathers stay inside the group. 1: off. Must divide "
         "the world size.", positive)
+    zero_quantized_weights: bool = key(
+        False, "ZeRO++ qwZ (stage 3): every gather of parameters for forward and backward moves them as int8, "
+        "symmetric in blocks of `zero_quantized_block_size` elements with one fp32 scale each (about half of "
+        "bf16's bytes, a quarter of fp32's), dequantised into the gathered unit; masters, optimizer state, "
+        "checkpoints and gathers for anything but compute stay exact. With hpZ the gather over all ranks is "
+        "quantised and the secondary partition keeps its dequantised values, gathered inside the node as they "
+        "are (docs/MULTI_NODE.md, \"ZeRO++\").")
+    zero_quantized_nontrainable_weights: bool = key(
+        False, "ZeRO++ (stage 3): as `zero_quantized_weights`, for frozen parameters only (a LoRA base); their "
+        "stored shards stay in their own dtype.")
+    zero_quantized_gradients: bool = key(
+        False, "ZeRO++ qgZ (stages 1-3): each gradient bucket is reduced by two all-to-alls of block-quantised "
+        "values (`zero_quantized_gradients_bits`), inside the node then across nodes, dequantised and summed in "
+        "fp32 between them, instead of a reduce-scatter; within one node one all-to-all. A rank's own part of its "
+        "chunk is never quantised. Experts' buckets reduce as without it (docs/MULTI_NODE.md, \"ZeRO++\").")
+    zero_quantized_gradients_bits: int = key(
+        4, "zeroshard's own key: bits per gradient element of `zero_quantized_gradients` (4, packed two to a "
+        "byte, or 8).", lambda v: None if v in (4, 8) else "4 or 8")
+    zero_quantized_block_size: int = key(
+        4096, "zeroshard's own key: elements per fp32 scale of the blocks of `zero_quantized_weights` and "
+        "`zero_quantized_gradients` (DeepSpeed's quantiser aims at groups of 4k-8k elements per tensor; "
+        "zeroshard's blocks run over each rank's chunk, any size, the last block padded).", positive)
     host_page_reuse: bool = key(
         True, "zeroshard's own key: in host memory on Linux (a CPU run), buffers kept for the run (stage 3's "
         "gathered units and gradient chunks, every stage's gradient bucket pool) keep their addresses and give "
@@ -589,7 +611,7 @@ NOT_SUPPORTED_YET: dict[str, tuple[str, ...]] = {
     "zero_optimization": (
         "round_robin_gradients",
         "load_from_fp32_weights", "ignore_unused_parameters", "pipeline_loading_checkpoint",
-        "zero_quantized_weights", "zero_quantized_gradients", "use_multi_rank_bucket_allreduce",
+        "use_multi_rank_bucket_allreduce",
         "stage3_use_all_reduce_for_fetch_params",
     ),
     "fp16": ("auto_cast", "fp16_master_weights_and_grads"),

@@ -127,6 +127,15 @@ class DeepSpeedEngineAPI:
     def zero_offload_param(self) -> bool:
         return self._engine.config.zero_optimization.offload_param.device != "none"
 
+    def zero_quantized_weights(self) -> bool:
+        return self._engine.config.zero_optimization.zero_quantized_weights
+
+    def zero_quantized_nontrainable_weights(self) -> bool:
+        return self._engine.config.zero_optimization.zero_quantized_nontrainable_weights
+
+    def zero_quantized_gradients(self) -> bool:
+        return self._engine.config.zero_optimization.zero_quantized_gradients
+
     def gradient_clipping(self) -> float:
         return self._engine.config.gradient_clipping
 

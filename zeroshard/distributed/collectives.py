@@ -319,6 +319,25 @@ class Collectives:
                   lambda: dist.all_to_all_single(output, input, group=self.world.group, async_op=True), False,
                   input)
 
+    def count_all_to_all(self, input_bytes: int, label: str) -> CommCounter:
+        """Account, on the launching thread, an all-to-all of ``input_bytes`` per rank that a job on a
+        progress thread runs later (:meth:`exchange`), so that the ledger's order is the launch order."""
+        self.ledger.gate.open()
+        return self._account(CommKind.ALL_TO_ALL, input_bytes, 1, label)
+
+    def exchange(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """An all-to-all counted at launch (:meth:`count_all_to_all`), blocking, for a job on this group's
+        progress thread (see [Note: rings progress on their own thread] in distributed/ring_progress.py)."""
+        if not self.world.is_distributed:
+            output.copy_(input)
+            return
+        dist.all_to_all_single(output, input, group=self.world.group)
+
+    def drive(self, job: Ring, label: str, counter: CommCounter) -> PendingCollective:
+        """Hand ``job`` (whose ``wait`` runs collectives of this group) to the group's progress thread; in
+        flight until its ``wait()``."""
+        return PendingCollective(self._driven(job), label, counter, self.world.timeout_s)
+
     def all_to_all_uneven(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
                           input_splits: list[int], label: str, total_bytes: int) -> None:
         """Rank r's ``output`` gets, in rank order, the ``output_splits[q]`` elements every rank q sends

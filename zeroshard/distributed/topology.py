@@ -96,6 +96,11 @@ class ShardGroups:
     expert_grads: Optional[Collectives] = None
     #: sequence parallelism: the ranks that split each sequence (blocks of ``sp`` consecutive ranks)
     sequence: Optional[Collectives] = None
+    #: ZeRO++'s qgZ: the shard group's ranks on this rank's node, and the ranks of the same local index on
+    #: every node (None on one node), for the gradients' two all-to-alls alone (see [Note: gradients
+    #: reduced in two quantised hops] in sharding/quantised_reduction.py)
+    grads_inside_node: Optional[Collectives] = None
+    grads_across_nodes: Optional[Collectives] = None
 
     @property
     def data_parallel_size(self) -> int:
@@ -103,7 +108,8 @@ class ShardGroups:
 
     def _side(self) -> list[Collectives]:
         return [c for c in (self.shard, self.replicas, self.secondary, self.grads, self.rounds,
-                            self.expert_parallel, self.expert_data, self.expert_grads, self.sequence)
+                            self.expert_parallel, self.expert_data, self.expert_grads, self.sequence,
+                            self.grads_inside_node, self.grads_across_nodes)
                 if c is not None and c.world.group is not None]
 
     def release(self) -> None:
@@ -142,13 +148,13 @@ def _own_group(comm: Collectives, topology: Topology, partition: Sequence[Sequen
 
 
 def build_shard_groups(comm: Collectives, topology: Topology, axes: ParallelDims,
-                       gathers_in_passes: bool = False) -> ShardGroups:
+                       gathers_in_passes: bool = False, quantised_gradients: bool = False) -> ShardGroups:
     """The engine's :class:`ShardGroups` over ``comm``'s world, the ZeRO world of ``axes`` (its ranks
     numbered by position): MiCS's shard and replica groups (``axes.dp_replicate`` > 1), hpZ's secondary
     partitions (``axes.hpz`` > 1), the expert groups (``axes.ep`` > 1) and the sequence groups
     (``axes.sp`` > 1), each from
     :meth:`ParallelDims.positions`.  ``gathers_in_passes`` (stage 3): with the groups its gather rounds
-    need."""
+    need; ``quantised_gradients`` (qgZ): with the groups of its two all-to-alls."""
     n = comm.world.world_size
     if n != axes.zero_size:
         raise ValueError(f"the engine's world has {n} ranks, but the axes {axes.describe()} shard over "
@@ -161,6 +167,10 @@ def build_shard_groups(comm: Collectives, topology: Topology, axes: ParallelDims
         groups.expert_data = _own_group(comm, topology, axes.positions("expert_data"))
         if gathers_in_passes:  # a second copy of the experts' groups, for their gradients alone
             groups.expert_grads = _own_group(comm, topology, axes.positions("expert_data"))
+    if quantised_gradients and comm.world.is_distributed and groups.shard.world.world_size > 1:
+        inside, across = node_partitions(axes.positions("shard"), topology)
+        groups.grads_inside_node = _own_group(comm, topology, inside)
+        groups.grads_across_nodes = _own_group(comm, topology, across) if across else None
     if gathers_in_passes and comm.world.is_distributed:
         groups.grads = _own_group(comm, topology, axes.positions("shard"))
         rounds = new_side_group(comm.world, backend="gloo")
@@ -169,6 +179,30 @@ def build_shard_groups(comm: Collectives, topology: Topology, axes: ParallelDims
         groups.rounds = Collectives(dataclasses.replace(comm.world, group=rounds, device=torch.device("cpu"),
                                                         backend="gloo"), CommLedger(comm.ledger.gate))
     return groups
+
+
+def node_partitions(shard_groups: Sequence[Sequence[int]],
+                    topology: Topology) -> tuple[list[list[int]], list[list[int]]]:
+    """Each shard group cut into its nodes (blocks of consecutive ranks on one node) and into the ranks of
+    the same local index on each node: (inside, across; empty on one node).  A group whose nodes are not
+    equal blocks of consecutive ranks is one block, with nothing across (see [Note: gradients reduced in
+    two quantised hops] in sharding/quantised_reduction.py)."""
+    whole = [list(ranks) for ranks in shard_groups]
+    inside: list[list[int]] = []
+    across: list[list[int]] = []
+    for ranks in shard_groups:
+        blocks: list[list[int]] = []
+        for rank in ranks:
+            if blocks and topology.node_of[blocks[-1][-1]] == topology.node_of[rank]:
+                blocks[-1].append(rank)
+            else:
+                blocks.append([rank])
+        even = len({len(b) for b in blocks}) == 1 and len({topology.node_of[b[0]] for b in blocks}) == len(blocks)
+        if not even or len(blocks) == 1:  # every group is cut alike: one hop for all
+            return whole, []
+        inside.extend(blocks)
+        across.extend([block[local] for block in blocks] for local in range(len(blocks[0])))
+    return inside, across
 
 
 def _sharding_groups(comm: Collectives, topology: Topology, axes: ParallelDims) -> ShardGroups:

@@ -175,7 +175,8 @@ class Engine:
         self.expert_parallel_size = checked_expert_axis(self.module, self.parallel_dims.ep, plain,
                                                         self._built_under_init)
         self.shard_groups = build_shard_groups(self.comm, self.topology, self.parallel_dims,
-                                               STRATEGIES[self.config.stage].traits.gathers_in_passes)
+                                               STRATEGIES[self.config.stage].traits.gathers_in_passes,
+                                               zero.zero_quantized_gradients)
         bind_expert_groups(self.module, self.shard_groups.expert_parallel, self.comm)
         exchange, experts_data = self.shard_groups.expert_parallel, self.shard_groups.expert_data
         #: DeepSpeed's deepspeed.utils.groups answers with these while the engine lives

@@ -35,6 +35,6 @@ def gather_fp8_weights(storage: Any, weights: Sequence[torch.Tensor], block: "FP
     indices = {i for i, p in enumerate(storage.params) if id(p) in chosen}
     buckets = [b for b in storage.layout.buckets if b.index not in storage.persistent]
     gathers = Fp8Gathers(buckets, indices, storage.dtype.itemsize)
-    storage.gather_in_fp8(gathers)
+    storage.compress_gathers(gathers)
     log_rank(f"fp8: stage 3 gathers {len(gathers.plans)} buckets of FP8 weights in FP8")
     return True

@@ -10,7 +10,10 @@ make buckets divisible by N), ``optimizer_other`` (per-tensor scalars such as Ad
 gradient-bucket buffers, bounded by ``reduce_bucket_size`` rather than by the model).  With stage 3's
 FP8 gathers, ``fp8_gather_buffers`` is the largest gather's packed FP8 chunks (this rank's and every
 rank's), held only while that gather runs; the gathered weights themselves are in ``gathered_params``
-as without them (dequantised into the buckets' buffers), and FP8 layers cache no FP8 weight.
+as without them (dequantised into the buckets' buffers), and FP8 layers cache no FP8 weight.  ZeRO++'s
+qwZ is counted the same way under ``qwz_gather_buffers`` (int8 chunks and their scales), and qgZ's
+``qgz_buffers`` is what the reductions in flight hold while they run (each bucket's two hops' packed
+buffers and its fp32 sums); neither is held between steps.
 
 [Note: hybrid sharding memory]
 MiCS (``mics_shard_size: S``) shards the state over groups of S ranks and replicates it across the

@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .quantised_traffic import Quantisation
+
 __all__ = ["ModelShape", "EstimateError", "PipelineShape", "MoEShape", "moe_from_hf_config", "TensorShape",
            "SequenceShape", "EstimateRequest", "check_parallel", "check_tensor", "check_sequence", "tensor_rank_params",
            "tensor_parallel_size", "pipeline_stage_count", "data_parallel_size"]
@@ -189,6 +191,8 @@ class EstimateRequest:
     flash_attention: bool = False
     #: FP8 linear layers (the ``fp8`` block): stage 3 gathers their weights at one byte per element
     fp8: bool = False
+    #: ZeRO++'s qwZ and qgZ (the config's ``zero_quantized_*`` keys): the scale model counts their bytes
+    quantisation: Optional[Quantisation] = None
 
 
 def check_parallel(req: EstimateRequest) -> None:

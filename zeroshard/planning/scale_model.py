@@ -105,6 +105,7 @@ from typing import Optional, Sequence, Union
 from ..distributed.parallel_dims import ParallelDims
 from .estimate_request import EstimateRequest, data_parallel_size, pipeline_stage_count, tensor_parallel_size
 from .estimator import GB, StageEstimate, estimate_hybrid, state_parts
+from .quantised_traffic import Quantisation
 
 __all__ = ["Phase", "CollectiveTraffic", "Traffic", "group_placement", "traffic_per_step", "Sharding", "Cluster",
            "StepTime", "ScaleEstimate", "compute_seconds", "bubble_factor", "step_time", "default_shardings",
@@ -247,8 +248,10 @@ def _check(stage: int, dims: ParallelDims, ranks_per_node: int, micro_steps: int
 
 
 def _bucket_traffic(stage: int, numel: int, groups: _ZeroGroups, k: int, p: int, g: int,
-                    mics: Optional[int], hpz: Optional[int], gather_once: bool) -> list[CollectiveTraffic]:
-    """The collectives of one bucket of ``numel`` elements (see [Note: what the scale model counts])."""
+                    mics: Optional[int], hpz: Optional[int], gather_once: bool,
+                    quant: Optional[Quantisation] = None) -> list[CollectiveTraffic]:
+    """The collectives of one bucket of ``numel`` elements (see [Note: what the scale model counts];
+    ``quant``: [Note: quantised bytes in the scale model] in planning/quantised_traffic.py)."""
     world, shard = groups.data, groups.shard
     out: list[CollectiveTraffic] = []
 
@@ -257,26 +260,40 @@ def _bucket_traffic(stage: int, numel: int, groups: _ZeroGroups, k: int, p: int,
             out.append(CollectiveTraffic(name, kind, phase, calls, group.size, group.crosses_nodes,
                                          group.ranks_per_node, calls * _sent(kind, group.size, full_bytes)))
 
+    def reduce(phase: Phase, calls: int, group: _Group) -> None:  # a reduce-scatter, or qgZ's two hops
+        if quant is None or quant.gradient_bits is None:
+            add("grad_reduce_scatter", "reduce_scatter", phase, calls, group, grads)
+            return
+        local = group.ranks_per_node if group.crosses_nodes else group.size
+        nodes = group.size // local
+        inside, across = quant.hop_full_bytes(numel, local, nodes)
+        if local > 1:
+            add("grad_qgz_inside", "all_to_all", phase, calls, _Group(local, False, local), inside)
+        if nodes > 1:
+            add("grad_qgz_across", "all_to_all", phase, calls, _Group(nodes, True, 1), across)
+
     params, grads = numel * p, numel * g
+    qwz = quant is not None and quant.weights
     if stage == 0:
         add("grad_all_reduce", "all_reduce", Phase.BOUNDARY, 1, world, grads)
     elif stage in (1, 2):
-        add("grad_reduce_scatter", "reduce_scatter", Phase.BOUNDARY if stage == 1 else Phase.BACKWARD,
-            1 if stage == 1 else k, shard, grads)
+        reduce(Phase.BOUNDARY if stage == 1 else Phase.BACKWARD, 1 if stage == 1 else k, shard)
         add("param_gather_after_step", "all_gather", Phase.AFTER_STEP, 1, shard, params)
     elif hpz is not None:
         assert groups.secondary is not None
-        add("param_gather_first_forward", "all_gather", Phase.FIRST_FORWARD, 1, world, params)
+        first = quant.gather_full_bytes(numel, world.size) if quant is not None and qwz else params
+        add("param_gather_first_forward", "all_gather", Phase.FIRST_FORWARD, 1, world, first)
         add("param_gather_forward_hpz", "all_gather", Phase.LATER_FORWARDS, k - 1, groups.secondary, params)
         add("param_gather_backward_hpz", "all_gather", Phase.BACKWARD, k, groups.secondary, params)
-        add("grad_reduce_scatter", "reduce_scatter", Phase.BACKWARD, k, world, grads)
+        reduce(Phase.BACKWARD, k, world)
     elif gather_once:
         add("param_gather_per_step", "all_gather", Phase.AFTER_STEP, 1, shard, params)
-        add("grad_reduce_scatter", "reduce_scatter", Phase.BACKWARD, k, shard, grads)
+        reduce(Phase.BACKWARD, k, shard)
     else:
-        add("param_gather_forward", "all_gather", Phase.FORWARD, k, shard, params)
-        add("param_gather_backward", "all_gather", Phase.BACKWARD, k, shard, params)
-        add("grad_reduce_scatter", "reduce_scatter", Phase.BACKWARD, k, shard, grads)
+        gathered = quant.gather_full_bytes(numel, shard.size) if quant is not None and qwz else params
+        add("param_gather_forward", "all_gather", Phase.FORWARD, k, shard, gathered)
+        add("param_gather_backward", "all_gather", Phase.BACKWARD, k, shard, gathered)
+        reduce(Phase.BACKWARD, k, shard)
     if mics is not None and groups.replicas is not None:
         if numel % mics:
             raise ValueError(f"numel {numel} is not a multiple of mics_shard_size {mics}: pass the padded count "
@@ -288,7 +305,8 @@ def _bucket_traffic(stage: int, numel: int, groups: _ZeroGroups, k: int, p: int,
 def traffic_per_step(stage: int, numel: Union[int, Sequence[int]], world_size: int, ranks_per_node: int,
                      micro_steps: int, param_bytes: int, grad_bytes: int, mics_shard_size: Optional[int] = None,
                      hpz_partition_size: Optional[int] = None, tensor_parallel: int = 1,
-                     pipeline_stages: int = 1, gather_once_per_step: bool = False) -> Traffic:
+                     pipeline_stages: int = 1, gather_once_per_step: bool = False,
+                     quantisation: Optional[Quantisation] = None) -> Traffic:
     """Bytes one rank sends in one optimizer step for ZeRO (see [Note: what the scale model counts]).
 
     ``world_size`` is the number of ranks ZeRO shards over: the data-parallel size, which is the whole
@@ -301,8 +319,9 @@ def traffic_per_step(stage: int, numel: Union[int, Sequence[int]], world_size: i
     gathers), ``grad_bytes`` the communication dtype's (gradient reductions).  ``mics_shard_size`` None
     or -1 and ``hpz_partition_size`` None or 1 are off, as in the config.  ``gather_once_per_step``
     (stage 3 inside a pipeline, zeroshard's default): each unit is gathered once before the batch's
-    first pass and held, one exposed all-gather instead of two per micro step.  Raises ValueError for a
-    size that does not divide ``world_size``.
+    first pass and held, one exposed all-gather instead of two per micro step.  ``quantisation``: ZeRO++'s
+    qwZ and qgZ ([Note: quantised bytes in the scale model] in planning/quantised_traffic.py).  Raises
+    ValueError for a size that does not divide ``world_size``.
     """
     mics = mics_shard_size if mics_shard_size is not None and mics_shard_size > 0 else None
     hpz = hpz_partition_size if hpz_partition_size is not None and hpz_partition_size > 1 else None
@@ -315,7 +334,7 @@ def traffic_per_step(stage: int, numel: Union[int, Sequence[int]], world_size: i
     merged: dict[str, CollectiveTraffic] = {}
     for bucket in buckets:
         for c in _bucket_traffic(stage, int(bucket), groups, micro_steps, param_bytes, grad_bytes, mics, hpz,
-                                 gather_once_per_step):
+                                 gather_once_per_step, quantisation):
             seen = merged.get(c.name)
             merged[c.name] = c if seen is None else dataclasses.replace(
                 seen, calls=seen.calls + c.calls, bytes_sent=seen.bytes_sent + c.bytes_sent)
@@ -491,8 +510,11 @@ def sharding_estimate(req: EstimateRequest, cluster: Cluster, sharding: Sharding
     multiple = sharding.padding_multiple or dp
     numel = math.ceil(sum(psi for psi, _ in state_parts(req)) / multiple) * multiple
     held = req.pipeline is not None and req.pipeline.holds_gathered_parameters(sharding.stage)
+    quant = req.quantisation  # the engine refuses qgZ beside MiCS, and ZeRO++ inside a pipeline
+    if quant is not None and (sharding.mics_shard_size is not None or pp > 1):
+        quant = dataclasses.replace(quant, gradient_bits=None, weights=quant.weights and pp == 1)
     zero = traffic_per_step(sharding.stage, numel, dp, cluster.gpus_per_node, micro_steps, elem, elem,
-                            sharding.mics_shard_size, sharding.hpz_partition_size, tp, pp, held)
+                            sharding.mics_shard_size, sharding.hpz_partition_size, tp, pp, held, quant)
     traffic = Traffic(micro_steps, zero.by_collective + tuple(model_parallel))
     forward, backward = compute_seconds(req.num_params / (tp * pp), req.micro_batch * req.seq_len, cluster.tflops,
                                         req.checkpointing)
@@ -526,7 +548,9 @@ def format_scale_table(req: EstimateRequest, cluster: Cluster, estimates: Sequen
     """The scale model's table and recommendation, in markdown."""
     precision = "fp32" if req.precision == "fp32" else "16-bit"
     lines = [f"scale model: {req.num_params:.3g} parameters, {cluster.world_size} ranks ({cluster.nodes} node{'s' if cluster.nodes != 1 else ''} x "
-             f"{cluster.gpus_per_node} GPUs), {precision} gathers and reductions; per optimizer step of "
+             f"{cluster.gpus_per_node} GPUs), {precision} gathers and reductions"
+             + (f" ({req.quantisation.describe()} where they apply)" if req.quantisation is not None else "")
+             + f"; per optimizer step of "
              f"{micro_steps} micro step(s) x {req.micro_batch} x {req.seq_len} tokens per rank"
              + (", activation checkpointing" if req.checkpointing else ""),
              f"links: {_gbps(cluster.intra_node_bw)} per GPU inside a node, {_gbps(cluster.inter_node_bw)} per GPU "

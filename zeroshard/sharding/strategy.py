@@ -36,6 +36,7 @@ from ..precision import PrecisionPolicy
 from .flat_params import FlatParameters
 from .layout import BUCKETS_PER_MODEL, capped_bucket_numel, BucketLayout, FlatLayout, ParamSlot, ShardRanks, plan_buckets
 from .master_weights import MasterWeights, owned_spans
+from .quantised_reduction import quantised_reduction
 from .storage import InitialValues, ParameterStorage
 
 if TYPE_CHECKING:
@@ -148,6 +149,8 @@ class ShardingStrategy(ABC):
         #: every rank of the job: what gradients are averaged over
         self.data_parallel_size = groups.data_parallel_size
         self.zero = zero
+        #: ZeRO++'s qgZ (``zero_quantized_gradients``): the buckets' reductions as two quantised all-to-alls
+        self.quantised_reduction = quantised_reduction(groups, zero)
         self.sync_gradients = True  # set by the engine before each backward
         self._slot_of = self.layout.slot_of()
         self._progress = [BucketProgress() for _ in self.layout.buckets]
@@ -376,7 +379,11 @@ class ShardingStrategy(ABC):
 
     def extra_memory(self) -> dict[str, Any]:
         """Stage-specific entries of the memory breakdown."""
-        return {}
+        if self.quantised_reduction is None:
+            return {}
+        # transient: each bucket in flight holds its two hops' packed buffers and fp32 sums while it reduces
+        largest = max(self.quantised_reduction.buffer_bytes(b.shard_numel) for b in self.layout.buckets)
+        return {"qgz_buffers": self.traits.max_buckets_in_flight * largest}
 
     # ------------------------------------------------------------------ stage-specific
     @abstractmethod
@@ -408,6 +415,9 @@ class ShardingStrategy(ABC):
         """
         label = f"grad_bucket{bucket.index}"
         comm = self.comm_of(bucket)
+        if self.quantised_reduction is not None and not bucket.experts:  # ZeRO++'s qgZ
+            start, end = bucket.shard_range(self.ranks.of(bucket))
+            return self.quantised_reduction.reduce(full, full[start:end] if own is None else own, own, label)
         if not self.zero.reduce_scatter:
             assert own is None, "a chunk kept outside the bucket needs a reduce-scatter"
             return comm.all_reduce(full, label, async_op=async_op)

@@ -304,6 +304,7 @@ def _estimate(args: argparse.Namespace) -> int:
     from ..config import load_config
     from ..planning import EstimateRequest, ModelShape, estimate_all, format_table
     from ..planning.estimate_request import EstimateError, check_parallel
+    from ..planning.quantised_traffic import Quantisation
 
     scale = _scale_mode(args)
     experts = [_flag(n) for n in _MOE_FLAGS if getattr(args, n) is not None]
@@ -332,7 +333,8 @@ def _estimate(args: argparse.Namespace) -> int:
                           pipeline=_pipeline(args, config), moe=_moe(args, derived_moe, shape.get("layers")),
                           tensor=_tensor(args, config, derived_tensor),
                           sequence=_sequence(args, config, derived_tensor),
-                          fp8=bool(args.fp8 if args.fp8 is not None else config.fp8.enabled))
+                          fp8=bool(args.fp8 if args.fp8 is not None else config.fp8.enabled),
+                          quantisation=Quantisation.from_zero_config(zero))
     try:
         check_parallel(req)
     except EstimateError as err:

@@ -135,7 +135,10 @@ def scales_of(amax: torch.Tensor) -> torch.Tensor:
 
 class Fp8Gathers:
     """Which buckets stage 3 gathers in FP8 for compute, and the gather itself (see [Note: gathering FP8
-    weights in FP8])."""
+    weights in FP8]); a :class:`~.compressed_gathers.CompressedGathers`."""
+
+    memory_key = "fp8_gather_buffers"
+    rewrites_own_slot = False  # the own slot keeps its exact values
 
     def __init__(self, buckets: Collection[BucketLayout], weights: Collection[int], itemsize: int) -> None:
         plans = (Fp8BucketPlan(bucket, weights, itemsize) for bucket in buckets)

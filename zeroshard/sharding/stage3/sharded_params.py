@@ -53,7 +53,7 @@ from ...offload.policy import NoOffload, OffloadPolicy, Place, SwapFailure
 from ..flat_params import bucket_values
 from ..layout import BucketLayout, FlatLayout, ShardRanks
 from ..master_weights import MasterWeights
-from .fp8_gathers import Fp8Gathers
+from .compressed_gathers import CompressedGathers
 from .shard_store import ShardStore
 from .param_status import ZeroParamStatus
 from .placeholder import ShardedParameterPlaceholder
@@ -114,11 +114,12 @@ class ShardedParameters:
         #: borrows this rank's chunk]); and what says the chunks are being read outside training
         self._lent: set[int] = set()
         self.copy_gate: CopyGate = NoCopies()
-        #: FP8 layers' weights gathered in FP8 for compute, and the buckets such a gather left in place
-        #: (see [Note: gathering FP8 weights in FP8] in sharding/stage3/fp8_gathers.py)
-        self.fp8_gathers: Optional[Fp8Gathers] = None
-        self._gathered_in_fp8: set[int] = set()
-        self._dequantise: dict[int, Callable[[], None]] = {}  # FP8 gathers in flight: what finishes each
+        #: gathers for compute in a packed form (FP8 layers' weights in FP8, or qwZ's int8 blocks), and the
+        #: buckets such a gather left in place (see [Note: one seam for compressed gathers] in
+        #: sharding/stage3/compressed_gathers.py)
+        self.compressed: Optional[CompressedGathers] = None
+        self._gathered_compressed: set[int] = set()
+        self._dequantise: dict[int, Callable[[], None]] = {}  # packed gathers in flight: what finishes each
         buffer_memory.keep_for_run(self.store.device_shard)  # a lent chunk's memory comes back at its release
         # released memory waits for the next buffer filled (see [Note: released pages move to the next
         # gather] in host/page_reserve.py): at most what one forward's gathers need beyond the chunks
@@ -233,21 +234,25 @@ class ShardedParameters:
     # ------------------------------------------------------------------ gather / release
     def gather(self, index: int, label: str, async_op: bool = False, compute: bool = False) -> None:
         """Start (or finish) making bucket ``index``'s full values present on this rank; ``compute``: for a
-        forward or backward, which may take FP8 layers' weights in FP8 (:meth:`gather_in_fp8`)."""
-        if self._fp8_gather(index, label, compute):
+        forward or backward, which may move a packed form (:meth:`compress_gathers`)."""
+        if self._compressed_gather(index, label, compute):
             if not async_op:
                 self.wait(index)
             return
         if self.state[index] is GatherState.SHARDED:
             bucket = self.layout.buckets[index]
             full = self.full[index]
-            kept = self._secondary.get(index) if index in self._secondary_valid else None
+            # a gather for anything but compute is exact: not from a secondary partition of quantised values
+            valid = index in self._secondary_valid and (compute or not self._compresses(index))
+            kept = self._secondary.get(index) if valid else None
             group = self.secondary if kept is not None else None
             lent = self._fill(index, lend=group is None)
             if group is not None and kept is not None:  # hpZ: gather inside the group
                 with torch.no_grad():
                     self._pending[index] = group.all_gather(full, kept, f"{label}.hpz", async_op=True)
                 self.state[index] = GatherState.GATHERING
+                if self._compresses(index):  # the secondary partition holds the dequantised values
+                    self._gathered_compressed.add(index)
                 if not async_op:
                     self.wait(index)
                 return
@@ -263,26 +268,46 @@ class ShardedParameters:
         if not async_op:
             self.wait(index)
 
-    def gather_in_fp8(self, gathers: Fp8Gathers) -> None:
-        """Gather the buckets ``gathers`` covers in FP8 for compute from now on (set once, before the first
-        step; see [Note: gathering FP8 weights in FP8] in sharding/stage3/fp8_gathers.py)."""
-        self.fp8_gathers = gathers
+    def compress_gathers(self, gathers: CompressedGathers) -> None:
+        """Gather the buckets ``gathers`` covers packed for compute from now on (set once, before the first
+        step; see [Note: one seam for compressed gathers] in sharding/stage3/compressed_gathers.py)."""
+        self.compressed = gathers
 
-    def _fp8_gather(self, index: int, label: str, compute: bool) -> bool:
-        """Gather bucket ``index`` in FP8 if this gather may (True: done); a bucket an FP8 gather left in
-        place is gathered again exactly for anything but compute."""
-        if not compute and index in self._gathered_in_fp8:
+    def _compresses(self, index: int) -> bool:
+        return self.compressed is not None and self.compressed.covers(index)
+
+    def _exact_own(self, index: int) -> torch.Tensor:
+        """This rank's exact chunk of gathered bucket ``index``: its slot, unless a packed gather rewrote
+        the slot (then the store's, which is never lent then)."""
+        bucket = self.layout.buckets[index]
+        start, end = bucket.shard_range(self.ranks.of(bucket))
+        slot = self.full[index][start:end]
+        if index not in self._gathered_compressed or self.compressed is None or not self.compressed.rewrites_own_slot:
+            return slot
+        own = self.store.view(bucket)
+        if own is None or own.device != slot.device:
+            own = torch.empty_like(slot)
+            self.store.read_into(bucket, own)
+        return own
+
+    def _compressed_gather(self, index: int, label: str, compute: bool) -> bool:
+        """Gather bucket ``index`` packed if this gather may (True: done); a bucket a packed gather left in
+        place is gathered again exactly for anything but compute.  With hpZ, a valid secondary partition
+        serves a compute gather as it is (see [Note: gathering weights in int8 blocks] in
+        sharding/stage3/quantised_gathers.py)."""
+        if not compute and index in self._gathered_compressed:
             self.wait(index)
             bucket = self.layout.buckets[index]
-            start, end = bucket.shard_range(self.ranks.of(bucket))
             scratch = torch.empty_like(self.full[index])
             with torch.no_grad():
-                self.comm_of(bucket).all_gather(scratch, self.full[index][start:end], f"{label}.exact")
+                self.comm_of(bucket).all_gather(scratch, self._exact_own(index), f"{label}.exact")
                 self.full[index].copy_(scratch)
-            self._gathered_in_fp8.discard(index)
+            self._gathered_compressed.discard(index)
             return True
-        gathers = self.fp8_gathers
+        gathers = self.compressed
         if not compute or gathers is None or not gathers.covers(index) or self.state[index] is not GatherState.SHARDED:
+            return False
+        if index in self._secondary_valid:
             return False
         bucket, full = self.layout.buckets[index], self.full[index]
         self._fill(index, lend=False)
@@ -295,7 +320,8 @@ class ShardedParameters:
                 full[start:end].copy_(own)
         self._pending[index], self._dequantise[index] = gathers.gather(
             self.comm_of(bucket), index, self.ranks.of(bucket), full[start:end], label, full)
-        self._gathered_in_fp8.add(index)
+        self._gathered_compressed.add(index)
+        self._primary_pending.add(index)  # hpZ: the secondary partition is cut from what it gathers
         self.state[index] = GatherState.GATHERING
         return True
 
@@ -305,13 +331,6 @@ class ShardedParameters:
         this rank's chunk is sent from its slot and what arrives goes to a scratch buffer, dropped at
         once."""
         self.wait(index)
-        if self.fp8_gathers is not None and self.fp8_gathers.covers(index):  # the others gather it in FP8
-            bucket = self.layout.buckets[index]
-            start, end = bucket.shard_range(self.ranks.of(bucket))
-            pending, _ = self.fp8_gathers.gather(self.comm_of(bucket), index, self.ranks.of(bucket),
-                                                 self.full[index][start:end], f"{label}.joined", None)
-            pending.wait()
-            return
         scratch = torch.empty_like(self.full[index])
         kept = self._secondary.get(index) if index in self._secondary_valid else None
         with torch.no_grad():
@@ -319,6 +338,11 @@ class ShardedParameters:
                 self.secondary.all_gather(scratch, kept, f"{label}.hpz.joined")
                 return
             bucket = self.layout.buckets[index]
+            if self.compressed is not None and self.compressed.covers(index):  # the others gather it packed
+                pending, _ = self.compressed.gather(self.comm_of(bucket), index, self.ranks.of(bucket),
+                                                    self._exact_own(index), f"{label}.joined", None)
+                pending.wait()
+                return
             start, end = bucket.shard_range(self.ranks.of(bucket))
             self.comm_of(bucket).all_gather(scratch, self.full[index][start:end], f"{label}.joined")
 
@@ -437,6 +461,8 @@ class ShardedParameters:
         that moved the chunk's pages into the slot has lent it already."""
         if not self._may_lend(index) or self.state[index] is not GatherState.GATHERED:
             return
+        if index in self._gathered_compressed and self.compressed is not None and self.compressed.rewrites_own_slot:
+            return  # the slot holds dequantised values: the store keeps the exact chunk
         own = self.store.view(self.layout.buckets[index])
         assert own is not None
         # dropped, not parked: the forward's gathers have all been launched by now (prefetch), so
@@ -491,7 +517,7 @@ class ShardedParameters:
             memory.release(full)
         self._show(index, gathered=False)
         self.state[index] = GatherState.SHARDED
-        self._gathered_in_fp8.discard(index)
+        self._gathered_compressed.discard(index)
 
     def commit_full(self, index: int) -> None:
         """Copy this rank's part of a (modified) full bucket back into its shard."""

@@ -19,12 +19,14 @@ from torch import nn
 from ...config import ZeroConfig
 from ...distributed.topology import ShardGroups
 from ...host.buffer_memory import BufferMemory
+from ...logging import log_rank
 from ...offload.policy import OffloadPolicies, Place
 from ...precision import PrecisionPolicy
 from .gather_agreement import GatherAgreement, parameters_reached
 from .gather_scheduler import GatherScheduler
 from ..grad_chunks import KeptChunkBuffers
 from ..layout import BucketLayout
+from .quantised_gathers import qwz_gathers
 from .sharded_params import ShardedParameters
 from ..sharded_grads import ShardedGradientStrategy
 from ..storage import InitialValues
@@ -86,6 +88,11 @@ class Stage3(ShardedGradientStrategy):
         storage = ShardedParameters(plan.layout, plan.params, comm, model, buffer_memory, plan.persistent_buckets,
                                     precision.compute, masters, offload.params, initial, groups.secondary,
                                     groups.job, groups.expert_data)
+        quantised = qwz_gathers(plan.layout, plan.persistent_buckets, zero)  # ZeRO++'s qwZ
+        if quantised is not None:
+            storage.compress_gathers(quantised)
+            log_rank(f"zero++: stage 3 gathers {len(quantised.buckets)} buckets as int8 blocks of "
+                     f"{quantised.format.block} for compute")
         return cls(storage, params, groups, zero, plan, model, precision)
 
 
@@ -161,14 +168,14 @@ class Stage3(ShardedGradientStrategy):
         self.storage.drop_secondary()
 
     def extra_memory(self) -> dict[str, Any]:
-        out = {"persistent_params": self.storage.persistent_bytes(),
+        out = {**super().extra_memory(), "persistent_params": self.storage.persistent_bytes(),
                "gathered_params": self.storage.gathered_bytes(),
                # released pages waiting for the next gather (see host/page_reserve.py; none on a device)
                "parked_pages": self.storage.buffer_memory.parked_bytes}
         if self.storage.secondary is not None:
             out["secondary_params"] = self.storage.secondary_bytes()
-        if self.storage.fp8_gathers is not None:  # transient: one FP8 gather's packed chunks at a time
-            out["fp8_gather_buffers"] = self.storage.fp8_gathers.buffer_bytes()
+        if self.storage.compressed is not None:  # transient: one packed gather's chunks at a time
+            out[self.storage.compressed.memory_key] = self.storage.compressed.buffer_bytes()
         return out
 
     def remove_hooks(self) -> None:
