@@ -127,12 +127,11 @@ def test_config_block_is_checked() -> None:
     assert load_config({"fp8": {"enabled": True, "recipe": "rowwise"}}).fp8.recipe == "rowwise"
 
 
-def test_tensor_parallelism_and_pipelines_are_refused() -> None:
+def test_tensor_parallelism_is_refused() -> None:
     from zeroshard.fp8.checks import refuse_fp8_with
     with pytest.raises(NotSupportedByZeroshard, match="'fp8.enabled' with tensor parallelism"):
-        refuse_fp8_with(2, pipeline=False)
-    with pytest.raises(NotSupportedByZeroshard, match="PipelineModule"):
-        refuse_fp8_with(1, pipeline=True)
+        refuse_fp8_with(2)
+    refuse_fp8_with(1)
 
 
 def test_fp8_gather_packs_weights_in_one_byte_and_the_rest_as_it_is() -> None:
