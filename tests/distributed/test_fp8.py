@@ -3,9 +3,12 @@
 The test GPT (zs_common's: a tied embedding, a frozen layer, clipping active) is converted by the
 config's ``fp8`` block and trains 3 steps at every stage in bf16 with fp32 masters, at stages 0 and 3
 in fp32, and with the rowwise recipe at stages 0 and 3; stage 3 gathers the blocks' weights in FP8 and,
-once, in bf16, whose bytes the FP8 gathers halve exactly.  In the same world: ``full_state_dict``
-while units gathered in FP8 are held gives the exact values; and fp16, tensor parallelism, a pipeline
-and a pattern that matches no layer are each refused by name on every rank.  The extended world, at
+once, in bf16, whose bytes the FP8 gathers halve exactly.  In the same world (fp32, tensorwise): a
+pipeline of 2 stages (1F1B at ZeRO 3, GPipe at ZeRO 0) and expert parallelism (an MoE layer with
+``ep_size`` 2, at ZeRO 0 and 3) against their own one-process oracles (fp8_composed.py says how those
+quantise alike); ``full_state_dict`` while units gathered in FP8 are held gives the exact values; and
+fp16, tensor parallelism and a pattern that matches no layer are each refused by name on every rank.
+The extended world, at
 stage 3: gradient accumulation (fp32), activation checkpointing, CPU offload of optimizer and parameters
 and a model built under ``zeroshard.Init`` against the oracle; a checkpoint saved with FP8 loads without
 it (stage 2) and, saved there, back with it, whose next step is the first run's to the bit.
