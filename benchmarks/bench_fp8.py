@@ -1,10 +1,11 @@
 """FP8 training on CPU at world 2: fp32 vs bf16 vs FP8 (bf16 with FP8 layers) at ZeRO stages 0 and 3.
 
     .venv/bin/python benchmarks/bench_fp8.py [--steps 200] [--size 20m|small] [--stages 0 3] [--recipe tensorwise]
-        [--out benchmarks/out/fp8.json]
+        [--micro-batch 4] [--seq-len 128] [--out benchmarks/out/fp8.json]
 
 A ~20M-parameter byte-level GPT (zeroshard/tools/demo/model.py: d_model 512, 6 layers, seq 128, vocabulary
-256; ``--size small``: d_model 256, 4 layers, 3.2M) trains on deterministic data (the same batches for every run) with AdamW at world 2 (gloo, one
+256; ``--size small``: d_model 256, 4 layers, 3.2M; ``--seq-len`` shortens the sequence, which leaves the
+parameters but for the position embedding as they are, and so the tokens a step) trains on deterministic data (the same batches for every run) with AdamW at world 2 (gloo, one
 intra-op thread per rank), each run in a fresh world.  Per run: the loss curve and final loss, the median
 step time, the all-gather bytes per step from the ledger (stage 3 gathers the blocks' weights; FP8 runs
 gather them in FP8 unless ``--hp-gathers``) and the peak RSS per rank (VmHWM).  FP8 runs are bf16 runs
@@ -90,6 +91,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--size", choices=sorted(SIZES), default="20m")
     parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=None, help="the sequence length (default: the size's)")
     parser.add_argument("--stages", type=int, nargs="*", default=[0, 3])
     parser.add_argument("--precisions", nargs="*", default=list(PRECISIONS), choices=PRECISIONS)
     parser.add_argument("--recipe", default="tensorwise", choices=["tensorwise", "rowwise"])
@@ -97,18 +99,20 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/out/fp8.json")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    model = {**SIZES[args.size], **({"seq_len": args.seq_len} if args.seq_len else {})}
     results: dict[str, dict] = {}
     for stage in args.stages:
         for precision in args.precisions:
             ranks = run_world(run, 2, args=(stage, precision, args.micro_batch, args.steps, args.recipe,
-                                            args.hp_gathers, SIZES[args.size]), timeout=24 * 3600)
+                                            args.hp_gathers, model), timeout=24 * 3600)
             results[f"{stage}/{precision}"] = {
                 "final_loss": ranks[0]["losses"][-1], "losses": ranks[0]["losses"],
+                "last10_loss": statistics.mean(ranks[0]["losses"][-10:]),
                 "median_step_s": max(r["median_step_s"] for r in ranks),
                 "all_gather_bytes_per_step": ranks[0]["all_gather_bytes_per_step"],
                 "peak_rss_mib": max(r["peak_rss_bytes"] for r in ranks) / 2**20, "params": ranks[0]["params"]}
             print(f"finished stage {stage} {precision}", flush=True)
-    print(f"\nGPT {SIZES[args.size]}, world 2, micro batch {args.micro_batch}, {args.steps} steps, recipe {args.recipe}\n")
+    print(f"\nGPT {model}, world 2, micro batch {args.micro_batch}, {args.steps} steps, recipe {args.recipe}\n")
     print("| stage | precision | final loss | vs bf16 | vs fp32 | step (s) | all-gather bytes/step "
           "| peak RSS/rank (MiB) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -118,9 +122,15 @@ def main() -> None:
         versus = [f"{r['final_loss'] / ref - 1:+.2%}" if ref else "-" for ref in (bf16, fp32)]
         print(f"| {stage} | {precision} | {r['final_loss']:.4f} | {versus[0]} | {versus[1]} | {r['median_step_s']:.3f} | "
               f"{r['all_gather_bytes_per_step']:,} | {r['peak_rss_mib']:.0f} |")
+    every = max(1, args.steps // 8)
+    marks = sorted({0, *range(every - 1, args.steps, every), args.steps - 1})
+    print(f"\nloss at steps {', '.join(str(m + 1) for m in marks)}; then the mean of the last 10 steps\n")
+    for key, r in results.items():
+        curve = " / ".join(f"{r['losses'][m]:.4f}" for m in marks)
+        print(f"| {key} | {curve} | {r['last10_loss']:.4f} | {r['params']:,} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": SIZES[args.size], "steps": args.steps, "recipe": args.recipe,
+    out.write_text(json.dumps({"model": model, "steps": args.steps, "recipe": args.recipe,
                                "hp_gathers": args.hp_gathers, "results": results}, indent=1))
 
 

@@ -26,6 +26,7 @@ from .experts.layer import expert_parallel_size
 from .fp8.checks import refuse_fp8_with, refuse_fsdp_float8_weights
 from .fp8.convert import convert_from_config
 from .fp8.gathers import fp8_weights, gather_fp8_weights
+from .fp8.stages import convert_stages
 from .tensor_parallel import SplitModel, prepare_tensor_parallel, tensor_parallel_size
 from .tensor_parallel.engine import tensor_parallel_engine
 from .logging import log_rank
@@ -90,8 +91,11 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
                                   f"zeroshard.pipe.PipelineModule (docs/PIPELINE.md)")
     refuse_fsdp_float8_weights(model)
     if parsed.fp8.enabled:  # FP8 is refused, or converted, on every rank before the engine is built
-        refuse_fp8_with(_tensor_parallel_degree(parsed, model, mpu), pipeline=isinstance(model, PipelineModule))
-        convert_from_config(model, parsed.fp8)
+        refuse_fp8_with(_tensor_parallel_degree(parsed, model, mpu))
+        if isinstance(model, PipelineModule):  # see [Note: FP8 layers in a pipeline] in fp8/stages.py
+            convert_stages(model, parsed.fp8)
+        else:
+            convert_from_config(model, parsed.fp8)
     if isinstance(model, PipelineModule):
         if mpu is not None and not (isinstance(mpu, PipelineMPU) and mpu.describes(model)):
             raise PipelineConfigError("initialize(mpu=...) with a PipelineModule: only the module's own "
@@ -155,7 +159,9 @@ def _initialize_pipeline(model: "PipelineModule", config: ZeroshardConfig, model
         torch.manual_seed(config.seed)
     # the topology's axes with the stages' expert axis; the pipeline refuses MiCS and hpZ (pipeline/checks.py)
     axes = dataclasses.replace(model.groups.dims, ep=expert_parallel_size(model))
+    weights = fp8_weights(model)  # before the engine shards them
     engine = PipelineEngine(model, config, model_parameters, optimizer, lr_scheduler, axes=axes)
+    gather_fp8_weights(engine.storage, weights, config.fp8)
     loader = None
     if training_data is not None:
         loader = build_loader(training_data, engine.train_micro_batch_size_per_gpu(), engine.world, collate_fn,
@@ -187,6 +193,8 @@ def _tensor_parallel_degree(config: ZeroshardConfig, model: nn.Module, mpu: Any)
     """How many ranks split each layer: the mpu's, the config's AutoTP or ``tp_model_init()``'s."""
     if mpu is not None and not isinstance(model, PipelineModule):
         return int(getattr(mpu, check_mpu(mpu)[1])())
+    if isinstance(model, PipelineModule):
+        return max(model.groups.dims.tp, tensor_parallel_size(model, config.tensor_parallel))
     return tensor_parallel_size(model, config.tensor_parallel)
 
 

@@ -3,9 +3,12 @@
 The test GPT (zs_common's: a tied embedding, a frozen layer, clipping active) is converted by the
 config's ``fp8`` block and trains 3 steps at every stage in bf16 with fp32 masters, at stages 0 and 3
 in fp32, and with the rowwise recipe at stages 0 and 3; stage 3 gathers the blocks' weights in FP8 and,
-once, in bf16, whose bytes the FP8 gathers halve exactly.  In the same world: ``full_state_dict``
-while units gathered in FP8 are held gives the exact values; and fp16, tensor parallelism, a pipeline
-and a pattern that matches no layer are each refused by name on every rank.  The extended world, at
+once, in bf16, whose bytes the FP8 gathers halve exactly.  In the same world (fp32, tensorwise): a
+pipeline of 2 stages (1F1B at ZeRO 3, GPipe at ZeRO 0) and expert parallelism (an MoE layer with
+``ep_size`` 2, at ZeRO 0 and 3) against their own one-process oracles (fp8_composed.py says how those
+quantise alike); ``full_state_dict`` while units gathered in FP8 are held gives the exact values; and
+fp16, tensor parallelism and a pattern that matches no layer are each refused by name on every rank.
+The extended world, at
 stage 3: gradient accumulation (fp32), activation checkpointing, CPU offload of optimizer and parameters
 and a model built under ``zeroshard.Init`` against the oracle; a checkpoint saved with FP8 loads without
 it (stage 2) and, saved there, back with it, whose next step is the first run's to the bit.
@@ -35,14 +38,13 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from fp8_composed import PIPE_FP8_LAYERS, full_masters, moe_oracle, moe_trained, pipeline_oracle, pipelined
 from zs_common import CLIP, LR, WD, make_model, rank_micro_batches, zero_config
 
 import zeroshard
-from zeroshard.deepspeed.utils import safe_get_full_fp32_param
 from zeroshard.distributed.collectives import CommKind
 from zeroshard.activations.checkpointing import checkpoint_modules
 from zeroshard.fp8 import convert, fp8_layers
-from zeroshard.pipeline import PipelineModule
 from zeroshard.tools.demo.model import Block
 from zeroshard.tools.testing import CaseFailures, case, run_world
 
@@ -94,11 +96,6 @@ def run_steps(engine: Any, rank: int, world: int, steps: range, accum: int = 1) 
         for x, y in rank_micro_batches(step, rank, world, MICRO, accum):
             engine.backward(engine(x, y))
             engine.step()
-
-
-def full_masters(engine: Any) -> dict[str, torch.Tensor]:
-    full = {name: safe_get_full_fp32_param(p) for name, p in engine.module.named_parameters()}
-    return {k: v for k, v in full.items() if v is not None}
 
 
 def train(rank: int, world: int, stage: int, precision: str, recipe: str, gathers: str) -> dict[str, Any]:
@@ -181,9 +178,6 @@ def refused(rank: int, world: int) -> dict[str, str]:
                                                                          "fp16": {"enabled": True}}),
         "tensor parallelism": lambda: zeroshard.initialize(model=make_model(), config={
             **fp8_config(1, "fp32"), "tensor_parallel": {"autotp_size": 2}}),
-        "pipeline": lambda: zeroshard.initialize(
-            model=PipelineModule([nn.Linear(16, 16), nn.Linear(16, 16)], num_stages=2, loss_fn=nn.MSELoss()),
-            config=fp8_config(1, "fp32")),
         "no match": lambda: zeroshard.initialize(model=make_model(), config={
             **fp8_config(2, "fp32"), "fp8": {"enabled": True, "include": ["layers.*"]}}),
     }
@@ -202,12 +196,15 @@ def _relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max() / (b[k].abs().max() or 1.0)) for k in a)
 
 
+#: (ZeRO stage, schedule) of the pipeline cases: 2 stages x 1 data-parallel rank, fp32, tensorwise
+PIPELINE_CASES = ((3, "1f1b"), (0, "gpipe"))
+#: ZeRO stages of the expert-parallel cases (ep 2, fp32, tensorwise; stage 3 gathers the experts in FP8)
+EXPERT_STAGES = (0, 3)
 #: compositions at stage 3 (tensorwise, FP8 gathers; bf16, accumulation in fp32), each against the oracle
 COMPOSITIONS = ("accumulation", "checkpointing", "offload", "Init")
 #: the error each refusal must raise on every rank
 REFUSALS = {"fp16": "ConfigError: 'fp8.enabled' with 'fp16.enabled'",
             "tensor parallelism": "NotSupportedByZeroshard: 'fp8.enabled' with tensor parallelism",
-            "pipeline": "NotSupportedByZeroshard: 'fp8.enabled' with a PipelineModule",
             "no match": "FP8ConfigError: 'fp8.include' pattern 'layers.*' matches no nn.Linear"}
 
 
@@ -220,6 +217,16 @@ def fp8_worker(rank: int, world: int) -> dict:
             run = train(rank, world, stage, precision, recipe, gathers)
             run["oracle"] = _relative(run["params"], oracle(world, precision, recipe))
             out[(stage, precision, recipe, gathers)] = run
+    for stage, schedule in PIPELINE_CASES:
+        with case(pipeline=schedule, stage=stage, world=world):
+            run = pipelined(world, {**fp8_config(stage, "fp32"), "pipeline": {"schedule": schedule}}, STEPS)
+            run["oracle"] = _relative(run.pop("params"), pipeline_oracle(STEPS))
+            out[("pipeline", stage, schedule)] = run
+    for stage in EXPERT_STAGES:
+        with case(experts=stage, world=world):
+            run = moe_trained(rank, world, fp8_config(stage, "fp32"), STEPS)
+            run["oracle"] = _relative(run.pop("params"), moe_oracle(world, STEPS))
+            out[("experts", stage)] = run
     with case(check="exact after FP8 gathers", world=world):
         out["exact"] = exact_after_fp8(rank, world)
     with case(check="refused", world=world):
@@ -272,6 +279,30 @@ def test_fp8_stages_follow_one_process_and_each_other(world_2: list[dict]) -> No
     for rank, by_case in enumerate(world_2):
         with failures.case(check="fp8 gathers", rank=rank):
             _check_fp8_gathers(by_case[(3, "bf16", "tensorwise", "fp8")], by_case[(3, "bf16", "tensorwise", "hp")])
+    failures.raise_any()
+
+
+def test_fp8_pipeline_stages_follow_one_process(world_2: list[dict]) -> None:
+    failures = CaseFailures()
+    for stage, schedule in PIPELINE_CASES:
+        for rank, by_case in enumerate(world_2):
+            run = by_case[("pipeline", stage, schedule)]
+            with failures.case(pipeline=schedule, stage=stage, rank=rank):
+                assert run["layers"] == PIPE_FP8_LAYERS[rank], run["layers"]
+                assert run["oracle"] <= ORACLE_TOL, f"{run['oracle']:.3g} from the oracle"
+    failures.raise_any()
+
+
+def test_fp8_experts_follow_one_process(world_2: list[dict]) -> None:
+    """Expert parallelism (ep 2): each rank's two experts' linears in FP8, the router and head kept."""
+    failures = CaseFailures()
+    experts = "moe.deepspeed_moe.experts.deepspeed_experts"
+    for stage in EXPERT_STAGES:
+        for rank, by_case in enumerate(world_2):
+            run = by_case[("experts", stage)]
+            with failures.case(experts=stage, rank=rank):
+                assert run["layers"] == [f"{experts}.{e}.{i}" for e in (0, 1) for i in (0, 2)], run["layers"]
+                assert run["oracle"] <= ORACLE_TOL, f"{run['oracle']:.3g} from the oracle"
     failures.raise_any()
 
 

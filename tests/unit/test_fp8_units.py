@@ -106,6 +106,19 @@ def test_defaults_keep_head_router_and_odd_shapes() -> None:
     assert named.converted == ("fc", "lm_head")
 
 
+def test_a_whole_pipelines_selection_keeps_tied_layers() -> None:
+    """A pipeline's selection (fp8/stages.py) runs over every stage's layers by global name: a pattern may
+    match another stage's layer, and tied layers stay in high precision."""
+    from zeroshard.fp8.selection import LinearShape, select
+
+    shapes = [LinearShape("1.fc", 32, 64), LinearShape("2", 32, 32), LinearShape("5", 32, 64)]
+    picked = select(shapes, exclude=["2"], kept_anyway={"5": "a tied layer"})
+    assert picked.converted == ("1.fc",)
+    assert dict(picked.kept) == {"2": "matches 'fp8.exclude'", "5": "a tied layer"}
+    with pytest.raises(fp8.FP8ConfigError, match="converts no linear layer"):
+        select(shapes[2:], kept_anyway={"5": "a tied layer"})
+
+
 def test_bad_selections_are_named() -> None:
     with pytest.raises(fp8.FP8ConfigError, match="'fp8.include' pattern 'blocks.*' matches no nn.Linear"):
         fp8.convert(_Tiny(), include=["blocks.*"])
@@ -127,12 +140,11 @@ def test_config_block_is_checked() -> None:
     assert load_config({"fp8": {"enabled": True, "recipe": "rowwise"}}).fp8.recipe == "rowwise"
 
 
-def test_tensor_parallelism_and_pipelines_are_refused() -> None:
+def test_tensor_parallelism_is_refused() -> None:
     from zeroshard.fp8.checks import refuse_fp8_with
     with pytest.raises(NotSupportedByZeroshard, match="'fp8.enabled' with tensor parallelism"):
-        refuse_fp8_with(2, pipeline=False)
-    with pytest.raises(NotSupportedByZeroshard, match="PipelineModule"):
-        refuse_fp8_with(1, pipeline=True)
+        refuse_fp8_with(2)
+    refuse_fp8_with(1)
 
 
 def test_fp8_gather_packs_weights_in_one_byte_and_the_rest_as_it_is() -> None:

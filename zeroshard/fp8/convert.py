@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from torch import nn
 
@@ -13,7 +13,7 @@ from .selection import Selection, select_linears
 if TYPE_CHECKING:
     from ..config.fp8_block import FP8Config
 
-__all__ = ["convert", "convert_from_config", "fp8_layers"]
+__all__ = ["announce", "convert", "convert_from_config", "fp8_layers", "swap"]
 
 
 def convert(model: nn.Module, recipe: str = "tensorwise", include: Sequence[str] = ("*",),
@@ -29,13 +29,23 @@ def convert(model: nn.Module, recipe: str = "tensorwise", include: Sequence[str]
     """
     config = float8_config(recipe)  # the recipe is checked, and torchao found, before the model is looked at
     selection = select_linears(model, include, exclude, keep_heads_and_routers)
-    chosen = frozenset(selection.converted)
+    swap(model, config, selection.converted)
+    announce(selection, recipe)
+    return selection
+
+
+def swap(model: nn.Module, config: Any, names: Iterable[str]) -> None:
+    """Replace the linear layers of ``model`` named ``names`` by torchao's FP8 layers of ``config``."""
+    chosen = frozenset(names)
     torchao_float8().convert_to_float8_training(model, config=config,
                                                module_filter_fn=lambda _module, name: name in chosen)
+
+
+def announce(selection: Selection, recipe: str) -> None:
+    """Log each layer kept in high precision, and how many train in FP8 (rank 0)."""
     for name, why in selection.kept:
         log_rank(f"fp8: {name} stays in high precision ({why})")
     log_rank(f"fp8: {len(selection.converted)} linear layers train in FP8 ({recipe})")
-    return selection
 
 
 def convert_from_config(model: nn.Module, block: "FP8Config") -> Selection | None:

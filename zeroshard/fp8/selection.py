@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from torch import nn
 
 from .errors import FP8ConfigError
 
-__all__ = ["HEAD_NAMES", "ROUTER_NAMES", "Selection", "select_linears"]
+__all__ = ["HEAD_NAMES", "LinearShape", "ROUTER_NAMES", "Selection", "linear_shapes", "select", "select_linears"]
 
 #: the last name part of an output head
 HEAD_NAMES = frozenset({"lm_head", "head", "output", "classifier", "score", "embed_out"})
@@ -39,22 +39,44 @@ class Selection:
     kept: tuple[tuple[str, str], ...]  # (name, why)
 
 
+@dataclass(frozen=True)
+class LinearShape:
+    """A linear layer as the selection sees it: its qualified name and its GEMM's sizes."""
+
+    name: str
+    in_features: int
+    out_features: int
+
+
+def linear_shapes(model: nn.Module) -> list[LinearShape]:
+    """``model``'s ``nn.Linear`` layers not yet FP8 layers, in module order."""
+    return [LinearShape(name, module.in_features, module.out_features) for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and not _is_fp8(module)]
+
+
 def select_linears(model: nn.Module, include: Sequence[str] = ("*",), exclude: Sequence[str] = (),
                    keep_heads_and_routers: bool = True) -> Selection:
     """The linear layers of ``model`` to convert (see [Note: the layers FP8 leaves in high precision])."""
-    linears = [(name, module) for name, module in model.named_modules()
-               if isinstance(module, nn.Linear) and not _is_fp8(module)]
-    names = [name for name, _ in linears]
+    return select(linear_shapes(model), include, exclude, keep_heads_and_routers)
+
+
+def select(linears: Sequence[LinearShape], include: Sequence[str] = ("*",), exclude: Sequence[str] = (),
+           keep_heads_and_routers: bool = True, kept_anyway: Mapping[str, str] | None = None) -> Selection:
+    """The layers of ``linears`` to convert; ``kept_anyway``: names that stay in high precision whatever the
+    patterns say, with the reason."""
+    names = [linear.name for linear in linears]
     _every_pattern_matches(names, include, "include")
     _every_pattern_matches(names, exclude, "exclude")
     converted: list[str] = []
     kept: list[tuple[str, str]] = []
-    for name, module in linears:
-        why = _why_kept(name, module, include, exclude, keep_heads_and_routers)
+    for linear in linears:
+        why = _why_kept(linear, include, exclude, keep_heads_and_routers)
+        if why is None and kept_anyway and linear.name in kept_anyway:
+            why = kept_anyway[linear.name]
         if why is None:
-            converted.append(name)
+            converted.append(linear.name)
         elif why:
-            kept.append((name, why))
+            kept.append((linear.name, why))
     if not converted:
         raise FP8ConfigError(f"'fp8' converts no linear layer of this model (include {list(include)}, exclude "
                              f"{list(exclude)}; kept: {dict(kept) or 'none'}); widen 'fp8.include' or turn "
@@ -62,13 +84,14 @@ def select_linears(model: nn.Module, include: Sequence[str] = ("*",), exclude: S
     return Selection(tuple(converted), tuple(kept))
 
 
-def _why_kept(name: str, module: nn.Linear, include: Sequence[str], exclude: Sequence[str],
+def _why_kept(linear: LinearShape, include: Sequence[str], exclude: Sequence[str],
               keep_heads_and_routers: bool) -> str | None:
     """None: convert; "": not asked for (not logged); otherwise why the layer stays in high precision."""
+    name = linear.name
     if not any(fnmatch.fnmatchcase(name, p) for p in include):
         return ""
-    if module.in_features % GEMM_MULTIPLE or module.out_features % GEMM_MULTIPLE:
-        return f"dimensions {module.in_features} x {module.out_features} are not multiples of {GEMM_MULTIPLE}"
+    if linear.in_features % GEMM_MULTIPLE or linear.out_features % GEMM_MULTIPLE:
+        return f"dimensions {linear.in_features} x {linear.out_features} are not multiples of {GEMM_MULTIPLE}"
     if any(fnmatch.fnmatchcase(name, p) for p in exclude):
         return "matches 'fp8.exclude'"
     if keep_heads_and_routers and name not in include:

@@ -384,15 +384,16 @@ class BatchGathers:
         return sorted(self.scheduler.units) if self.scheduler is not None else []
 
     def hold(self) -> None:
-        """Gather every unit (the all-gathers launched together, then waited for) and pin it."""
+        """Gather every unit for the batch's passes (the all-gathers launched together, then waited for; FP8
+        layers' weights in FP8 where stage 3 gathers them so) and pin it."""
         if self.scheduler is None or self.held:
             return
         storage, layout = self.scheduler.storage, self.scheduler.storage.layout
         labels = {i: BATCH_LABEL + unit_label(self.scheduler.units[i], layout) for i in self.units}
         for index in self.units:
-            storage.gather(index, labels[index], async_op=True)
+            storage.gather(index, labels[index], async_op=True, compute=True)
         for index in self.units:
-            storage.pin(index, labels[index])  # waits for the gather launched above
+            storage.pin(index, labels[index], compute=True)  # waits for the gather launched above
             self._pinned.append(index)
 
     def release(self) -> None:

@@ -302,6 +302,20 @@ class PipelineModule(nn.Module):
             return f"{self._tied_index[which]}.{tail}"
         raise KeyError(f"{name!r} is not a key of a PipelineModule's layers")
 
+    def global_module_name(self, name: str) -> str:
+        """A module's qualified name on this stage (``layers.<j>[.<rest>]``, ``tied_modules.<key>[.<rest>]``) as
+        its name in one ``nn.Sequential`` of every layer (see :meth:`global_name`)."""
+        return self.global_name(name + ".")[:-1]
+
+    def layers_replaced(self, before: Sequence[nn.Module]) -> None:
+        """After something replaced modules of :attr:`layers` in place (``before``: the list as it was; FP8's
+        conversion swaps a layer that is an ``nn.Linear`` for a new module), run the new modules."""
+        new_of = {id(old): new for old, new in zip(before, self.layers) if old is not new}
+        for calls, owners in zip(self._calls, self._owners):
+            for i, owner in enumerate(owners):
+                if id(owner) in new_of:
+                    owners[i] = calls[i] = new_of[id(owner)]
+
     def layer_calls(self) -> dict[int, Callable[[Any], Any]]:
         """What each layer this stage holds runs, by global index, every chunk's."""
         out = {}

@@ -428,9 +428,10 @@ class ShardedParameters:
         """Bytes of hpZ's secondary partition (allocated by the first forward, kept from then on)."""
         return sum(t.numel() * t.element_size() for t in self._secondary.values())
 
-    def pin(self, index: int, label: str) -> None:
-        """Gather bucket ``index`` and keep it until :meth:`unpin` (forward hooks will not release it)."""
-        self.gather(index, label)
+    def pin(self, index: int, label: str, compute: bool = False) -> None:
+        """Gather bucket ``index`` and keep it until :meth:`unpin` (forward hooks will not release it);
+        ``compute``: for forwards and backwards only, as :meth:`gather`'s."""
+        self.gather(index, label, compute=compute)
         self._pins[index] = self._pins.get(index, 0) + 1
 
     def pinned(self, index: int) -> bool:

@@ -37,7 +37,8 @@ def _correctness(results: dict[str, Any]) -> list[str]:
              "| result |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for c in cases:
-        lines.append(f"| {c['stage']} | {c['precision']} | {c['accumulation']} | {_num(c['vs_one_process'])} | "
+        precision = f"{c['precision']} + FP8" if c.get("fp8") else c["precision"]
+        lines.append(f"| {c['stage']} | {precision} | {c['accumulation']} | {_num(c['vs_one_process'])} | "
                      f"{_num(c['vs_ddp'])} | {_num(c['loss_diff'])} | {c['model_states_sum']:,.0f} | "
                      f"{c['formula_sum']:,.0f} | {'pass' if c.get('passed') else 'FAIL'} |")
     return lines + [""]

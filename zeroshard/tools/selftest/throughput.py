@@ -21,6 +21,7 @@ import zeroshard
 
 from ...distributed.world import World
 from ..demo.model import GPT
+from .fp8_case import RECIPE, fp8_block, fp8_unavailable
 from .memory import device_estimate, model_state_formula
 from .ranks import reduce_values, settle
 from .sizes import Preset
@@ -32,8 +33,13 @@ ADAMW: dict[str, Any] = {"lr": 1e-4, "weight_decay": 0.01, "fused": True}
 Step = Callable[[torch.Tensor, torch.Tensor], None]
 
 
+#: zeroshard's stage 3 with FP8 layers (its weights gathered in FP8), timed where FP8 is available
+FP8_STAGE3 = "stage 3 + fp8"
+
+
 def implementations(world: World) -> list[str]:
-    return ["ddp" if world.is_distributed else "pytorch", "fsdp2", *(f"stage {s}" for s in range(4))]
+    fp8 = [FP8_STAGE3] if fp8_unavailable(world.device) is None else []
+    return ["ddp" if world.is_distributed else "pytorch", "fsdp2", *(f"stage {s}" for s in range(4)), *fp8]
 
 
 def _batches(preset: Preset, world: World, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -113,9 +119,12 @@ def run_one(name: str, preset: Preset, world: World, precision: str, steps: int,
     model = _model(preset, world.device)
     num_params = sum(p.numel() for p in model.parameters())
     engine: Optional[zeroshard.Engine] = None
+    fp8 = name == FP8_STAGE3
     if name.startswith("stage"):
-        engine, _, _, _ = zeroshard.initialize(model=model, config=_zeroshard_config(int(name[-1]), preset,
-                                                                                      precision))
+        config = _zeroshard_config(int(name.split()[1]), preset, precision)
+        if fp8:
+            config["fp8"] = fp8_block()
+        engine, _, _, _ = zeroshard.initialize(model=model, config=config)
         step = _zeroshard_step(engine)
     else:
         step = _torch_step(name, model, world, precision)
@@ -144,8 +153,11 @@ def run_one(name: str, preset: Preset, world: World, precision: str, steps: int,
         "device_syncs_per_step": None if counter.device_syncs is None else counter.device_syncs / COUNTED_STEPS,
         "device_peak_bytes": peak, "num_params": num_params,
     }
-    if engine is not None:
+    if fp8:  # timed beside stage 3; its model states are stage 3's (judged there)
+        record.update(stage=3, fp8=RECIPE)
+    elif engine is not None:
         record.update(_zeroshard_memory(engine, preset, world, precision, num_params))
+    if engine is not None:
         engine.close()
     del model, engine, step
     gc.collect()
@@ -182,4 +194,7 @@ def run_all(preset: Preset, world: World, precision: str, steps: int, warmup: in
         if "tokens_per_s" in record:
             say(f"selftest: {name}: {record['tokens_per_s']:,.0f} tokens/s, "
                 f"{record['host_reads_per_step']:g} host reads per step")
+    timed = {r["implementation"]: r["tokens_per_s"] for r in records if "tokens_per_s" in r}
+    if FP8_STAGE3 in timed and "stage 3" in timed:
+        say(f"selftest: FP8 at stage 3: {timed[FP8_STAGE3] / timed['stage 3']:.2f}x stage 3's tokens/s ({precision})")
     return records

@@ -27,7 +27,8 @@ class Bounds:
 
 
 def case_name(case: dict[str, Any]) -> str:
-    return f"stage {case['stage']} {case['precision']} accumulation {case['accumulation']}"
+    fp8 = f" + FP8 ({case['fp8']})" if case.get("fp8") else ""
+    return f"stage {case['stage']} {case['precision']}{fp8} accumulation {case['accumulation']}"
 
 
 def _case_failures(case: dict[str, Any], bounds: Bounds) -> list[str]:

@@ -21,7 +21,7 @@ import torch
 
 from ...distributed.world import World, init_distributed
 from ...version import __version__
-from . import bandwidth, parity, throughput
+from . import bandwidth, fp8_case, parity, throughput
 from .sizes import pick_size
 
 
@@ -59,7 +59,7 @@ def main(spec_path: str) -> None:
                                "size_params": preset.num_params, "precision": spec["precision"],
                                "steps": spec["steps"], "warmup": spec["warmup"]}
     sections: dict[str, Callable[[], Any]] = {
-        "correctness": lambda: parity.run_cases(world, say),
+        "correctness": lambda: parity.run_cases(world, say) + fp8_case.run_fp8_cases(world, say),
         "throughput": lambda: throughput.run_all(preset, world, spec["precision"], spec["steps"], spec["warmup"],
                                                  say),
         "bandwidth": lambda: bandwidth.run_all(world, say),
