@@ -85,10 +85,6 @@ def convert_deepspeed(checkpoint: str | Path, out: str | Path, tag: Optional[str
         data = reader.data
         client = data["client_state"]
         left_out = sorted(k for k, v in client.items() if not _is_json(v))
-        module = reader.model.get("module") or {}
-        trainable_of = {k: k for k in reader.param_names()}
-        trainable_of.update({k: v for k, v in (reader.model.get("shared_params") or {}).items() if v in trainable_of})
-        keys = list(module) or list(trainable_of)
         extra = reader.extra()
         final = Path(out) / directory.name
         staging = Path(out) / f".{directory.name}.incomplete"
@@ -107,8 +103,7 @@ def convert_deepspeed(checkpoint: str | Path, out: str | Path, tag: Optional[str
             "lr_scheduler": data["lr_scheduler"] if _is_json(data["lr_scheduler"]) else None,
             "engine": data["engine"], "loader": None,
             "client_state": {k: v for k, v in client.items() if k not in left_out},
-            "model": {"state_dict_keys": keys, "trainable_of": trainable_of, "hf_config": None,
-                      "class": "DeepSpeed checkpoint", "peft_config": None},
+            "model": reader.model_description(),
             "converted_from": {"format": "deepspeed", "ds_version": reader.model.get("ds_version"),
                                "world_size": reader.world_size, "stage": reader.stage},
             "files": files,

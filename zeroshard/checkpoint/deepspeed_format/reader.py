@@ -158,6 +158,16 @@ class DeepSpeedReader:
             "client_state": self.client_state(),
         }
 
+    def model_description(self) -> dict[str, Any]:
+        """The model as zeroshard's manifest describes one: its state-dict keys, which trained parameter
+        each key is (tied weights under every name), and its buffers."""
+        module = self.model.get("module") or {}
+        trainable_of = {k: k for k in self.param_names()}
+        trainable_of.update({k: v for k, v in (self.model.get("shared_params") or {}).items() if v in trainable_of})
+        return {"state_dict_keys": list(module) or list(trainable_of), "trainable_of": trainable_of,
+                "buffer_names": list(self.model.get("buffer_names") or []), "hf_config": None,
+                "class": "DeepSpeed checkpoint", "peft_config": None}
+
     def client_state(self) -> dict[str, Any]:
         """What DeepSpeed's ``load_checkpoint`` returns as the client state: the model file's entries but
         its own."""
