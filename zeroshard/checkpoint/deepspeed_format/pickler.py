@@ -25,7 +25,11 @@ from .unpickle import STAND_INS
 _NAME_OF = {cls: name for name, cls in STAND_INS.items()}
 
 
-class _DeepSpeedPickler(pickle._Pickler):  # the Python pickler: its save_global can be replaced
+#: the Python pickler (not the C one): its ``save_global`` can be replaced
+_PythonPickler: Any = getattr(pickle, "_Pickler")
+
+
+class _DeepSpeedPickler(_PythonPickler):  # type: ignore[misc]
     def save_global(self, obj: Any, name: Any = None) -> None:
         target = _NAME_OF.get(obj)
         if target is None:

@@ -6,14 +6,15 @@ target: DeepSpeed's data-parallel world size, ZeRO stage (1-3) and precision (fp
 loads a ZeRO checkpoint only at the world size and stage it names, and copies each rank's flat
 partitions into its own optimizer as they are, without names: the partitions must be cut exactly as
 the loading engine cuts its own (the rules of [Note: how DeepSpeed lays out its partitions] in
-partitions.py, inverted), from its parameter groups in its order.  That order is the one DeepSpeed
+checkpoint/deepspeed_format/partitions.py, inverted), from its parameter groups in its order.  That order is the one DeepSpeed
 builds from ``model.parameters()`` handed to it: each optimizer group's parameters in the model's
 state-dict order, which is the order the model's names are recorded in (a DeepSpeed group whose
 parameters come in another order than the model's, or a stage-3 group that ``sub_group_size`` cuts
 into several sub-groups, is not what these files describe).  Each group's Adam ``step`` is its
 parameters' step; the hyperparameters are the saved ones, but for ``fused`` and ``foreach``, which
 name an implementation and are left for the loading optimizer to choose.  ``clip_grad`` is written
-only where known (an engine's save): DeepSpeed's stages 1-2 take it from the file over their config.
+only where known (an engine's save, a DeepSpeed checkpoint's config): DeepSpeed's stages 1-2 take it
+from the file over their config.
 """
 
 from __future__ import annotations
@@ -131,17 +132,18 @@ class _Target:
             fragments[name] = value
         engine = data.get("engine") or {}
         client = dict(data.get("client_state") or {})
-        return {
-            "module": module, "buffer_names": buffer_names, "optimizer": None,
+        return {  # the client state first: a DeepSpeed checkpoint's holds the entries of its model file
+            **client, "module": module, "buffer_names": buffer_names, "optimizer": None,
             "param_shapes": [OrderedDict((n, torch.Size(reader.shape(n))) for n in g) for g in self.groups],
-            "frozen_param_shapes": OrderedDict((n, extra[n].shape) for n in frozen),
+            # DeepSpeed records frozen parameters apart where it partitions gradients (stages 2-3)
+            "frozen_param_shapes": OrderedDict((n, extra[n].shape) for n in frozen) if self.stage > 1 else None,
             "shared_params": {k: v for k, v in trainable_of.items() if k != v},
-            "frozen_param_fragments": fragments,
+            "frozen_param_fragments": fragments if self.stage > 1 else None,
             "lr_scheduler": data.get("lr_scheduler"), "data_sampler": None, "random_ltd": None,
             "skipped_steps": int(engine.get("skipped_steps", 0)), "global_steps": int(engine.get("global_steps", 0)),
             "global_samples": int(engine.get("global_samples", 0)), "dp_world_size": self.world, "mp_world_size": 1,
             "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
-            "ds_config": self.ds_config, "ds_version": DEEPSPEED_LAYOUT_VERSION, **client,
+            "ds_config": self.ds_config, "ds_version": DEEPSPEED_LAYOUT_VERSION,
         }
 
     def loss_scaler(self) -> Any:
