@@ -11,7 +11,8 @@ model starts from other values of) give DeepSpeed's losses and final fp32 weight
 world 2 the sums are DeepSpeed's, bf16 included; at world 3 a bf16 gradient is summed in another order).
 A crafted model file naming a foreign global is refused on every rank by name, with nothing executed and
 the engine unchanged. A ``zeroshard convert`` of a fixture loads and continues the same, and so does a
-fixture rewritten in DeepSpeed's layout for another world size and stage (``convert --to deepspeed``); an
+fixture rewritten in DeepSpeed's layout for another world size and stage (``convert --to deepspeed``) or
+as DeepSpeed's universal folder (``ds_to_universal``); an
 engine's save with ``format="deepspeed"`` writes DeepSpeed's files for its world and loads back bitwise.
 
 The default suite loads each fixture at world 2 and its own stage, one at another stage, the crafted
@@ -35,7 +36,7 @@ import torch
 import zeroshard
 from zeroshard.checkpoint import CheckpointError
 from zeroshard.checkpoint.deepspeed_format import DeepSpeedReader, deepspeed_directory
-from zeroshard.checkpoint.deepspeed_format.convert import convert_deepspeed, convert_to_deepspeed
+from zeroshard.checkpoint.deepspeed_format.convert import convert_deepspeed, convert_to_deepspeed, convert_to_universal
 from zeroshard.deepspeed.utils.tensor_fragment import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from zeroshard.tools.testing import check_family, run_family
 
@@ -197,9 +198,12 @@ def test_deepspeed_checkpoints_at_world_2() -> None:
         convert_deepspeed(FIXTURES / "zero2_bf16" / "checkpoint", converted)
         written = Path(tmp) / "written"
         convert_to_deepspeed(FIXTURES / "zero3_fp32" / "checkpoint", written, 3, 1)  # another world and stage
+        universal = Path(tmp) / "universal"
+        convert_to_universal(FIXTURES / "zero1_bf16" / "checkpoint", universal)
         family_with_crafted = [*family, ("crafted", {"directory": str(crafted)}),
                                ("load", {"case": "zero2_bf16", "stage": 3, "source": str(converted)}),
                                ("load", {"case": "zero3_fp32", "stage": 2, "source": str(written)}),
+                               ("load", {"case": "zero1_bf16", "stage": 3, "source": str(universal)}),
                                ("as_deepspeed", {"directory": str(Path(tmp) / "as_ds")})]
         check_family(family_with_crafted, run_family(2, family_with_crafted, WORKERS), CHECKS, world=2)
 

@@ -148,3 +148,24 @@ def convert_to_deepspeed(checkpoint: str | Path, out: str | Path, world_size: in
         clip = ds_config.get("gradient_clipping")
         return write_deepspeed(reader, out, name, world_size, stage, torch.bfloat16 if chosen == "bf16" else torch.float32,
                                clip_grad=None if clip is None else float(clip))
+
+
+def convert_to_universal(checkpoint: str | Path, out: str | Path, world_size: int = 1, stage: int = 2,
+                         dtype: Optional[str] = None, tag: Optional[str] = None) -> Path:
+    """Write the checkpoint ``checkpoint`` as DeepSpeed's universal folder ``out/<tag>`` (``latest_universal``
+    naming it): a DeepSpeed ZeRO checkpoint directly, any other first in DeepSpeed's layout for
+    ``world_size`` ranks at ``stage`` (whose model files the universal folder keeps).  Returns the folder."""
+    from .universal import write_universal
+
+    with open_any(checkpoint, tag) as reader:
+        is_deepspeed = isinstance(reader, DeepSpeedReader) and reader.stage > 0
+        name = getattr(reader, "directory", Path(checkpoint)).name
+        source = reader.directory if is_deepspeed else None
+    if source is not None:
+        return write_universal(source, Path(out) / name)
+    staging = Path(out) / f".{name}.deepspeed"
+    try:
+        written = convert_to_deepspeed(checkpoint, staging, world_size, stage, dtype, tag)
+        return write_universal(written, Path(out) / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
