@@ -3,8 +3,8 @@
 Written from DeepSpeed's own fixtures (tests/fixtures/deepspeed/) at the world size and stage DeepSpeed
 saved them, the files hold what DeepSpeed's own hold, tensor for tensor.  zeroshard -> DeepSpeed's layout ->
 zeroshard is bitwise at other world sizes and stages.  The files name only DeepSpeed's own globals.  What
-real DeepSpeed 0.19.8 did with such files (tests/fixtures/deepspeed/check_written.py) is recorded in
-written_by_zeroshard.json, checked here.
+real DeepSpeed 0.19.8 did with such files (tests/fixtures/deepspeed/check_written.py: at world 2, and its own
+world-2 fixtures rewritten for world 3) is recorded in written_by_zeroshard.json, checked here.
 """
 
 from __future__ import annotations
@@ -128,3 +128,11 @@ def test_real_deepspeed_loaded_what_zeroshard_wrote() -> None:
         assert got["losses_max_rel_diff"] <= 1e-6 and got["weights_max_abs_diff"] <= 1e-6, case
         assert got["losses_max_rel_diff_vs_deepspeed_own"] <= 1e-6, case
         assert got["weights_max_abs_diff_vs_deepspeed_own"] <= 1e-6, case
+    resharded = record["resharded"]  # DeepSpeed's own world-2 fixtures as zeroshard rewrote them for world 3
+    assert resharded["world_size"] == 3 and sorted(resharded["cases"]) == sorted(record["cases"])
+    for case, got in resharded["cases"].items():
+        assert got["loaded_tag"] == "step3" and got["masters_bitwise"] and got["zero_to_fp32_bitwise"], case
+        assert got["counters"] == [5, 30, 0] and got["client_state_equal"], case  # after its 2 steps
+        bf16 = case.endswith("bf16")  # 3 ranks sum in another order than 2
+        assert got["mean_loss_max_rel_diff_vs_deepspeed_world_2"] <= (5e-3 if bf16 else 1e-6), case
+        assert got["weights_max_abs_diff_vs_deepspeed_world_2"] <= (1e-3 if bf16 else 1e-6), case
