@@ -46,9 +46,9 @@ def describe_model(reader: Any) -> dict[str, Any]:
     return describe() if describe is not None else dict(reader.data.get("model") or {})
 
 
-def _groups(reader: Any, model: dict[str, Any]) -> list[list[str]]:
-    """The trained parameters by optimizer group, each group in the model's order (see [Note: what a
-    DeepSpeed checkpoint is written from])."""
+def _groups(reader: Any, model: dict[str, Any]) -> dict[int, list[str]]:
+    """The trained parameters by optimizer group (by the group's index among the optimizer's), each group
+    in the model's order (see [Note: what a DeepSpeed checkpoint is written from])."""
     buckets = reader.data.get("buckets")
     order = {name: i for i, name in enumerate(dict.fromkeys(
         (model.get("trainable_of") or {}).get(k, k) for k in model.get("state_dict_keys") or []))}
@@ -58,7 +58,7 @@ def _groups(reader: Any, model: dict[str, Any]) -> list[list[str]]:
         bucket = reader.bucket_of(name)
         group = int(buckets[bucket].get("group", 0)) if buckets else int(bucket)
         groups.setdefault(group, []).append(name)
-    return [groups[g] for g in sorted(groups)]
+    return {g: groups[g] for g in sorted(groups)}
 
 
 def _param_group(reader: Any, group: int, params: list[int]) -> dict[str, Any]:
@@ -100,7 +100,9 @@ class _Target:
                                   f"DeepSpeed's layout is written for Adam-family optimizer state")
         self.reader, self.world, self.stage, self.dtype = reader, world, stage, dtype
         self.model = describe_model(reader)
-        self.clip_grad, self.groups = clip_grad, _groups(reader, self.model)
+        self.extra = reader.extra()  # buffers and frozen parameters, read once for every rank's model file
+        by_group = _groups(reader, self.model)
+        self.clip_grad, self.groups, self.group_ids = clip_grad, list(by_group.values()), list(by_group)
         self.bf16 = dtype == torch.bfloat16
         self.ds_config = ds_config if ds_config is not None else {
             "zero_optimization": {"stage": stage}, "bf16": {"enabled": self.bf16},
@@ -113,7 +115,7 @@ class _Target:
     def model_state(self, rank: int) -> dict[str, Any]:
         reader, data, model = self.reader, self.reader.data, self.model
         trainable_of = model.get("trainable_of") or {n: n for n in reader.param_names()}
-        extra = reader.extra()
+        extra = self.extra
         buffer_names = [n for n in model.get("buffer_names", list(extra)) if n in extra]
         frozen = [n for n in extra if n not in buffer_names]
         module: dict[str, torch.Tensor] = OrderedDict()
@@ -168,7 +170,7 @@ class _Target:
                 paddings.append(padding)
                 state[g] = {"step": self.step(group),
                             **{m: flat[f"optim.{m}"][start:start + size].clone() for m in MOMENTS}}
-                groups.append(_param_group(self.reader, g, [g]))
+                groups.append(_param_group(self.reader, self.group_ids[g], [g]))
                 mappings.append(_slice_mappings(self.reader, group, start, size))
             sd: dict[str, Any] = {"loss_scaler": self.loss_scaler(), "dynamic_loss_scale": False, "overflow": False}
             if self.clip_grad is not None:
@@ -197,8 +199,8 @@ class _Target:
             ranks.append({
                 "zero_stage": ZeroStageEnum.weights, "loss_scaler": self.loss_scaler(), "dynamic_loss_scale": False,
                 "overflow": False, "partition_count": self.world,
-                "optimizer_state_dict": {"state": state, "param_groups": [_param_group(self.reader, g, [g])
-                                                                          for g in range(len(self.groups))]},
+                "optimizer_state_dict": {"state": state, "param_groups": [
+                    _param_group(self.reader, group_id, [g]) for g, group_id in enumerate(self.group_ids)]},
                 "fp32_flat_groups": [p["param"][r].clone() for p in pieces],
             })
         return ranks
