@@ -107,3 +107,16 @@ def test_real_deepspeed_wrote_the_same_universal_files() -> None:
     assert sorted(record["cases"]) == sorted(f"zero{s}_{p}" for s in (1, 2, 3) for p in ("fp32", "bf16"))
     for case, got in record["cases"].items():
         assert got["same_files"] and got["files"] > 20 and not got["differing"], case
+
+
+def test_deepspeeds_pickled_classes_resolve_under_its_face() -> None:
+    """DeepSpeed's own ``zero_to_fp32.py`` unpickles its files with ``weights_only=False``: under
+    ``install_as_deepspeed()`` every class they name must be found at its DeepSpeed path."""
+    import importlib
+
+    from zeroshard.checkpoint.deepspeed_format.unpickle import STAND_INS
+
+    for name, cls in STAND_INS.items():
+        module, _, attribute = name.rpartition(".")
+        found = getattr(importlib.import_module("zeroshard" + module[len("deepspeed"):]), attribute)
+        assert found is cls or (issubclass(found, int) and found(3).name == cls(3).name), name
