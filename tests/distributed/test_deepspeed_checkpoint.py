@@ -13,7 +13,8 @@ A crafted model file naming a foreign global is refused on every rank by name, w
 the engine unchanged. A ``zeroshard convert`` of a fixture loads and continues the same, and so does a
 fixture rewritten in DeepSpeed's layout for another world size and stage (``convert --to deepspeed``) or
 as DeepSpeed's universal folder (``ds_to_universal``); an
-engine's save with ``format="deepspeed"`` writes DeepSpeed's files for its world and loads back bitwise.
+engine's save in DeepSpeed's layout (``checkpoint.format``) writes DeepSpeed's files for its world and loads
+back bitwise.
 
 The default suite loads each fixture at world 2 and its own stage, one at another stage, the crafted
 file and a converted checkpoint, in one world; the extended tests load them at world 3 and other stages
@@ -156,18 +157,26 @@ def check_crafted(results: list[dict[str, Any]], directory: str) -> None:
 
 
 def saved_as_deepspeed(rank: int, world: int, directory: str) -> dict[str, Any]:
-    """An engine at stage 3 loads the zero2_bf16 fixture and saves it with ``format="deepspeed"``: the files
-    are DeepSpeed's stage-3 layout for this world, and an engine at stage 1 loads them back bitwise."""
+    """An engine at stage 3 with ``"checkpoint": {"format": "deepspeed"}`` loads the zero2_bf16 fixture and
+    saves it: the files are DeepSpeed's stage-3 layout for this world, and an engine at stage 1 loads them
+    back bitwise.  An asynchronous save in that layout is refused."""
     meta, _ = fixture("zero2_bf16")
-    engines = [zeroshard.initialize(model=make_fixtures.TinyNet(), config=dict(meta["config"], zero_optimization={
-        "stage": stage}))[0] for stage in (3, 1)]
+    engines = [zeroshard.initialize(model=make_fixtures.TinyNet(), config=dict(
+        meta["config"], zero_optimization={"stage": stage}, checkpoint={"format": layout}))[0]
+        for stage, layout in ((3, "deepspeed"), (1, "zeroshard"))]
     engines[0].load_checkpoint(str(FIXTURES / "zero2_bf16" / "checkpoint"))
-    target = engines[0].save_checkpoint(directory, tag="as_ds", client_state={"epoch": 5}, format="deepspeed")
+    try:
+        engines[0].save_checkpoint(directory, tag="never", async_save=True)
+        refused = False
+    except ValueError as err:
+        refused = "synchronously" in str(err)
+    target = engines[0].save_checkpoint(directory, tag="as_ds", client_state={"epoch": 5})
     _, client = engines[1].load_checkpoint(directory)
     state = [{n: (safe_get_full_fp32_param(p).clone(), safe_get_full_optimizer_state(p, "exp_avg_sq").clone())
               for n, p in e.module.named_parameters() if p.requires_grad} for e in engines]
     same = all(torch.equal(a, b) for n in state[0] for a, b in zip(state[0][n], state[1][n]))
     out = {"files": sorted(p.name for p in Path(target).iterdir()), "same": same, "epoch": client["epoch"],
+           "refused": refused, "tags": sorted(p.name for p in Path(directory).iterdir()),
            "steps": engines[1].global_steps, "staging_left": any(p.name.startswith(".") for p in Path(directory).iterdir())}
     for engine in engines:
         engine.close()
@@ -179,7 +188,8 @@ def check_saved_as_deepspeed(results: list[dict[str, Any]], directory: str) -> N
     expected = sorted([f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world)]
                       + [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world)])
     for got in results:
-        assert got["files"] == expected and got["same"] and not got["staging_left"], got
+        assert got["files"] == expected and got["same"] and not got["staging_left"] and got["refused"], got
+        assert got["tags"] == ["as_ds", "latest"], got
         assert (got["epoch"], got["steps"]) == (5, 3)
 
 
