@@ -10,7 +10,11 @@ and the next 2 steps on the same batches (through the frozen layer and the buffe
 model starts from other values of) give DeepSpeed's losses and final fp32 weights to float rounding (at
 world 2 the sums are DeepSpeed's, bf16 included; at world 3 a bf16 gradient is summed in another order).
 A crafted model file naming a foreign global is refused on every rank by name, with nothing executed and
-the engine unchanged. A ``zeroshard convert`` of a fixture loads and continues the same.
+the engine unchanged. A ``zeroshard convert`` of a fixture loads and continues the same, and so does a
+fixture rewritten in DeepSpeed's layout for another world size and stage (``convert --to deepspeed``) or
+as DeepSpeed's universal folder (``ds_to_universal``); an
+engine's save in DeepSpeed's layout (``checkpoint.format``) writes DeepSpeed's files for its world and loads
+back bitwise.
 
 The default suite loads each fixture at world 2 and its own stage, one at another stage, the crafted
 file and a converted checkpoint, in one world; the extended tests load them at world 3 and other stages
@@ -33,7 +37,7 @@ import torch
 import zeroshard
 from zeroshard.checkpoint import CheckpointError
 from zeroshard.checkpoint.deepspeed_format import DeepSpeedReader, deepspeed_directory
-from zeroshard.checkpoint.deepspeed_format.convert import convert_deepspeed
+from zeroshard.checkpoint.deepspeed_format.convert import convert_deepspeed, convert_to_deepspeed, convert_to_universal
 from zeroshard.deepspeed.utils.tensor_fragment import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from zeroshard.tools.testing import check_family, run_family
 
@@ -152,8 +156,45 @@ def check_crafted(results: list[dict[str, Any]], directory: str) -> None:
     assert any("posix.system" in got["error"] for got in results)
 
 
-WORKERS = {"load": load_and_continue, "crafted": crafted_refused}
-CHECKS = {"load": check_load_and_continue, "crafted": check_crafted}
+def saved_as_deepspeed(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """An engine at stage 3 with ``"checkpoint": {"format": "deepspeed"}`` loads the zero2_bf16 fixture and
+    saves it: the files are DeepSpeed's stage-3 layout for this world, and an engine at stage 1 loads them
+    back bitwise.  An asynchronous save in that layout is refused."""
+    meta, _ = fixture("zero2_bf16")
+    engines = [zeroshard.initialize(model=make_fixtures.TinyNet(), config=dict(
+        meta["config"], zero_optimization={"stage": stage}, checkpoint={"format": layout}))[0]
+        for stage, layout in ((3, "deepspeed"), (1, "zeroshard"))]
+    engines[0].load_checkpoint(str(FIXTURES / "zero2_bf16" / "checkpoint"))
+    try:
+        engines[0].save_checkpoint(directory, tag="never", async_save=True)
+        refused = False
+    except ValueError as err:
+        refused = "synchronously" in str(err)
+    target = engines[0].save_checkpoint(directory, tag="as_ds", client_state={"epoch": 5})
+    _, client = engines[1].load_checkpoint(directory)
+    state = [{n: (safe_get_full_fp32_param(p).clone(), safe_get_full_optimizer_state(p, "exp_avg_sq").clone())
+              for n, p in e.module.named_parameters() if p.requires_grad} for e in engines]
+    same = all(torch.equal(a, b) for n in state[0] for a, b in zip(state[0][n], state[1][n]))
+    out = {"files": sorted(p.name for p in Path(target).iterdir()), "same": same, "epoch": client["epoch"],
+           "refused": refused, "tags": sorted(p.name for p in Path(directory).iterdir()),
+           "steps": engines[1].global_steps, "staging_left": any(p.name.startswith(".") for p in Path(directory).iterdir())}
+    for engine in engines:
+        engine.close()
+    return out
+
+
+def check_saved_as_deepspeed(results: list[dict[str, Any]], directory: str) -> None:
+    world = len(results)
+    expected = sorted([f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world)]
+                      + [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world)])
+    for got in results:
+        assert got["files"] == expected and got["same"] and not got["staging_left"] and got["refused"], got
+        assert got["tags"] == ["as_ds", "latest"], got
+        assert (got["epoch"], got["steps"]) == (5, 3)
+
+
+WORKERS = {"load": load_and_continue, "crafted": crafted_refused, "as_deepspeed": saved_as_deepspeed}
+CHECKS = {"load": check_load_and_continue, "crafted": check_crafted, "as_deepspeed": check_saved_as_deepspeed}
 CASES = tuple(f"zero{stage}_{precision}" for precision in ("fp32", "bf16") for stage in range(4))
 
 
@@ -165,8 +206,15 @@ def test_deepspeed_checkpoints_at_world_2() -> None:
         make_crafted(crafted)
         converted = Path(tmp) / "converted"
         convert_deepspeed(FIXTURES / "zero2_bf16" / "checkpoint", converted)
+        written = Path(tmp) / "written"
+        convert_to_deepspeed(FIXTURES / "zero3_fp32" / "checkpoint", written, 3, 1)  # another world and stage
+        universal = Path(tmp) / "universal"
+        convert_to_universal(FIXTURES / "zero1_bf16" / "checkpoint", universal)
         family_with_crafted = [*family, ("crafted", {"directory": str(crafted)}),
-                               ("load", {"case": "zero2_bf16", "stage": 3, "source": str(converted)})]
+                               ("load", {"case": "zero2_bf16", "stage": 3, "source": str(converted)}),
+                               ("load", {"case": "zero3_fp32", "stage": 2, "source": str(written)}),
+                               ("load", {"case": "zero1_bf16", "stage": 3, "source": str(universal)}),
+                               ("as_deepspeed", {"directory": str(Path(tmp) / "as_ds")})]
         check_family(family_with_crafted, run_family(2, family_with_crafted, WORKERS), CHECKS, world=2)
 
 

@@ -1,10 +1,15 @@
-"""Sharded checkpoints: versioned manifest + safetensors shards; resharding load; offline tools."""
+"""Sharded checkpoints: versioned manifest + safetensors shards; resharding load; offline tools.  Under
+``install_as_deepspeed()`` this is also ``deepspeed.checkpoint``: DeepSpeed's ``DeepSpeedCheckpoint``, its
+file-name helpers, ``constants`` and ``ds_to_universal`` (its format: deepspeed_format/)."""
 
 from .consolidate import consolidate, describe
+from .deepspeed_format.ds_checkpoint import DeepSpeedCheckpoint
 from .format import FORMAT_VERSION, CheckpointError
 from .load import load_checkpoint
 from .reader import CheckpointReader
 from .save import save_checkpoint
+from .utils import get_layer_ckpt_name_for_rank, get_model_ckpt_name_for_rank, get_zero_ckpt_name_for_rank
 
 __all__ = ["save_checkpoint", "load_checkpoint", "consolidate", "describe", "CheckpointReader",
-           "CheckpointError", "FORMAT_VERSION"]
+           "CheckpointError", "FORMAT_VERSION", "DeepSpeedCheckpoint", "get_model_ckpt_name_for_rank",
+           "get_zero_ckpt_name_for_rank", "get_layer_ckpt_name_for_rank"]

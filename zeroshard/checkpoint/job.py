@@ -103,7 +103,8 @@ class JobNamedModule:
     def describe(self) -> dict[str, Any]:
         model = self.inner.describe()
         return {**model, "state_dict_keys": [self.rename(k) for k in model["state_dict_keys"]],
-                "trainable_of": {self.rename(k): self.rename(v) for k, v in model["trainable_of"].items()}}
+                "trainable_of": {self.rename(k): self.rename(v) for k, v in model["trainable_of"].items()},
+                "buffer_names": [self.rename(k) for k in model.get("buffer_names", [])]}
 
     def extra_tensors(self, trainable_keys: set[str], keep: bool = True,
                       exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
@@ -125,7 +126,8 @@ def with_every_experts_entries(fragments: list[Optional[dict[str, Any]]]) -> dic
     merged["buckets"] = [buckets[i] for i in sorted(buckets)]
     keys = list(dict.fromkeys(k for f in given for k in f["model"]["state_dict_keys"]))
     merged["model"] = {**given[0]["model"], "state_dict_keys": keys,
-                       "trainable_of": {k: v for f in given for k, v in f["model"]["trainable_of"].items()}}
+                       "trainable_of": {k: v for f in given for k, v in f["model"]["trainable_of"].items()},
+                       "buffer_names": list(dict.fromkeys(k for f in given for k in f["model"].get("buffer_names", [])))}
     return merged
 
 
@@ -137,7 +139,8 @@ def merged_manifest(fragments: list[Optional[dict[str, Any]]], model_class: str)
     merged["buckets"] = [b for f in given for b in f["buckets"]]
     merged["model"] = {**given[0]["model"], "class": model_class, "hf_config": None, "peft_config": None,
                        "state_dict_keys": [k for f in given for k in f["model"]["state_dict_keys"]],
-                       "trainable_of": {k: v for f in given for k, v in f["model"]["trainable_of"].items()}}
+                       "trainable_of": {k: v for f in given for k, v in f["model"]["trainable_of"].items()},
+                       "buffer_names": [k for f in given for k in f["model"].get("buffer_names", [])]}
     merged["extra_files"] = [extra_file(part) for part in range(len(given))]
     merged["parts"] = len(given)
     return merged

@@ -35,6 +35,7 @@ import torch
 from ..logging import logger
 from ..sharding.layout import BucketLayout
 from .deepspeed_format import DeepSpeedReader, deepspeed_directory
+from .deepspeed_format.universal_read import LATEST_UNIVERSAL
 from .format import LATEST, MANIFEST, CheckpointError, published_dir, rank_file, resolve_tag  # resolve_tag: public
 from .client_state import CLIENT_STATE_FILE, decode
 from .interface import CheckpointParts
@@ -227,7 +228,8 @@ def open_checkpoint(parts: CheckpointParts, load_dir: str | Path, tag: Optional[
     problem: Optional[str] = None
     identity = ""
     root = Path(load_dir)
-    no_latest = tag is None and not is_tensor_parallel_job(root) and not (root / LATEST).is_file()
+    no_latest = tag is None and not is_tensor_parallel_job(root) and not (root / LATEST).is_file() \
+        and not (root / LATEST_UNIVERSAL).is_file()  # a DeepSpeed universal folder's (deepspeed_format/)
     if not no_latest:
         try:
             reader, identity = _open_reader(parts, root, tag, strict)

@@ -77,7 +77,8 @@ class ModuleState:
                 trainable_of[name] = home.name  # a released stage-3 parameter's placeholder
         config = getattr(self.module, "config", None)
         hf_config = config.to_dict() if config is not None and hasattr(config, "to_dict") else None
-        return {"state_dict_keys": keys, "trainable_of": trainable_of, "hf_config": hf_config or None,
+        return {"state_dict_keys": keys, "trainable_of": trainable_of,
+                "buffer_names": [name for name, _ in self.module.named_buffers()], "hf_config": hf_config or None,
                 "class": type(self.module).__name__, "peft_config": _peft_config(self.module)}
 
     def extra_tensors(self, trainable_keys: set[str], keep: bool = True,

@@ -1,8 +1,8 @@
 """DeepSpeed's ``deepspeed.checkpoint.utils``: ``clone_tensors_for_torch_save``, which Accelerate calls on a
-state dict before ``torch.save``, so that views do not drag their whole storage into the file; and
-``get_model_ckpt_name_for_rank``, the name DeepSpeed's own format gives a model-parallel rank's model
-states (tools that read DeepSpeed checkpoints build it; zeroshard's format is in format.py); and
-``make_executable``, for a script kept beside checkpoints."""
+state dict before ``torch.save``, so that views do not drag their whole storage into the file; the names
+DeepSpeed's own format gives a rank's files (``get_model_ckpt_name_for_rank``, ``get_zero_ckpt_name_for_rank``,
+``get_layer_ckpt_name_for_rank``: tools that read DeepSpeed checkpoints build them; zeroshard's format is in
+format.py); and ``make_executable``, for a script kept beside checkpoints."""
 
 from __future__ import annotations
 
@@ -42,3 +42,15 @@ def make_executable(path: str | os.PathLike[str]) -> bool:
     except (FileNotFoundError, PermissionError) as err:
         logger.info(f"could not make {os.fspath(path)} executable ({err}); continuing without changing its mode")
         return False
+
+
+def get_zero_ckpt_name_for_rank(base_folder: str | os.PathLike[str], dp_rank: int, mp_rank: int) -> str:
+    """``<base_folder>/zero_pp_rank_<dp_rank>_mp_rank_<mp_rank, two digits>_optim_states.pt``: a ZeRO
+    rank's optimizer file in DeepSpeed's format."""
+    return os.path.join(os.fspath(base_folder), f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt")
+
+
+def get_layer_ckpt_name_for_rank(base_folder: str | os.PathLike[str], layer_id: str, tp_rank: int) -> str:
+    """``<base_folder>/<layer_id>-model_<tp_rank, two digits>_model_states.pt``: a pipeline layer's file of
+    a tensor-parallel rank in DeepSpeed's format (``layer_id`` as DeepSpeed names it, e.g. ``layer_01``)."""
+    return os.path.join(os.fspath(base_folder), f"{layer_id}-model_{tp_rank:02d}_model_states.pt")

@@ -475,6 +475,11 @@ class CheckpointConfig:
         "included (`initialize(resume_from=...)` does the same for any directory): a job restarted by torchrun "
         "carries on where it was.")
     writer: CheckpointWriterConfig = key(CheckpointWriterConfig(type="python"), "How checkpoint files are written.")
+    format: Literal["zeroshard", "deepspeed"] = key(
+        "zeroshard", "zeroshard's own key: the layout `save_checkpoint` writes. `deepspeed`: DeepSpeed 0.19's files "
+        "(`latest`, the model and ZeRO optimizer files of this world size and stage), which DeepSpeed's "
+        "`load_checkpoint` and `zero_to_fp32.py` read; written synchronously, ZeRO stages 1-3, fp32 or bf16, one "
+        "data-parallel group (`save_checkpoint(..., format=...)` chooses per save).")
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ DEEPSPEED_PATHS = ("accelerator", "checkpointing", "comm", "git_version_info", "
                    "ops.adam", "ops.op_builder", "pipe", "runtime", "runtime.activation_checkpointing",
                    "runtime.activation_checkpointing.checkpointing",
                    "runtime.activation_checkpointing.offload_activations", "runtime.config", "runtime.config_utils",
-                   "runtime.engine", "runtime.fp16", "runtime.fp16.fused_optimizer",
+                   "runtime.engine", "runtime.fp16", "runtime.fp16.fused_optimizer", "runtime.fp16.loss_scaler",
                    "runtime.fp16.unfused_optimizer", "runtime.lr_schedules",
                    "runtime.precision_config", "runtime.sequence_parallel",
                    "runtime.sequence_parallel.parallel_state_sp", "runtime.sequence_parallel.ulysses_sp",

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..checkpoint import load_checkpoint
 from ..checkpoint.background import BackgroundSaves
+from ..checkpoint.deepspeed_format.engine_save import STAGING_DIR, save_in_deepspeed_layout
 from ..checkpoint.format import FileWriting, checked_directory, write_state_dict
 from ..checkpoint.interface import CheckpointParts
 from ..checkpoint.rotation import prune
@@ -93,6 +94,8 @@ class CheckpointSettings:
     #: whether the engine's optimizer steps make the config's periodic saves (a pipeline stage's do
     #: not: the whole pipeline saves after its batch)
     saves_periodically: bool = True
+    #: what a save in DeepSpeed's layout names as its config (its stage, precision, batch, clipping)
+    deepspeed_config: Optional[dict[str, Any]] = None
 
     @staticmethod
     def from_config(config: "ZeroshardConfig", traits: "StageTraits", precision: "PrecisionPolicy",
@@ -101,7 +104,11 @@ class CheckpointSettings:
             config.checkpoint,
             not traits.shards_parameters or config.zero_optimization.stage3_gather_16bit_weights_on_model_save,
             precision.compute if precision.mixed else torch.bfloat16,
-            not offload.uses_nvme, saves_periodically)
+            not offload.uses_nvme, saves_periodically,
+            {"train_micro_batch_size_per_gpu": config.train_micro_batch_size_per_gpu,
+             "gradient_accumulation_steps": config.gradient_accumulation_steps,
+             "gradient_clipping": config.gradient_clipping, "zero_optimization": {"stage": traits.stage},
+             "bf16": {"enabled": config.bf16.enabled}, "fp16": {"enabled": config.fp16.enabled}})
 
 
 class EngineCheckpointer:
@@ -130,9 +137,15 @@ class EngineCheckpointer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, save_dir: Union[str, Path], tag: Any, client_state: Any, save_latest: bool,
-             exclude_frozen: bool, async_save: Optional[bool], then: Optional[Callable[[], None]] = None) -> Path:
-        """``Engine.save_checkpoint``; ``then`` runs once the checkpoint is published."""
+             exclude_frozen: bool, async_save: Optional[bool], then: Optional[Callable[[], None]] = None,
+             layout: Optional[str] = None) -> Path:
+        """``Engine.save_checkpoint``; ``then`` runs once the checkpoint is published; ``layout``:
+        ``checkpoint.format`` for this save."""
         save_dir = checked_directory(save_dir, "save_checkpoint", "save_dir")
+        if (layout or self.settings.checkpoint.format) == "deepspeed":
+            return self._save_deepspeed(save_dir, tag, client_state, save_latest, exclude_frozen, async_save)
+        if layout not in (None, "zeroshard"):
+            raise ValueError(f"save_checkpoint: format {layout!r}: 'zeroshard' or 'deepspeed'")
         writer = self.settings.checkpoint.writer
         background = writer.decoupled if async_save is None else bool(async_save)
         self.saves.wait()  # the previous asynchronous save is published (or its error raised) first
@@ -155,6 +168,24 @@ class EngineCheckpointer:
         if then is not None:
             then()
         return request.final
+
+    def _save_deepspeed(self, save_dir: Path, tag: Any, client_state: Any, save_latest: bool, exclude_frozen: bool,
+                        async_save: Optional[bool]) -> Path:
+        """A save in DeepSpeed's layout (see [Note: a save in DeepSpeed's layout] in
+        checkpoint/deepspeed_format/engine_save.py)."""
+        if async_save:
+            raise ValueError("save_checkpoint: a save in DeepSpeed's layout is written synchronously "
+                             "(async_save=True is zeroshard's own layout only)")
+        parts = self.parts
+        if parts.experts is not None or parts.tensor_slice is not None or parts.whole_model is not None \
+                or self.settings.checkpoint.use_node_local_storage or exclude_frozen:
+            raise ValueError("save_checkpoint: DeepSpeed's layout is written for one data-parallel group (no tensor, "
+                             "pipeline or expert parallelism), on a shared file system, frozen parameters included")
+        staging = save_dir / STAGING_DIR
+        saved = self.save(staging, tag, client_state, False, False, False, layout="zeroshard")
+        return save_in_deepspeed_layout(saved, save_dir, save_latest, self.world.world_size,
+                                        dict(self.settings.deepspeed_config or {}), self.world.is_main,
+                                        lambda error: self.comm.all_gather_json(error, "deepspeed_layout"))
 
     def _common_tag(self, tag_name: str) -> str:
         """``checkpoint.tag_validation`` Warn / Ignore: every rank saves under rank 0's tag, so that the

@@ -460,19 +460,19 @@ class Engine:
     # ------------------------------------------------------------------ checkpoints and full weights
     def save_checkpoint(self, save_dir: Union[str, Path], tag: Any = None, client_state: Any = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False,
-                        async_save: Optional[bool] = None) -> Path:
-        """Write a sharded checkpoint under ``save_dir/tag`` (see zeroshard/checkpoint/format.py); returns
-        that directory.
+                        async_save: Optional[bool] = None, format: Optional[str] = None) -> Path:
+        """Write a sharded checkpoint under ``save_dir/tag`` (checkpoint/format.py); returns that directory.
 
         ``tag`` may be of any type (DeepSpeed scripts pass step numbers): it names a directory by
         ``str(tag)``.  ``exclude_frozen_parameters`` leaves frozen parameters out (a LoRA job's base
         model, which the job loads from its pretrained weights anyway); a load then keeps the model's
         current frozen values.  ``async_save`` (default: ``checkpoint.writer.decoupled``): return at once;
         the state is copied (the next optimizer step waits for that), written and published in the
-        background (see [Note: asynchronous saves] in checkpoint/background.py).
+        background (see [Note: asynchronous saves] in checkpoint/background.py).  ``format``: the layout,
+        ``"zeroshard"`` or ``"deepspeed"`` (DeepSpeed's files; default: ``checkpoint.format``).
         """
         return self.checkpointer.save(self.model_slice.save_directory(save_dir), tag, client_state, save_latest,
-                                      exclude_frozen_parameters, async_save)
+                                      exclude_frozen_parameters, async_save, layout=format)
 
     def wait_for_checkpoint(self) -> Optional[Path]:
         """Block until the asynchronous save in flight is published; returns its directory (None when

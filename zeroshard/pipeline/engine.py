@@ -178,12 +178,16 @@ class PipelineEngine(Engine):
     # ------------------------------------------------------------------ checkpoints (pipeline/checkpoint.py)
     def save_checkpoint(self, save_dir: Union[str, Path], tag: Any = None, client_state: Any = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False,
-                        async_save: Optional[bool] = None) -> Path:
+                        async_save: Optional[bool] = None, format: Optional[str] = None) -> Path:
         """One checkpoint of the whole pipeline, keyed by the layers' global names (every rank calls it);
-        it loads at any pipeline depth, data-parallel degree and ZeRO stage.  Written synchronously."""
+        it loads at any pipeline depth, data-parallel degree and ZeRO stage.  Written synchronously, in
+        zeroshard's layout."""
         if async_save:
             raise PipelineUsageError("save_checkpoint(async_save=True): a pipelined model's checkpoints are "
                                      "written synchronously (docs/PIPELINE.md)")
+        if (format or self.config.checkpoint.format) != "zeroshard":
+            raise PipelineUsageError("save_checkpoint: a pipelined model's checkpoints are written in zeroshard's "
+                                     "layout (DeepSpeed's is written for one data-parallel group)")
         tag_name = f"global_step{self.global_steps}" if tag is None else str(tag)
         slices = self.tensor_slices
         if slices is not None:  # see the Note in pipeline/checkpoint.py: every stage's split parameters

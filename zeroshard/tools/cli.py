@@ -5,6 +5,7 @@
     zeroshard consolidate CKPT_DIR OUT [--dtype fp32|bf16|fp16] [--tag TAG]
     zeroshard ckpt-info CKPT_DIR [--tag TAG]
     zeroshard convert DEEPSPEED_CKPT OUT_DIR [--tag TAG]
+    zeroshard convert CKPT OUT_DIR --to deepspeed --world-size N --stage S [--dtype fp32|bf16] [--tag TAG]
     zeroshard estimate --params 7e9 --gpus-per-node 8 [--gpu-memory 80] [--micro-batch 1 --seq-len 4096 ...]
     zeroshard estimate --params 70e9 --nodes 128 --gpus-per-node 8 --intra-node-bw 900GB/s \
         --inter-node-bw 50GB/s --tflops 400 --seq-len 4096 --micro-batch 1 [--grad-accum 1] [--gpu-memory 80]
@@ -30,6 +31,7 @@ import sys
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from .selftest.command import add_parser as add_selftest_parser
+from .convert_cli import add_convert
 
 if TYPE_CHECKING:
     from ..config import ZeroshardConfig
@@ -83,14 +85,6 @@ def _ckpt_info(args: argparse.Namespace) -> int:
     from ..checkpoint import describe
 
     print(describe(args.checkpoint, tag=args.tag))
-    return 0
-
-
-def _convert(args: argparse.Namespace) -> int:
-    from ..checkpoint.deepspeed_format.convert import convert_deepspeed
-
-    target, left_out = convert_deepspeed(args.checkpoint, args.out, tag=args.tag)
-    print(f"wrote {target}" + (f" (client state not JSON, left out: {', '.join(left_out)})" if left_out else ""))
     return 0
 
 
@@ -489,11 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("checkpoint")
     info.add_argument("--tag")
     info.set_defaults(run=_ckpt_info)
-    conv = commands.add_parser("convert", help="rewrite a checkpoint DeepSpeed wrote in zeroshard's format, offline")
-    conv.add_argument("checkpoint", help="DeepSpeed's save_dir (with 'latest'), or one tag's directory")
-    conv.add_argument("out", help="the zeroshard save_dir to write (the same tag, 'latest' naming it)")
-    conv.add_argument("--tag", help="which tag under the DeepSpeed save_dir (default: latest)")
-    conv.set_defaults(run=_convert)
+    add_convert(commands)
     est = commands.add_parser("estimate", help="per-rank memory of ZeRO stages 0-3, and which stage fits")
     est.add_argument("--params", type=float, help="parameter count, e.g. 7e9")
     est.add_argument("--model", help="module:factory building the model (counted on the meta device)")

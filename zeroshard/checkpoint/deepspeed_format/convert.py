@@ -1,4 +1,5 @@
-"""``zeroshard convert``: a checkpoint DeepSpeed wrote, rewritten offline in zeroshard's format.
+"""``zeroshard convert``: a checkpoint DeepSpeed wrote, rewritten offline in zeroshard's format, and
+back: any checkpoint in DeepSpeed's layout at a chosen world size and stage (writer.py).
 
 [Note: a converted checkpoint is one rank's]
 The converted checkpoint is the one a single rank at stage 0 would have saved: one bucket per
@@ -25,6 +26,7 @@ from ..format import (EXTRA_FILE, FORMAT_NAME, FORMAT_VERSION, LATEST, MANIFEST,
                       rank_file, write_json_atomic, write_text_atomic)
 from .partitions import MOMENTS
 from .reader import DeepSpeedReader, deepspeed_directory
+from .writer import write_deepspeed
 
 
 def _is_json(value: Any) -> bool:
@@ -85,10 +87,6 @@ def convert_deepspeed(checkpoint: str | Path, out: str | Path, tag: Optional[str
         data = reader.data
         client = data["client_state"]
         left_out = sorted(k for k, v in client.items() if not _is_json(v))
-        module = reader.model.get("module") or {}
-        trainable_of = {k: k for k in reader.param_names()}
-        trainable_of.update({k: v for k, v in (reader.model.get("shared_params") or {}).items() if v in trainable_of})
-        keys = list(module) or list(trainable_of)
         extra = reader.extra()
         final = Path(out) / directory.name
         staging = Path(out) / f".{directory.name}.incomplete"
@@ -107,8 +105,7 @@ def convert_deepspeed(checkpoint: str | Path, out: str | Path, tag: Optional[str
             "lr_scheduler": data["lr_scheduler"] if _is_json(data["lr_scheduler"]) else None,
             "engine": data["engine"], "loader": None,
             "client_state": {k: v for k, v in client.items() if k not in left_out},
-            "model": {"state_dict_keys": keys, "trainable_of": trainable_of, "hf_config": None,
-                      "class": "DeepSpeed checkpoint", "peft_config": None},
+            "model": reader.model_description(),
             "converted_from": {"format": "deepspeed", "ds_version": reader.model.get("ds_version"),
                                "world_size": reader.world_size, "stage": reader.stage},
             "files": files,
@@ -119,3 +116,56 @@ def convert_deepspeed(checkpoint: str | Path, out: str | Path, tag: Optional[str
     staging.rename(final)
     write_text_atomic(Path(out) / LATEST, directory.name)
     return final, left_out
+
+
+def open_any(checkpoint: str | Path, tag: Optional[str] = None) -> Any:
+    """A reader of ``checkpoint``: DeepSpeed's layout (a save_dir, or one tag's directory) or zeroshard's."""
+    root = Path(checkpoint)
+    directory = deepspeed_directory(root, tag)
+    if directory is None and tag is None and deepspeed_directory(root.parent, root.name) is not None:
+        directory = root
+    if directory is not None:
+        return DeepSpeedReader(directory)
+    from ..consolidate import open_reader
+    return open_reader(root, tag)
+
+
+def convert_to_deepspeed(checkpoint: str | Path, out: str | Path, world_size: int, stage: int,
+                         dtype: Optional[str] = None, tag: Optional[str] = None) -> Path:
+    """Write the checkpoint ``checkpoint`` (zeroshard's, or DeepSpeed's at any world size and stage) as
+    the DeepSpeed checkpoint of a ``world_size``-rank job at ZeRO ``stage`` under ``out`` (the same tag,
+    ``latest`` naming it); ``dtype`` ("fp32" or "bf16"; default: the checkpoint's training dtype).
+    Returns the tag's directory."""
+    with open_any(checkpoint, tag) as reader:
+        data = reader.data
+        trained_in = data.get("compute_dtype") or data.get("dtype")
+        chosen = dtype or ("bf16" if trained_in == "bfloat16" else "fp32")
+        if chosen not in ("fp32", "bf16"):
+            raise CheckpointError(f"DeepSpeed's layout is written for fp32 or bf16 training, not {chosen}")
+        name = getattr(reader, "directory", Path(checkpoint)).name
+        # DeepSpeed's files record its clipping (its stages 1-2 take it from there); zeroshard's do not
+        ds_config = (getattr(reader, "model", None) or {}).get("ds_config") or {}
+        clip = ds_config.get("gradient_clipping")
+        return write_deepspeed(reader, out, name, world_size, stage, torch.bfloat16 if chosen == "bf16" else torch.float32,
+                               clip_grad=None if clip is None else float(clip))
+
+
+def convert_to_universal(checkpoint: str | Path, out: str | Path, world_size: int = 1, stage: int = 2,
+                         dtype: Optional[str] = None, tag: Optional[str] = None) -> Path:
+    """Write the checkpoint ``checkpoint`` as DeepSpeed's universal folder ``out/<tag>`` (``latest_universal``
+    naming it): a DeepSpeed ZeRO checkpoint directly, any other first in DeepSpeed's layout for
+    ``world_size`` ranks at ``stage`` (whose model files the universal folder keeps).  Returns the folder."""
+    from .universal import write_universal
+
+    with open_any(checkpoint, tag) as reader:
+        is_deepspeed = isinstance(reader, DeepSpeedReader) and reader.stage > 0
+        name = getattr(reader, "directory", Path(checkpoint)).name
+        source = reader.directory if is_deepspeed else None
+    if source is not None:
+        return write_universal(source, Path(out) / name)
+    staging = Path(out) / f".{name}.deepspeed"
+    try:
+        written = convert_to_deepspeed(checkpoint, staging, world_size, stage, dtype, tag)
+        return write_universal(written, Path(out) / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

@@ -9,10 +9,10 @@ optimizer state in host memory for the length of the load; ``zeroshard convert``
 into zeroshard's format once, whose loads read only each rank's share.
 
 What is read: ZeRO stages 0-3 of one data-parallel group (no tensor or pipeline parallelism), fp32 and
-bf16 (``bf16_`` optimizer files), with Adam-family moments; the counters, the LR scheduler's state and
-the client state as DeepSpeed's ``load_checkpoint`` returns it; the model's buffers and frozen
-parameters.  Everything else (tensor- and pipeline-parallel files, MoE expert files, universal
-checkpoint folders) is refused by name.
+bf16 (``bf16_`` optimizer files), with Adam-family moments, and universal checkpoint folders
+(universal_read.py); the counters, the LR scheduler's state and the client state as DeepSpeed's
+``load_checkpoint`` returns it; the model's buffers and frozen parameters.  Everything else (tensor-
+and pipeline-parallel files, MoE expert files) is refused by name.
 
 [Note: frozen parameters in a DeepSpeed checkpoint]
 At stages 0-2 DeepSpeed's model file holds the whole module: its buffers, its frozen parameters and
@@ -31,6 +31,7 @@ import torch
 
 from ..format import LATEST, MANIFEST, CheckpointError
 from .partitions import MOMENTS, WholeState, merge_stage0, merge_stage3, merge_stage12
+from .universal_read import LATEST_UNIVERSAL, is_universal, read_universal
 from .unpickle import load_deepspeed_file
 
 #: the model file of stages 0-2 (one, written by data-parallel rank 0)
@@ -53,7 +54,7 @@ def deepspeed_directory(root: Path, tag: Optional[str]) -> Optional[Path]:
     """The directory of the DeepSpeed checkpoint ``root/tag`` (``tag`` None: the one ``root/latest``
     names), or None where that is not one DeepSpeed wrote (a zeroshard checkpoint has a manifest)."""
     if tag is None:
-        latest = root / LATEST
+        latest = root / LATEST if (root / LATEST).is_file() else root / LATEST_UNIVERSAL
         if not latest.is_file():
             return None
         tag = latest.read_text().strip()
@@ -80,13 +81,19 @@ class DeepSpeedReader:
         world = int(self.model["dp_world_size"])
         bf16 = (self.directory / optimizer_file(0, True)).is_file()
         where = str(self.directory)
-        if self.model.get("optimizer") is not None:  # no ZeRO: the optimizer is in the model file
+        self.whole: WholeState
+        if is_universal(self.directory):  # one folder per parameter (ds_to_universal)
+            groups = [dict(g) for g in self.model["param_shapes"]]
+            self.whole, rank0 = read_universal(self.directory, groups)
+            self.stage = int(rank0["zero_stage"])
+            bf16 = bool(((self.model.get("ds_config") or {}).get("bf16") or {}).get("enabled"))
+        elif self.model.get("optimizer") is not None:  # no ZeRO: the optimizer is in the model file
             self.stage = 0
             bf16 = "fp32_groups" in self.model["optimizer"]
             optimizer = self.model["optimizer"]
             rank0 = optimizer.get("optimizer_state_dict", optimizer)
-            self.whole: WholeState = merge_stage0(self.model["module"], self.model.get("buffer_names") or [],
-                                                  optimizer, f"{model_path}")
+            self.whole = merge_stage0(self.model["module"], self.model.get("buffer_names") or [], optimizer,
+                                      f"{model_path}")
         elif bf16 or (self.directory / optimizer_file(0, False)).is_file():
             ranks = [load_deepspeed_file(self.directory / optimizer_file(r, bf16))["optimizer_state_dict"]
                      for r in range(world)]
@@ -121,9 +128,6 @@ class DeepSpeedReader:
         if any(self.directory.glob("layer_*-model_states.pt")) or any(self.directory.glob("*expert_*")):
             raise CheckpointError(f"{self.directory}: DeepSpeed pipeline layer files or MoE expert files are not "
                                   f"read yet")
-        if (self.directory / "zero").is_dir():
-            raise CheckpointError(f"{self.directory}: a DeepSpeed universal checkpoint (one folder per parameter "
-                                  f"under zero/) is not read yet")
 
     @staticmethod
     def _groups(rank0: dict[str, Any]) -> list[dict[str, Any]]:
@@ -157,6 +161,28 @@ class DeepSpeedReader:
             "lr_scheduler": self.model.get("lr_scheduler"),
             "client_state": self.client_state(),
         }
+
+    def model_description(self) -> dict[str, Any]:
+        """The model as zeroshard's manifest describes one: its state-dict keys, which trained parameter
+        each key is (tied weights under every name), and its buffers."""
+        module = self.model.get("module") or {}
+        trainable_of = {k: k for k in self.param_names()}
+        trainable_of.update({k: v for k, v in (self.model.get("shared_params") or {}).items() if v in trainable_of})
+        return {"state_dict_keys": list(module) or list(trainable_of), "trainable_of": trainable_of,
+                "buffer_names": list(self.model.get("buffer_names") or []), "hf_config": None,
+                "class": "DeepSpeed checkpoint", "peft_config": None}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict in fp32, in its order: the trained parameters' masters, the buffers and
+        frozen parameters (what DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint`` returns)."""
+        description, extra = self.model_description(), self.extra()
+        out = {}
+        for key in description["state_dict_keys"]:
+            name = description["trainable_of"].get(key)
+            value = self.tensor(name) if name is not None else extra.get(key)
+            if value is not None:
+                out[key] = value.float() if value.is_floating_point() else value
+        return out
 
     def client_state(self) -> dict[str, Any]:
         """What DeepSpeed's ``load_checkpoint`` returns as the client state: the model file's entries but

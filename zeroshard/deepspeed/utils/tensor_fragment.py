@@ -16,6 +16,8 @@ setting one raises.  A gradient is the averaged one the next step applies, befor
 without the fp16 loss scale.  Setting an fp32 value reaches the parameter the model computes with at
 once (see [Note: what a fragment write reaches] in deepspeed/param_fragments.py).  An optimizer
 state key (``"exp_avg"``, ``"exp_avg_sq"`` for Adam) exists from the optimizer's first step on.
+``fragment_address`` is the name DeepSpeed's checkpoint files pickle a fragment's place by (a record of
+its values, as checkpoint/deepspeed_format/unpickle.py reads it).
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
+from ...checkpoint.deepspeed_format.unpickle import fragment_address
 from ..param_fragments import GradientsUnavailableError, ParamFragment
 
-__all__ = ["safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_optimizer_state",
-           "safe_set_full_optimizer_state", "safe_get_full_grad", "safe_set_full_grad",
+__all__ = ["fragment_address", "safe_get_full_fp32_param", "safe_set_full_fp32_param",
+           "safe_get_full_optimizer_state", "safe_set_full_optimizer_state", "safe_get_full_grad", "safe_set_full_grad",
            "safe_update_full_grad_vectorized", "safe_get_local_fp32_param", "safe_set_local_fp32_param",
            "safe_get_local_optimizer_state", "safe_set_local_optimizer_state", "safe_get_local_grad",
            "safe_set_local_grad", "GradientsUnavailableError"]

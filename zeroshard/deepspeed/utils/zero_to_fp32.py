@@ -2,6 +2,7 @@
 
 zeroshard's checkpoints keep fp32 values (the masters under mixed precision), so these read them
 straight from the shards (:mod:`zeroshard.checkpoint.consolidate`); no process group is needed.
+``get_fp32_state_dict_from_zero_checkpoint`` also reads DeepSpeed's own files (and universal folders).
 ``get_optim_files`` / ``get_model_state_files`` list a DeepSpeed-format directory's per-rank files
 (``zero_<rank>_optim_states.pt``, ...), as tools that convert DeepSpeed checkpoints call them.
 """
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from ...checkpoint.consolidate import consolidate, full_state_dict
+from ...checkpoint.deepspeed_format import DeepSpeedReader, deepspeed_directory
 
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint",
            "convert_zero_checkpoint_to_fp32_state_dict", "get_checkpoint_files", "get_optim_files",
@@ -62,7 +64,15 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | Path, tag: An
     directory; ``tag`` picks one under a save_dir)."""
     _refuse_excluding(exclude_frozen_parameters)
     del lazy_mode  # the values are materialised either way (use convert_... for bounded memory)
-    return full_state_dict(checkpoint_dir, None if tag is None else str(tag))
+    tag_name = None if tag is None else str(tag)
+    directory = deepspeed_directory(Path(checkpoint_dir), tag_name)
+    if directory is None and tag_name is None and deepspeed_directory(Path(checkpoint_dir).parent,
+                                                                      Path(checkpoint_dir).name) is not None:
+        directory = Path(checkpoint_dir)
+    if directory is not None:  # DeepSpeed's own files (or a universal folder)
+        with DeepSpeedReader(directory) as reader:
+            return reader.full_state_dict()
+    return full_state_dict(checkpoint_dir, tag_name)
 
 
 def load_state_dict_from_zero_checkpoint(model: nn.Module, checkpoint_dir: str | Path, tag: Any = None) -> nn.Module:
