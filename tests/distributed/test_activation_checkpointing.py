@@ -11,7 +11,6 @@ stage, mode and model.
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -66,22 +65,38 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def parity_case(rank: int, world: int, stage: int, reentrant: bool) -> dict:
+MODELS = (("gpt", make_model, Block), ("shared", SharedNet, SharedBlock))
+
+
+def parity_config(stage: int) -> dict:
     config = zero_config(stage, 1, 2, stage3_param_persistence_threshold=20)
     config["activation_checkpointing"] = {"cpu_checkpointing": True, "synchronize_checkpoint_boundary": True,
                                           "profile": True}
     config["steps_per_print"] = 3
+    return config
+
+
+def plain_case(rank: int, world: int, stage: int) -> dict[str, dict[str, torch.Tensor]]:
+    """Each model trained without checkpointing: the parameters both modes must equal."""
     out = {}
-    for name, build, block in (("gpt", make_model, Block), ("shared", SharedNet, SharedBlock)):
+    for name, build, _ in MODELS:
         plain = build()
-        ours = copy.deepcopy(plain)
+        plain_engine = train(plain, rank, world, parity_config(stage))
+        out[name] = full_params(plain)
+        plain_engine.close()
+    return out
+
+
+def parity_case(rank: int, world: int, stage: int, reentrant: bool,
+                plain: dict[str, dict[str, torch.Tensor]]) -> dict:
+    out = {}
+    for name, build, block in MODELS:
+        ours = build()
         wrapped = checkpoint_modules(ours, block, use_reentrant=reentrant)
-        plain_engine = train(plain, rank, world, config)
-        engine = train(ours, rank, world, config)
-        a, b = full_params(plain), full_params(ours)
+        engine = train(ours, rank, world, parity_config(stage))
+        a, b = plain[name], full_params(ours)
         out[name] = {"wrapped": wrapped, "equal": all(torch.equal(a[k], b[k]) for k in a),
                      "metrics": engine.last_metrics}
-        plain_engine.close()
         engine.close()
     return out
 
@@ -92,11 +107,15 @@ PARITY_CASES = [(stage, reentrant) for stage in (0, 1, 2, 3) for reentrant in (F
 
 def parity_worker(rank: int, world: int, cases: list[tuple[int, bool]]) -> dict:
     """Every case in turn, each named in anything it raises; the results by case."""
-    out = {}
+    out: dict = {}
+    plain: dict[int, dict] = {}  # the plain runs by stage, shared by both modes
     for stage, reentrant in cases:
         with case(stage=stage, world=world, mode=mode_name(reentrant)):
+            if stage not in plain:
+                torch.manual_seed(0)
+                plain[stage] = plain_case(rank, world, stage)
             torch.manual_seed(0)
-            out[(stage, reentrant)] = parity_case(rank, world, stage, reentrant)
+            out[(stage, reentrant)] = parity_case(rank, world, stage, reentrant, plain[stage])
     return out
 
 

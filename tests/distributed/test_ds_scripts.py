@@ -24,6 +24,7 @@ from zeroshard.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 SCRIPT = Path(__file__).parent / "ds_scripts" / "train_ds_style.py"
 STEPS = 6  # optimizer steps of the shared runs, each of 2 micro steps
 STAGES = (1, 2, 3)
+LAUNCHED_STAGES = (1, 3)  # by torchrun; stage 2 runs under `zeroshard run --as-deepspeed` below
 
 
 def ds_config(stage: int, **extra) -> dict:
@@ -100,7 +101,7 @@ def native_runs(tmp_path_factory) -> dict[int, dict[str, Any]]:
 
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", LAUNCHED_STAGES)
 def test_ds_style_script_equals_native_api(compat_runs, native_runs, stage) -> None:
     compat, native = compat_runs[stage], native_runs[stage]
     assert len(compat["losses"]) == 2 * STEPS
@@ -113,7 +114,7 @@ def test_an_unmodified_import_deepspeed_script_under_zeroshard_run_as_deepspeed(
     """`zeroshard run --as-deepspeed --num_gpus 2` runs a script that says `import deepspeed`, passing
     --local_rank as the deepspeed launcher does; it trains exactly as zeroshard's own API."""
     cfg = tmp_path / "ds.json"
-    cfg.write_text(json.dumps(ds_config(3)))
+    cfg.write_text(json.dumps(ds_config(2)))
     out = tmp_path / "out.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "zeroshard.tools.cli", "run", "--as-deepspeed", "--num_gpus", "2",
@@ -122,7 +123,7 @@ def test_an_unmodified_import_deepspeed_script_under_zeroshard_run_as_deepspeed(
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     # 3 steps of 2 micro steps: the reference's first 6 losses (no step's loss depends on the steps after it)
-    assert json.loads(out.read_text())["losses"] == native_runs[3]["losses"][:6]
+    assert json.loads(out.read_text())["losses"] == native_runs[2]["losses"][:6]
 
 
 PIPE_SCRIPT = Path(__file__).parent / "ds_scripts" / "train_pipe_ds_style.py"

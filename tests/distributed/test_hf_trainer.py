@@ -66,7 +66,7 @@ def ddp_run(trainer_runs: SharedLaunches, world: int) -> dict:
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
 @pytest.mark.parametrize("world", [2])
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [3])  # stage 2: the bf16 run below
 def test_trainer_with_a_deepspeed_config_equals_ddp(trainer_runs, stage, world) -> None:
     result = trainer_runs("--stage", str(stage), nproc=world)
     out = result["dir"]

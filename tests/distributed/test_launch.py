@@ -27,7 +27,13 @@ def run_demo(*args: str, out: str = "") -> str:
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
 def test_demo_trains_under_torchrun_and_reports_memory(tmp_path) -> None:
-    out = run_demo("--steps", "4", "--nproc", "2", out=str(tmp_path))
+    # --config: the run follows a DeepSpeed config file (its batch, stage and optimizer)
+    config = {"train_batch_size": 8, "steps_per_print": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 1}}
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    out = run_demo("--steps", "4", "--nproc", "2", "--config", str(tmp_path / "ds.json"), out=str(tmp_path))
+    assert "ZeRO stage 1, world size 2, global batch 8" in out
+    assert "step 4: loss" in out
     assert (tmp_path / "model.safetensors").is_file() and (tmp_path / "checkpoint" / "latest").is_file()
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") >= 1
     assert "4/4 [" in out and "tokens/s]" in out  # tqdm's bar, the metrics as its postfix
@@ -46,17 +52,6 @@ def test_demo_trains_under_torchrun_and_reports_memory(tmp_path) -> None:
     assert "held-out loss" in out
     assert "rank 0 memory:" in out and "rank 1 memory:" in out
     assert "---- sample ----" in out
-
-
-@pytest.mark.slow  # extended: runs in CI (see conftest.py)
-def test_demo_takes_a_config_file(tmp_path) -> None:
-    config = {"train_batch_size": 8, "steps_per_print": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-              "zero_optimization": {"stage": 1}}
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps(config))
-    out = run_demo("--steps", "2", "--nproc", "2", "--config", str(path), out=str(tmp_path / "run"))
-    assert "ZeRO stage 1, world size 2, global batch 8" in out
-    assert "step 2: loss" in out
 
 
 def two_tags_worker(rank: int, world: int, directory: str) -> list[dict]:
