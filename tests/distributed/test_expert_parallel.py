@@ -27,6 +27,7 @@ from torch import nn
 import zeroshard
 from zeroshard.experts import MoE
 from zeroshard.deepspeed.utils import groups as ds_groups
+from zeroshard.deepspeed.utils.tensor_fragment import safe_get_full_fp32_param
 from zeroshard.experts.groups import ExpertParallelError
 from zeroshard.moe.utils import split_params_into_different_moe_groups_for_optimizer
 from zeroshard.tools.testing import CaseFailures, case, run_world
@@ -132,10 +133,14 @@ def trained(rank: int, stage: int, ep: int, k: int, drop_tokens: bool,
     dense = {b.index: b.world_size for b in engine.strategy.layout.buckets if not b.experts}
     grads = {(r.label, r.group_size) for r in log if r.label.startswith(("grad_bucket", "param_bucket"))}
     state = engine.full_state_dict(rank0_only=False)  # every expert, under its global name
+    # DeepSpeed's fragment API: an expert's fp32 value from the ranks that hold that expert
+    fragments = {global_name(n, rank % ep, EXPERTS // ep): safe_get_full_fp32_param(p)
+                 for n, p in model.named_parameters() if p.requires_grad}
+    fragments_equal = extra is not None or all(torch.equal(v, state[n]) for n, v in fragments.items())
     owned = engine.strategy.owned_real_numel()
     engine.close()
     return {"state": state, "seen": seen, "experts": experts, "dense": dense, "grads": sorted(grads),
-            "owned": owned, "accessors": accessors, "memory": memory}
+            "owned": owned, "accessors": accessors, "memory": memory, "fragments_equal": fragments_equal}
 
 
 def relative(ours: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
@@ -198,7 +203,8 @@ def worker(rank: int, world: int, directory: str) -> list[dict[str, Any]]:
                         for name, v in expected.items() if name in ours["state"])
             out.append({"worst": worst, "seen": ours["seen"], "expected_seen": [seen[s * WORLD + rank] for s in range(STEPS)],
                         "experts": ours["experts"], "dense": ours["dense"], "grads": ours["grads"],
-                        "owned": ours["owned"], "accessors": ours["accessors"], "memory": ours["memory"]})
+                        "owned": ours["owned"], "accessors": ours["accessors"], "memory": ours["memory"],
+                        "fragments_equal": ours["fragments_equal"]})
     with case(stage=2, ep=2, precision="bf16", rank=rank):  # fp32 masters of each rank's own chunks
         expected, _ = references[(2, True)]
         worst = [relative({n: v.float() for n, v in trained(rank, 2, ep, 2, True, {"bf16": {"enabled": True}})
@@ -234,6 +240,7 @@ def test_expert_parallel_trains_like_one_process(tmp_path: Any) -> None:
         for (stage, ep, k, drop), result in zip(CASES, results):
             with failures.case(stage=stage, ep=ep, k=k, drop_tokens=drop, rank=rank):
                 assert result["worst"] <= 1e-5, f"off by {result['worst']:.2e}"
+                assert result["fragments_equal"], "safe_get_full_fp32_param differs from the trained weights"
                 assert result["accessors"] == (ep, rank % ep, WORLD // ep, rank // ep, rank % ep, WORLD)
                 for (ours_aux, ours_counts), (aux, counts) in zip(result["seen"], result["expected_seen"]):
                     assert ours_counts == counts and abs(ours_aux - aux) <= 1e-6 * max(1.0, abs(aux))

@@ -86,8 +86,9 @@ class ParamFragment:
             return None
         bucket = strategy.layout.buckets[home.bucket]
         slot = next(s for s in bucket.slots if s.name == home.name)
+        # an experts' bucket is sharded over the ranks that hold the same experts, not the whole shard group
         owned = (0, bucket.padded_numel) if strategy.traits.owns_whole_buckets \
-            else bucket.shard_range(strategy.world.rank)
+            else bucket.shard_range(strategy.ranks.of(bucket))
         return cls(engine, bucket, slot, owned)
 
     # ------------------------------------------------------------------ where the fragment is

@@ -42,8 +42,9 @@ def _assemble(fragment: ParamFragment, local: torch.Tensor) -> torch.Tensor:
     start, end = fragment.in_param
     out[start:end].copy_(local)
     strategy = fragment.engine.strategy
-    if not strategy.traits.owns_whole_buckets and strategy.world.is_distributed:
-        strategy.comm.all_reduce(out, f"full_fragment[{fragment.slot.name}]")
+    comm = strategy.comm_of(fragment.bucket)  # an experts' bucket: the ranks that hold the same experts
+    if not strategy.traits.owns_whole_buckets and comm.world.is_distributed:
+        comm.all_reduce(out, f"full_fragment[{fragment.slot.name}]")
     return out.view(fragment.slot.shape)
 
 
