@@ -18,13 +18,16 @@ the region's inputs, which the checkpoint keeps (its ``save_inputs``, or ``save_
 ``use_reentrant=True``), pass through these hooks and are counted.  Likewise what an activation
 offload hook (inner) moves to the host is not counted.  Not seen at all: tensors a custom ``Function``
 keeps as plain ``ctx`` attributes instead of saving them.
-The hooks are installed only inside ``measure_activations()``: other forwards run as they would
-without it, and ``memory_breakdown()`` has no ``activations`` entry before a measured forward.  A
-compiled engine refuses it: hooks installed around a compiled region change what dynamo traces (a
-graph break, or a recompile), so its figure would be of another program.  It is a context rather
-than DeepSpeed's ``memory_breakdown`` config key, which asks DeepSpeed to print the allocator's figures
-at every phase of every step: a measurement is asked for where it is wanted (one step, say), like
-torch's memory tracker, and costs nothing elsewhere.
+
+[Note: activations measured on request]
+The measurement is a context, ``engine.measure_activations()``, not a config key: a hook runs on every
+saved tensor, so it is asked for where it is wanted (one step, as torch's memory tracker is used) and
+costs nothing elsewhere; outside the block no hook is installed, and ``memory_breakdown()`` has no
+``activations`` entry before a measured forward.  DeepSpeed's ``memory_breakdown`` key asks for
+something else, the allocator's figures printed at every phase of every step, and stays refused, with
+a message that names the context.  A compiled engine refuses the context: hooks installed around a
+compiled region change what dynamo traces (a graph break, or a recompile), so the figure would be of
+another program.
 """
 
 from __future__ import annotations
