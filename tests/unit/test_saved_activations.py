@@ -3,6 +3,7 @@ of one ([Note: what the measured activations count] in zeroshard/engine/saved_ac
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import pytest
@@ -12,7 +13,7 @@ from torch import nn
 import zeroshard
 from zeroshard.checkpointing import checkpoint_modules
 from zeroshard.config import ConfigError
-from zeroshard.engine.saved_activations import MeasureActivationsError
+from zeroshard.engine.saved_activations import MeasureActivationsError, held_bytes
 
 ROWS, IN, HIDDEN, OUT = 5, 4, 3, 2
 FP32 = 4
@@ -93,3 +94,13 @@ def test_measure_activations_is_refused_on_a_compiled_engine_and_the_config_key_
     with pytest.raises(ConfigError, match=r"'memory_breakdown' = true .*measure_activations\(\)"):
         zeroshard.initialize(model=Block(), config={"train_batch_size": 1, "memory_breakdown": True,
                                                     "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+
+
+def test_a_wrapper_subclass_counts_its_inner_tensors() -> None:
+    """A tensor subclass that wraps others (DTensor, FP8 tensors) has no storage of its own: its inner
+    tensors' storages are counted, each once."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    a, b = torch.randn(ROWS, IN), torch.randn(ROWS, IN)
+    wrapped = TwoTensor(a, b)
+    assert held_bytes([weakref.ref(wrapped), weakref.ref(a)], excluded=set()) == 2 * ROWS * IN * FP32

@@ -6,7 +6,7 @@ forward run under ``engine.measure_activations()`` left held for backward, on th
 forward runs, a ``torch.autograd.graph.saved_tensors_hooks`` pair sees every tensor autograd saves
 (an operation's inputs and outputs, a custom ``Function``'s ``save_for_backward``); when the forward
 returns, each saved tensor still alive is counted by its storage: the storage's whole ``nbytes``
-(a view holds its whole storage), each storage once (a tensor saved by several operations, or views of
+(a view holds its whole storage; a wrapper subclass such as DTensor, its inner tensors'), each storage once (a tensor saved by several operations, or views of
 one tensor, hold it once).  Counted whatever its device: what the graph holds, not where.
 Not counted, because the breakdown counts them elsewhere or the graph does not own them: parameters,
 trainable or frozen, and views of them (stage 3's gathered parameters are the parameters
@@ -38,6 +38,7 @@ from typing import Iterator, Optional
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..errors import NotSupportedByZeroshard
 from ..sharding.stage3.placeholder import ShardedParameterPlaceholder
@@ -52,10 +53,15 @@ def _is_parameter(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, nn.Parameter) or isinstance(base, nn.Parameter)
 
 
-def _storage(tensor: torch.Tensor) -> tuple[int, int]:
-    """(data pointer, bytes) of the storage ``tensor`` holds."""
+def _storages(tensor: torch.Tensor) -> Iterator[tuple[int, int]]:
+    """(data pointer, bytes) of each storage ``tensor`` holds: its own, or a wrapper subclass's (DTensor's
+    local tensor, an FP8 tensor's data and scale) inner tensors' ones."""
+    if is_traceable_wrapper_subclass(tensor):
+        for name in tensor.__tensor_flatten__()[0]:
+            yield from _storages(getattr(tensor, name))
+        return
     storage = tensor.untyped_storage()
-    return storage.data_ptr(), storage.nbytes()
+    yield storage.data_ptr(), storage.nbytes()
 
 
 def _has_storage(tensor: torch.Tensor) -> bool:
@@ -70,9 +76,7 @@ def held_bytes(saved: list["weakref.ref[torch.Tensor]"], excluded: set[int]) -> 
         tensor = ref()
         if tensor is None or tensor.device.type == "meta":
             continue
-        pointer, nbytes = _storage(tensor)
-        if pointer not in excluded:
-            storages[pointer] = nbytes
+        storages.update((pointer, nbytes) for pointer, nbytes in _storages(tensor) if pointer not in excluded)
     return sum(storages.values())
 
 
@@ -104,7 +108,8 @@ class SavedActivations:
 
     @contextlib.contextmanager
     def _record(self, module: nn.Module) -> Iterator[None]:
-        excluded = {_storage(t)[0] for t in (*module.parameters(), *module.buffers()) if _has_storage(t)}
+        excluded = {pointer for t in (*module.parameters(), *module.buffers()) if _has_storage(t)
+                    for pointer, _ in _storages(t)}
         saved: list[weakref.ref[torch.Tensor]] = []
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
