@@ -5,9 +5,10 @@
 forward run under ``engine.measure_activations()`` left held for backward, on this rank.  While such a
 forward runs, a ``torch.autograd.graph.saved_tensors_hooks`` pair sees every tensor autograd saves
 (an operation's inputs and outputs, a custom ``Function``'s ``save_for_backward``); when the forward
-returns, each saved tensor still alive is counted by its storage: the storage's whole ``nbytes``
-(a view holds its whole storage; a wrapper subclass such as DTensor, its inner tensors'), each storage once (a tensor saved by several operations, or views of
-one tensor, hold it once).  Counted whatever its device: what the graph holds, not where.
+returns, each saved tensor still alive is counted by its storage: the storage's whole ``nbytes`` (a
+view holds its whole storage; a wrapper subclass such as DTensor, its inner tensors'), each storage
+once (a tensor saved by several operations, or views of one tensor, hold it once).  Counted whatever
+its device: what the graph holds, not where.
 Not counted, because the breakdown counts them elsewhere or the graph does not own them: parameters,
 trainable or frozen, and views of them (stage 3's gathered parameters are the parameters
 themselves), and anything sharing storage with a parameter or a buffer of the module when the forward
