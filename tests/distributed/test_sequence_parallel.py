@@ -21,7 +21,9 @@ and key/value heads that do not divide the query heads.
 At sequence 2 x data 1 the same equality holds with gradient accumulation and clipping (AdamW, ZeRO-2),
 activation checkpointing (``checkpoint_modules``, ZeRO-3), the optimizer offloaded to the CPU (AdamW,
 ZeRO-3) and, within bf16's tolerance, bf16 (ZeRO-1); the ledger's exchange bytes equal
-``zeroshard estimate``'s ([Note: sequence parallel estimates] in zeroshard/planning/estimator.py).
+``zeroshard estimate``'s ([Note: sequence parallel estimates] in zeroshard/planning/estimator.py), and the
+bytes a rank's forward saves for backward (``engine.measure_activations()``) are about half of a whole
+sequence's, far less with each block checkpointed.
 In the world of four, a checkpoint saved at sequence 2 x data 2 (ZeRO-3) resumes at sequence 1 x data 4
 (ZeRO-2) and sequence 4 x data 1 (ZeRO-1): the ZeRO world is the same four ranks, split otherwise.
 Refused by name on every rank: heads that do not split over the ranks, a degree that does not divide
