@@ -12,7 +12,8 @@ follows the tensors alive rather than the allocator's retained heap).
 - **Memory**: each configuration in fresh processes; a rank's activation peak is its RSS high-water
   mark over two training steps less its RSS once the engine is built, beside ``zeroshard estimate
   --flash-attention``'s activations (torch's attention runs its fused kernel here: no s x s scores;
-  planning/estimator.py: [Note: sequence parallel estimates]).  Sequence 1 x data 2 (each
+  planning/estimator.py: [Note: sequence parallel estimates]) and the bytes the second step's forward
+  leaves saved for backward (``engine.measure_activations()``).  Sequence 1 x data 2 (each
   rank one whole sequence) against sequence 2 x data 1 (each rank half of one).
 - **Longest sequence under a cap**: the cap is sequence 1's peak at ``--seq-len``; sequence 2 (Ulysses)
   trains ``--longest`` multiples of that length in turn, the longest whose peak stays under the cap
@@ -108,11 +109,13 @@ def memory_worker(rank: int, world: int, sp: int, seq_len: int) -> dict[str, flo
     with open("/proc/self/clear_refs", "w") as f:  # the high-water mark from here on
         f.write("5")
     start = time.perf_counter()
-    for step in range(2):
-        train_step(engine, seq_len, step)
+    train_step(engine, seq_len, 0)
+    with engine.measure_activations():  # the second step's forward: what it leaves saved for backward
+        train_step(engine, seq_len, 1)
     elapsed = time.perf_counter() - start
+    saved = engine.memory_breakdown()["activations"]
     engine.close()
-    return {"activation_peak": host_peak_bytes() - built, "built": built, "seconds": elapsed}
+    return {"activation_peak": host_peak_bytes() - built, "built": built, "seconds": elapsed, "saved": saved}
 
 
 def estimate(sp: int, seq_len: int, mode: str = "ulysses") -> EstimateRequest:
@@ -123,11 +126,11 @@ def estimate(sp: int, seq_len: int, mode: str = "ulysses") -> EstimateRequest:
 
 def measure(sp: int, seq_len: int) -> dict[str, float]:
     ranks = run_world(memory_worker, 2, args=(sp, seq_len), timeout=3600, env={"OMP_NUM_THREADS": "1"})
-    peak = max(r["activation_peak"] for r in ranks)
-    print(f"  sequence {sp} x data {2 // sp}, {seq_len} tokens: activation peak {peak / MiB:.0f} MiB a rank "
-          f"(estimate {activation_bytes(estimate(sp, seq_len)) / MiB:.0f} MiB), "
-          f"{max(r['seconds'] for r in ranks):.1f} s for 2 steps", flush=True)
-    return {"sp": sp, "seq_len": seq_len, "activation_peak": peak,
+    peak, saved = max(r["activation_peak"] for r in ranks), max(r["saved"] for r in ranks)
+    print(f"  sequence {sp} x data {2 // sp}, {seq_len} tokens: activation peak {peak / MiB:.0f} MiB a rank, "
+          f"saved for backward {saved / MiB:.1f} MiB (estimate {activation_bytes(estimate(sp, seq_len)) / MiB:.0f} "
+          f"MiB), {max(r['seconds'] for r in ranks):.1f} s for 2 steps", flush=True)
+    return {"sp": sp, "seq_len": seq_len, "activation_peak": peak, "saved": saved,
             "estimate": activation_bytes(estimate(sp, seq_len)), "seconds": max(r["seconds"] for r in ranks)}
 
 

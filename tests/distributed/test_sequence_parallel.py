@@ -21,7 +21,9 @@ and key/value heads that do not divide the query heads.
 At sequence 2 x data 1 the same equality holds with gradient accumulation and clipping (AdamW, ZeRO-2),
 activation checkpointing (``checkpoint_modules``, ZeRO-3), the optimizer offloaded to the CPU (AdamW,
 ZeRO-3) and, within bf16's tolerance, bf16 (ZeRO-1); the ledger's exchange bytes equal
-``zeroshard estimate``'s ([Note: sequence parallel estimates] in zeroshard/planning/estimator.py).
+``zeroshard estimate``'s ([Note: sequence parallel estimates] in zeroshard/planning/estimator.py), and the
+bytes a rank's forward saves for backward (``engine.measure_activations()``) are about half of a whole
+sequence's, far less with each block checkpointed.
 In the world of four, a checkpoint saved at sequence 2 x data 2 (ZeRO-3) resumes at sequence 1 x data 4
 (ZeRO-2) and sequence 4 x data 1 (ZeRO-1): the ZeRO world is the same four ranks, split otherwise.
 Refused by name on every rank: heads that do not split over the ranks, a degree that does not divide
@@ -394,6 +396,37 @@ def check_refusals(by_rank: list[dict[str, str]]) -> None:
         assert result["round trip"] == "True", "the exchanges over a user's group do not invert each other"
 
 
+def activations_worker(rank: int, world: int) -> dict[str, float]:
+    """The bytes one measured forward leaves saved for backward on this rank (ZeRO-0, the same global
+    sequences): at sequence 1 (each rank the whole sequences), at sequence 2 (half of them each), and at
+    sequence 2 with each block checkpointed; no figure before ``measure_activations()``."""
+    measured = {}
+    for name, sp, checkpointed in (("sequence 1", 1, False), ("sequence 2", 2, False), ("checkpointed", 2, True)):
+        net = model()
+        if checkpointed:
+            checkpoint_modules(net, Block)
+        engine = zeroshard.initialize(model=net, config=config(0, "SGD", sp))[0]
+        inputs = local_slice(0, 0, engine.parallel_dims.coords(rank).seq, sp)
+        measured["unmeasured"] = float("activations" in engine.memory_breakdown())
+        with engine.measure_activations():
+            loss = engine(*inputs)
+        engine.backward(loss)
+        engine.step()
+        measured[name] = engine.memory_breakdown()["activations"]
+        engine.close()
+    return measured
+
+
+def check_activations(by_rank: list[dict[str, float]]) -> None:
+    """Half the tokens, about half the activations (attention's saves are linear in the tokens here); far
+    fewer with each block checkpointed."""
+    for rank, measured in enumerate(by_rank):
+        assert not measured["unmeasured"], f"rank {rank}: an activations entry before any measured forward"
+        ratio = measured["sequence 2"] / measured["sequence 1"]
+        assert 0.45 <= ratio <= 0.65, f"rank {rank}: sequence 2 holds {ratio:.3f} of sequence 1's activations"
+        assert measured["checkpointed"] <= 0.5 * measured["sequence 2"], (rank, measured)
+
+
 def loader_worker(rank: int, world: int) -> list[int]:
     """The first batch ``initialize(training_data=...)``'s loader hands this rank."""
     data = torch.utils.data.TensorDataset(torch.arange(4 * world))
@@ -414,9 +447,9 @@ def check_loader(by_rank: list[list[int]]) -> None:
 
 
 WORKERS = {"train": train_worker, "refusals": refusals_worker, "loader": loader_worker, "resume": resume_worker,
-           "combined": combined_worker}
+           "combined": combined_worker, "activations": activations_worker}
 CHECKS = {"train": check_train, "refusals": check_refusals, "loader": check_loader, "resume": check_resume,
-          "combined": check_combined}
+          "combined": check_combined, "activations": check_activations}
 
 
 def cases(optimizers_at: dict[int, str], kv_heads: int, ring: list[dict[str, Any]],
@@ -425,7 +458,7 @@ def cases(optimizers_at: dict[int, str], kv_heads: int, ring: list[dict[str, Any
     more = [("train", {"stage": stage, "optimizer": name}) for stage, name in optimizers_at.items()]
     gqa = [("train", {"stage": 2, "optimizer": "SGD", "kv_heads": kv_heads})]
     rings = [("train", {"optimizer": "SGD", "mode": "ring", **case}) for case in ring]
-    combined = [("combined", {"case": case}) for case in COMBINED] if sp_only else []
+    combined = [("combined", {"case": case}) for case in COMBINED] + [("activations", {})] if sp_only else []
     return trained + more + gqa + rings + combined + [("refusals", {}), ("loader", {})]
 
 

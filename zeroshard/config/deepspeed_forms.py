@@ -55,6 +55,11 @@ FEATURE_BLOCKS: dict[str, str] = {
 #: DeepSpeed keys of :data:`DEFAULTS_THAT_MATCH` that, set to anything but the default, ask for
 #: something zeroshard does not do: refused with this reason (by block, as there).
 REFUSED_OTHERWISE: dict[str, dict[str, str]] = {
+    "": {
+        "memory_breakdown": "zeroshard does not print the allocator's figures at each phase of a step; "
+                            "engine.memory_breakdown() gives this rank's bytes by category, and the activations "
+                            "a forward saves for backward when it runs inside engine.measure_activations()",
+    },
     "zero_optimization": {
         "stage3_use_all_reduce_for_fetch_params": "stage 3 fetches parameters with all-gathers only; the "
                                                   "all-reduce fetch is not implemented",
@@ -130,7 +135,8 @@ def _block(block: dict[str, Any], path: str) -> dict[str, Any]:
     for name, reason in REFUSED_OTHERWISE.get(path, {}).items():
         if name in block:
             default = DEFAULTS_THAT_MATCH[path][name]
-            raise ConfigError(f"{path + '.' + name!r} = {json.dumps(block[name])} is not supported: {reason}; set "
+            where = f"{path}.{name}" if path else name
+            raise ConfigError(f"{where!r} = {json.dumps(block[name])} is not supported: {reason}; set "
                               f"it to {json.dumps(default)} or remove it")
     return block
 

@@ -18,6 +18,7 @@ the same update.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import weakref
@@ -44,6 +45,7 @@ from ..experts.groups import ExpertGroupRecord, ExpertParallelError, register_ex
 from ..experts.checkpoint import ExpertPlacement, with_every_expert
 from ..experts.layer import bind_expert_groups, checked_expert_axis, expert_parallel_size
 from .memory import memory_breakdown
+from .saved_activations import SavedActivations
 from ..experts.registry import is_expert_param
 from ..optim.param_groups import TrainableParams, collect_trainable
 from ..optim.muon import config_split, read_marks
@@ -170,7 +172,6 @@ class Engine:
         self.parallel_dims = axes if axes is not None else ParallelDims.for_job(
             world.world_size, mics_shard_size=zero.mics_shard_size, hpz_partition_size=zero.zero_hpz_partition_size,
             ep=expert_parallel_size(self.module), sp=self.config.sequence_parallel_size)
-        zero = self.config.zero_optimization
         plain = not (zero.mics_shard_size > 0 or zero.zero_hpz_partition_size > 1 or world.parts)
         self.expert_parallel_size = checked_expert_axis(self.module, self.parallel_dims.ep, plain,
                                                         self._built_under_init)
@@ -247,6 +248,8 @@ class Engine:
         #: the last micro step's loss, on the device until a log or metric reads it (see [Note: one host
         #: read per optimizer step] in engine/optimizer_step.py)
         self._last_loss: Optional[torch.Tensor] = None
+        #: the bytes a measured forward leaves saved for backward (``measure_activations()``)
+        self.saved_activations = SavedActivations()
 
     def _build_parts(self, parts: EngineParts) -> None:
         """The parts built over the engine: the checkpointer and the facade of extra names (DeepSpeed's).
@@ -320,11 +323,10 @@ class Engine:
         if self.precision.mixed:  # floating-point inputs meet the 16-bit weights in their dtype
             args = tuple(self._to_compute(a) for a in args)
             kwargs = {k: self._to_compute(v) for k, v in kwargs.items()}
-        if self.checkpointing is None:
+        checkpointing = contextlib.nullcontext() if self.checkpointing is None else \
+            activation_checkpointing.using(self.checkpointing)
+        with checkpointing, self.saved_activations.recording(self.module):
             output = self.module(*args, **kwargs)
-        else:
-            with activation_checkpointing.using(self.checkpointing):
-                output = self.module(*args, **kwargs)
         self.metrics.timers.add("forward", started)
         return output
 
@@ -596,6 +598,13 @@ class Engine:
 
     # ------------------------------------------------------------------ accounting
     def memory_breakdown(self) -> dict[str, float]:
-        """Bytes this rank holds, by category (see [Note: what the breakdown counts] in planning/accounting.py)."""
-        return memory_breakdown(self.strategy, self.updater, self.precision, self.frozen_params, self.module,
-                                self.expert_parallel_size)
+        """Bytes this rank holds, by category (see [Note: what the breakdown counts] in planning/accounting.py),
+        with ``activations`` once a forward was measured (``measure_activations()``)."""
+        return {**memory_breakdown(self.strategy, self.updater, self.precision, self.frozen_params, self.module,
+                                   self.expert_parallel_size), **self.saved_activations.breakdown()}
+
+    def measure_activations(self) -> contextlib.AbstractContextManager[None]:
+        """Inside this block, each forward's saved-for-backward bytes are measured; ``memory_breakdown()``
+        reports the last as ``activations`` (see [Note: what the measured activations count] in
+        engine/saved_activations.py)."""
+        return self.saved_activations.measuring(self._compiled)

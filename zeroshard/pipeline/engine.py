@@ -175,6 +175,10 @@ class PipelineEngine(Engine):
         raise PipelineUsageError("a pipeline engine runs whole batches: call engine.train_batch(data_iter) instead "
                                  "of step()")
 
+    def measure_activations(self) -> Any:
+        raise PipelineUsageError("measure_activations() measures engine(inputs) / forward(), which a pipeline "
+                                 "engine does not run; its micro-batches' activations are not measured")
+
     # ------------------------------------------------------------------ checkpoints (pipeline/checkpoint.py)
     def save_checkpoint(self, save_dir: Union[str, Path], tag: Any = None, client_state: Any = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False,
