@@ -44,6 +44,7 @@ from ..host.page_memory import HostPageMemory
 from ..experts.groups import ExpertGroupRecord, ExpertParallelError, register_expert_groups
 from ..experts.checkpoint import ExpertPlacement, with_every_expert
 from ..experts.layer import bind_expert_groups, checked_expert_axis, expert_parallel_size
+from .accessors import EngineAccessors
 from .memory import memory_breakdown
 from .saved_activations import SavedActivations
 from ..experts.registry import is_expert_param
@@ -70,7 +71,7 @@ from .optimizer_setup import SchedulerSpec, lr_schedule, optimizer_over_pieces
 from .optimizer_step import OptimizerStep
 from .parts import EngineParts, ExtraNames, WholeModel, extra_names_of, register_extra_names
 
-class Engine:
+class Engine(EngineAccessors):
     """Wraps a model for ZeRO data-parallel training; use it like DeepSpeed's engine.
 
     This class holds what training does.  Checkpoints are :attr:`checkpointer`'s
@@ -552,38 +553,6 @@ class Engine:
         return StepReadings(self.global_steps, self._last_loss, self.get_lr()[0], self.optimizer_step.grad_norm,
                             self.train_batch_size(), self.strategy.layout.numel, self.loss_scaler.scale,
                             self.skipped_steps)
-
-    # ------------------------------------------------------------------ DeepSpeed-style accessors
-    def train(self, mode: bool = True) -> "Engine":
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> "Engine":
-        self.module.eval()
-        return self
-
-    def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
-
-    def get_global_grad_norm(self) -> Optional[float]:
-        """The gradient norm of the last optimizer step, before clipping (same on every rank)."""
-        return self.optimizer_step.grad_norm
-
-    def train_batch_size(self) -> int:
-        assert self.config.train_batch_size is not None
-        return self.config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        assert self.config.train_micro_batch_size_per_gpu is not None
-        return self.config.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        assert self.config.gradient_accumulation_steps is not None
-        return self.config.gradient_accumulation_steps
-
-    @property
-    def stage(self) -> int:
-        return self.strategy.stage
 
     # ------------------------------------------------------------------ compilation
     def compile(self, backend: Backend = "inductor", compile_kwargs: Optional[dict[str, Any]] = None,
