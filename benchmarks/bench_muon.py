@@ -51,17 +51,29 @@ def worker(rank: int, world: int, size: str, stage: int, optimizer: str, steps: 
         "train_micro_batch_size_per_gpu": MICRO, "optimizer": OPTIMIZERS[optimizer],
         "zero_optimization": {"stage": stage}, "steps_per_print": 10**9})
     matrices = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and not n.startswith(("tok.", "pos.", "head.")))
+    noted = noted_elements(engine.updater.matrices.plans, rank) * 4 if engine.updater.matrices else 0
     times, sent = timed_steps(engine, vocab, seq, MICRO, steps, warmup, seed=rank)
     memory = engine.memory_breakdown()
     engine.close()
-    return {"times": times, "all_to_all": sent[-1], "matrices": matrices,
+    return {"times": times, "all_to_all": sent[-1], "matrices": matrices, "noted": noted,
             "model_states": memory["model_states"], "formula": memory["formula"]}
 
 
-def noted_bytes(stage: int, matrices: int) -> float:
-    """Per rank and step, fp32: 3 M (N-1)/N values over the ranks at stages 1-3, M (N-1) at stage 0."""
-    total = (3 * matrices * (WORLD - 1) / WORLD if stage >= 1 else matrices * (WORLD - 1)) * 4
-    return total / WORLD
+def noted_elements(plans: dict[int, Any], rank: int) -> int:
+    """The note's count, from the layout and the owners: the elements ``rank`` sends per step (stages
+    1-3: twice those it holds of others' matrices, once the parts of its own held elsewhere; stage 0:
+    its own matrices to each other rank)."""
+    sent = 0
+    for plan in plans.values():
+        n, c = plan.world_size, plan.chunk_numel
+        for s in plan.bucket.slots:
+            owner = plan.owners[s.index]
+            if plan.whole:
+                sent += s.numel * (n - 1) if owner == rank else 0
+                continue
+            held = [max(0, min((r + 1) * c, s.offset + s.numel) - max(r * c, s.offset)) for r in range(n)]
+            sent += s.numel - held[owner] if owner == rank else 2 * held[rank]
+    return sent
 
 
 def main() -> None:
@@ -81,7 +93,7 @@ def main() -> None:
                    "formula_mib": max(r["formula"] for r in ranks) / 2**20,
                    # the ranks own unequal shares of the matrices: the note counts the mean over the ranks
                    "all_to_all_mib": sum(r["all_to_all"] for r in ranks) / WORLD / 2**20,
-                   "noted_mib": noted_bytes(stage, ranks[0]["matrices"]) / 2**20 if optimizer == "Muon" else 0.0}
+                   "noted_mib": sum(r["noted"] for r in ranks) / WORLD / 2**20}
             rows.append(row)
             print(json.dumps(row), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

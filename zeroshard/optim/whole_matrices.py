@@ -7,8 +7,11 @@ Adafactor's row and column moments need every element of a matrix at once, so th
 that such an optimizer steps are updated another way:
 
 - **ownership**: each matrix of those groups is owned by one rank of the group its bucket is sharded
-  over, chosen once, largest matrix first, each to the rank that owns the fewest elements so far (ties
-  to the lowest rank), so every rank steps about 1/N of the matrices' elements;
+  over, chosen once, largest matrix first: the rank whose chunk holds most of it, so that what lies
+  there never travels, unless that would lift the rank's elements above 1/N of the matrices' plus the
+  largest matrix; then (and where no rank holds more of it than the least loaded one, as at stage 0)
+  the rank that owns the fewest elements so far (ties to the lowest rank).  Every rank steps about
+  1/N of the matrices' elements: a bucket's chunks are equal, and the bound keeps the rest in check;
 - **the exchange in**: at the step, every rank sends the owner the part of the matrix's averaged
   gradient and of its values (the fp32 masters where there are any) that lies in its own chunk, in
   one ``all_to_all`` per bucket; at stage 0 every rank holds every bucket whole, so nothing moves;
@@ -20,11 +23,14 @@ that such an optimizer steps are updated another way:
   own path goes on: the masters are published into the parameters, stages 1-3 all-gather the
   chunks as after any step.
 
-Bytes sent per optimizer step, with M the matrices' elements, s the element size of the values (4 for
-fp32 masters) and N ranks: stages 1-3 send 2 M (N-1)/N s in (a gradient and a value per element held
-away from its owner) and M (N-1)/N s out, 3 M (N-1)/N s in all, counted in the ledger as
-``all_to_all`` (labels ``matrices_in``, ``matrices_out``); stage 0 sends M (N-1) s out (every rank but
-the owner receives each matrix) and nothing in.  The values come in because the owner holds only its
+Bytes sent per optimizer step, with s the element size of the values (4 for fp32 masters), N ranks, M
+the matrices' elements and A those of them lying outside their owner's chunk: stages 1-3 send 2 A s in
+(a gradient and a value per element held away from its owner) and A s out, 3 A s in all, counted in
+the ledger as ``all_to_all`` (labels ``matrices_in``, ``matrices_out``); each rank sends twice the
+elements it holds of others' matrices and once the parts of its own held elsewhere.  A is 0 for a
+matrix inside its owner's chunk and (N-1)/N of one cut evenly over the N chunks: M (N-1)/N where
+every matrix is cut so (buckets smaller than a matrix), near 0 where buckets hold many whole matrices.
+Stage 0 sends M (N-1) s out (every rank but the owner receives each matrix) and nothing in.  The values come in because the owner holds only its
 chunk of the masters; with them, torch's optimizer runs its own arithmetic on the whole matrix, and
 what differs from one process is only the order in which the gradient's average was summed (which
 Muon's bf16 Newton-Schulz may then round otherwise).  The other parameter groups (norms, biases, embeddings,
@@ -34,7 +40,6 @@ step of one bucket at a time (two copies of that bucket's owned matrices), freed
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
@@ -87,15 +92,24 @@ def stepped_shape(shape: Sequence[int], as_matrix: bool) -> tuple[int, ...]:
     return rows, numel // rows if rows else 0
 
 
-def assign_owners(sizes: dict[int, int], world_size: int) -> dict[int, int]:
-    """Parameter index -> owner rank: largest first, each to the least loaded rank (see [Note: whole
-    matrices, each on one rank])."""
-    load = [(0, r) for r in range(world_size)]
+def assign_owners(sizes: dict[int, int], world_size: int,
+                  held: Optional[dict[int, list[int]]] = None) -> dict[int, int]:
+    """Parameter index -> owner rank: largest first, each to the rank that holds most of it in its chunk
+    (``held``: index -> elements in each rank's chunk) while that keeps its load within the bound, else to
+    the least loaded rank (see [Note: whole matrices, each on one rank])."""
+    load = [0] * world_size
+    bound = sum(sizes.values()) / max(1, world_size) + max(sizes.values(), default=0)
     owners: dict[int, int] = {}
     for index, numel in sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0])):
-        total, rank = heapq.heappop(load)
+        parts = held.get(index) if held else None
+        least = min(range(world_size), key=lambda r: (load[r], r))
+        rank = least
+        if parts is not None:
+            near = max(range(world_size), key=lambda r: (parts[r], -load[r], -r))
+            if parts[near] > parts[least] and load[near] + numel <= bound:
+                rank = near
         owners[index] = rank
-        heapq.heappush(load, (total + numel, rank))
+        load[rank] += numel
     return owners
 
 
@@ -149,6 +163,12 @@ class BucketPlan:
                 hi - lo for s in range(n) for r in range(n) for _, lo, hi in self.parts(s, r, r if inbound else s))
             self.__dict__[key] = moved  # cached: the plan is fixed for the run
         return int(self.__dict__[key])
+
+
+def _held(bucket: BucketLayout, chunk_numel: int, rank: int, slot: ParamSlot) -> int:
+    """Elements of ``slot`` inside ``rank``'s chunk of ``chunk_numel``."""
+    start = bucket.chunk_start(chunk_numel, rank)
+    return max(0, min(start + chunk_numel, slot.offset + slot.numel) - max(start, slot.offset))
 
 
 def _at(plan: BucketPlan, slot: ParamSlot, lo: int, hi: int) -> slice:
@@ -227,14 +247,18 @@ class WholeMatrixSteps:
         self.spread: dict[int, dict[str, torch.Tensor]] = {}
         self.plans: dict[int, BucketPlan] = {}
         buckets = strategy.layout.buckets
-        by_comm: dict[int, tuple[Collectives, dict[int, int]]] = {}
+        by_comm: dict[int, tuple[Collectives, dict[int, int], dict[int, list[int]]]] = {}
         for bucket in buckets:
             if bucket.group_index in groups:
                 comm = strategy.comm_of(bucket)
-                by_comm.setdefault(id(comm), (comm, {}))[1].update({s.index: s.numel for s in bucket.slots})
+                n, chunk = comm.world.world_size, owned[bucket.index][0]
+                _, sizes, held = by_comm.setdefault(id(comm), (comm, {}, {}))
+                for s in bucket.slots:
+                    sizes[s.index] = s.numel
+                    held[s.index] = [_held(bucket, chunk, r, s) for r in range(n)]
         owners: dict[int, int] = {}
-        for comm, sizes in by_comm.values():
-            owners.update(assign_owners(sizes, comm.world.world_size))
+        for comm, sizes, held in by_comm.values():
+            owners.update(assign_owners(sizes, comm.world.world_size, held))
         #: the whole matrices this rank owns, by parameter index: a parameter object whose values are
         #: set for each step (the inner optimizer keys its state by it)
         self.matrices: dict[int, nn.Parameter] = {}
