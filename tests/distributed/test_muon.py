@@ -21,7 +21,8 @@ of ``memory_breakdown()`` against the formula with Muon's momentum 1/N, and the 
 Also equal to one process: the client ``MuonWithAuxAdam``, ``torch.optim.Adafactor`` (fp32, 1e-5), CPU
 offload, bf16 (within bf16's rounding), gradient accumulation with clipping, DeepSpeed's MoE layer at
 ep 2 (the experts' matrices stepped over the ranks that hold them); a checkpoint saved at stage 1
-resumes at stage 3 with Muon's momentum.
+resumes at stage 3 with Muon's momentum, one of Adafactor saved at stage 3 at stage 0 with its
+factored moments and step.
 Refused by name on every rank: no 2-D parameter, an unknown ``ns_method``, ``use_muon`` on a 1-D parameter.
 The extended test runs the world of three, checkpoints across worlds, and a DeepSpeed script under
 ``zeroshard run --as-deepspeed``.
@@ -208,17 +209,22 @@ def noted_count(plans: dict[int, Any], rank: int) -> tuple[int, int, int]:
 
 
 def resume(rank: int, world: int, save_stage: int, load_stage: int, path: str, phase: str = "both",
-           worlds: tuple[int, ...] = ()) -> dict[str, Any]:
+           worlds: tuple[int, ...] = (), client: str = "") -> dict[str, Any]:
     """Two steps at ``save_stage`` and a checkpoint (``phase`` "save"), then a fresh engine at
-    ``load_stage`` loads it and takes the third step ("load"); "both" does both in this world."""
+    ``load_stage`` loads it and takes the third step ("load"); "both" does both in this world.
+    ``client="adafactor"``: torch.optim.Adafactor, whose factored moments and step the checkpoint holds."""
     use_newton_schulz("fp32")
     out: dict[str, Any] = {"params": {}}
     phases = [("save", save_stage, range(STEPS - 1)), ("load", load_stage, range(STEPS - 1, STEPS))]
     for name, stage, steps in phases if phase == "both" else [p for p in phases if p[0] == phase]:
-        config = {"train_micro_batch_size_per_gpu": ROWS, "optimizer": {"type": "Muon", "params": PARAMS},
-                  "zero_optimization": {"stage": stage, "reduce_bucket_size": 150}}
+        config: dict[str, Any] = {"train_micro_batch_size_per_gpu": ROWS,
+                                  "zero_optimization": {"stage": stage, "reduce_bucket_size": 150}}
+        if not client:
+            config["optimizer"] = {"type": "Muon", "params": PARAMS}
         torch.manual_seed(0 if name == "save" else 1)  # the loaded engine starts from other values
-        engine, _, _, _ = zeroshard.initialize(model=Tiny(), config=config)
+        model = Tiny()
+        optimizer = client_optimizer(model, client) if client else None
+        engine, _, _, _ = zeroshard.initialize(model=model, optimizer=optimizer, config=config)
         if name == "load":
             engine.load_checkpoint(path, tag="t")
         for step in steps:
@@ -228,16 +234,16 @@ def resume(rank: int, world: int, save_stage: int, load_stage: int, path: str, p
         if name == "save":
             engine.save_checkpoint(path, tag="t")
         else:
-            out["params"] = {**engine.full_state_dict(rank0_only=False), **momenta(engine.module)}
+            out["params"] = {**engine.full_state_dict(rank0_only=False), **({} if client else momenta(engine.module))}
         engine.close()
     return out
 
 
 def check_resume(by_rank: list[dict[str, Any]], save_stage: int, load_stage: int, path: str, phase: str = "both",
-                 worlds: tuple[int, ...] = ()) -> None:
+                 worlds: tuple[int, ...] = (), client: str = "") -> None:
     if phase == "save":
         return
-    want = oracle("fp32", world=len(by_rank), worlds=worlds)
+    want = oracle("fp32", client=client, world=len(by_rank), worlds=worlds)
     for result in by_rank:
         for name, value in want.items():
             err = float((result["params"][name] - value).abs().max())
@@ -377,7 +383,9 @@ def family(world: int) -> list[tuple[str, dict[str, Any]]]:
 
 
 def test_muon_matches_one_process_at_every_stage(tmp_path: Any) -> None:
-    cases = family(2) + [("resume", {"save_stage": 1, "load_stage": 3, "path": str(tmp_path / "a")})]
+    cases = family(2) + [("resume", {"save_stage": 1, "load_stage": 3, "path": str(tmp_path / "a")}),
+                         ("resume", {"save_stage": 3, "load_stage": 0, "path": str(tmp_path / "f"),
+                                     "client": "adafactor"})]
     check_family(cases, run_family(2, cases, WORKERS), CHECKS, world=2)
 
 
@@ -419,8 +427,8 @@ def run_script_as_deepspeed(config: Path, out: Path) -> list[float]:
 @pytest.mark.slow
 def test_muon_at_world_3_and_under_zeroshard_run_as_deepspeed(tmp_path: Any) -> None:
     """Three ranks: chunks cut each matrix in three places and ownership is two matrices on three ranks;
-    a checkpoint saved at world 2 (stage 3) loads at world 3 (stage 1), and one saved at stage 3
-    at stage 0.  A script that says ``import deepspeed`` (zero.Init, GatheredParameters(modifier_rank=0),
+    a checkpoint saved at world 2 (stage 3) loads at world 3 (stage 1), Adafactor's saved at world 2
+    (stage 2) at world 3 (stage 3), and one saved at stage 3 at stage 0.  A script that says ``import deepspeed`` (zero.Init, GatheredParameters(modifier_rank=0),
     a WarmupLR schedule) with DeepSpeed's Muon config at stage 3, run by ``zeroshard run
     --as-deepspeed``, gives the losses of zeroshard's own API on the same model and data."""
     import json
@@ -431,6 +439,8 @@ def test_muon_at_world_3_and_under_zeroshard_run_as_deepspeed(tmp_path: Any) -> 
     config_path = tmp_path / "ds.json"
     config_path.write_text(json.dumps(config))
     saved = [("resume", {"save_stage": 3, "load_stage": 1, "path": str(tmp_path / "a"), "phase": "save"}),
+             ("resume", {"save_stage": 2, "load_stage": 3, "path": str(tmp_path / "f"), "phase": "save",
+                         "client": "adafactor"}),
              ("script_native", {"config": str(config_path), "out": str(tmp_path / "native.json")})]
     check_family(saved, run_family(2, saved, WORKERS), CHECKS, world=2)
     native = json.loads((tmp_path / "native.json").read_text())["losses"]
@@ -438,6 +448,7 @@ def test_muon_at_world_3_and_under_zeroshard_run_as_deepspeed(tmp_path: Any) -> 
     assert losses == native and losses[-1] < losses[0], (losses, native)
     cases = [("train", {"stage": stage, "ns": ns}) for stage in (0, 1, 2, 3) for ns in ("fp32", "bf16")]
     cases += [("resume", {**saved[0][1], "phase": "load", "worlds": (2, 2, 3)}),
+              ("resume", {**saved[1][1], "phase": "load", "worlds": (2, 2, 3)}),
               ("resume", {"save_stage": 3, "load_stage": 0, "path": str(tmp_path / "b")})]
     check_family(cases, run_family(3, cases, WORKERS), CHECKS, world=3)
 

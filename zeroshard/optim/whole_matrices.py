@@ -48,6 +48,7 @@ from torch import nn
 
 from ..distributed.collectives import Collectives
 from ..sharding.layout import BucketLayout, ParamSlot
+from .matrix_state import ChunkedState
 
 if TYPE_CHECKING:
     from ..sharding.strategy import ShardingStrategy
@@ -65,9 +66,9 @@ class InnerSpec:
 
     build: Callable[[list[nn.Parameter], dict[str, Any]], torch.optim.Optimizer]
     as_matrix: bool = True
-    #: the state tensors shaped as the parameter, which checkpoints save in chunks as every other state
-    #: (see [Note: whole-matrix state in a checkpoint])
-    chunk_keys: tuple[str, ...] = ()
+    #: the state as checkpoints save it, in chunks shaped as the parameter like every other state (see
+    #: [Note: whole-matrix state in a checkpoint])
+    state: ChunkedState = ChunkedState()
 
     def state_elements(self, shape: Sequence[int]) -> int:
         """The state elements torch's optimizer keeps for a parameter of ``shape`` (the formula the
@@ -245,6 +246,8 @@ class WholeMatrixSteps:
         self.specs = groups
         #: the state in chunks, per bucket, as the last :meth:`spread_state` left it for a save
         self.spread: dict[int, dict[str, torch.Tensor]] = {}
+        #: per bucket, the steps taken (a step-counting state's value, the same for all its matrices)
+        self.steps: dict[int, int] = {}
         self.plans: dict[int, BucketPlan] = {}
         buckets = strategy.layout.buckets
         by_comm: dict[int, tuple[Collectives, dict[int, int], dict[int, list[int]]]] = {}
@@ -297,6 +300,7 @@ class WholeMatrixSteps:
         (values updated in place)."""
         plan = self.plans[bucket.index]
         self.spread.pop(bucket.index, None)
+        self.steps[bucket.index] = self.steps.get(bucket.index, 0) + 1
         whole = gather_to_owners(plan, [grad.to(values.dtype), values], "matrices_in")
         self._update(plan, whole)
         scatter_from_owners(plan, values, {i: parts[1] for i, parts in whole.items()}, "matrices_out")
@@ -326,43 +330,65 @@ class WholeMatrixSteps:
         """[Note: whole-matrix state in a checkpoint]
         A checkpoint saves every optimizer state in the chunks of each bucket, which is what lets it
         load at another world size and stage.  Before a save, every rank calls this: the owners send
-        each rank its chunk's part of the state shaped as the parameter (Muon's momentum), the same
-        exchange as the step's way out (label ``matrices_state``), and the save writes those chunks;
-        a load sends the chunks to the owners (:meth:`load_state`), the step's way in.  Adafactor's row
-        and column moments are not shaped as the parameter and are not saved: a load starts them
-        afresh.  ``like``: per bucket, a chunk of the values' dtype and device."""
+        each rank its chunk's part of the state, each tensor as one value per element of the parameter
+        (Muon's momentum as it is, Adafactor's factored moments broadcast: [Note: factored moments in
+        parameter-shaped chunks] in optim/matrix_state.py), the same exchange as the step's way out
+        (label ``matrices_state``), and the save writes those chunks, with a step count as the bucket's
+        scalar where the optimizer keeps one; a load sends the chunks to the owners
+        (:meth:`load_state`), the step's way in.  ``like``: per bucket, a chunk of the values' dtype
+        and device."""
         self.spread = {}
         for index, plan in self.plans.items():
-            spec = self.specs[plan.bucket.group_index]
             out = {}
-            for key in spec.chunk_keys:
+            for key in self.state_keys(plan.bucket):
                 chunk = torch.zeros_like(like[index])
                 whole = {i: self._state_of(i, key, like[index]) for i in self._owned(plan)}
                 scatter_from_owners(plan, chunk, whole, "matrices_state")
                 out[key] = chunk
             self.spread[index] = out
 
-    def load_state(self, bucket: BucketLayout, state: dict[str, torch.Tensor], like: torch.Tensor) -> None:
-        """The chunks of the bucket's state shaped as the parameter (a load's) sent to the owners; a key
-        missing from ``state`` starts at zero."""
+    def scalars(self, bucket: BucketLayout) -> dict[str, torch.Tensor]:
+        """The bucket's scalar state a save writes (the step count, where the optimizer keeps one)."""
+        key = self.specs[bucket.group_index].state.step_key
+        return {} if key is None else {key: torch.tensor(float(self.steps.get(bucket.index, 0)))}
+
+    def load_state(self, bucket: BucketLayout, state: dict[str, torch.Tensor], scalars: dict[str, torch.Tensor],
+                   like: torch.Tensor) -> None:
+        """The chunks of the bucket's state (a load's) sent to the owners.  A matrix whose state the load
+        lacks in part (a key, or the step count an optimizer keeps) starts afresh."""
         plan = self.plans[bucket.index]
         inner = self.inner[bucket.group_index]
-        for key in self.specs[bucket.group_index].chunk_keys:
+        layout = self.specs[bucket.group_index].state
+        keys = self.state_keys(bucket)
+        wholes: dict[str, dict[int, torch.Tensor]] = {}
+        for key in keys:
             chunk = state.get(key)
             chunk = torch.zeros_like(like) if chunk is None else chunk.to(like.dtype)
-            for index, (whole,) in gather_to_owners(plan, [chunk], "matrices_state").items():
-                inner.state[self.matrices[index]][key] = whole.clone().view(self._shapes[index])
+            wholes[key] = {i: w for i, (w,) in gather_to_owners(plan, [chunk], "matrices_state").items()}
+        step = scalars.get(layout.step_key) if layout.step_key is not None else None
+        self.steps[bucket.index] = int(step.item()) if step is not None else 0
+        for index in self._owned(plan):
+            p, shape = self.matrices[index], self._shapes[index]
+            mine = layout.keys(shape)
+            inner.state.pop(p, None)
+            if any(k not in state for k in mine) or (layout.step_key is not None and step is None):
+                continue
+            loaded = {k: layout.restore(k, wholes[k][index], shape) for k in mine}
+            if layout.step_key is not None and step is not None:
+                loaded[layout.step_key] = step.detach().to("cpu", torch.get_default_dtype()).clone()
+            inner.state[p] = loaded
         self.spread.pop(bucket.index, None)
 
     def _owned(self, plan: BucketPlan) -> list[int]:
         return [s.index for s in plan.bucket.slots if plan.owners[s.index] == plan.rank]
 
     def _state_of(self, index: int, key: str, like: torch.Tensor) -> torch.Tensor:
-        p = self.matrices[index]
-        for inner in self.inner.values():
+        """Owned parameter ``index``'s state ``key``, one value per element (zeros where it has none)."""
+        p, shape = self.matrices[index], self._shapes[index]
+        for gi, inner in self.inner.items():
             value = inner.state.get(p, {}).get(key)
             if isinstance(value, torch.Tensor):
-                return value.reshape(-1).to(like.dtype)
+                return self.specs[gi].state.spread(key, value, shape).to(like.dtype)
         numel = next(s.numel for b in self.plans.values() for s in b.bucket.slots if s.index == index)
         return like.new_zeros(numel)
 
@@ -376,8 +402,10 @@ class WholeMatrixSteps:
                    for t in state.values() if isinstance(t, torch.Tensor) and t.dim() == 0)
 
     def state_keys(self, bucket: BucketLayout) -> tuple[str, ...]:
-        """The state keys of ``bucket``'s matrices shaped as the parameter (the same on every rank)."""
-        return self.specs[bucket.group_index].chunk_keys
+        """The state keys ``bucket``'s parameters have, as chunks (the same on every rank)."""
+        layout = self.specs[bucket.group_index].state
+        present = {k for s in bucket.slots for k in layout.keys(self._shapes[s.index])}
+        return tuple(k for k in layout.names if k in present)
 
     def whole_state(self, bucket: BucketLayout, index: int, key: str, like: torch.Tensor) -> torch.Tensor:
         """Parameter ``index``'s state ``key``, 1-D, on every rank of the bucket's group: the owner's,
@@ -394,4 +422,6 @@ class WholeMatrixSteps:
         """Set parameter ``index``'s state ``key`` where this rank owns it (``value`` the same everywhere)."""
         p = self.matrices.get(index)
         if p is not None:
-            self.inner[bucket.group_index].state[p][key] = value.detach().clone().view(self._shapes[index])
+            layout = self.specs[bucket.group_index].state
+            restored = layout.restore(key, value.detach().reshape(-1), self._shapes[index])
+            self.inner[bucket.group_index].state[p][key] = restored
