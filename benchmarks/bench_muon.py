@@ -1,10 +1,11 @@
 """Muon against AdamW: step time, model-state bytes and the matrices' exchange bytes at every ZeRO stage.
 
-    .venv/bin/python benchmarks/bench_muon.py [--size 91m] [--steps 8] [--warmup 2] [--out benchmarks/out/muon.json]
+    .venv/bin/python benchmarks/bench_muon.py [--size 91m] [--steps 8] [--warmup 2] [--stages 0 1 2 3]
+        [--out benchmarks/out/muon.json]
     .venv/bin/python benchmarks/bench_muon.py --size tiny --steps 2 --warmup 0   # a smoke run
 
 One world of two ranks per configuration: the demo GPT (``--size 91m``: vocabulary 8192, sequence 256,
-width 768, 12 layers; ``tiny``: 4096, 64, 128, 2), fp32, ZeRO stages 0-3, with the config's
+width 768, 12 layers; ``30m``: width 512, 8 layers, the rest as 91m; ``tiny``: 4096, 64, 128, 2), fp32, ZeRO stages 0-3, with the config's
 ``AdamW`` and with its ``Muon`` (DeepSpeed's split; the token and position embeddings and the tied
 head marked ``use_muon = False``, since their names hold neither ``embed`` nor ``lm_head``).  Per
 configuration: the median step time of the measured steps (the slowest rank's), Muon's time over
@@ -29,7 +30,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from all_to_all_steps import timed_steps  # noqa: E402
 from zeroshard.tools.testing import run_world  # noqa: E402
 
-SIZES = {"tiny": (4096, 64, 128, 2, 4), "91m": (8192, 256, 768, 12, 12)}
+SIZES = {"tiny": (4096, 64, 128, 2, 4), "30m": (8192, 256, 512, 8, 8), "91m": (8192, 256, 768, 12, 12)}
 MICRO, WORLD = 4, 2
 OPTIMIZERS = {"AdamW": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
               "Muon": {"type": "Muon", "params": {"muon_lr": 0.02, "adam_lr": 3e-4, "weight_decay": 0.1}}}
@@ -81,10 +82,11 @@ def main() -> None:
     parser.add_argument("--size", choices=sorted(SIZES), default="91m")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "muon.json"))
     args = parser.parse_args()
     rows = []
-    for stage in (0, 1, 2, 3):
+    for stage in args.stages:
         for optimizer in OPTIMIZERS:
             ranks = run_world(worker, WORLD, args=(args.size, stage, optimizer, args.steps, args.warmup), timeout=3600)
             step = statistics.median(max(r["times"][i] for r in ranks) for i in range(args.steps))
