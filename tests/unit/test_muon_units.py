@@ -34,9 +34,9 @@ def test_owners_balance_elements_largest_first() -> None:
     # where the chunks hold the matrices, each goes to the rank that holds most of it (nothing travels)
     held = {0: [0, 100], 1: [60, 0], 2: [50, 0], 3: [0, 10]}
     assert assign_owners({0: 100, 1: 60, 2: 50, 3: 10}, 2, held) == {0: 1, 1: 0, 2: 0, 3: 1}
-    # unless that lifts a rank above 1/N of the elements plus the largest matrix: then the least loaded
+    # unless that lifts a rank above 1/N of the elements: then the least loaded
     held = {i: [n, 0] for i, n in {0: 100, 1: 60, 2: 50, 3: 10}.items()}
-    assert assign_owners({0: 100, 1: 60, 2: 50, 3: 10}, 2, held) == {0: 0, 1: 0, 2: 0, 3: 1}
+    assert assign_owners({0: 100, 1: 60, 2: 50, 3: 10}, 2, held) == {0: 0, 1: 1, 2: 1, 3: 0}
 
 
 def test_factored_moments_round_trip_exactly() -> None:

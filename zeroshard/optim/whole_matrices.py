@@ -8,10 +8,10 @@ that such an optimizer steps are updated another way:
 
 - **ownership**: each matrix of those groups is owned by one rank of the group its bucket is sharded
   over, chosen once, largest matrix first: the rank whose chunk holds most of it, so that what lies
-  there never travels, unless that would lift the rank's elements above 1/N of the matrices' plus the
-  largest matrix; then (and where no rank holds more of it than the least loaded one, as at stage 0)
-  the rank that owns the fewest elements so far (ties to the lowest rank).  Every rank steps about
-  1/N of the matrices' elements: a bucket's chunks are equal, and the bound keeps the rest in check;
+  there never travels, unless that would lift the rank's elements above 1/N of the matrices'; then
+  (and where no rank holds more of it than the least loaded one, as at stage 0) the rank that owns
+  the fewest elements so far (ties to the lowest rank).  Every rank steps about 1/N of the matrices'
+  elements and holds about 1/N of their state, which the memory formula counts;
 - **the exchange in**: at the step, every rank sends the owner the part of the matrix's averaged
   gradient and of its values (the fp32 masters where there are any) that lies in its own chunk, in
   one ``all_to_all`` per bucket; at stage 0 every rank holds every bucket whole, so nothing moves;
@@ -96,10 +96,10 @@ def stepped_shape(shape: Sequence[int], as_matrix: bool) -> tuple[int, ...]:
 def assign_owners(sizes: dict[int, int], world_size: int,
                   held: Optional[dict[int, list[int]]] = None) -> dict[int, int]:
     """Parameter index -> owner rank: largest first, each to the rank that holds most of it in its chunk
-    (``held``: index -> elements in each rank's chunk) while that keeps its load within the bound, else to
-    the least loaded rank (see [Note: whole matrices, each on one rank])."""
+    (``held``: index -> elements in each rank's chunk) while that keeps its load within 1/N of the total,
+    else to the least loaded rank (see [Note: whole matrices, each on one rank])."""
     load = [0] * world_size
-    bound = sum(sizes.values()) / max(1, world_size) + max(sizes.values(), default=0)
+    bound = sum(sizes.values()) / max(1, world_size)
     owners: dict[int, int] = {}
     for index, numel in sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0])):
         parts = held.get(index) if held else None
