@@ -76,8 +76,8 @@ def config(stage: int, ns_method: str) -> dict:
         zero["reduce_scatter"] = False  # DeepSpeed refuses Muon with stage 3's reduce-scatter
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
             "optimizer": {"type": "Muon", "params": {"lr": 0.01, "muon_lr": 0.02, "adam_lr": 3e-3, "momentum": 0.95,
-                                                     "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01, "torch_adam": True,
-                                                     "ns_method": ns_method}},
+                                                     "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01,
+                                                     "torch_adam": True, "ns_method": ns_method}},
             "zero_optimization": zero, "steps_per_print": 10**9, "wall_clock_breakdown": False}
 
 

@@ -144,8 +144,9 @@ def test_world_of_one_client_torch_muon_bitwise() -> None:
     use_newton_schulz("bf16")
     model, ref = build(), build()
     options = {"lr": 0.02, "momentum": 0.9, "weight_decay": 0.1, "adjust_lr_fn": "original"}
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1}}
     engine, _, _, _ = zeroshard.initialize(model=model, optimizer=torch.optim.Muon(model.parameters(), **options),
-                                           config={"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1}})
+                                           config=config)
     opt = torch.optim.Muon(ref.parameters(), **options)
     for step in range(3):
         x = torch.randn(4, 10, generator=torch.Generator().manual_seed(step))

@@ -164,7 +164,8 @@ def whole_matrix_groups(optimizer: torch.optim.Optimizer) -> dict[int, InnerSpec
     if isinstance(optimizer, torch.optim.Muon):
         return {i: InnerSpec(_same_class(optimizer), state=MUON_STATE) for i in range(len(optimizer.param_groups))}
     if isinstance(optimizer, torch.optim.Adafactor):
-        return {i: InnerSpec(_same_class(optimizer), as_matrix=False, state=FactoredState()) for i in range(len(optimizer.param_groups))}
+        return {i: InnerSpec(_same_class(optimizer), as_matrix=False, state=FactoredState())
+                for i in range(len(optimizer.param_groups))}
     return {}
 
 

@@ -30,12 +30,13 @@ the ledger as ``all_to_all`` (labels ``matrices_in``, ``matrices_out``); each ra
 elements it holds of others' matrices and once the parts of its own held elsewhere.  A is 0 for a
 matrix inside its owner's chunk and (N-1)/N of one cut evenly over the N chunks: M (N-1)/N where
 every matrix is cut so (buckets smaller than a matrix), near 0 where buckets hold many whole matrices.
-Stage 0 sends M (N-1) s out (every rank but the owner receives each matrix) and nothing in.  The values come in because the owner holds only its
-chunk of the masters; with them, torch's optimizer runs its own arithmetic on the whole matrix, and
-what differs from one process is only the order in which the gradient's average was summed (which
-Muon's bf16 Newton-Schulz may then round otherwise).  The other parameter groups (norms, biases, embeddings,
-the head) keep the chunked update.  Memory: the owner builds the matrix's gradient and values for the
-step of one bucket at a time (two copies of that bucket's owned matrices), freed after it.
+Stage 0 sends M (N-1) s out (every rank but the owner receives each matrix) and nothing in.  The values
+come in because the owner holds only its chunk of the masters; with them, torch's optimizer runs its own
+arithmetic on the whole matrix, and what differs from one process is only the order in which the
+gradient's average was summed (which Muon's bf16 Newton-Schulz may then round otherwise).  The other
+parameter groups (norms, biases, embeddings, the head) keep the chunked update.  Memory: the owner
+builds the matrix's gradient and values for the step of one bucket at a time (two copies of that
+bucket's owned matrices), freed after it.
 """
 
 from __future__ import annotations
