@@ -21,8 +21,9 @@ of ``memory_breakdown()`` against the formula with Muon's momentum 1/N, and the 
 Also equal to one process: the client ``MuonWithAuxAdam``, ``torch.optim.Adafactor`` (fp32, 1e-5), CPU
 offload, bf16 (within bf16's rounding), gradient accumulation with clipping, DeepSpeed's MoE layer at
 ep 2 (the experts' matrices stepped over the ranks that hold them); a checkpoint saved at stage 1
-resumes at stage 3 with Muon's momentum, one of Adafactor saved at stage 3 at stage 0 with its
-factored moments and step.
+resumes at stage 3 with Muon's momentum, one saved at stage 0 (where every rank holds the whole bucket)
+at stage 2, one of Adafactor saved at stage 3 at stage 0 with its factored moments and step, and one of
+the MoE model at stage 3 with its experts' momentum.
 Refused by name on every rank: no 2-D parameter, an unknown ``ns_method``, ``use_muon`` on a 1-D parameter.
 The extended test runs the world of three, checkpoints across worlds, and a DeepSpeed script under
 ``zeroshard run --as-deepspeed``.
@@ -250,14 +251,21 @@ def check_resume(by_rank: list[dict[str, Any]], save_stage: int, load_stage: int
             assert err <= 1e-5, f"{name}: {err:.3g} from one process after the reload"
 
 
-def experts(rank: int, world: int, stage: int) -> dict[str, Any]:
+def experts(rank: int, world: int, stage: int, path: str = "") -> dict[str, Any]:
     """DeepSpeed's MoE layer at ep 2 x data 1 (each rank two of the four experts) with the config's Muon:
     the experts' matrices (DeepSpeed's rule marks them, and the gate's and the head's) stepped whole
-    over the ranks that hold the same experts, the rest over both ranks."""
+    over the ranks that hold the same experts, the rest over both ranks.  ``path``: a checkpoint after
+    the second step, loaded by a fresh engine that takes the third (the experts' momentum with it)."""
     import test_expert_parallel as ep_test
     use_newton_schulz("fp32")
-    engine, _ = ep_test.engine_for(rank, stage, 2, 2, True, {"optimizer": {"type": "Muon", "params": PARAMS}})
+    extra = {"optimizer": {"type": "Muon", "params": PARAMS}}
+    engine, _ = ep_test.engine_for(rank, stage, 2, 2, True, extra)
     for step in range(STEPS):
+        if path and step == STEPS - 1:
+            engine.save_checkpoint(path, tag="t")
+            engine.close()
+            engine, _ = ep_test.engine_for(rank, stage, 2, 2, True, extra)
+            engine.load_checkpoint(path, tag="t")
         engine.backward(engine(*ep_test.batch(step, rank)))
         engine.step()
     state = engine.full_state_dict(rank0_only=False)  # every expert, under its global name
@@ -265,7 +273,7 @@ def experts(rank: int, world: int, stage: int) -> dict[str, Any]:
     return {"state": state}
 
 
-def check_experts(by_rank: list[dict[str, Any]], stage: int) -> None:
+def check_experts(by_rank: list[dict[str, Any]], stage: int, path: str = "") -> None:
     """One process holding every expert, each rank's batch routed apart and the losses averaged, with
     torch.optim.Muon on DeepSpeed's matrices and AdamW on the rest (fp32 Newton-Schulz: 1e-5)."""
     import test_expert_parallel as ep_test
@@ -384,6 +392,8 @@ def family(world: int) -> list[tuple[str, dict[str, Any]]]:
 
 def test_muon_matches_one_process_at_every_stage(tmp_path: Any) -> None:
     cases = family(2) + [("resume", {"save_stage": 1, "load_stage": 3, "path": str(tmp_path / "a")}),
+                         ("resume", {"save_stage": 0, "load_stage": 2, "path": str(tmp_path / "z")}),
+                         ("experts", {"stage": 3, "path": str(tmp_path / "e")}),
                          ("resume", {"save_stage": 3, "load_stage": 0, "path": str(tmp_path / "f"),
                                      "client": "adafactor"})]
     check_family(cases, run_family(2, cases, WORKERS), CHECKS, world=2)

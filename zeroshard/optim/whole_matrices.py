@@ -212,13 +212,14 @@ def gather_to_owners(plan: BucketPlan, chunks: list[torch.Tensor], label: str) -
 
 
 def scatter_from_owners(plan: BucketPlan, chunk: torch.Tensor, whole: dict[int, torch.Tensor], label: str) -> None:
-    """Every rank's part of the owners' whole matrices (``whole``: owned index -> 1-D) into its ``chunk``."""
-    if not plan.whole:
-        for index, v in whole.items():
-            s = next(s for s in plan.bucket.slots if s.index == index)
-            lo, hi = plan.held(plan.rank, s)
-            if hi > lo:
-                chunk[_at(plan, s, lo, hi)].copy_(v[lo:hi])
+    """Every rank's part of the owners' whole matrices (``whole``: owned index -> 1-D) into its ``chunk``
+    (at stage 0 the step's matrices are views of the chunk already; a save's state is not)."""
+    for index, v in whole.items():
+        s = next(s for s in plan.bucket.slots if s.index == index)
+        lo, hi = plan.held(plan.rank, s)
+        target = chunk[_at(plan, s, lo, hi)]
+        if hi > lo and target.data_ptr() != v[lo:hi].data_ptr():
+            target.copy_(v[lo:hi])
     if plan.moved_elements(inbound=False) == 0:
         return
     n, r = plan.world_size, plan.rank
