@@ -1,10 +1,11 @@
 """Muon against AdamW: step time, model-state bytes and the matrices' exchange bytes at every ZeRO stage.
 
-    .venv/bin/python benchmarks/bench_muon.py [--size 91m] [--steps 8] [--warmup 2] [--out benchmarks/out/muon.json]
+    .venv/bin/python benchmarks/bench_muon.py [--size 91m] [--steps 8] [--warmup 2] [--stages 0 1 2 3]
+        [--out benchmarks/out/muon.json]
     .venv/bin/python benchmarks/bench_muon.py --size tiny --steps 2 --warmup 0   # a smoke run
 
 One world of two ranks per configuration: the demo GPT (``--size 91m``: vocabulary 8192, sequence 256,
-width 768, 12 layers; ``tiny``: 4096, 64, 128, 2), fp32, ZeRO stages 0-3, with the config's
+width 768, 12 layers; ``30m``: width 512, 8 layers, the rest as 91m; ``tiny``: 4096, 64, 128, 2), fp32, ZeRO stages 0-3, with the config's
 ``AdamW`` and with its ``Muon`` (DeepSpeed's split; the token and position embeddings and the tied
 head marked ``use_muon = False``, since their names hold neither ``embed`` nor ``lm_head``).  Per
 configuration: the median step time of the measured steps (the slowest rank's), Muon's time over
@@ -29,7 +30,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from all_to_all_steps import timed_steps  # noqa: E402
 from zeroshard.tools.testing import run_world  # noqa: E402
 
-SIZES = {"tiny": (4096, 64, 128, 2, 4), "91m": (8192, 256, 768, 12, 12)}
+SIZES = {"tiny": (4096, 64, 128, 2, 4), "30m": (8192, 256, 512, 8, 8), "91m": (8192, 256, 768, 12, 12)}
 MICRO, WORLD = 4, 2
 OPTIMIZERS = {"AdamW": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
               "Muon": {"type": "Muon", "params": {"muon_lr": 0.02, "adam_lr": 3e-4, "weight_decay": 0.1}}}
@@ -51,17 +52,29 @@ def worker(rank: int, world: int, size: str, stage: int, optimizer: str, steps: 
         "train_micro_batch_size_per_gpu": MICRO, "optimizer": OPTIMIZERS[optimizer],
         "zero_optimization": {"stage": stage}, "steps_per_print": 10**9})
     matrices = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and not n.startswith(("tok.", "pos.", "head.")))
+    noted = noted_elements(engine.updater.matrices.plans, rank) * 4 if engine.updater.matrices else 0
     times, sent = timed_steps(engine, vocab, seq, MICRO, steps, warmup, seed=rank)
     memory = engine.memory_breakdown()
     engine.close()
-    return {"times": times, "all_to_all": sent[-1], "matrices": matrices,
+    return {"times": times, "all_to_all": sent[-1], "matrices": matrices, "noted": noted,
             "model_states": memory["model_states"], "formula": memory["formula"]}
 
 
-def noted_bytes(stage: int, matrices: int) -> float:
-    """Per rank and step, fp32: 3 M (N-1)/N values over the ranks at stages 1-3, M (N-1) at stage 0."""
-    total = (3 * matrices * (WORLD - 1) / WORLD if stage >= 1 else matrices * (WORLD - 1)) * 4
-    return total / WORLD
+def noted_elements(plans: dict[int, Any], rank: int) -> int:
+    """The note's count, from the layout and the owners: the elements ``rank`` sends per step (stages
+    1-3: twice those it holds of others' matrices, once the parts of its own held elsewhere; stage 0:
+    its own matrices to each other rank)."""
+    sent = 0
+    for plan in plans.values():
+        n, c = plan.world_size, plan.chunk_numel
+        for s in plan.bucket.slots:
+            owner = plan.owners[s.index]
+            if plan.whole:
+                sent += s.numel * (n - 1) if owner == rank else 0
+                continue
+            held = [max(0, min((r + 1) * c, s.offset + s.numel) - max(r * c, s.offset)) for r in range(n)]
+            sent += s.numel - held[owner] if owner == rank else 2 * held[rank]
+    return sent
 
 
 def main() -> None:
@@ -69,10 +82,11 @@ def main() -> None:
     parser.add_argument("--size", choices=sorted(SIZES), default="91m")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "muon.json"))
     args = parser.parse_args()
     rows = []
-    for stage in (0, 1, 2, 3):
+    for stage in args.stages:
         for optimizer in OPTIMIZERS:
             ranks = run_world(worker, WORLD, args=(args.size, stage, optimizer, args.steps, args.warmup), timeout=3600)
             step = statistics.median(max(r["times"][i] for r in ranks) for i in range(args.steps))
@@ -81,7 +95,7 @@ def main() -> None:
                    "formula_mib": max(r["formula"] for r in ranks) / 2**20,
                    # the ranks own unequal shares of the matrices: the note counts the mean over the ranks
                    "all_to_all_mib": sum(r["all_to_all"] for r in ranks) / WORLD / 2**20,
-                   "noted_mib": noted_bytes(stage, ranks[0]["matrices"]) / 2**20 if optimizer == "Muon" else 0.0}
+                   "noted_mib": sum(r["noted"] for r in ranks) / WORLD / 2**20}
             rows.append(row)
             print(json.dumps(row), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

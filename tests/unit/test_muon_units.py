@@ -31,6 +31,22 @@ def no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_owners_balance_elements_largest_first() -> None:
     owners = assign_owners({0: 100, 1: 60, 2: 50, 3: 10}, 2)
     assert owners == {0: 0, 1: 1, 2: 1, 3: 0}  # loads 110 and 110
+    # where the chunks hold the matrices, each goes to the rank that holds most of it (nothing travels)
+    held = {0: [0, 100], 1: [60, 0], 2: [50, 0], 3: [0, 10]}
+    assert assign_owners({0: 100, 1: 60, 2: 50, 3: 10}, 2, held) == {0: 1, 1: 0, 2: 0, 3: 1}
+    # unless that lifts a rank above 1/N of the elements: then the least loaded
+    held = {i: [n, 0] for i, n in {0: 100, 1: 60, 2: 50, 3: 10}.items()}
+    assert assign_owners({0: 100, 1: 60, 2: 50, 3: 10}, 2, held) == {0: 0, 1: 1, 2: 1, 3: 0}
+
+
+def test_factored_moments_round_trip_exactly() -> None:
+    """Adafactor's row and column moments, broadcast to the parameter's shape and read back."""
+    from zeroshard.optim.matrix_state import FactoredState
+    layout, shape = FactoredState(), (2, 3, 5)
+    row, col = torch.rand(2, 3, 1), torch.rand(2, 1, 5)
+    assert layout.keys(shape) == ("row_var", "col_var") and layout.keys((7,)) == ("variance",)
+    assert torch.equal(layout.restore("row_var", layout.spread("row_var", row, shape), shape), row)
+    assert torch.equal(layout.restore("col_var", layout.spread("col_var", col, shape), shape), col)
 
 
 def test_every_element_travels_once_each_way() -> None:
@@ -114,3 +130,32 @@ def test_world_of_one_adafactor_class_bitwise() -> None:
     got = engine.full_state_dict(rank0_only=False)
     for name, p in ref.named_parameters():
         assert torch.equal(got[name], p.detach()), name
+
+
+def test_world_of_one_client_torch_muon_bitwise() -> None:
+    """A client ``torch.optim.Muon`` instance over a model of matrices only (odd shapes) is stepped whole:
+    bitwise torch's own (bf16 Newton-Schulz), its momentum read back through DeepSpeed's function."""
+    from zeroshard.deepspeed.utils.tensor_fragment import safe_get_full_optimizer_state
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(10, 24, bias=False), nn.Tanh(), nn.Linear(24, 10, bias=False))
+
+    use_newton_schulz("bf16")
+    model, ref = build(), build()
+    options = {"lr": 0.02, "momentum": 0.9, "weight_decay": 0.1, "adjust_lr_fn": "original"}
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1}}
+    engine, _, _, _ = zeroshard.initialize(model=model, optimizer=torch.optim.Muon(model.parameters(), **options),
+                                           config=config)
+    opt = torch.optim.Muon(ref.parameters(), **options)
+    for step in range(3):
+        x = torch.randn(4, 10, generator=torch.Generator().manual_seed(step))
+        engine.backward(engine(x).square().mean())
+        engine.step()
+        ref(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    got = engine.full_state_dict(rank0_only=False)
+    for (name, p), mine in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(got[name], p.detach()), name
+        assert torch.equal(safe_get_full_optimizer_state(mine, "momentum_buffer"), opt.state[p]["momentum_buffer"])

@@ -42,7 +42,8 @@ class OptimizerConfig:
         "torch's `Adam`/`AdamW`, false `FusedAdam`, or `DeepSpeedCPUAdam` under optimizer offload; every one "
         "steps torch's fused kernel); SGD: `lr`, `momentum`, `dampening`, `weight_decay`, "
         "`nesterov`; Muon (DeepSpeed's keys): `lr`, `muon_lr`, `adam_lr`, `momentum`, `weight_decay`, `betas`, "
-        "`eps`, `ns_method` (`gram` or `standard`).", default_text="torch's")
+        "`eps`, `ns_method` (`gram` or `standard`), `torch_adam` (accepted; the rest is stepped by "
+        "torch's AdamW either way).", default_text="torch's")
 
 
 @dataclass(frozen=True)

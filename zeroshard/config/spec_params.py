@@ -95,6 +95,8 @@ OPTIMIZER_PARAMS: dict[str, dict[str, ParamSpec]] = {
         "betas": ParamSpec(None, "optional_betas"),
         "eps": ParamSpec(None, "optional_positive"),
         "ns_method": ParamSpec("gram", "choice:gram|standard"),
+        # DeepSpeed's choice of Adam class for the rest (torch's or its fused kernel): the same update
+        "torch_adam": ParamSpec(False, "bool"),
     },
 }
 

@@ -31,6 +31,7 @@ from torch import nn
 from ..config.schema import OptimizerConfig
 from ..config.spec_params import OPTIMIZER_PARAMS, resolve
 from .param_groups import TrainableParams
+from .matrix_state import ChunkedState, FactoredState
 from .whole_matrices import InnerSpec, WholeMatrixError
 
 #: torch.optim.Muon's own options, copied from an engine group into the owner's optimizer at each step
@@ -38,8 +39,8 @@ TORCH_MUON_DEFAULTS: dict[str, Any] = {"nesterov": True, "ns_coefficients": (3.4
                                        "ns_steps": 5, "adjust_lr_fn": "original"}
 #: DeepSpeed's Newton-Schulz methods (the same polynomial: see [Note: DeepSpeed's Muon split])
 NS_METHODS = ("gram", "standard")
-#: Muon's state shaped as the parameter
-MUON_STATE = ("momentum_buffer",)
+#: Muon's state, shaped as the parameter
+MUON_STATE = ChunkedState(("momentum_buffer",))
 _MUON_DEFAULTS = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.0, "ns_method": "gram"}
 _ADAM_DEFAULTS = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-10, "weight_decay": 0.0}
 #: DeepSpeed's names in a parameter's name that keep a matrix with Adam
@@ -158,12 +159,13 @@ def whole_matrix_groups(optimizer: torch.optim.Optimizer) -> dict[int, InnerSpec
     """Group index -> how its parameters are stepped whole, for the groups of ``optimizer`` that need
     whole matrices (none for every other optimizer)."""
     if isinstance(optimizer, MuonWithAuxAdam):
-        return {i: InnerSpec(muon_inner, chunk_keys=MUON_STATE) for i, g in enumerate(optimizer.param_groups)
+        return {i: InnerSpec(muon_inner, state=MUON_STATE) for i, g in enumerate(optimizer.param_groups)
                 if g.get("use_muon")}
     if isinstance(optimizer, torch.optim.Muon):
-        return {i: InnerSpec(_same_class(optimizer), chunk_keys=MUON_STATE) for i in range(len(optimizer.param_groups))}
+        return {i: InnerSpec(_same_class(optimizer), state=MUON_STATE) for i in range(len(optimizer.param_groups))}
     if isinstance(optimizer, torch.optim.Adafactor):
-        return {i: InnerSpec(_same_class(optimizer), as_matrix=False) for i in range(len(optimizer.param_groups))}
+        return {i: InnerSpec(_same_class(optimizer), as_matrix=False, state=FactoredState())
+                for i in range(len(optimizer.param_groups))}
     return {}
 
 

@@ -193,6 +193,7 @@ class ShardUpdater(ABC):
         if self.matrices is not None and self.matrices.covers(bucket):
             # see [Note: whole-matrix state in a checkpoint] in optim/whole_matrices.py
             state_parts.update({k: [t] for k, t in self.matrices.spread.get(bucket.index, {}).items()})
+            scalars.update(self.matrices.scalars(bucket))
         return (torch.cat(values) if len(values) > 1 else values[0],
                 {k: torch.cat(v) if len(v) > 1 else v[0] for k, v in state_parts.items()}, scalars)
 
@@ -211,7 +212,7 @@ class ShardUpdater(ABC):
             # the state goes to the owners, the chunks keep none (see [Note: whole-matrix state in a
             # checkpoint] in optim/whole_matrices.py)
             if state is not None:
-                self.matrices.load_state(bucket, state, values)
+                self.matrices.load_state(bucket, state, scalars, values)
             state, scalars = (None, {}) if state is None else ({}, {})
         for piece in self.pieces[bucket.index]:
             part = values[piece.start: piece.start + piece.numel]

@@ -7,8 +7,11 @@ Adafactor's row and column moments need every element of a matrix at once, so th
 that such an optimizer steps are updated another way:
 
 - **ownership**: each matrix of those groups is owned by one rank of the group its bucket is sharded
-  over, chosen once, largest matrix first, each to the rank that owns the fewest elements so far (ties
-  to the lowest rank), so every rank steps about 1/N of the matrices' elements;
+  over, chosen once, largest matrix first: the rank whose chunk holds most of it, so that what lies
+  there never travels, unless that would lift the rank's elements above 1/N of the matrices'; then
+  (and where no rank holds more of it than the least loaded one, as at stage 0) the rank that owns
+  the fewest elements so far (ties to the lowest rank).  Every rank steps about 1/N of the matrices'
+  elements and holds about 1/N of their state, which the memory formula counts;
 - **the exchange in**: at the step, every rank sends the owner the part of the matrix's averaged
   gradient and of its values (the fp32 masters where there are any) that lies in its own chunk, in
   one ``all_to_all`` per bucket; at stage 0 every rank holds every bucket whole, so nothing moves;
@@ -20,21 +23,24 @@ that such an optimizer steps are updated another way:
   own path goes on: the masters are published into the parameters, stages 1-3 all-gather the
   chunks as after any step.
 
-Bytes sent per optimizer step, with M the matrices' elements, s the element size of the values (4 for
-fp32 masters) and N ranks: stages 1-3 send 2 M (N-1)/N s in (a gradient and a value per element held
-away from its owner) and M (N-1)/N s out, 3 M (N-1)/N s in all, counted in the ledger as
-``all_to_all`` (labels ``matrices_in``, ``matrices_out``); stage 0 sends M (N-1) s out (every rank but
-the owner receives each matrix) and nothing in.  The values come in because the owner holds only its
-chunk of the masters; with them, torch's optimizer runs its own arithmetic on the whole matrix, and
-what differs from one process is only the order in which the gradient's average was summed (which
-Muon's bf16 Newton-Schulz may then round otherwise).  The other parameter groups (norms, biases, embeddings,
-the head) keep the chunked update.  Memory: the owner builds the matrix's gradient and values for the
-step of one bucket at a time (two copies of that bucket's owned matrices), freed after it.
+Bytes sent per optimizer step, with s the element size of the values (4 for fp32 masters), N ranks, M
+the matrices' elements and A those of them lying outside their owner's chunk: stages 1-3 send 2 A s in
+(a gradient and a value per element held away from its owner) and A s out, 3 A s in all, counted in
+the ledger as ``all_to_all`` (labels ``matrices_in``, ``matrices_out``); each rank sends twice the
+elements it holds of others' matrices and once the parts of its own held elsewhere.  A is 0 for a
+matrix inside its owner's chunk and (N-1)/N of one cut evenly over the N chunks: M (N-1)/N where
+every matrix is cut so (buckets smaller than a matrix), near 0 where buckets hold many whole matrices.
+Stage 0 sends M (N-1) s out (every rank but the owner receives each matrix) and nothing in.  The values
+come in because the owner holds only its chunk of the masters; with them, torch's optimizer runs its own
+arithmetic on the whole matrix, and what differs from one process is only the order in which the
+gradient's average was summed (which Muon's bf16 Newton-Schulz may then round otherwise).  The other
+parameter groups (norms, biases, embeddings, the head) keep the chunked update.  Memory: the owner
+builds the matrix's gradient and values for the step of one bucket at a time (two copies of that
+bucket's owned matrices), freed after it.
 """
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
@@ -43,6 +49,7 @@ from torch import nn
 
 from ..distributed.collectives import Collectives
 from ..sharding.layout import BucketLayout, ParamSlot
+from .matrix_state import ChunkedState
 
 if TYPE_CHECKING:
     from ..sharding.strategy import ShardingStrategy
@@ -60,9 +67,9 @@ class InnerSpec:
 
     build: Callable[[list[nn.Parameter], dict[str, Any]], torch.optim.Optimizer]
     as_matrix: bool = True
-    #: the state tensors shaped as the parameter, which checkpoints save in chunks as every other state
-    #: (see [Note: whole-matrix state in a checkpoint])
-    chunk_keys: tuple[str, ...] = ()
+    #: the state as checkpoints save it, in chunks shaped as the parameter like every other state (see
+    #: [Note: whole-matrix state in a checkpoint])
+    state: ChunkedState = ChunkedState()
 
     def state_elements(self, shape: Sequence[int]) -> int:
         """The state elements torch's optimizer keeps for a parameter of ``shape`` (the formula the
@@ -87,15 +94,24 @@ def stepped_shape(shape: Sequence[int], as_matrix: bool) -> tuple[int, ...]:
     return rows, numel // rows if rows else 0
 
 
-def assign_owners(sizes: dict[int, int], world_size: int) -> dict[int, int]:
-    """Parameter index -> owner rank: largest first, each to the least loaded rank (see [Note: whole
-    matrices, each on one rank])."""
-    load = [(0, r) for r in range(world_size)]
+def assign_owners(sizes: dict[int, int], world_size: int,
+                  held: Optional[dict[int, list[int]]] = None) -> dict[int, int]:
+    """Parameter index -> owner rank: largest first, each to the rank that holds most of it in its chunk
+    (``held``: index -> elements in each rank's chunk) while that keeps its load within 1/N of the total,
+    else to the least loaded rank (see [Note: whole matrices, each on one rank])."""
+    load = [0] * world_size
+    bound = sum(sizes.values()) / max(1, world_size)
     owners: dict[int, int] = {}
     for index, numel in sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0])):
-        total, rank = heapq.heappop(load)
+        parts = held.get(index) if held else None
+        least = min(range(world_size), key=lambda r: (load[r], r))
+        rank = least
+        if parts is not None:
+            near = max(range(world_size), key=lambda r: (parts[r], -load[r], -r))
+            if parts[near] > parts[least] and load[near] + numel <= bound:
+                rank = near
         owners[index] = rank
-        heapq.heappush(load, (total + numel, rank))
+        load[rank] += numel
     return owners
 
 
@@ -151,6 +167,12 @@ class BucketPlan:
         return int(self.__dict__[key])
 
 
+def _held(bucket: BucketLayout, chunk_numel: int, rank: int, slot: ParamSlot) -> int:
+    """Elements of ``slot`` inside ``rank``'s chunk of ``chunk_numel``."""
+    start = bucket.chunk_start(chunk_numel, rank)
+    return max(0, min(start + chunk_numel, slot.offset + slot.numel) - max(start, slot.offset))
+
+
 def _at(plan: BucketPlan, slot: ParamSlot, lo: int, hi: int) -> slice:
     """Elements ``[lo, hi)`` of ``slot`` in this rank's chunk."""
     start = plan.bucket.chunk_start(plan.chunk_numel, plan.rank) - slot.offset
@@ -190,13 +212,14 @@ def gather_to_owners(plan: BucketPlan, chunks: list[torch.Tensor], label: str) -
 
 
 def scatter_from_owners(plan: BucketPlan, chunk: torch.Tensor, whole: dict[int, torch.Tensor], label: str) -> None:
-    """Every rank's part of the owners' whole matrices (``whole``: owned index -> 1-D) into its ``chunk``."""
-    if not plan.whole:
-        for index, v in whole.items():
-            s = next(s for s in plan.bucket.slots if s.index == index)
-            lo, hi = plan.held(plan.rank, s)
-            if hi > lo:
-                chunk[_at(plan, s, lo, hi)].copy_(v[lo:hi])
+    """Every rank's part of the owners' whole matrices (``whole``: owned index -> 1-D) into its ``chunk``
+    (at stage 0 the step's matrices are views of the chunk already; a save's state is not)."""
+    for index, v in whole.items():
+        s = next(s for s in plan.bucket.slots if s.index == index)
+        lo, hi = plan.held(plan.rank, s)
+        target = chunk[_at(plan, s, lo, hi)]
+        if hi > lo and target.data_ptr() != v[lo:hi].data_ptr():
+            target.copy_(v[lo:hi])
     if plan.moved_elements(inbound=False) == 0:
         return
     n, r = plan.world_size, plan.rank
@@ -225,16 +248,22 @@ class WholeMatrixSteps:
         self.specs = groups
         #: the state in chunks, per bucket, as the last :meth:`spread_state` left it for a save
         self.spread: dict[int, dict[str, torch.Tensor]] = {}
+        #: per bucket, the steps taken (a step-counting state's value, the same for all its matrices)
+        self.steps: dict[int, int] = {}
         self.plans: dict[int, BucketPlan] = {}
         buckets = strategy.layout.buckets
-        by_comm: dict[int, tuple[Collectives, dict[int, int]]] = {}
+        by_comm: dict[int, tuple[Collectives, dict[int, int], dict[int, list[int]]]] = {}
         for bucket in buckets:
             if bucket.group_index in groups:
                 comm = strategy.comm_of(bucket)
-                by_comm.setdefault(id(comm), (comm, {}))[1].update({s.index: s.numel for s in bucket.slots})
+                n, chunk = comm.world.world_size, owned[bucket.index][0]
+                _, sizes, held = by_comm.setdefault(id(comm), (comm, {}, {}))
+                for s in bucket.slots:
+                    sizes[s.index] = s.numel
+                    held[s.index] = [_held(bucket, chunk, r, s) for r in range(n)]
         owners: dict[int, int] = {}
-        for comm, sizes in by_comm.values():
-            owners.update(assign_owners(sizes, comm.world.world_size))
+        for comm, sizes, held in by_comm.values():
+            owners.update(assign_owners(sizes, comm.world.world_size, held))
         #: the whole matrices this rank owns, by parameter index: a parameter object whose values are
         #: set for each step (the inner optimizer keys its state by it)
         self.matrices: dict[int, nn.Parameter] = {}
@@ -273,6 +302,7 @@ class WholeMatrixSteps:
         (values updated in place)."""
         plan = self.plans[bucket.index]
         self.spread.pop(bucket.index, None)
+        self.steps[bucket.index] = self.steps.get(bucket.index, 0) + 1
         whole = gather_to_owners(plan, [grad.to(values.dtype), values], "matrices_in")
         self._update(plan, whole)
         scatter_from_owners(plan, values, {i: parts[1] for i, parts in whole.items()}, "matrices_out")
@@ -302,43 +332,65 @@ class WholeMatrixSteps:
         """[Note: whole-matrix state in a checkpoint]
         A checkpoint saves every optimizer state in the chunks of each bucket, which is what lets it
         load at another world size and stage.  Before a save, every rank calls this: the owners send
-        each rank its chunk's part of the state shaped as the parameter (Muon's momentum), the same
-        exchange as the step's way out (label ``matrices_state``), and the save writes those chunks;
-        a load sends the chunks to the owners (:meth:`load_state`), the step's way in.  Adafactor's row
-        and column moments are not shaped as the parameter and are not saved: a load starts them
-        afresh.  ``like``: per bucket, a chunk of the values' dtype and device."""
+        each rank its chunk's part of the state, each tensor as one value per element of the parameter
+        (Muon's momentum as it is, Adafactor's factored moments broadcast: [Note: factored moments in
+        parameter-shaped chunks] in optim/matrix_state.py), the same exchange as the step's way out
+        (label ``matrices_state``), and the save writes those chunks, with a step count as the bucket's
+        scalar where the optimizer keeps one; a load sends the chunks to the owners
+        (:meth:`load_state`), the step's way in.  ``like``: per bucket, a chunk of the values' dtype
+        and device."""
         self.spread = {}
         for index, plan in self.plans.items():
-            spec = self.specs[plan.bucket.group_index]
             out = {}
-            for key in spec.chunk_keys:
+            for key in self.state_keys(plan.bucket):
                 chunk = torch.zeros_like(like[index])
                 whole = {i: self._state_of(i, key, like[index]) for i in self._owned(plan)}
                 scatter_from_owners(plan, chunk, whole, "matrices_state")
                 out[key] = chunk
             self.spread[index] = out
 
-    def load_state(self, bucket: BucketLayout, state: dict[str, torch.Tensor], like: torch.Tensor) -> None:
-        """The chunks of the bucket's state shaped as the parameter (a load's) sent to the owners; a key
-        missing from ``state`` starts at zero."""
+    def scalars(self, bucket: BucketLayout) -> dict[str, torch.Tensor]:
+        """The bucket's scalar state a save writes (the step count, where the optimizer keeps one)."""
+        key = self.specs[bucket.group_index].state.step_key
+        return {} if key is None else {key: torch.tensor(float(self.steps.get(bucket.index, 0)))}
+
+    def load_state(self, bucket: BucketLayout, state: dict[str, torch.Tensor], scalars: dict[str, torch.Tensor],
+                   like: torch.Tensor) -> None:
+        """The chunks of the bucket's state (a load's) sent to the owners.  A matrix whose state the load
+        lacks in part (a key, or the step count an optimizer keeps) starts afresh."""
         plan = self.plans[bucket.index]
         inner = self.inner[bucket.group_index]
-        for key in self.specs[bucket.group_index].chunk_keys:
+        layout = self.specs[bucket.group_index].state
+        keys = self.state_keys(bucket)
+        wholes: dict[str, dict[int, torch.Tensor]] = {}
+        for key in keys:
             chunk = state.get(key)
             chunk = torch.zeros_like(like) if chunk is None else chunk.to(like.dtype)
-            for index, (whole,) in gather_to_owners(plan, [chunk], "matrices_state").items():
-                inner.state[self.matrices[index]][key] = whole.clone().view(self._shapes[index])
+            wholes[key] = {i: w for i, (w,) in gather_to_owners(plan, [chunk], "matrices_state").items()}
+        step = scalars.get(layout.step_key) if layout.step_key is not None else None
+        self.steps[bucket.index] = int(step.item()) if step is not None else 0
+        for index in self._owned(plan):
+            p, shape = self.matrices[index], self._shapes[index]
+            mine = layout.keys(shape)
+            inner.state.pop(p, None)
+            if any(k not in state for k in mine) or (layout.step_key is not None and step is None):
+                continue
+            loaded = {k: layout.restore(k, wholes[k][index], shape) for k in mine}
+            if layout.step_key is not None and step is not None:
+                loaded[layout.step_key] = step.detach().to("cpu", torch.get_default_dtype()).clone()
+            inner.state[p] = loaded
         self.spread.pop(bucket.index, None)
 
     def _owned(self, plan: BucketPlan) -> list[int]:
         return [s.index for s in plan.bucket.slots if plan.owners[s.index] == plan.rank]
 
     def _state_of(self, index: int, key: str, like: torch.Tensor) -> torch.Tensor:
-        p = self.matrices[index]
-        for inner in self.inner.values():
+        """Owned parameter ``index``'s state ``key``, one value per element (zeros where it has none)."""
+        p, shape = self.matrices[index], self._shapes[index]
+        for gi, inner in self.inner.items():
             value = inner.state.get(p, {}).get(key)
             if isinstance(value, torch.Tensor):
-                return value.reshape(-1).to(like.dtype)
+                return self.specs[gi].state.spread(key, value, shape).to(like.dtype)
         numel = next(s.numel for b in self.plans.values() for s in b.bucket.slots if s.index == index)
         return like.new_zeros(numel)
 
@@ -352,8 +404,10 @@ class WholeMatrixSteps:
                    for t in state.values() if isinstance(t, torch.Tensor) and t.dim() == 0)
 
     def state_keys(self, bucket: BucketLayout) -> tuple[str, ...]:
-        """The state keys of ``bucket``'s matrices shaped as the parameter (the same on every rank)."""
-        return self.specs[bucket.group_index].chunk_keys
+        """The state keys ``bucket``'s parameters have, as chunks (the same on every rank)."""
+        layout = self.specs[bucket.group_index].state
+        present = {k for s in bucket.slots for k in layout.keys(self._shapes[s.index])}
+        return tuple(k for k in layout.names if k in present)
 
     def whole_state(self, bucket: BucketLayout, index: int, key: str, like: torch.Tensor) -> torch.Tensor:
         """Parameter ``index``'s state ``key``, 1-D, on every rank of the bucket's group: the owner's,
@@ -370,4 +424,6 @@ class WholeMatrixSteps:
         """Set parameter ``index``'s state ``key`` where this rank owns it (``value`` the same everywhere)."""
         p = self.matrices.get(index)
         if p is not None:
-            self.inner[bucket.group_index].state[p][key] = value.detach().clone().view(self._shapes[index])
+            layout = self.specs[bucket.group_index].state
+            restored = layout.restore(key, value.detach().reshape(-1), self._shapes[index])
+            self.inner[bucket.group_index].state[p][key] = restored
