@@ -97,7 +97,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from dataclasses import dataclass
 from enum import Enum
 from typing import Optional, Sequence, Union
@@ -105,6 +104,7 @@ from typing import Optional, Sequence, Union
 from ..distributed.parallel_dims import ParallelDims
 from .estimate_request import EstimateRequest, data_parallel_size, pipeline_stage_count, tensor_parallel_size
 from .estimator import GB, StageEstimate, estimate_hybrid, state_parts
+from .bandwidth import parse_bandwidth  # noqa: F401  (the scale model's command-line units, also its name here)
 from .quantised_traffic import Quantisation
 
 __all__ = ["Phase", "CollectiveTraffic", "Traffic", "group_placement", "traffic_per_step", "Sharding", "Cluster",
@@ -582,24 +582,3 @@ def format_scale_table(req: EstimateRequest, cluster: Cluster, estimates: Sequen
     lines.append(f"recommendation: {best.sharding.name}, {which} (step {best.time.step_s:.3g} s, "
                  f"{best.traffic.inter_bytes / GB:.4g} GB across nodes, {best.memory.total / GB:.4g} GB per GPU)")
     return "\n".join(lines)
-
-
-_PREFIX = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "m": 1e6, "G": 1e9, "g": 1e9, "T": 1e12, "t": 1e12}
-
-
-def parse_bandwidth(text: str) -> float:
-    """Bytes per second from "900GB/s", "50 GB/s", "400Gbps", "400Gb/s" or "1.6Tbps".
-
-    A capital ``B`` is bytes (``GB/s``, ``GBps``), a small ``b`` bits (``Gb/s``, ``Gbps``); prefixes are
-    decimal, ``Gi``/``Mi``/``Ti`` binary.  A plain number is refused: 50 could be GB/s or Gb/s, 8x apart.
-    """
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([kKmMgGtT]?)(i?)(B/s|Bps|b/s|bps)\s*", text)
-    if not match:
-        raise ValueError(f"{text!r} is not a bandwidth: write a positive number and a unit, e.g. 900GB/s (bytes) "
-                         f"or 400Gbps (bits)")
-    value, prefix, binary, unit = match.groups()
-    scale = 2.0 ** (10 * "kmgt".index(prefix.lower()) + 10) if binary and prefix else _PREFIX[prefix]
-    bandwidth = float(value) * scale / (8 if unit in ("b/s", "bps") else 1)
-    if bandwidth <= 0:
-        raise ValueError(f"{text!r}: a bandwidth must be positive")
-    return bandwidth
