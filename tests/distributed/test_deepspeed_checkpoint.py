@@ -46,6 +46,10 @@ _spec = importlib.util.spec_from_file_location("ds_make_fixtures", FIXTURES / "m
 assert _spec is not None and _spec.loader is not None
 make_fixtures = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(make_fixtures)
+_spec = importlib.util.spec_from_file_location("ds_make_pipe_fixture", FIXTURES / "make_pipe_fixture.py")
+assert _spec is not None and _spec.loader is not None
+make_pipe_fixture = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make_pipe_fixture)
 
 
 def fixture(case: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -193,14 +197,67 @@ def check_saved_as_deepspeed(results: list[dict[str, Any]], directory: str) -> N
         assert (got["epoch"], got["steps"]) == (5, 3)
 
 
-WORKERS = {"load": load_and_continue, "crafted": crafted_refused, "as_deepspeed": saved_as_deepspeed}
-CHECKS = {"load": check_load_and_continue, "crafted": check_crafted, "as_deepspeed": check_saved_as_deepspeed}
+def pipe_load_and_continue(rank: int, world: int, case: str, stage: int) -> dict[str, Any]:
+    """DeepSpeed's pipeline fixture loaded into zeroshard's ``PipelineModule`` of the same layers (2
+    stages, ``world // 2`` data-parallel ranks each: the same global batch of 2 micro-batches of 3) at
+    ZeRO ``stage``, then its next batches."""
+    from zeroshard.pipeline import LayerSpec, PipelineModule
+    meta, cont = fixture(case)
+    dp = world // meta["stages"]
+    config = dict(meta["config"], zero_optimization={"stage": stage},
+                  gradient_accumulation_steps=make_pipe_fixture.MICRO_BATCHES // dp)
+    module = PipelineModule(layers=make_pipe_fixture.layers(LayerSpec), loss_fn=torch.nn.MSELoss(),
+                            num_stages=meta["stages"], partition_method="uniform")
+    engine = zeroshard.initialize(model=module, model_parameters=module.parameters(), config=config)[0]
+    path, client = engine.load_checkpoint(str(FIXTURES / case / "checkpoint"))
+
+    def full(keys: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:
+        return {module.global_name(n): {k: (safe_get_full_fp32_param(p) if k == "param" else
+                                            safe_get_full_optimizer_state(p, k)).clone() for k in keys}
+                for n, p in engine.module.named_parameters() if p.requires_grad}
+    out: dict[str, Any] = {"path": str(path), "loaded": full(("param", "exp_avg", "exp_avg_sq")),
+                           "global_steps": engine.global_steps, "scheduler": engine.lr_scheduler.state_dict(),
+                           "client": {k: client[k] for k in meta["client_state"]}, "losses": []}
+    micro = list(range(make_pipe_fixture.MICRO_BATCHES))[rank % dp::dp]
+    for step in range(meta["saved_steps"], meta["saved_steps"] + meta["next_steps"]):
+        batches = iter([(cont["inputs"][f"x.{step}.{m}"], cont["inputs"][f"y.{step}.{m}"]) for m in micro])
+        out["losses"].append(float(engine.train_batch(batches)))
+    out["weights"] = {k: v["param"] for k, v in full(("param",)).items()}
+    engine.close()
+    return out
+
+
+def check_pipe_load_and_continue(results: list[dict[str, Any]], case: str, stage: int) -> None:
+    meta, cont = fixture(case)
+    saved = DeepSpeedReader(deepspeed_directory(FIXTURES / case / "checkpoint", None))
+    weights: dict[str, torch.Tensor] = {}
+    for rank, got in enumerate(results):
+        assert got["path"].endswith(meta["tag"])
+        for name, keys in got["loaded"].items():
+            for key, value in keys.items():
+                assert torch.equal(value.reshape(-1), saved.read(name, "param" if key == "param" else f"optim.{key}")), \
+                    f"rank {rank}: {name}'s {key} differs from DeepSpeed's"
+        assert got["global_steps"] == 3 and got["scheduler"] == {"last_batch_iteration": 2}
+        assert got["client"] == meta["client_state"]
+        assert torch.allclose(torch.tensor(got["losses"], dtype=torch.float64), cont["losses"], rtol=1e-6, atol=0), \
+            f"rank {rank}: losses {got['losses']} != {cont['losses'].tolist()}"
+        weights.update(got["weights"])
+    assert sorted(weights) == sorted(cont["weights"]) == sorted(saved.param_names())
+    for name, value in weights.items():
+        diff = (value - cont["weights"][name]).abs().max().item()
+        assert diff <= 1e-6, f"{name} after the continuation differs from DeepSpeed's by {diff}"
+
+
+WORKERS = {"load": load_and_continue, "pipe_load": pipe_load_and_continue, "crafted": crafted_refused, "as_deepspeed": saved_as_deepspeed}
+CHECKS = {"load": check_load_and_continue, "pipe_load": check_pipe_load_and_continue, "crafted": check_crafted, "as_deepspeed": check_saved_as_deepspeed}
 CASES = tuple(f"zero{stage}_{precision}" for precision in ("fp32", "bf16") for stage in range(4))
+PIPE_CASE = "pipe2_zero1_fp32"
 
 
 def test_deepspeed_checkpoints_at_world_2() -> None:
     family = [("load", {"case": case, "stage": int(case[4])}) for case in CASES]
     family.append(("load", {"case": "zero3_fp32", "stage": 1}))
+    family += [("pipe_load", {"case": PIPE_CASE, "stage": stage}) for stage in (1, 3)]
     with tempfile.TemporaryDirectory() as tmp:
         crafted = Path(tmp) / "crafted"
         make_crafted(crafted)
