@@ -50,6 +50,10 @@ _spec = importlib.util.spec_from_file_location("ds_make_pipe_fixture", FIXTURES 
 assert _spec is not None and _spec.loader is not None
 make_pipe_fixture = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(make_pipe_fixture)
+_spec = importlib.util.spec_from_file_location("ds_make_moe_fixture", FIXTURES / "make_moe_fixture.py")
+assert _spec is not None and _spec.loader is not None
+make_moe_fixture = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make_moe_fixture)
 
 
 def fixture(case: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -227,7 +231,9 @@ def pipe_load_and_continue(rank: int, world: int, case: str, stage: int) -> dict
     return out
 
 
-def check_pipe_load_and_continue(results: list[dict[str, Any]], case: str, stage: int) -> None:
+def check_pipe_load_and_continue(results: list[dict[str, Any]], case: str, stage: int,
+                                 losses_by_rank: bool = False) -> None:
+    """``losses_by_rank``: the fixture recorded each rank's loss (not the batch's, on every rank)."""
     meta, cont = fixture(case)
     saved = DeepSpeedReader(deepspeed_directory(FIXTURES / case / "checkpoint", None))
     weights: dict[str, torch.Tensor] = {}
@@ -239,8 +245,9 @@ def check_pipe_load_and_continue(results: list[dict[str, Any]], case: str, stage
                     f"rank {rank}: {name}'s {key} differs from DeepSpeed's"
         assert got["global_steps"] == 3 and got["scheduler"] == {"last_batch_iteration": 2}
         assert got["client"] == meta["client_state"]
-        assert torch.allclose(torch.tensor(got["losses"], dtype=torch.float64), cont["losses"], rtol=1e-6, atol=0), \
-            f"rank {rank}: losses {got['losses']} != {cont['losses'].tolist()}"
+        expected = cont["losses"][:, rank] if losses_by_rank else cont["losses"]
+        assert torch.allclose(torch.tensor(got["losses"], dtype=torch.float64), expected, rtol=1e-6, atol=0), \
+            f"rank {rank}: losses {got['losses']} != {expected.tolist()}"
         weights.update(got["weights"])
     assert sorted(weights) == sorted(cont["weights"]) == sorted(saved.param_names())
     for name, value in weights.items():
@@ -248,8 +255,51 @@ def check_pipe_load_and_continue(results: list[dict[str, Any]], case: str, stage
         assert diff <= 1e-6, f"{name} after the continuation differs from DeepSpeed's by {diff}"
 
 
-WORKERS = {"load": load_and_continue, "pipe_load": pipe_load_and_continue, "crafted": crafted_refused, "as_deepspeed": saved_as_deepspeed}
-CHECKS = {"load": check_load_and_continue, "pipe_load": check_pipe_load_and_continue, "crafted": check_crafted, "as_deepspeed": check_saved_as_deepspeed}
+def moe_load_and_continue(rank: int, world: int, case: str, stage: int, ep_size: int) -> dict[str, Any]:
+    """DeepSpeed's MoE fixture loaded into zeroshard's ``MoE`` of the same shapes at ``ep_size`` and ZeRO
+    ``stage`` (world 2, each rank its own batch as in the fixture), then its next steps; every expert
+    under its global name."""
+    from zeroshard.deepspeed.moe.layer import MoE
+    from zeroshard.deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    meta, cont = fixture(case)
+    torch.manual_seed(rank)  # every rank's weights other than DeepSpeed's: the load must set them all
+    model = make_moe_fixture.MoENet(MoE, ep_size)
+    groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()),
+                                                                   "name": "parameters"})
+    config = dict(meta["config"], zero_optimization={"stage": stage})
+    engine = zeroshard.initialize(model=model, model_parameters=groups, config=config)[0]
+    path, client = engine.load_checkpoint(str(FIXTURES / case / "checkpoint"))
+    local, per_rank = "deepspeed_moe.experts.deepspeed_experts.", make_moe_fixture.EXPERTS // ep_size
+
+    def full(keys: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:
+        out = {}
+        for name, p in engine.module.named_parameters():
+            head, found, tail = name.partition(local)
+            index, _, rest = tail.partition(".")
+            global_name = f"{head}{local}{(rank % ep_size) * per_rank + int(index)}.{rest}" if found else name
+            out[global_name] = {k: (safe_get_full_fp32_param(p) if k == "param" else
+                                    safe_get_full_optimizer_state(p, k)).clone() for k in keys}
+        return out
+    out: dict[str, Any] = {"path": str(path), "loaded": full(("param", "exp_avg", "exp_avg_sq")),
+                           "global_steps": engine.global_steps, "scheduler": engine.lr_scheduler.state_dict(),
+                           "client": {k: client[k] for k in meta["client_state"]}, "losses": []}
+    for step in range(meta["saved_steps"], meta["saved_steps"] + meta["next_steps"]):
+        x, y = cont["inputs"][f"x.{step}.{rank}"], cont["inputs"][f"y.{step}.{rank}"]
+        loss = make_moe_fixture.loss_of(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        out["losses"].append(float(loss.detach()))
+    out["weights"] = {k: v["param"] for k, v in full(("param",)).items()}
+    engine.close()
+    return out
+
+
+def check_moe_load_and_continue(results: list[dict[str, Any]], case: str, stage: int, ep_size: int) -> None:
+    check_pipe_load_and_continue(results, case, stage, losses_by_rank=True)
+
+
+WORKERS = {"load": load_and_continue, "moe_load": moe_load_and_continue, "pipe_load": pipe_load_and_continue, "crafted": crafted_refused, "as_deepspeed": saved_as_deepspeed}
+CHECKS = {"load": check_load_and_continue, "moe_load": check_moe_load_and_continue, "pipe_load": check_pipe_load_and_continue, "crafted": check_crafted, "as_deepspeed": check_saved_as_deepspeed}
 CASES = tuple(f"zero{stage}_{precision}" for precision in ("fp32", "bf16") for stage in range(4))
 PIPE_CASE = "pipe2_zero1_fp32"
 

@@ -12,7 +12,8 @@ What is read: ZeRO stages 0-3 of one data-parallel group (no tensor parallelism)
 (``bf16_`` optimizer files), with Adam-family moments, universal checkpoint folders (universal_read.py)
 and a pipeline engine's checkpoint at ZeRO 1-2 (pipeline_read.py); the counters, the LR scheduler's
 state and the client state as DeepSpeed's ``load_checkpoint`` returns it; the model's buffers and
-frozen parameters.  Everything else (tensor-parallel files, MoE expert files) is refused by name.
+frozen parameters; MoE expert files at ZeRO 1-2 (moe_read.py).  Everything else (tensor-parallel
+files, experts in a pipeline) is refused by name.
 
 [Note: frozen parameters in a DeepSpeed checkpoint]
 At stages 0-2 DeepSpeed's model file holds the whole module: its buffers, its frozen parameters and
@@ -31,6 +32,7 @@ import torch
 
 from ..format import LATEST, MANIFEST, CheckpointError
 from .partitions import MOMENTS, WholeState, merge_stage0, merge_stage3, merge_stage12
+from .moe_read import expert_states, has_experts, merge_moe
 from .pipeline_read import layer_states, pipeline_degree, read_pipeline
 from .universal_read import LATEST_UNIVERSAL, is_universal, read_universal
 from .unpickle import load_deepspeed_file
@@ -86,6 +88,9 @@ class DeepSpeedReader:
         #: a pipeline's layer files, by global name (see [Note: DeepSpeed's pipeline checkpoint] in
         #: checkpoint/deepspeed_format/pipeline_read.py); empty without a pipeline
         self.layers: dict[str, torch.Tensor] = {}
+        #: the experts of MoE layers, by global name (see [Note: DeepSpeed's MoE checkpoint] in
+        #: checkpoint/deepspeed_format/moe_read.py); empty without experts
+        self.experts: dict[str, torch.Tensor] = {}
         self._buffer_names = list(self.model.get("buffer_names") or [])
         if pipeline_degree(self.model) > 1:
             self.whole, rank0, bf16, self._buffer_names = read_pipeline(self.directory, pipeline_degree(self.model))
@@ -108,13 +113,20 @@ class DeepSpeedReader:
                      for r in range(world)]
             self.stage = int(ranks[0]["zero_stage"])
             groups = [dict(g) for g in self.model["param_shapes"]]
-            self.whole = merge_stage3({k: v for g in groups for k, v in g.items()}, ranks, where) \
-                if self.stage == 3 else merge_stage12(groups, ranks, where)
+            if has_experts(self.directory) and self.stage in (1, 2):
+                self.whole = merge_moe(self.model, ranks, where)
+                self.experts = expert_states(self.directory)
+            else:
+                self.whole = merge_stage3({k: v for g in groups for k, v in g.items()}, ranks, where) \
+                    if self.stage == 3 else merge_stage12(groups, ranks, where)
             rank0 = ranks[0]
         else:
             raise CheckpointError(f"{self.directory}: a DeepSpeed checkpoint with neither ZeRO optimizer files "
                                   f"(*zero_pp_rank_0_mp_rank_00_optim_states.pt) nor an optimizer in its model file "
                                   f"(saved without an optimizer, or with load_optimizer_states only): not read")
+        if has_experts(self.directory) and not self.experts:
+            raise CheckpointError(f"{self.directory}: DeepSpeed MoE expert files are read at ZeRO 1-2 only (this "
+                                  f"checkpoint: ZeRO {self.stage}{', universal' if is_universal(self.directory) else ''})")
         self.world_size = world
         self.bf16 = bf16
         self._param_groups = self._hyperparameters(rank0)
@@ -137,8 +149,8 @@ class DeepSpeedReader:
         if stages == 1 and any(self.directory.glob("layer_*-model_states.pt")):
             raise CheckpointError(f"{self.directory}: DeepSpeed pipeline layer files beside a model file that "
                                   f"records no pipeline (checkpoint_parallel_dimensions): not read")
-        if any(self.directory.glob("*expert_*")):
-            raise CheckpointError(f"{self.directory}: DeepSpeed MoE expert files are not read yet")
+        if stages > 1 and has_experts(self.directory):
+            raise CheckpointError(f"{self.directory}: DeepSpeed MoE expert files of a pipeline are not read yet")
 
     @staticmethod
     def _groups(rank0: dict[str, Any]) -> list[dict[str, Any]]:
@@ -179,7 +191,7 @@ class DeepSpeedReader:
         module = self.model.get("module") or {}
         trainable_of = {k: k for k in self.param_names()}
         trainable_of.update({k: v for k, v in (self.model.get("shared_params") or {}).items() if v in trainable_of})
-        keys = list(module) or list(self.layers) or list(trainable_of)
+        keys = (list(module) + list(self.experts)) or list(self.layers) or list(trainable_of)
         return {"state_dict_keys": keys, "trainable_of": trainable_of,
                 "buffer_names": list(self._buffer_names), "hf_config": None,
                 "class": "DeepSpeed checkpoint", "peft_config": None}
@@ -246,7 +258,8 @@ class DeepSpeedReader:
         if self.layers:
             return {k: v for k, v in self.layers.items() if k not in self.whole.shapes}
         if self.stage < 3:
-            return {k: v for k, v in module.items() if k not in self.whole.shapes and k not in shared}
+            every = {**module, **self.experts}
+            return {k: v for k, v in every.items() if k not in self.whole.shapes and k not in shared}
         out = {name: module[name] for name in self.model.get("buffer_names") or [] if name in module}
         shapes = self.model.get("frozen_param_shapes") or {}
         if shapes:
