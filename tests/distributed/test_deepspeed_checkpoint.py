@@ -302,12 +302,14 @@ WORKERS = {"load": load_and_continue, "moe_load": moe_load_and_continue, "pipe_l
 CHECKS = {"load": check_load_and_continue, "moe_load": check_moe_load_and_continue, "pipe_load": check_pipe_load_and_continue, "crafted": check_crafted, "as_deepspeed": check_saved_as_deepspeed}
 CASES = tuple(f"zero{stage}_{precision}" for precision in ("fp32", "bf16") for stage in range(4))
 PIPE_CASE = "pipe2_zero1_fp32"
+MOE_CASE = "moe_ep2_zero1_fp32"
 
 
 def test_deepspeed_checkpoints_at_world_2() -> None:
     family = [("load", {"case": case, "stage": int(case[4])}) for case in CASES]
     family.append(("load", {"case": "zero3_fp32", "stage": 1}))
     family += [("pipe_load", {"case": PIPE_CASE, "stage": stage}) for stage in (1, 3)]
+    family += [("moe_load", {"case": MOE_CASE, "stage": stage, "ep_size": ep}) for stage, ep in ((1, 2), (2, 1))]
     with tempfile.TemporaryDirectory() as tmp:
         crafted = Path(tmp) / "crafted"
         make_crafted(crafted)
@@ -330,6 +332,13 @@ def test_deepspeed_checkpoints_at_world_3_other_stages() -> None:
     family = [("load", {"case": case, "stage": stage}) for case, stage in (
         ("zero0_fp32", 2), ("zero0_bf16", 3), ("zero1_fp32", 3), ("zero2_fp32", 2), ("zero3_fp32", 2), ("zero2_bf16", 3), ("zero3_bf16", 1))]
     check_family(family, run_family(3, family, WORKERS), CHECKS, world=3)
+
+
+@pytest.mark.slow
+def test_deepspeed_pipeline_checkpoint_at_data_parallel_2() -> None:
+    """The pipeline fixture (2 stages x 1) at 2 stages x 2 data-parallel ranks, ZeRO 2."""
+    family = [("pipe_load", {"case": PIPE_CASE, "stage": 2})]
+    check_family(family, run_family(4, family, WORKERS), CHECKS, world=4)
 
 
 @pytest.mark.slow

@@ -64,6 +64,9 @@ def merge_moe(model: dict[str, Any], ranks: list[dict[str, Any]], where: str) ->
     groups = [dict(g) for g in model["param_shapes"]]
     hyper = ranks[0]["base_optimizer_state"]["param_groups"]
     experts = {int(n) for n in model.get("num_experts") or []}
+    if not experts:
+        raise CheckpointError(f"{where}: expert files beside a model file that records no MoE layers "
+                              f"(num_experts): not read")
     if len(experts) != 1:
         raise CheckpointError(f"{where}: MoE layers with different numbers of experts ({sorted(experts)}): not read")
     dense = [g for g, h in enumerate(hyper) if not h.get("moe")]
