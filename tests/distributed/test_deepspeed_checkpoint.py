@@ -14,11 +14,14 @@ the engine unchanged. A ``zeroshard convert`` of a fixture loads and continues t
 fixture rewritten in DeepSpeed's layout for another world size and stage (``convert --to deepspeed``) or
 as DeepSpeed's universal folder (``ds_to_universal``); an
 engine's save in DeepSpeed's layout (``checkpoint.format``) writes DeepSpeed's files for its world and loads
-back bitwise.
+back bitwise. DeepSpeed's pipeline fixture (make_pipe_fixture.py: 2 stages, ZeRO 1) loads into zeroshard's
+``PipelineModule`` of the same layers and its MoE fixture (make_moe_fixture.py: 2 experts at ep_size 2,
+ZeRO 1) into zeroshard's ``MoE``, with the same checks.
 
 The default suite loads each fixture at world 2 and its own stage, one at another stage, the crafted
-file and a converted checkpoint, in one world; the extended tests load them at world 3 and other stages
-(the same global batch of 6, 2 per rank) and in one process.
+file, a converted checkpoint, the pipeline fixture at ZeRO 1 and 3 and the MoE fixture at ep_size 2 and
+1, in one world; the extended tests load the pipeline fixture at 2 stages x 2 data-parallel ranks, and
+the others at world 3 and other stages (the same global batch of 6, 2 per rank) and in one process.
 """
 
 from __future__ import annotations
