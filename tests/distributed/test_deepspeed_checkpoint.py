@@ -20,7 +20,8 @@ ZeRO 1) into zeroshard's ``MoE``, with the same checks.
 
 The default suite loads each fixture at world 2 and its own stage, one at another stage, the crafted
 file, a converted checkpoint, the pipeline fixture at ZeRO 1 and 3 and the MoE fixture at ep_size 2 and
-1, in one world; the extended tests load the pipeline fixture at 2 stages x 2 data-parallel ranks, and
+1, in one world; the extended tests load the pipeline fixture at 2 stages x 2 data-parallel ranks and the
+MoE fixture at world 4 (each expert on 2 ranks) in one world, and
 the others at world 3 and other stages (the same global batch of 6, 2 per rank) and in one process.
 """
 
@@ -236,7 +237,8 @@ def pipe_load_and_continue(rank: int, world: int, case: str, stage: int) -> dict
 
 def check_pipe_load_and_continue(results: list[dict[str, Any]], case: str, stage: int,
                                  losses_by_rank: bool = False) -> None:
-    """``losses_by_rank``: the fixture recorded each rank's loss (not the batch's, on every rank)."""
+    """``losses_by_rank``: the fixture recorded each rank's loss (not the batch's, on every rank): at its
+    world size each rank's equals DeepSpeed's, at another the ranks' mean equals DeepSpeed's ranks'."""
     meta, cont = fixture(case)
     saved = DeepSpeedReader(deepspeed_directory(FIXTURES / case / "checkpoint", None))
     weights: dict[str, torch.Tensor] = {}
@@ -248,7 +250,13 @@ def check_pipe_load_and_continue(results: list[dict[str, Any]], case: str, stage
                     f"rank {rank}: {name}'s {key} differs from DeepSpeed's"
         assert got["global_steps"] == 3 and got["scheduler"] == {"last_batch_iteration": 2}
         assert got["client"] == meta["client_state"]
-        expected = cont["losses"][:, rank] if losses_by_rank else cont["losses"]
+        if losses_by_rank and len(results) == meta["world_size"]:
+            expected = cont["losses"][:, rank]
+        elif losses_by_rank:
+            expected = cont["losses"].mean(1)
+            got = dict(got, losses=torch.tensor([r["losses"] for r in results], dtype=torch.float64).mean(0).tolist())
+        else:
+            expected = cont["losses"]
         assert torch.allclose(torch.tensor(got["losses"], dtype=torch.float64), expected, rtol=1e-6, atol=0), \
             f"rank {rank}: losses {got['losses']} != {expected.tolist()}"
         weights.update(got["weights"])
@@ -260,8 +268,8 @@ def check_pipe_load_and_continue(results: list[dict[str, Any]], case: str, stage
 
 def moe_load_and_continue(rank: int, world: int, case: str, stage: int, ep_size: int) -> dict[str, Any]:
     """DeepSpeed's MoE fixture loaded into zeroshard's ``MoE`` of the same shapes at ``ep_size`` and ZeRO
-    ``stage`` (world 2, each rank its own batch as in the fixture), then its next steps; every expert
-    under its global name."""
+    ``stage``, then its next steps on the same global batch, an equal share per rank; every expert under
+    its global name."""
     from zeroshard.deepspeed.moe.layer import MoE
     from zeroshard.deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
     meta, cont = fixture(case)
@@ -269,10 +277,12 @@ def moe_load_and_continue(rank: int, world: int, case: str, stage: int, ep_size:
     model = make_moe_fixture.MoENet(MoE, ep_size)
     groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()),
                                                                    "name": "parameters"})
-    config = dict(meta["config"], zero_optimization={"stage": stage})
+    config = dict(meta["config"], zero_optimization={"stage": stage},
+                  train_micro_batch_size_per_gpu=make_moe_fixture.PER_RANK_BATCH * meta["world_size"] // world)
     engine = zeroshard.initialize(model=model, model_parameters=groups, config=config)[0]
     path, client = engine.load_checkpoint(str(FIXTURES / case / "checkpoint"))
     local, per_rank = "deepspeed_moe.experts.deepspeed_experts.", make_moe_fixture.EXPERTS // ep_size
+    per_batch = make_moe_fixture.PER_RANK_BATCH * meta["world_size"] // world
 
     def full(keys: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:
         out = {}
@@ -287,7 +297,8 @@ def moe_load_and_continue(rank: int, world: int, case: str, stage: int, ep_size:
                            "global_steps": engine.global_steps, "scheduler": engine.lr_scheduler.state_dict(),
                            "client": {k: client[k] for k in meta["client_state"]}, "losses": []}
     for step in range(meta["saved_steps"], meta["saved_steps"] + meta["next_steps"]):
-        x, y = cont["inputs"][f"x.{step}.{rank}"], cont["inputs"][f"y.{step}.{rank}"]
+        x, y = global_batch(cont["inputs"], step, meta["world_size"])
+        x, y = x[rank * per_batch:(rank + 1) * per_batch], y[rank * per_batch:(rank + 1) * per_batch]
         loss = make_moe_fixture.loss_of(engine(x), y)
         engine.backward(loss)
         engine.step()
@@ -338,9 +349,11 @@ def test_deepspeed_checkpoints_at_world_3_other_stages() -> None:
 
 
 @pytest.mark.slow
-def test_deepspeed_pipeline_checkpoint_at_data_parallel_2() -> None:
-    """The pipeline fixture (2 stages x 1) at 2 stages x 2 data-parallel ranks, ZeRO 2."""
-    family = [("pipe_load", {"case": PIPE_CASE, "stage": 2})]
+def test_deepspeed_pipeline_and_moe_checkpoints_at_world_4() -> None:
+    """The pipeline fixture (2 stages x 1) at 2 stages x 2 data-parallel ranks, ZeRO 2; the MoE fixture
+    (world 2, ep_size 2) at world 4, ep_size 2 (each expert on 2 ranks), ZeRO 1."""
+    family = [("pipe_load", {"case": PIPE_CASE, "stage": 2}),
+              ("moe_load", {"case": MOE_CASE, "stage": 1, "ep_size": 2})]
     check_family(family, run_family(4, family, WORKERS), CHECKS, world=4)
 
 
