@@ -14,11 +14,15 @@ the engine unchanged. A ``zeroshard convert`` of a fixture loads and continues t
 fixture rewritten in DeepSpeed's layout for another world size and stage (``convert --to deepspeed``) or
 as DeepSpeed's universal folder (``ds_to_universal``); an
 engine's save in DeepSpeed's layout (``checkpoint.format``) writes DeepSpeed's files for its world and loads
-back bitwise.
+back bitwise. DeepSpeed's pipeline fixture (make_pipe_fixture.py: 2 stages, ZeRO 1) loads into zeroshard's
+``PipelineModule`` of the same layers and its MoE fixture (make_moe_fixture.py: 2 experts at ep_size 2,
+ZeRO 1) into zeroshard's ``MoE``, with the same checks.
 
 The default suite loads each fixture at world 2 and its own stage, one at another stage, the crafted
-file and a converted checkpoint, in one world; the extended tests load them at world 3 and other stages
-(the same global batch of 6, 2 per rank) and in one process.
+file, a converted checkpoint, the pipeline fixture at ZeRO 1 and 3 and the MoE fixture at ep_size 2 and
+1, in one world; the extended tests load the pipeline fixture at 2 stages x 2 data-parallel ranks and the
+MoE fixture at world 4 (each expert on 2 ranks) in one world, and
+the others at world 3 and other stages (the same global batch of 6, 2 per rank) and in one process.
 """
 
 from __future__ import annotations
@@ -46,6 +50,14 @@ _spec = importlib.util.spec_from_file_location("ds_make_fixtures", FIXTURES / "m
 assert _spec is not None and _spec.loader is not None
 make_fixtures = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(make_fixtures)
+_spec = importlib.util.spec_from_file_location("ds_make_pipe_fixture", FIXTURES / "make_pipe_fixture.py")
+assert _spec is not None and _spec.loader is not None
+make_pipe_fixture = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make_pipe_fixture)
+_spec = importlib.util.spec_from_file_location("ds_make_moe_fixture", FIXTURES / "make_moe_fixture.py")
+assert _spec is not None and _spec.loader is not None
+make_moe_fixture = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make_moe_fixture)
 
 
 def fixture(case: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -193,14 +205,125 @@ def check_saved_as_deepspeed(results: list[dict[str, Any]], directory: str) -> N
         assert (got["epoch"], got["steps"]) == (5, 3)
 
 
-WORKERS = {"load": load_and_continue, "crafted": crafted_refused, "as_deepspeed": saved_as_deepspeed}
-CHECKS = {"load": check_load_and_continue, "crafted": check_crafted, "as_deepspeed": check_saved_as_deepspeed}
+def pipe_load_and_continue(rank: int, world: int, case: str, stage: int) -> dict[str, Any]:
+    """DeepSpeed's pipeline fixture loaded into zeroshard's ``PipelineModule`` of the same layers (2
+    stages, ``world // 2`` data-parallel ranks each: the same global batch of 2 micro-batches of 3) at
+    ZeRO ``stage``, then its next batches."""
+    from zeroshard.pipeline import LayerSpec, PipelineModule
+    meta, cont = fixture(case)
+    dp = world // meta["stages"]
+    config = dict(meta["config"], zero_optimization={"stage": stage},
+                  gradient_accumulation_steps=make_pipe_fixture.MICRO_BATCHES // dp)
+    module = PipelineModule(layers=make_pipe_fixture.layers(LayerSpec), loss_fn=torch.nn.MSELoss(),
+                            num_stages=meta["stages"], partition_method="uniform")
+    engine = zeroshard.initialize(model=module, model_parameters=module.parameters(), config=config)[0]
+    path, client = engine.load_checkpoint(str(FIXTURES / case / "checkpoint"))
+
+    def full(keys: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:
+        return {module.global_name(n): {k: (safe_get_full_fp32_param(p) if k == "param" else
+                                            safe_get_full_optimizer_state(p, k)).clone() for k in keys}
+                for n, p in engine.module.named_parameters() if p.requires_grad}
+    out: dict[str, Any] = {"path": str(path), "loaded": full(("param", "exp_avg", "exp_avg_sq")),
+                           "global_steps": engine.global_steps, "scheduler": engine.lr_scheduler.state_dict(),
+                           "client": {k: client[k] for k in meta["client_state"]}, "losses": []}
+    micro = list(range(make_pipe_fixture.MICRO_BATCHES))[rank % dp::dp]
+    for step in range(meta["saved_steps"], meta["saved_steps"] + meta["next_steps"]):
+        batches = iter([(cont["inputs"][f"x.{step}.{m}"], cont["inputs"][f"y.{step}.{m}"]) for m in micro])
+        out["losses"].append(float(engine.train_batch(batches)))
+    out["weights"] = {k: v["param"] for k, v in full(("param",)).items()}
+    engine.close()
+    return out
+
+
+def check_pipe_load_and_continue(results: list[dict[str, Any]], case: str, stage: int,
+                                 losses_by_rank: bool = False) -> None:
+    """``losses_by_rank``: the fixture recorded each rank's loss (not the batch's, on every rank): at its
+    world size each rank's equals DeepSpeed's, at another the ranks' mean equals DeepSpeed's ranks'."""
+    meta, cont = fixture(case)
+    saved = DeepSpeedReader(deepspeed_directory(FIXTURES / case / "checkpoint", None))
+    weights: dict[str, torch.Tensor] = {}
+    for rank, got in enumerate(results):
+        assert got["path"].endswith(meta["tag"])
+        for name, keys in got["loaded"].items():
+            for key, value in keys.items():
+                assert torch.equal(value.reshape(-1), saved.read(name, "param" if key == "param" else f"optim.{key}")), \
+                    f"rank {rank}: {name}'s {key} differs from DeepSpeed's"
+        assert got["global_steps"] == 3 and got["scheduler"] == {"last_batch_iteration": 2}
+        assert got["client"] == meta["client_state"]
+        if losses_by_rank and len(results) == meta["world_size"]:
+            expected = cont["losses"][:, rank]
+        elif losses_by_rank:
+            expected = cont["losses"].mean(1)
+            got = dict(got, losses=torch.tensor([r["losses"] for r in results], dtype=torch.float64).mean(0).tolist())
+        else:
+            expected = cont["losses"]
+        assert torch.allclose(torch.tensor(got["losses"], dtype=torch.float64), expected, rtol=1e-6, atol=0), \
+            f"rank {rank}: losses {got['losses']} != {expected.tolist()}"
+        weights.update(got["weights"])
+    assert sorted(weights) == sorted(cont["weights"]) == sorted(saved.param_names())
+    for name, value in weights.items():
+        diff = (value - cont["weights"][name]).abs().max().item()
+        assert diff <= 1e-6, f"{name} after the continuation differs from DeepSpeed's by {diff}"
+
+
+def moe_load_and_continue(rank: int, world: int, case: str, stage: int, ep_size: int) -> dict[str, Any]:
+    """DeepSpeed's MoE fixture loaded into zeroshard's ``MoE`` of the same shapes at ``ep_size`` and ZeRO
+    ``stage``, then its next steps on the same global batch, an equal share per rank; every expert under
+    its global name."""
+    from zeroshard.deepspeed.moe.layer import MoE
+    from zeroshard.deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    meta, cont = fixture(case)
+    torch.manual_seed(rank)  # every rank's weights other than DeepSpeed's: the load must set them all
+    model = make_moe_fixture.MoENet(MoE, ep_size)
+    groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()),
+                                                                   "name": "parameters"})
+    config = dict(meta["config"], zero_optimization={"stage": stage},
+                  train_micro_batch_size_per_gpu=make_moe_fixture.PER_RANK_BATCH * meta["world_size"] // world)
+    engine = zeroshard.initialize(model=model, model_parameters=groups, config=config)[0]
+    path, client = engine.load_checkpoint(str(FIXTURES / case / "checkpoint"))
+    local, per_rank = "deepspeed_moe.experts.deepspeed_experts.", make_moe_fixture.EXPERTS // ep_size
+    per_batch = make_moe_fixture.PER_RANK_BATCH * meta["world_size"] // world
+
+    def full(keys: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:
+        out = {}
+        for name, p in engine.module.named_parameters():
+            head, found, tail = name.partition(local)
+            index, _, rest = tail.partition(".")
+            global_name = f"{head}{local}{(rank % ep_size) * per_rank + int(index)}.{rest}" if found else name
+            out[global_name] = {k: (safe_get_full_fp32_param(p) if k == "param" else
+                                    safe_get_full_optimizer_state(p, k)).clone() for k in keys}
+        return out
+    out: dict[str, Any] = {"path": str(path), "loaded": full(("param", "exp_avg", "exp_avg_sq")),
+                           "global_steps": engine.global_steps, "scheduler": engine.lr_scheduler.state_dict(),
+                           "client": {k: client[k] for k in meta["client_state"]}, "losses": []}
+    for step in range(meta["saved_steps"], meta["saved_steps"] + meta["next_steps"]):
+        x, y = global_batch(cont["inputs"], step, meta["world_size"])
+        x, y = x[rank * per_batch:(rank + 1) * per_batch], y[rank * per_batch:(rank + 1) * per_batch]
+        loss = make_moe_fixture.loss_of(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        out["losses"].append(float(loss.detach()))
+    out["weights"] = {k: v["param"] for k, v in full(("param",)).items()}
+    engine.close()
+    return out
+
+
+def check_moe_load_and_continue(results: list[dict[str, Any]], case: str, stage: int, ep_size: int) -> None:
+    check_pipe_load_and_continue(results, case, stage, losses_by_rank=True)
+
+
+WORKERS = {"load": load_and_continue, "moe_load": moe_load_and_continue, "pipe_load": pipe_load_and_continue, "crafted": crafted_refused, "as_deepspeed": saved_as_deepspeed}
+CHECKS = {"load": check_load_and_continue, "moe_load": check_moe_load_and_continue, "pipe_load": check_pipe_load_and_continue, "crafted": check_crafted, "as_deepspeed": check_saved_as_deepspeed}
 CASES = tuple(f"zero{stage}_{precision}" for precision in ("fp32", "bf16") for stage in range(4))
+PIPE_CASE = "pipe2_zero1_fp32"
+MOE_CASE = "moe_ep2_zero1_fp32"
 
 
 def test_deepspeed_checkpoints_at_world_2() -> None:
     family = [("load", {"case": case, "stage": int(case[4])}) for case in CASES]
     family.append(("load", {"case": "zero3_fp32", "stage": 1}))
+    family += [("pipe_load", {"case": PIPE_CASE, "stage": stage}) for stage in (1, 3)]
+    family += [("moe_load", {"case": MOE_CASE, "stage": stage, "ep_size": ep}) for stage, ep in ((1, 2), (2, 1))]
     with tempfile.TemporaryDirectory() as tmp:
         crafted = Path(tmp) / "crafted"
         make_crafted(crafted)
@@ -223,6 +346,15 @@ def test_deepspeed_checkpoints_at_world_3_other_stages() -> None:
     family = [("load", {"case": case, "stage": stage}) for case, stage in (
         ("zero0_fp32", 2), ("zero0_bf16", 3), ("zero1_fp32", 3), ("zero2_fp32", 2), ("zero3_fp32", 2), ("zero2_bf16", 3), ("zero3_bf16", 1))]
     check_family(family, run_family(3, family, WORKERS), CHECKS, world=3)
+
+
+@pytest.mark.slow
+def test_deepspeed_pipeline_and_moe_checkpoints_at_world_4() -> None:
+    """The pipeline fixture (2 stages x 1) at 2 stages x 2 data-parallel ranks, ZeRO 2; the MoE fixture
+    (world 2, ep_size 2) at world 4, ep_size 2 (each expert on 2 ranks), ZeRO 1."""
+    family = [("pipe_load", {"case": PIPE_CASE, "stage": 2}),
+              ("moe_load", {"case": MOE_CASE, "stage": 1, "ep_size": 2})]
+    check_family(family, run_family(4, family, WORKERS), CHECKS, world=4)
 
 
 @pytest.mark.slow

@@ -131,15 +131,39 @@ def test_stage0_state_given_to_another_list_of_parameters_is_refused() -> None:
         merge_stage0(model["module"], model["buffer_names"], shifted, "here")
 
 
-@pytest.mark.parametrize("what", ["layer_01-model_states.pt", "expp_rank_0_mp_rank_00_expert_0_model_states.pt"])
-def test_layouts_not_read_yet_are_refused_by_name(tmp_path: Path, what: str) -> None:
+@pytest.mark.parametrize("what", ["layer_01-model_states.pt", "expp_rank_0_mp_rank_00_expert_0_model_states.pt",
+                                  "layer_0_expert_0_mp_rank_00_model_states.pt"])
+def test_layouts_not_read_are_refused_by_name(tmp_path: Path, what: str) -> None:
+    """Pipeline layer files or MoE expert files beside a model file of neither."""
     shutil.copytree(FIXTURES / "zero1_fp32" / "checkpoint", tmp_path / "checkpoint")
     target = tmp_path / "checkpoint" / "step3" / what
     target.write_bytes(b"")
     directory = deepspeed_directory(tmp_path / "checkpoint", None)
     assert directory is not None
-    with pytest.raises(Exception, match="not read yet"):
+    with pytest.raises(Exception, match="records no (pipeline|MoE layers).*not read|expert files .* not read"):
         DeepSpeedReader(directory)
+
+
+@pytest.mark.parametrize("case, odd", [("pipe2_zero1_fp32", "layer_01-model_01-model_states.pt"),
+                                       ("moe_ep2_zero1_fp32", "expert_1_mp_rank_00_model_states.pt")])
+def test_pipeline_and_moe_checkpoints_read_whole(tmp_path: Path, case: str, odd: str) -> None:
+    """DeepSpeed's pipeline (2 stages) and MoE (2 experts at ep_size 2) fixtures read as one model under
+    global names: in fp32 each master equals the weight DeepSpeed's layer or expert file holds, the
+    moments are whole, each stage or expert-parallel position has its own group; a tensor-parallel layer
+    file or an expert file of another naming is refused by name."""
+    ds = DeepSpeedReader(deepspeed_directory(FIXTURES / case / "checkpoint", None))
+    files = ds.layers or {**ds.model["module"], **ds.experts}
+    assert sorted(ds.param_names()) == sorted(files) and ds.stage == 1 and ds.world_size == (1 if ds.layers else 2)
+    for name in ds.param_names():
+        assert torch.equal(ds.tensor(name), files[name]), name
+        assert ds.read(name, "optim.exp_avg_sq").numel() == files[name].numel()
+    groups = {ds.bucket_of(n) for n in ds.param_names()}
+    assert groups == set(range(len(ds.whole.scalars))) and len(groups) == (2 if ds.layers else 3)
+    assert ds.data["engine"]["global_steps"] == 3 and ds.data["lr_scheduler"] == {"last_batch_iteration": 2}
+    shutil.copytree(FIXTURES / case / "checkpoint", tmp_path / "checkpoint")
+    (tmp_path / "checkpoint" / "step3" / odd).write_bytes(b"")
+    with pytest.raises(Exception, match="not read"):
+        DeepSpeedReader(deepspeed_directory(tmp_path / "checkpoint", None))
 
 
 def test_a_step_kept_per_group_is_read(tmp_path: Path) -> None:

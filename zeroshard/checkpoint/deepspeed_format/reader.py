@@ -8,11 +8,12 @@ world size and stage exactly as it does zeroshard's own checkpoints.  This costs
 optimizer state in host memory for the length of the load; ``zeroshard convert`` turns the checkpoint
 into zeroshard's format once, whose loads read only each rank's share.
 
-What is read: ZeRO stages 0-3 of one data-parallel group (no tensor or pipeline parallelism), fp32 and
-bf16 (``bf16_`` optimizer files), with Adam-family moments, and universal checkpoint folders
-(universal_read.py); the counters, the LR scheduler's state and the client state as DeepSpeed's
-``load_checkpoint`` returns it; the model's buffers and frozen parameters.  Everything else (tensor-
-and pipeline-parallel files, MoE expert files) is refused by name.
+What is read: ZeRO stages 0-3 of one data-parallel group (no tensor parallelism), fp32 and bf16
+(``bf16_`` optimizer files), with Adam-family moments, universal checkpoint folders (universal_read.py)
+and a pipeline engine's checkpoint at ZeRO 1-2 (pipeline_read.py); the counters, the LR scheduler's
+state and the client state as DeepSpeed's ``load_checkpoint`` returns it; the model's buffers and
+frozen parameters; MoE expert files at ZeRO 1-2 (moe_read.py).  Everything else (tensor-parallel
+files, experts in a pipeline) is refused by name.
 
 [Note: frozen parameters in a DeepSpeed checkpoint]
 At stages 0-2 DeepSpeed's model file holds the whole module: its buffers, its frozen parameters and
@@ -31,6 +32,8 @@ import torch
 
 from ..format import LATEST, MANIFEST, CheckpointError
 from .partitions import MOMENTS, WholeState, merge_stage0, merge_stage3, merge_stage12
+from .moe_read import expert_states, has_experts, merge_moe
+from .pipeline_read import layer_states, pipeline_degree, read_pipeline
 from .universal_read import LATEST_UNIVERSAL, is_universal, read_universal
 from .unpickle import load_deepspeed_file
 
@@ -82,7 +85,18 @@ class DeepSpeedReader:
         bf16 = (self.directory / optimizer_file(0, True)).is_file()
         where = str(self.directory)
         self.whole: WholeState
-        if is_universal(self.directory):  # one folder per parameter (ds_to_universal)
+        #: a pipeline's layer files, by global name (see [Note: DeepSpeed's pipeline checkpoint] in
+        #: checkpoint/deepspeed_format/pipeline_read.py); empty without a pipeline
+        self.layers: dict[str, torch.Tensor] = {}
+        #: the experts of MoE layers, by global name (see [Note: DeepSpeed's MoE checkpoint] in
+        #: checkpoint/deepspeed_format/moe_read.py); empty without experts
+        self.experts: dict[str, torch.Tensor] = {}
+        self._buffer_names = list(self.model.get("buffer_names") or [])
+        if pipeline_degree(self.model) > 1:
+            self.whole, rank0, bf16, self._buffer_names = read_pipeline(self.directory, pipeline_degree(self.model))
+            self.stage = int(rank0["zero_stage"])
+            self.layers = layer_states(self.directory)
+        elif is_universal(self.directory):  # one folder per parameter (ds_to_universal)
             groups = [dict(g) for g in self.model["param_shapes"]]
             self.whole, rank0 = read_universal(self.directory, groups)
             self.stage = int(rank0["zero_stage"])
@@ -99,13 +113,20 @@ class DeepSpeedReader:
                      for r in range(world)]
             self.stage = int(ranks[0]["zero_stage"])
             groups = [dict(g) for g in self.model["param_shapes"]]
-            self.whole = merge_stage3({k: v for g in groups for k, v in g.items()}, ranks, where) \
-                if self.stage == 3 else merge_stage12(groups, ranks, where)
+            if has_experts(self.directory) and self.stage in (1, 2):
+                self.whole = merge_moe(self.model, ranks, where)
+                self.experts = expert_states(self.directory)
+            else:
+                self.whole = merge_stage3({k: v for g in groups for k, v in g.items()}, ranks, where) \
+                    if self.stage == 3 else merge_stage12(groups, ranks, where)
             rank0 = ranks[0]
         else:
             raise CheckpointError(f"{self.directory}: a DeepSpeed checkpoint with neither ZeRO optimizer files "
                                   f"(*zero_pp_rank_0_mp_rank_00_optim_states.pt) nor an optimizer in its model file "
                                   f"(saved without an optimizer, or with load_optimizer_states only): not read")
+        if has_experts(self.directory) and not self.experts:
+            raise CheckpointError(f"{self.directory}: DeepSpeed MoE expert files are read at ZeRO 1-2 only (this "
+                                  f"checkpoint: ZeRO {self.stage}{', universal' if is_universal(self.directory) else ''})")
         self.world_size = world
         self.bf16 = bf16
         self._param_groups = self._hyperparameters(rank0)
@@ -121,13 +142,15 @@ class DeepSpeedReader:
 
     def _refuse_unread(self, path: Path) -> None:
         dims = self.model.get("checkpoint_parallel_dimensions") or {}
-        if int(self.model.get("mp_world_size", 1)) != 1 or int(dims.get("tp_degree", 1)) != 1 \
-                or int(dims.get("pp_degree", 1)) != 1:
-            raise CheckpointError(f"{path}: a DeepSpeed checkpoint of a tensor- or pipeline-parallel job "
+        stages = pipeline_degree(self.model)
+        if int(self.model.get("mp_world_size", 1)) != stages or int(dims.get("tp_degree", 1)) != 1:
+            raise CheckpointError(f"{path}: a DeepSpeed checkpoint of a tensor-parallel job "
                                   f"(mp_world_size {self.model.get('mp_world_size')}, {dims}): not read yet")
-        if any(self.directory.glob("layer_*-model_states.pt")) or any(self.directory.glob("*expert_*")):
-            raise CheckpointError(f"{self.directory}: DeepSpeed pipeline layer files or MoE expert files are not "
-                                  f"read yet")
+        if stages == 1 and any(self.directory.glob("layer_*-model_states.pt")):
+            raise CheckpointError(f"{self.directory}: DeepSpeed pipeline layer files beside a model file that "
+                                  f"records no pipeline (checkpoint_parallel_dimensions): not read")
+        if stages > 1 and has_experts(self.directory):
+            raise CheckpointError(f"{self.directory}: DeepSpeed MoE expert files of a pipeline are not read yet")
 
     @staticmethod
     def _groups(rank0: dict[str, Any]) -> list[dict[str, Any]]:
@@ -168,8 +191,9 @@ class DeepSpeedReader:
         module = self.model.get("module") or {}
         trainable_of = {k: k for k in self.param_names()}
         trainable_of.update({k: v for k, v in (self.model.get("shared_params") or {}).items() if v in trainable_of})
-        return {"state_dict_keys": list(module) or list(trainable_of), "trainable_of": trainable_of,
-                "buffer_names": list(self.model.get("buffer_names") or []), "hf_config": None,
+        keys = (list(module) + list(self.experts)) or list(self.layers) or list(trainable_of)
+        return {"state_dict_keys": keys, "trainable_of": trainable_of,
+                "buffer_names": list(self._buffer_names), "hf_config": None,
                 "class": "DeepSpeed checkpoint", "peft_config": None}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -231,8 +255,11 @@ class DeepSpeedReader:
         in a DeepSpeed checkpoint])."""
         module = self.model.get("module") or {}
         shared = set(self.model.get("shared_params") or {})
+        if self.layers:
+            return {k: v for k, v in self.layers.items() if k not in self.whole.shapes}
         if self.stage < 3:
-            return {k: v for k, v in module.items() if k not in self.whole.shapes and k not in shared}
+            every = {**module, **self.experts}
+            return {k: v for k, v in every.items() if k not in self.whole.shapes and k not in shared}
         out = {name: module[name] for name in self.model.get("buffer_names") or [] if name in module}
         shapes = self.model.get("frozen_param_shapes") or {}
         if shapes:
