@@ -11,6 +11,15 @@ newer DeepSpeed that leaves the key out would clip there and not here, so ``init
 per process when a config leaves out a key whose default moved, with the value to write for DeepSpeed's
 newer behaviour.  Configs that set the key (Hugging Face's ``"auto"``, which the Trainer fills, and
 Lightning's, which always writes it) hear nothing.
+
+[Note: defaults that differ from DeepSpeed's]
+Every other default is the reported release's, as DeepSpeed computes it from a config that leaves the
+key out (tests/unit/test_deepspeed_defaults.py sets the schema beside DeepSpeed's values as read by
+tests/fixtures/deepspeed/read_defaults.py).  :data:`DIFFERENT_DEFAULTS` lists the keys whose default
+differs on purpose, each with its reason; none changes what a step computes (``overlap_comm`` changes
+when communication runs, not what it sums), so none is announced.  :data:`QUIET_MOVES` lists keys whose
+default a later DeepSpeed moved where zeroshard keeps the reported release's without a word, for the
+same reason; a moved default that changes training belongs in :data:`MOVED_DEFAULTS` instead.
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ from typing import Any, Mapping, NamedTuple
 
 from ..logging import log_rank
 
-__all__ = ["MOVED_DEFAULTS", "MovedDefault", "announce_kept_defaults"]
+__all__ = ["DIFFERENT_DEFAULTS", "MOVED_DEFAULTS", "MovedDefault", "QUIET_MOVES", "announce_kept_defaults"]
 
 
 class MovedDefault(NamedTuple):
@@ -32,6 +41,30 @@ class MovedDefault(NamedTuple):
 #: top-level keys whose DeepSpeed default moved after the release zeroshard reports
 MOVED_DEFAULTS: dict[str, MovedDefault] = {
     "gradient_clipping": MovedDefault(0.0, 1.0, "0.19.3", "gradients are not clipped"),
+}
+
+#: key paths whose default differs from the reported release's on purpose, with the reason
+DIFFERENT_DEFAULTS: dict[str, str] = {
+    "zero_optimization.overlap_comm":
+        "on at every stage, where DeepSpeed turns it on at stage 3 only ([Note: defaults] in config/schema.py)",
+    "steps_per_print":
+        "10, as DeepSpeed's configuration documentation gives it; DeepSpeed's code reads null (no progress "
+        "log); logging only",
+    "zero_optimization.offload_optimizer.nvme_path":
+        "`/local_nvme`, as DeepSpeed's configuration documentation gives it; DeepSpeed's code leaves it unset",
+    "zero_optimization.offload_param.nvme_path":
+        "`/local_nvme`, as DeepSpeed's configuration documentation gives it; DeepSpeed's code leaves it unset",
+    "pipeline.stages": "unset means the `PipelineModule`'s own value, which a set key must equal",
+    "pipeline.partition": "unset means the `PipelineModule`'s own value, which a set key must equal",
+    "pipeline.seed_layers": "unset means the `PipelineModule`'s own value, which a set key must equal",
+    "pipeline.activation_checkpoint_interval": "unset means the `PipelineModule`'s own value, which a set key must "
+                                               "equal",
+}
+
+#: key paths whose default a later DeepSpeed moved, kept at the reported release's without a word, with the reason
+QUIET_MOVES: dict[str, str] = {
+    "zero_optimization.offload_optimizer.pin_memory": "page-locking changes copy speed on CUDA, not results",
+    "zero_optimization.offload_param.pin_memory": "page-locking changes copy speed on CUDA, not results",
 }
 
 _ANNOUNCED: set[str] = set()

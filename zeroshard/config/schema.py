@@ -406,9 +406,9 @@ class TensorboardConfig:
     """``tensorboard``: DeepSpeed's block; the per-step metrics also go to TensorBoard."""
 
     enabled: bool = key(False, "Also write the metrics to TensorBoard (needs the `tensorboard` package).")
-    output_path: str = key("runs/tensorboard", "Directory of the TensorBoard event files, which go to "
-                                               "`output_path/job_name`.")
-    job_name: str = key("zeroshard", "Run name: the subdirectory of `output_path` the event files go to.")
+    output_path: str = key("", "Directory of the TensorBoard event files, which go to `output_path/job_name` "
+                               "(empty: the working directory).")
+    job_name: str = key("DeepSpeedJobName", "Run name: the subdirectory of `output_path` the event files go to.")
 
 
 @dataclass(frozen=True)

@@ -119,7 +119,7 @@ class EngineMetrics:
         tb, csv, main = config.tensorboard, config.csv_monitor, world.is_main
         self._writer = MetricsWriter(
             config.metrics_path if main else None,
-            f"{tb.output_path}/{tb.job_name}" if tb.enabled and main else None,
+            str(Path(tb.output_path or ".") / tb.job_name) if tb.enabled and main else None,
             str(Path(csv.output_path or ".") / csv.job_name) if csv.enabled and main else None)
 
     def log_progress(self, readings: StepReadings) -> None:
