@@ -9,9 +9,10 @@ written in Markdown for a reader of that page; ``default_text`` says how the tab
 that the plain value would misrepresent (a derived batch size, a dtype that follows the training one).
 
 [Note: defaults]
-Defaults are DeepSpeed's, as its configuration documentation gives them
-(https://www.deepspeed.ai/docs/config-json/), with one deliberate exception:
-``zero_optimization.overlap_comm`` defaults to true at every stage.  DeepSpeed turns it on only at
+Defaults are DeepSpeed's, as the release zeroshard reports computes them from a config that leaves the
+key out; the few that differ on purpose are listed with their reasons in kept_defaults.py ([Note:
+defaults that differ from DeepSpeed's] in zeroshard/config/kept_defaults.py).  The one that changes how
+the engine runs: ``zero_optimization.overlap_comm`` defaults to true at every stage.  DeepSpeed turns it on only at
 stage 3, but in zeroshard overlapping costs no extra memory at stages 0-1 and only the buckets in
 flight at stage 2, and without it the engine could not keep up with ``DistributedDataParallel``.
 """
@@ -76,14 +77,15 @@ class FP16Config:
     """``fp16``: compute in float16 with loss scaling; fp32 master weights and optimizer state.
 
     [Note: one set of loss-scaling defaults]
-    DeepSpeed starts dynamic scaling at 2**32 when the block names none of the dynamic-scaling keys
-    and at 2**16 when it names any of them.  zeroshard has one default, 2**16, whatever is written.
+    Dynamic scaling starts at 2**initial_scale_power, 2**16 by default, whatever else the block names,
+    as in the DeepSpeed release zeroshard reports; older DeepSpeed releases started at 2**32 when the
+    block named none of the dynamic-scaling keys.
     """
 
     enabled: bool = key(False, "Train in float16 with dynamic (or static) loss scaling and fp32 master weights "
                                "(not together with `bf16`).")
     loss_scale: float = key(0.0, "0: dynamic loss scaling; a value > 0: that static scale.", non_negative)
-    initial_scale_power: int = key(16, "Dynamic scaling starts at 2^this (always; no 2^32 special case).",
+    initial_scale_power: int = key(16, "Dynamic scaling starts at 2^this.",
                                    lambda v: None if 0 <= v <= 64 else "an integer from 0 to 64")
     loss_scale_window: int = key(1000, "Double the scale after this many consecutive steps without overflow.",
                                  positive)
