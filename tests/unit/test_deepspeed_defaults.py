@@ -26,7 +26,9 @@ LATER = "0.19.8"  # the newest release read, for defaults moved after the report
 
 
 def deepspeed_defaults(version: str) -> dict[str, Any]:
-    data = json.loads((FIXTURES / f"defaults_{version}.json").read_text())
+    path = FIXTURES / f"defaults_{version}.json"
+    assert path.exists(), f"no {path.name}: run tests/fixtures/deepspeed/read_defaults.py with DeepSpeed {version}"
+    data = json.loads(path.read_text())
     assert data["deepspeed_version"] == version
     return data["defaults"]
 
