@@ -22,7 +22,8 @@ rank), the bytes each rank sent inside its node and across nodes per step (zeros
 scale model's prediction of the bytes across nodes (``zeroshard.planning.scale_model.traffic_per_step``,
 given the engine's padded bucket sizes and the quantisation) and of the time they take on the link
 (``Cluster.seconds`` with the link's bandwidth shared by a node's two ranks), model-state bytes and hpZ's
-secondary partition per rank (``memory_breakdown()``), and peak RSS.
+secondary partition per rank (``memory_breakdown()``), and peak RSS; the table's speed-up is the first
+configuration's step time over each one's.
 """
 
 from __future__ import annotations
