@@ -1,5 +1,7 @@
 """Sharded checkpoints: exact resume, resharding across world sizes and stages, faults, offline tools."""
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -16,6 +18,7 @@ from zs_common import TINY, make_model, rank_micro_batches, zero_config
 
 import zeroshard
 from zeroshard.checkpoint import CheckpointError, CheckpointReader, consolidate
+from zeroshard.tools.cli import main as cli_main
 from zeroshard.tools.demo.model import GPT
 from zeroshard.tools.testing import CaseFailures, WorldFailed, case, run_named_cases, run_world
 
@@ -587,18 +590,23 @@ def test_consolidate_gives_an_ordinary_state_dict(saved, tmp_path: Path) -> None
     assert torch.equal(sixteen["head.weight"], state["head.weight"].to(torch.bfloat16))
 
 
+def cli(*args: str) -> tuple[int, str, str]:
+    """`zeroshard <args>` through the command's entry point in this process: (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli_main(list(args))
+    return code, out.getvalue(), err.getvalue()
+
+
 def test_cli_ckpt_info_and_consolidate(saved, tmp_path: Path) -> None:
     directory = saved[0]
-    info = subprocess.run([sys.executable, "-m", "zeroshard.tools.cli", "ckpt-info", str(directory)],
-                          capture_output=True, text=True, check=True).stdout
-    assert "saved by     world size 3, ZeRO stage 3" in info and "checksums verified" in info
+    code, info, _ = cli("ckpt-info", str(directory))
+    assert code == 0 and "saved by     world size 3, ZeRO stage 3" in info and "checksums verified" in info
     out = tmp_path / "o.safetensors"
-    done = subprocess.run([sys.executable, "-m", "zeroshard.tools.cli", "consolidate", str(directory), str(out),
-                           "--tag", "t"], capture_output=True, text=True, check=True).stdout
-    assert "wrote" in done and out.is_file()
-    bad = subprocess.run([sys.executable, "-m", "zeroshard.tools.cli", "ckpt-info", str(tmp_path / "nothing")],
-                         capture_output=True, text=True)
-    assert bad.returncode == 2 and "no manifest" in bad.stderr
+    code, done, _ = cli("consolidate", str(directory), str(out), "--tag", "t")
+    assert code == 0 and "wrote" in done and out.is_file()
+    code, _, bad = cli("ckpt-info", str(tmp_path / "nothing"))
+    assert code == 2 and "no manifest" in bad
 
 
 class Tower(torch.nn.Module):

@@ -1,7 +1,7 @@
 """Elastic fault tolerance: `zeroshard run --max-restarts` + `checkpoint.auto_resume` survives a rank
 killed with SIGKILL at any step, and the run finishes bitwise equal to one that was never interrupted.
 
-Each try kills a random rank at a random step (seeded, so a failure can be replayed), three tries in a
+Each try kills a random rank at a random step (seeded, so a failure can be replayed), two tries in a
 row: the restarted group must come up every time (see [Note: restarts need a fresh store]).
 """
 
@@ -26,13 +26,13 @@ def launch(out: Path, victim: int, kill_at: int, restarts: int) -> subprocess.Co
 
 
 @pytest.mark.nightly  # a sweep: CI runs it in its second step (see conftest.py)
-def test_a_rank_killed_at_a_random_step_resumes_bitwise_three_times_in_a_row(tmp_path: Path) -> None:
+def test_a_rank_killed_at_a_random_step_resumes_bitwise_twice_in_a_row(tmp_path: Path) -> None:
     reference = launch(tmp_path / "reference", victim=0, kill_at=-1, restarts=0)
     assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
     expected = torch.load(tmp_path / "reference" / "final.pt")
     assert expected["attempt"] == 0 and expected["steps"] == STEPS
     rng = random.Random(2026)
-    for attempt in range(3):
+    for attempt in range(2):
         victim, kill_at = rng.randrange(2), rng.randrange(1, STEPS)
         out = tmp_path / f"try{attempt}"
         proc = launch(out, victim, kill_at, restarts=2)

@@ -1,6 +1,8 @@
 """The main job under torchrun, end to end: `zeroshard demo` launches 2 ranks that train and report; the
 command's flags have their effect."""
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -13,7 +15,7 @@ from zs_common import make_model, rank_micro_batches, zero_config
 import zeroshard
 from safetensors import safe_open
 
-from zeroshard.tools.cli import build_parser
+from zeroshard.tools.cli import build_parser, main
 from zeroshard.tools.testing import run_world
 
 
@@ -68,10 +70,13 @@ def two_tags_worker(rank: int, world: int, directory: str) -> list[dict]:
 
 
 def cli(*args: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "zeroshard.tools.cli", *args], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout
+    """The command's own entry point in this process (what `zeroshard <args>` runs, without a new
+    interpreter importing torch); its standard output."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(list(args))
+    assert code == 0, out.getvalue()
+    return out.getvalue()
 
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)

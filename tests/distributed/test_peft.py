@@ -128,8 +128,7 @@ def held_storage(engine: Any) -> dict[str, int]:
 Case = tuple[str, int, int, str, bool]
 #: (kind, stage, world, precision, pretrained), all extended
 CASES: list[Case] = [
-    ("llama", 3, 2, "fp32", False),
-    ("llama", 3, 2, "fp32", True),  # the whole path: from_pretrained under Init, LoRA, export
+    ("llama", 3, 2, "fp32", True),  # the whole path: from_pretrained under Init, LoRA, export
     ("llama", 0, 2, "fp32", False), ("llama", 3, 2, "bf16", False),
     ("llama", 2, 2, "fp32", False), ("gpt2", 3, 2, "fp32", False),
     ("llama", 1, 2, "fp32", False),
