@@ -21,7 +21,7 @@ import torch
 
 from ...distributed.collectives import Collectives, PendingCollective
 
-__all__ = ["CompressedGathers"]
+__all__ = ["CompressedGathers", "packed_all_gather"]
 
 
 class CompressedGathers(Protocol):
@@ -43,3 +43,24 @@ class CompressedGathers(Protocol):
         """Pack ``own`` (this rank's exact chunk) and start the all-gather; returns it in flight and what to
         run once it is done: unpack into ``into`` (the full buffer), or nothing without it (a rank that joins
         the others' gather)."""
+
+
+def packed_all_gather(comm: Collectives, packed: torch.Tensor, world_size: int, label: str,
+                      unpack_chunk: Optional[Callable[[int, torch.Tensor], None]]
+                      ) -> tuple[PendingCollective, Callable[[], None]]:
+    """Start the all-gather of every rank's packed chunk (``packed``: this rank's, 1D uint8, the same size on
+    every rank); returns it in flight and what to run once it is done: ``unpack_chunk(rank, chunk)`` for
+    each rank's chunk, or nothing without it."""
+    size = packed.numel()
+    gathered = torch.empty(size * world_size, dtype=torch.uint8, device=packed.device)
+    pending = comm.all_gather(gathered, packed, label, async_op=True)
+    kept = [packed]
+
+    def finish() -> None:
+        del kept[:]  # ``packed`` held until the gather is done: the ring sends from it
+        if unpack_chunk is None:
+            return
+        with torch.no_grad():
+            for rank in range(world_size):
+                unpack_chunk(rank, gathered[rank * size:(rank + 1) * size])
+    return pending, finish

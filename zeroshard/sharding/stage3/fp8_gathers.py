@@ -38,6 +38,7 @@ import torch
 
 from ...distributed.collectives import Collectives, PendingCollective
 from ..layout import BucketLayout
+from .compressed_gathers import packed_all_gather
 
 __all__ = ["Fp8Gathers", "Fp8BucketPlan"]
 
@@ -162,16 +163,10 @@ class Fp8Gathers:
             comm.all_reduce(amax, f"{label}.fp8_amax", op=torch.distributed.ReduceOp.MAX)
             scales = scales_of(amax)
             packed = plan.pack(own, rank, scales)
-            gathered = torch.empty(plan.packed * plan.bucket.world_size, dtype=torch.uint8, device=own.device)
-            pending = comm.all_gather(gathered, packed, f"{label}.fp8", async_op=True)
-        packed_kept = [packed]
 
-        def finish() -> None:  # holds ``packed`` until the gather is done: the ring sends from it
-            del packed_kept[:]
-            if into is None:
-                return
-            with torch.no_grad():
-                for other in range(plan.bucket.world_size):
-                    if other != rank:
-                        plan.unpack(gathered[other * plan.packed:(other + 1) * plan.packed], other, scales, into)
-        return pending, finish
+        def unpack_chunk(other: int, chunk: torch.Tensor) -> None:
+            if other != rank:  # this rank's slot holds its exact chunk already
+                assert into is not None
+                plan.unpack(chunk, other, scales, into)
+        return packed_all_gather(comm, packed, plan.bucket.world_size, f"{label}.fp8",
+                                 unpack_chunk if into is not None else None)

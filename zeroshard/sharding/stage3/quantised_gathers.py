@@ -28,6 +28,7 @@ from ...config import ZeroConfig
 from ...distributed.collectives import Collectives, PendingCollective
 from ...quantize import BlockFormat, pack, packed_bytes, unpack
 from ..layout import BucketLayout, FlatLayout
+from .compressed_gathers import packed_all_gather
 
 __all__ = ["QuantisedGathers", "qwz_gathers"]
 
@@ -56,22 +57,15 @@ class QuantisedGathers:
     def gather(self, comm: Collectives, index: int, rank: int, own: torch.Tensor, label: str,
                into: Optional[torch.Tensor]) -> tuple[PendingCollective, Callable[[], None]]:
         bucket = self.buckets[index]
-        size, shard = self.packed(bucket), bucket.shard_numel
+        shard = bucket.shard_numel
         with torch.no_grad():
             packed = pack(own, self.format)  # 1D uint8: payload, then scales
-            gathered = torch.empty(size * bucket.world_size, dtype=torch.uint8, device=own.device)
-            pending = comm.all_gather(gathered, packed, f"{label}.qwz", async_op=True)
-        packed_kept = [packed]
 
-        def finish() -> None:  # holds ``packed`` until the gather is done: the ring sends from it
-            del packed_kept[:]
-            if into is None:
-                return
-            with torch.no_grad():
-                for other in range(bucket.world_size):
-                    unpack(gathered[other * size:(other + 1) * size], shard, self.format,
-                           into[other * shard:(other + 1) * shard])
-        return pending, finish
+        def unpack_chunk(other: int, chunk: torch.Tensor) -> None:
+            assert into is not None
+            unpack(chunk, shard, self.format, into[other * shard:(other + 1) * shard])
+        return packed_all_gather(comm, packed, bucket.world_size, f"{label}.qwz",
+                                 unpack_chunk if into is not None else None)
 
 
 def qwz_gathers(layout: FlatLayout, persistent: Collection[int], zero: ZeroConfig) -> Optional[QuantisedGathers]:
