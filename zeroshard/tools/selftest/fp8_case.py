@@ -22,12 +22,10 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-import zeroshard
-
 from ...distributed.world import World
 from ..demo.model import GPT
 from .memory import model_state_formula
-from .parity import CLIP, LR, WEIGHT_DECAY, config, max_rel_diff, rank_micro_batches, start_model
+from .parity import CLIP, LR, WEIGHT_DECAY, max_rel_diff, rank_micro_batches, start_model, zeroshard_run
 from .ranks import reduce_values
 
 #: steps of an FP8 case (see [Note: the self-test's FP8 reference])
@@ -95,20 +93,9 @@ def run_fp8_cases(world: World, say: Callable[[str], None] = print) -> list[dict
     num_params = sum(p.numel() for p in start.parameters() if p.requires_grad)
     cases = []
     for stage in STAGES:
-        model = copy.deepcopy(start)
-        engine, _, _, _ = zeroshard.initialize(model=model, config={**config(stage, "fp32", 1), "fp8": fp8_block()})
-        losses = []
-        for step in range(STEPS):
-            (x, y), = rank_micro_batches(step, world.rank, world.world_size, 1, world.device)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(float(loss.detach()))
-        held = float(engine.memory_breakdown()["model_states"])
-        full = engine.full_state_dict(rank0_only=False)
-        engine.close()
-        ours = {n: full[n].to("cpu", torch.float32) for n in reference_state}
-        mean_losses = [v / world.world_size for v in reduce_values(world, losses)]
+        ours, mean_losses, held = zeroshard_run(start, world, stage, "fp32", 1, extra={"fp8": fp8_block()},
+                                                steps=STEPS)
+        ours = {n: v.to("cpu") for n, v in ours.items()}
         cases.append({
             "stage": stage, "precision": "fp32", "fp8": RECIPE, "accumulation": 1, "steps": STEPS,
             "metric": "max_rel_diff", "vs_one_process": max_rel_diff(ours, reference_state), "vs_ddp": None,

@@ -138,14 +138,15 @@ def config(stage: int, precision: str, accumulation: int) -> dict[str, Any]:
     return cfg
 
 
-def zeroshard_run(start: GPT, world: World, stage: int, precision: str, accumulation: int
-                  ) -> tuple[State, list[float], float]:
-    """zeroshard on the same micro batches: the gathered weights, each micro step's loss averaged over the
-    ranks, and the model-state bytes this rank holds."""
+def zeroshard_run(start: GPT, world: World, stage: int, precision: str, accumulation: int,
+                  extra: Optional[dict[str, Any]] = None, steps: int = STEPS) -> tuple[State, list[float], float]:
+    """zeroshard on the same micro batches (``extra``: more config blocks) for ``steps`` steps: the gathered
+    weights, each micro step's loss averaged over the ranks, and the model-state bytes this rank holds."""
     model = copy.deepcopy(start)
-    engine, _, _, _ = zeroshard.initialize(model=model, config=config(stage, precision, accumulation))
+    engine, _, _, _ = zeroshard.initialize(model=model, config={**config(stage, precision, accumulation),
+                                                                **(extra or {})})
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         for x, y in rank_micro_batches(step, world.rank, world.world_size, accumulation, world.device):
             loss = engine(x, y)
             engine.backward(loss)
