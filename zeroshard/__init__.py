@@ -28,8 +28,8 @@ from .sharding.stage3.placeholder import ShardedParameterError
 from .tensor_parallel import tp_model_init
 from .version import __version__
 
-from .deepspeed import (accelerator, checkpointing, comm, git_version_info, moe, ops, pipe, publish_at_root, runtime,
-                        utils, zero)
+from .deepspeed import (accelerator, checkpointing, comm, git_version_info, module_inject, moe, ops, pipe,
+                        publish_at_root, runtime, utils, zero)
 
 from .deepspeed.utils import OnDevice
 
@@ -42,7 +42,7 @@ __git_hash__, __git_branch__ = git_version_info.git_hash, git_version_info.git_b
 __all__ = ["initialize", "Engine", "GatheredParameters", "Init", "init_distributed", "World", "load_config",
            "ZeroshardConfig", "ConfigError", "CollectiveError", "model_state_bytes", "__version__",
            "add_config_arguments", "DeepSpeedEngine", "zero", "comm", "accelerator", "ops", "utils",
-           "checkpointing", "runtime", "moe", "pipe", "git_version_info", "NonFiniteGradientError",
+           "checkpointing", "runtime", "module_inject", "moe", "pipe", "git_version_info", "NonFiniteGradientError",
            "install_as_deepspeed", "OnDevice",
            "load_pretrained", "PretrainedError", "ShardedParameterError", "tp_model_init"]
 

@@ -63,6 +63,11 @@ PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0 = "parameter_with_2_sub_params_cat_dim_0"
 PARAMETER_WITH_SUB_PARAMS = "parameter_with_sub_params"
 SUB_PARAMS_SHAPE = "sub_params_shape"
 
+# AutoTP's entries of universal_checkpoint_info and its per-parameter restore metadata
+AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS = "autotp_unsupported_parameter_patterns"
+SUB_PARAM_SHARD_WIDTHS = "sub_param_shard_widths"
+DS_AUTOTP_UC_META = "ds_autotp_universal_checkpoint_meta"
+
 # the AutoEP entries DeepSpeed's zero_to_fp32.py imports (zeroshard writes no AutoEP checkpoints)
 AUTOEP_LAYERS_KEY = "ds_autoep_layers"
 AUTOEP_LAYERS_KEY_LEGACY = "autoep_layers"

@@ -8,18 +8,75 @@ checkpoint/deepspeed_format/universal.py)::
 (``python -m deepspeed.checkpoint.ds_to_universal`` under ``install_as_deepspeed()``.)  DeepSpeed's
 options for its worker pools and checks (``--num_extract_workers``, ``--num_merge_workers``,
 ``--keep_temp_folder``, ``--no_strict``, ``--inject_missing_state``) are accepted: the conversion runs in
-one process, keeps no temporary folder, and needs no ``universal_checkpoint_info`` in the files.
+one process and needs no ``universal_checkpoint_info`` in the files of one tensor-parallel rank.
+
+A ZeRO-3 checkpoint of an AutoTP job (``zero_pp_rank_<dp>_mp_rank_<tp>`` files, ``tp`` above 0) is
+joined across both its data- and tensor-parallel ranks by its ``universal_checkpoint_info``
+(deepspeed_format/universal_tp.py); ``--keep_temp_folder`` keeps its working folder and ``--no_strict``
+lets patterns that matched no parameter pass.  The private names DeepSpeed's tools and tests reach into
+(``merge_tp_slices``, ``_merge_zero_shards``, ``_group_per_tp_shapes``, ...) are here too, each
+zeroshard's own function.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
+from .constants import OPTIMIZER_STATE_DICT, UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY, \
+    UNIVERSAL_CHECKPOINT_VERSION_VALUE, ZERO_STAGE
+from .deepspeed_format.ds_checkpoint import DeepSpeedCheckpoint
+from .deepspeed_format.fragments import group_per_tp_shapes as _group_per_tp_shapes
+from .deepspeed_format.fragments import merge_zero_shards as _merge_zero_shards
+from .deepspeed_format.tp_layout import check_conversion_support as _validate_autotp_conversion_support
+from .deepspeed_format.tp_merge import merge_tp_slices
 from .deepspeed_format.universal import write_universal
+from .deepspeed_format.universal_tp import rank_grid, write_universal_tp_stage3
+from .deepspeed_format.unpickle import load_deepspeed_file
+from .format import CheckpointError
 
-__all__ = ["parse_arguments", "main"]
+#: with DeepSpeed's private names, which its tools and tests import from this module
+__all__ = ["parse_arguments", "main", "merge_tp_slices", "DeepSpeedCheckpoint", "_group_per_tp_shapes",
+           "_merge_zero_shards", "_validate_autotp_conversion_support"]
+
+
+def _files(folder: str, suffix: str) -> list[str]:
+    """``folder``'s files ending in ``suffix``, in natural order (rank 10 after rank 9)."""
+    def key(path: Path) -> list[Any]:
+        return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path.name)]
+    return [str(p) for p in sorted(Path(folder).glob(f"*{suffix}"), key=key)]
+
+
+def _get_optim_files(checkpoint_dir: str) -> list[str]:
+    return _files(checkpoint_dir, "_optim_states.pt")
+
+
+def _filter_zero3_optim_files(optim_files: Sequence[str]) -> list[str]:
+    return [f for f in optim_files if re.match(r"(?:bf16_)?zero_pp_rank_", Path(f).name)]
+
+
+def _get_zero_stage(optim_files: Sequence[str]) -> int:
+    return int(load_deepspeed_file(Path(optim_files[0]))[OPTIMIZER_STATE_DICT].get(ZERO_STAGE, 1))
+
+
+def _inject_missing_state(checkpoint: DeepSpeedCheckpoint) -> None:
+    """Give a checkpoint without ``universal_checkpoint_info`` an empty one of the current version."""
+    if checkpoint.get_checkpoint_info(UNIVERSAL_CHECKPOINT_INFO) is None:
+        checkpoint.global_state[UNIVERSAL_CHECKPOINT_INFO] = {
+            UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
+
+
+def _check_for_required_state(checkpoint: DeepSpeedCheckpoint) -> None:
+    """Refuse layouts AutoTP marked unconvertible; a checkpoint without the info converts as one
+    tensor-parallel rank."""
+    _validate_autotp_conversion_support(checkpoint.get_checkpoint_info(UNIVERSAL_CHECKPOINT_INFO) or {})
+
+
+def _zero3_model_files(checkpoint_dir: str) -> list[str]:
+    return [f for f in _files(checkpoint_dir, "_model_states.pt")
+            if not (Path(f).name.startswith("layer_") and "_expert_" in Path(f).name)]
 
 
 def parse_arguments(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -38,6 +95,25 @@ def parse_arguments(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(args: argparse.Namespace) -> None:
     """Convert ``args.input_folder`` into ``args.output_folder`` (``latest_universal`` beside it names it)."""
     print(f"Converting DeepSpeed checkpoint in {args.input_folder} to Universal checkpoint in {args.output_folder}")
+    optim_files = _get_optim_files(args.input_folder)
+    zero3_files = _filter_zero3_optim_files(optim_files)
+    stage = _get_zero_stage(zero3_files or optim_files) if optim_files else 0
+    if 0 < stage <= 2:
+        checkpoint = DeepSpeedCheckpoint(args.input_folder)
+        if getattr(args, "inject_missing_state", False):
+            _inject_missing_state(checkpoint)
+        _check_for_required_state(checkpoint)
+        if checkpoint.tp_degree > 1:
+            raise CheckpointError(f"{args.input_folder}: a tensor-parallel checkpoint of ZeRO stage {stage} is not "
+                                  f"converted (AutoTP checkpoints of ZeRO stage 3 are)")
+    if stage == 3 and zero3_files:
+        model_files = _zero3_model_files(args.input_folder)
+        if model_files and rank_grid(model_files)[1] > 1:
+            write_universal_tp_stage3(model_files, zero3_files, Path(args.output_folder),
+                                      strict=getattr(args, "strict", True),
+                                      keep_work_folder=getattr(args, "keep_temp_folder", False))
+            print("*** Done!")
+            return
     write_universal(Path(args.input_folder), Path(args.output_folder))
     print("*** Done!")
 

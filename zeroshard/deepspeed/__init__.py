@@ -24,12 +24,14 @@ from types import ModuleType
 from . import engine_api  # noqa: F401  (registers DeepSpeed's accessors on every engine)
 
 #: DeepSpeed's module paths, relative to ``deepspeed`` (and to ``zeroshard``)
-DEEPSPEED_PATHS = ("accelerator", "checkpointing", "comm", "git_version_info", "moe", "moe.layer", "moe.utils", "ops",
+DEEPSPEED_PATHS = ("accelerator", "checkpointing", "comm", "git_version_info", "module_inject",
+                   "module_inject.tp_shard", "moe", "moe.layer", "moe.utils", "ops",
                    "ops.adam", "ops.op_builder", "pipe", "runtime", "runtime.activation_checkpointing",
                    "runtime.activation_checkpointing.checkpointing",
-                   "runtime.activation_checkpointing.offload_activations", "runtime.config", "runtime.config_utils",
+                   "runtime.activation_checkpointing.offload_activations", "runtime.bf16_optimizer",
+                   "runtime.config", "runtime.config_utils",
                    "runtime.engine", "runtime.fp16", "runtime.fp16.fused_optimizer", "runtime.fp16.loss_scaler",
-                   "runtime.fp16.unfused_optimizer", "runtime.lr_schedules",
+                   "runtime.fp16.unfused_optimizer", "runtime.lr_schedules", "runtime.pipe", "runtime.pipe.topology",
                    "runtime.precision_config", "runtime.sequence_parallel",
                    "runtime.sequence_parallel.parallel_state_sp", "runtime.sequence_parallel.ulysses_sp",
                    "runtime.utils",

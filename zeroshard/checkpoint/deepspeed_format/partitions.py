@@ -55,8 +55,9 @@ def _numel(shape: Sequence[int]) -> int:
     return out
 
 
-def _moments(state: dict[Any, Any], group: int, where: str) -> dict[str, torch.Tensor]:
-    entry = state.get(group)
+def _moments(state: Any, group: int, where: str) -> dict[str, torch.Tensor]:
+    # a dict by group index, as torch saves it; DeepSpeed's converter indexes a list of groups alike
+    entry = state.get(group) if isinstance(state, dict) else (state[group] if group < len(state) else None)
     if entry is None:
         raise CheckpointError(f"{where}: no optimizer state for group {group} (a checkpoint saved before the first "
                               f"step, or of an optimizer without Adam's moments, is not read)")

@@ -73,6 +73,14 @@ class DeepSpeedReader:
     """The ``CheckpointReader`` interface over a DeepSpeed checkpoint directory (see [Note: a DeepSpeed
     checkpoint read whole])."""
 
+    def _ranks_on_disk(self, bf16: bool) -> int:
+        """The data-parallel degree from the optimizer files present, for a model file that does not
+        record it (DeepSpeed's converter takes it from the file names too)."""
+        ranks = 0
+        while (self.directory / optimizer_file(ranks, bf16)).is_file():
+            ranks += 1
+        return max(ranks, 1)
+
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
         model_path = self.directory / MODEL_FILE
@@ -81,8 +89,8 @@ class DeepSpeedReader:
         self._model_path = model_path
         self.model: dict[str, Any] = load_deepspeed_file(model_path)
         self._refuse_unread(model_path)
-        world = int(self.model["dp_world_size"])
         bf16 = (self.directory / optimizer_file(0, True)).is_file()
+        world = int(self.model.get("dp_world_size") or self._ranks_on_disk(bf16))
         where = str(self.directory)
         self.whole: WholeState
         #: a pipeline's layer files, by global name (see [Note: DeepSpeed's pipeline checkpoint] in

@@ -5,7 +5,8 @@ DeepSpeed writes its checkpoints with ``torch.save`` and reads them with ``weigh
 runs whatever the pickle names.  zeroshard reads them with ``torch.load(weights_only=True)``: tensors,
 containers and plain values only, plus the few DeepSpeed classes a checkpoint of ZeRO 0-3 holds, each
 allow-listed under DeepSpeed's own name as a small stand-in defined here (a record of the values, no
-behaviour): the loss scaler, the stage enum and the tensor-fragment address.  Before anything is
+behaviour): the loss scaler, the stage enum and the tensor-fragment address (and a universal folder's
+``SubparamShape``, a plain dataclass of its own, tp_layout.py).  Before anything is
 unpickled, the file's globals are listed from its opcodes (``get_unsafe_globals_in_checkpoint``, which
 executes nothing); a file that names any other global is refused with every such name listed, so a
 crafted file cannot run code, and a file of a newer DeepSpeed that needs another class says which one.
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from ..format import CheckpointError
+from .tp_layout import SubparamShape
 
 
 class DeepSpeedPickleError(CheckpointError):
@@ -65,6 +67,7 @@ STAND_INS: dict[str, Any] = {
     "deepspeed.utils.tensor_fragment.fragment_address": fragment_address,
     "deepspeed.runtime.fp16.loss_scaler.LossScaler": LossScaler,
     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler": DynamicLossScaler,
+    "deepspeed.checkpoint.universal_checkpoint.SubparamShape": SubparamShape,
 }
 
 
