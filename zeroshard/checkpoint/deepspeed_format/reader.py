@@ -151,7 +151,8 @@ class DeepSpeedReader:
     def _refuse_unread(self, path: Path) -> None:
         dims = self.model.get("checkpoint_parallel_dimensions") or {}
         stages = pipeline_degree(self.model)
-        if int(self.model.get("mp_world_size", 1)) != stages or int(dims.get("tp_degree", 1)) != 1:
+        tensor_parallel = int(self.model.get("mp_world_size", 1)) != stages or int(dims.get("tp_degree", 1)) != 1
+        if tensor_parallel and not is_universal(self.directory):  # a universal folder holds them joined
             raise CheckpointError(f"{path}: a DeepSpeed checkpoint of a tensor-parallel job "
                                   f"(mp_world_size {self.model.get('mp_world_size')}, {dims}): not read yet")
         if stages == 1 and any(self.directory.glob("layer_*-model_states.pt")):

@@ -1,5 +1,13 @@
 """Reading DeepSpeed's universal checkpoint folders (see [Note: DeepSpeed's universal layout] in
-checkpoint/deepspeed_format/universal.py)."""
+checkpoint/deepspeed_format/universal.py).
+
+[Note: a universal folder of a tensor-parallel job]
+A universal folder converted from a tensor-parallel checkpoint (universal_tp.py) keeps every rank's
+model file, whose ``param_shapes`` are that rank's slices, while its parameter files hold the joined
+parameters in their whole shape.  Such a folder (a model file of tensor rank 1 beside rank 0's) is read
+with each parameter's shape taken from its ``fp32.pt``: the whole parameters load into an engine of any
+tensor-parallel degree, which cuts them itself.
+"""
 
 from __future__ import annotations
 
@@ -25,6 +33,26 @@ def is_universal(directory: Path) -> bool:
     return (directory / ZERO_FOLDER / OPTIMIZER_STATE_FILE).is_file()
 
 
+def _is_tensor_parallel(directory: Path) -> bool:
+    return any(directory.glob("*mp_rank_01_model_states.pt"))
+
+
+def _whole_shapes(zero: Path, groups: list[dict[str, torch.Size]]) -> list[dict[str, torch.Size]]:
+    """Each parameter's whole shape from its joined ``fp32.pt`` (see [Note: a universal folder of a
+    tensor-parallel job])."""
+    out = []
+    for shapes in groups:
+        whole = {}
+        for name in shapes:
+            value = load_deepspeed_file(zero / name / "fp32.pt")
+            tensor = value.get("param") if isinstance(value, dict) else None
+            if not isinstance(tensor, torch.Tensor):
+                raise CheckpointError(f"{zero / name / 'fp32.pt'}: holds no joined tensor-parallel parameter")
+            whole[name] = tensor.shape
+        out.append(whole)
+    return out
+
+
 def _tensor(value: Any, path: Path) -> torch.Tensor:
     tensor = value.get("param") if isinstance(value, dict) else value
     if not isinstance(tensor, torch.Tensor):
@@ -38,6 +66,8 @@ def read_universal(directory: Path, groups: list[dict[str, torch.Size]]) -> tupl
     checkpoint/deepspeed_format/universal.py)."""
     zero = directory / ZERO_FOLDER
     optimizer: dict[str, Any] = load_deepspeed_file(zero / OPTIMIZER_STATE_FILE)
+    if _is_tensor_parallel(directory):
+        groups = _whole_shapes(zero, groups)
     whole = WholeState({k: v for g in groups for k, v in g.items()})
     torch_state = (optimizer.get("optimizer_state_dict") or {}).get("state") or {}
     for g, shapes in enumerate(groups):
