@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 import types
+from pathlib import Path
 from typing import Any, Iterable, Optional
 
 import torch
@@ -28,6 +29,7 @@ from ..constants import (CAT_DIM, DS_AUTOTP_UC_META, FP32_WEIGHT_KEY, PARAM, PAR
                          UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY, VOCAB_TENSOR)
 from ..format import CheckpointError
 from .tp_layout import TpLayoutError, even_or_recorded_widths
+from .unpickle import load_deepspeed_file
 
 __all__ = ["restore_meta", "autotp_slice", "load_hp_checkpoint_state", "enable_universal_checkpoint", "UniversalInfoCache"]
 
@@ -127,7 +129,7 @@ def load_hp_checkpoint_state(self: Any, folder: str, tp_rank: int, tp_world_size
     mapping.optim_fragment = {}
     step = None
     for key in _state_keys(folder):
-        entry = torch.load(os.path.join(folder, f"{key}.pt"), weights_only=False)
+        entry = load_deepspeed_file(Path(folder) / f"{key}.pt")  # read as data, never run
         if key == "step":
             step = entry
             continue
