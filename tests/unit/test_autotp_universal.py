@@ -15,7 +15,7 @@ import torch
 from zeroshard.checkpoint import constants as C
 from zeroshard.checkpoint.deepspeed_format import DeepSpeedReader
 from zeroshard.checkpoint.deepspeed_format.fragments import dump_fragment, group_per_tp_shapes, merge_zero_shards
-from zeroshard.checkpoint.deepspeed_format.pickler import save_deepspeed_file
+from zeroshard.checkpoint.deepspeed_format.pickler import save_deepspeed_file, stand_in
 from zeroshard.checkpoint.deepspeed_format.tp_layout import SubparamShape, TpConversionUnsupported, TpLayoutError
 from zeroshard.checkpoint.deepspeed_format.tp_merge import merge_tp_slices
 from zeroshard.checkpoint.deepspeed_format.tp_restore import autotp_slice, load_hp_checkpoint_state
@@ -114,6 +114,52 @@ def test_a_zero3_autotp_checkpoint_converts_and_reads_whole(tmp_path: Path) -> N
     assert not (out / "tmp").exists() and (tmp_path / "latest_universal").read_text() == "universal"
     reader = DeepSpeedReader(out)  # the joined parameters, whole, for an engine of any tensor degree
     assert reader.stage == 3 and torch.equal(reader.read("fc.weight", "param"), torch.arange(20.))
+
+
+def _stage1(tmp_path: Path) -> Path:
+    """A ZeRO-1 checkpoint of tp 2 x dp 2: an uneven column split (5 rows: 3 + 2), a row-parallel weight
+    (5 columns: 3 + 2) and a replicated norm, each rank's fragments placed by its param_slice_mappings."""
+    folder = tmp_path / "ckpt1"
+    folder.mkdir()
+    fc, proj, norm = torch.arange(20.).view(5, 4), torch.arange(20.).view(4, 5) + 100, torch.tensor([1., 2., 3.])
+    for tp, (rows, cols) in enumerate(((slice(0, 3), slice(0, 3)), (slice(3, 5), slice(3, 5)))):
+        params = {"fc.weight": fc[rows], "proj.weight": proj[:, cols], "ln.weight": norm}
+        flat = torch.cat([t.reshape(-1) for t in params.values()])
+        per_rank = -(-flat.numel() // 2)
+        model = {C.PARAM_SHAPES: [{k: v.shape for k, v in params.items()}], "mp_world_size": 2,
+                 "module": params, C.UNIVERSAL_CHECKPOINT_INFO: {
+                     C.UNIVERSAL_CHECKPOINT_VERSION_KEY: 0.4, C.TP_REPLICATED_PARAMETER_PATTERNS: [r"^ln\.weight$"],
+                     C.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [r"^proj\.weight$"]}}
+        save_deepspeed_file(model, folder / f"mp_rank_{tp:02d}_model_states.pt")
+        for dp in range(2):
+            lo, hi = dp * per_rank, (dp + 1) * per_rank
+            partition = torch.nn.functional.pad(flat[lo:hi], (0, hi - min(hi, flat.numel())))
+            mappings, offset = {}, 0
+            for name, t in params.items():
+                start, end = max(offset, lo), min(offset + t.numel(), hi)
+                if start < end:
+                    mappings[name] = stand_in("deepspeed.utils.tensor_fragment.fragment_address",
+                                              start=start - lo, numel=end - start)
+                offset += t.numel()
+            optim = {C.ZERO_STAGE: 1, C.PARAM_SLICE_MAPPINGS: [mappings], C.SINGLE_PARTITION_OF_FP32_GROUPS: [partition],
+                     C.BASE_OPTIMIZER_STATE: {"state": {0: {"exp_avg": partition * 10, "exp_avg_sq": partition,
+                                                            "step": torch.tensor(3.)}},
+                                              C.PARAM_GROUPS: [{"lr": 0.1, "params": [0]}]}}
+            save_deepspeed_file({C.OPTIMIZER_STATE_DICT: optim}, folder / f"zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.pt")
+    return folder
+
+
+def test_a_zero1_autotp_checkpoint_converts(tmp_path: Path) -> None:
+    out = tmp_path / "universal1"
+    main(SimpleNamespace(input_folder=str(_stage1(tmp_path)), output_folder=str(out), strict=True,
+                         keep_temp_folder=False))
+    zero = out / "zero"
+    fc, proj = load_deepspeed_file(zero / "fc.weight" / "exp_avg.pt"), load_deepspeed_file(zero / "proj.weight" / "fp32.pt")
+    assert fc[C.CAT_DIM] == 0 and torch.equal(fc[C.PARAM], torch.arange(20.).view(5, 4) * 10)
+    assert proj[C.CAT_DIM] == 1 and torch.equal(proj[C.PARAM], torch.arange(20.).view(4, 5) + 100)
+    assert torch.equal(load_deepspeed_file(zero / "ln.weight" / "fp32.pt")[C.PARAM], torch.tensor([1., 2., 3.]))
+    assert load_deepspeed_file(zero / "fc.weight" / "step.pt") == 3
+    assert load_deepspeed_file(zero / "optimizer_state.pt")[C.PARAM_GROUPS][0]["lr"] == 0.1
 
 
 def test_load_hp_checkpoint_state_fills_a_parameters_fragment(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ options for its worker pools and checks (``--num_extract_workers``, ``--num_merg
 ``--keep_temp_folder``, ``--no_strict``, ``--inject_missing_state``) are accepted: the conversion runs in
 one process and needs no ``universal_checkpoint_info`` in the files of one tensor-parallel rank.
 
-A ZeRO-3 checkpoint of an AutoTP job (``zero_pp_rank_<dp>_mp_rank_<tp>`` files, ``tp`` above 0) is
+A checkpoint of an AutoTP job (``mp_rank_<tp>`` files, ``tp`` above 0; ZeRO 1-3, one pipeline stage) is
 joined across both its data- and tensor-parallel ranks by its ``universal_checkpoint_info``
 (deepspeed_format/universal_tp.py); ``--keep_temp_folder`` keeps its working folder and ``--no_strict``
 lets patterns that matched no parameter pass.  The private names DeepSpeed's tools and tests reach into
@@ -33,9 +33,8 @@ from .deepspeed_format.fragments import merge_zero_shards as _merge_zero_shards
 from .deepspeed_format.tp_layout import check_conversion_support as _validate_autotp_conversion_support
 from .deepspeed_format.tp_merge import merge_tp_slices
 from .deepspeed_format.universal import write_universal
-from .deepspeed_format.universal_tp import rank_grid, write_universal_tp_stage3
+from .deepspeed_format.universal_tp import rank_grid, write_universal_tp_stage3, write_universal_tp_stage12
 from .deepspeed_format.unpickle import load_deepspeed_file
-from .format import CheckpointError
 
 #: with DeepSpeed's private names, which its tools and tests import from this module
 __all__ = ["parse_arguments", "main", "merge_tp_slices", "DeepSpeedCheckpoint", "_group_per_tp_shapes",
@@ -104,8 +103,10 @@ def main(args: argparse.Namespace) -> None:
             _inject_missing_state(checkpoint)
         _check_for_required_state(checkpoint)
         if checkpoint.tp_degree > 1:
-            raise CheckpointError(f"{args.input_folder}: a tensor-parallel checkpoint of ZeRO stage {stage} is not "
-                                  f"converted (AutoTP checkpoints of ZeRO stage 3 are)")
+            write_universal_tp_stage12(checkpoint, Path(args.output_folder), strict=getattr(args, "strict", True),
+                                       keep_work_folder=getattr(args, "keep_temp_folder", False))
+            print("*** Done!")
+            return
     if stage == 3 and zero3_files:
         model_files = _zero3_model_files(args.input_folder)
         if model_files and rank_grid(model_files)[1] > 1:

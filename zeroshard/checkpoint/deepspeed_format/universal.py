@@ -37,9 +37,10 @@ def _rank0_optimizer(reader: DeepSpeedReader) -> dict[str, Any]:
     return file["optimizer_state_dict"]
 
 
-def _optimizer_state(reader: DeepSpeedReader) -> dict[str, Any]:
-    optimizer = _rank0_optimizer(reader)
-    if reader.stage == 3:
+def common_optimizer_state(optimizer: dict[str, Any], stage: int) -> dict[str, Any]:
+    """``zero/optimizer_state.pt`` from data-parallel rank 0's ``optimizer_state_dict``: its entries but
+    the sharded ones, with the optimizer's ``param_groups``."""
+    if stage == 3:
         return {**optimizer, "param_groups": optimizer["optimizer_state_dict"]["param_groups"]}
     out = {k: v for k, v in optimizer.items() if k not in _SHARDED}
     out["param_groups"] = optimizer["base_optimizer_state"]["param_groups"]
@@ -72,7 +73,7 @@ def write_universal(checkpoint: Path, output_folder: Path) -> Path:
                 if not (zero / name / "fp32.pt").is_file():
                     (zero / name).mkdir(exist_ok=True)
                     save_deepspeed_file({"param": tensor.float()}, zero / name / "fp32.pt")
-        save_deepspeed_file(_optimizer_state(reader), zero / OPTIMIZER_STATE_FILE)
+        save_deepspeed_file(common_optimizer_state(_rank0_optimizer(reader), reader.stage), zero / OPTIMIZER_STATE_FILE)
         for model_file in sorted(reader.directory.glob("*model_states.pt")):
             shutil.copy2(model_file, output_folder)
     (output_folder.parent / LATEST_UNIVERSAL).write_text(output_folder.name)
