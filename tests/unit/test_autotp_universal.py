@@ -11,7 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from zeroshard.checkpoint import consolidate
 from zeroshard.checkpoint import constants as C
 from zeroshard.checkpoint.deepspeed_format import DeepSpeedReader
 from zeroshard.checkpoint.deepspeed_format.fragments import dump_fragment, group_per_tp_shapes, merge_zero_shards
@@ -23,6 +25,7 @@ from zeroshard.checkpoint.deepspeed_format.unpickle import load_deepspeed_file
 from zeroshard.checkpoint.ds_to_universal import main
 from zeroshard.deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from zeroshard.tensor_parallel.shard_sizes import AutoTPMeta, shard_size_list
+from zeroshard.tools.cli import main as cli
 
 # a fused q/k/v of 4 query and 2 + 2 key/value rows over 2 ranks whose heads split 3/1 and 1/1 (widths per
 # sub-parameter, one entry per rank), 3 columns
@@ -160,6 +163,11 @@ def test_a_zero1_autotp_checkpoint_converts(tmp_path: Path) -> None:
     assert torch.equal(load_deepspeed_file(zero / "ln.weight" / "fp32.pt")[C.PARAM], torch.tensor([1., 2., 3.]))
     assert load_deepspeed_file(zero / "fc.weight" / "step.pt") == 3
     assert load_deepspeed_file(zero / "optimizer_state.pt")[C.PARAM_GROUPS][0]["lr"] == 0.1
+    # the folder read whole (latest_universal names it), as zeroshard's engine loads it
+    assert cli(["convert", str(tmp_path), str(tmp_path / "zs")]) == 0
+    consolidate(tmp_path / "zs", tmp_path / "model.safetensors")
+    weights = load_file(tmp_path / "model.safetensors")
+    assert torch.equal(weights["fc.weight"], torch.arange(20.).view(5, 4)) and weights["ln.weight"].shape == (3, )
 
 
 def test_load_hp_checkpoint_state_fills_a_parameters_fragment(tmp_path: Path) -> None:

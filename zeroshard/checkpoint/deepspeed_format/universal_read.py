@@ -5,8 +5,8 @@ checkpoint/deepspeed_format/universal.py).
 A universal folder converted from a tensor-parallel checkpoint (universal_tp.py) keeps every rank's
 model file, whose ``param_shapes`` are that rank's slices, while its parameter files hold the joined
 parameters in their whole shape.  Such a folder (a model file of tensor rank 1 beside rank 0's) is read
-with each parameter's shape taken from its ``fp32.pt``: the whole parameters load into an engine of any
-tensor-parallel degree, which cuts them itself.
+with each parameter's shape taken from its ``fp32.pt``: the parameters and moments are whole, as an
+engine without tensor parallelism loads them.
 """
 
 from __future__ import annotations
