@@ -199,3 +199,14 @@ def test_autotp_shard_sizes() -> None:
     assert shard_size_list(96, 2, AutoTPMeta(num_kv_heads=3), "q_proj") == [64, 32]  # whole heads: 2 + 1
     assert shard_size_list(96, 2, AutoTPMeta(num_kv_heads=3), "mlp.up_proj") == [48, 48]
     assert shard_size_list(10, 2, AutoTPMeta(tp_grain_size=4)) == [4, 6]  # 2 grains, the tail to the last rank
+
+
+def test_expert_parameters_are_cut_per_expert_parallel_rank(tmp_path: Path) -> None:
+    param = torch.nn.Parameter(torch.zeros(2, 3))  # 2 of 4 experts, each a row
+    hp = torch.zeros(6)
+    param._hp_mapping = SimpleNamespace(lp_fragment_address=SimpleNamespace(start=0, numel=6),  # type: ignore[attr-defined]
+                                        get_hp_fragment=lambda: hp, optim_fragment=None)
+    torch.save({C.PARAM: torch.arange(12.).view(4, 3), "is_expert_param": True, "ep_num_experts": 4},
+               tmp_path / "fp32.pt")
+    types.MethodType(load_hp_checkpoint_state, param)(str(tmp_path), 0, 1, ep_rank=1, ep_size=2)
+    assert torch.equal(hp, torch.arange(6., 12.))

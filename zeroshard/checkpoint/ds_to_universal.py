@@ -84,38 +84,41 @@ def parse_arguments(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--output_folder", type=str, required=True, help="the universal checkpoint folder")
     parser.add_argument("--num_extract_workers", type=int, default=4, help="accepted; one process converts")
     parser.add_argument("--num_merge_workers", type=int, default=2, help="accepted; one process converts")
-    parser.add_argument("--keep_temp_folder", action="store_true", help="accepted; no temporary folder is made")
-    parser.add_argument("--no_strict", dest="strict", action="store_false", help="accepted")
+    parser.add_argument("--keep_temp_folder", action="store_true",
+                        help="keep the working folder of a tensor-parallel conversion (tmp/ in the output)")
+    parser.add_argument("--no_strict", dest="strict", action="store_false",
+                        help="let universal_checkpoint_info patterns that match no parameter pass")
     parser.add_argument("--inject_missing_state", action="store_true",
-                        help="accepted; the conversion needs no universal_checkpoint_info")
+                        help="accepted; a checkpoint without universal_checkpoint_info converts as one tensor rank")
     return parser.parse_args(argv)
+
+
+def _convert(args: argparse.Namespace) -> None:
+    input_folder, output_folder = args.input_folder, Path(args.output_folder)
+    strict, keep = getattr(args, "strict", True), getattr(args, "keep_temp_folder", False)
+    optim_files = _get_optim_files(input_folder)
+    zero3_files = _filter_zero3_optim_files(optim_files)
+    stage = _get_zero_stage(zero3_files or optim_files) if optim_files else 0
+    if 0 < stage <= 2:
+        checkpoint = DeepSpeedCheckpoint(input_folder)
+        if getattr(args, "inject_missing_state", False):
+            _inject_missing_state(checkpoint)
+        _check_for_required_state(checkpoint)
+        if checkpoint.tp_degree > 1:
+            write_universal_tp_stage12(checkpoint, output_folder, strict=strict, keep_work_folder=keep)
+            return
+    if stage == 3 and zero3_files:
+        model_files = _zero3_model_files(input_folder)
+        if model_files and rank_grid(model_files)[1] > 1:
+            write_universal_tp_stage3(model_files, zero3_files, output_folder, strict=strict, keep_work_folder=keep)
+            return
+    write_universal(Path(input_folder), output_folder)
 
 
 def main(args: argparse.Namespace) -> None:
     """Convert ``args.input_folder`` into ``args.output_folder`` (``latest_universal`` beside it names it)."""
     print(f"Converting DeepSpeed checkpoint in {args.input_folder} to Universal checkpoint in {args.output_folder}")
-    optim_files = _get_optim_files(args.input_folder)
-    zero3_files = _filter_zero3_optim_files(optim_files)
-    stage = _get_zero_stage(zero3_files or optim_files) if optim_files else 0
-    if 0 < stage <= 2:
-        checkpoint = DeepSpeedCheckpoint(args.input_folder)
-        if getattr(args, "inject_missing_state", False):
-            _inject_missing_state(checkpoint)
-        _check_for_required_state(checkpoint)
-        if checkpoint.tp_degree > 1:
-            write_universal_tp_stage12(checkpoint, Path(args.output_folder), strict=getattr(args, "strict", True),
-                                       keep_work_folder=getattr(args, "keep_temp_folder", False))
-            print("*** Done!")
-            return
-    if stage == 3 and zero3_files:
-        model_files = _zero3_model_files(args.input_folder)
-        if model_files and rank_grid(model_files)[1] > 1:
-            write_universal_tp_stage3(model_files, zero3_files, Path(args.output_folder),
-                                      strict=getattr(args, "strict", True),
-                                      keep_work_folder=getattr(args, "keep_temp_folder", False))
-            print("*** Done!")
-            return
-    write_universal(Path(args.input_folder), Path(args.output_folder))
+    _convert(args)
     print("*** Done!")
 
 

@@ -113,6 +113,22 @@ def _entry_slice(entry: dict[str, Any], full: torch.Tensor, tp_rank: int, tp_wor
     return full.chunk(tp_world_size, dim)[tp_rank].flatten()
 
 
+def _experts_of_rank(param: Any, entry: dict[str, Any], full: torch.Tensor, ep_rank: int, ep_size: int,
+                     folder: str) -> torch.Tensor:
+    """An expert parameter's experts of expert-parallel rank ``ep_rank`` (stacked on dim 0, an equal number
+    per rank); every other parameter as it is."""
+    if not entry.get("is_expert_param", False) or ep_size == 1:
+        return full
+    if getattr(param, "ds_autoep_uc_meta", None) is not None:
+        raise CheckpointError(f"{folder}: AutoEP's expert placement is not restored by zeroshard")
+    experts = entry.get("ep_num_experts")
+    if experts is None or full.shape[0] != experts or experts % ep_size:
+        raise TpLayoutError(f"{folder}: expert parameter of {full.shape[0]} rows, ep_num_experts {experts}, cannot "
+                            f"be split over {ep_size} expert-parallel ranks")
+    local = experts // ep_size
+    return full[ep_rank * local:(ep_rank + 1) * local]
+
+
 def _state_keys(folder: str) -> Iterable[str]:
     for file in os.listdir(folder):
         match = re.fullmatch(r"(.+)\.pt", file)
@@ -133,10 +149,10 @@ def load_hp_checkpoint_state(self: Any, folder: str, tp_rank: int, tp_world_size
         if key == "step":
             step = entry
             continue
-        full = entry[PARAM]
-        if entry.get("is_expert_param", False):
-            raise CheckpointError(f"{folder}: expert parameters of a universal checkpoint are not restored here")
+        full = _experts_of_rank(self, entry, entry[PARAM], ep_rank, ep_size, folder)
         described = restore_meta(self) is not None
+        # a universal tensor of the rank's own shape is one every rank holds whole, unless AutoTP
+        # described how it was cut (see [Note: cutting a universal parameter for a rank])
         rank, world = (0, 1) if full.shape == self.shape and not described else (tp_rank, tp_world_size)
         if entry.get(VOCAB_TENSOR, False) and not described:
             padded = self.shape[0] * world
