@@ -95,7 +95,8 @@ def _stage3(tmp_path: Path, info: dict) -> Path:
         for dp in range(2):
             # each parameter's dp partition: ceil(numel / 2) elements, the last rank's padded
             parts = [t[dp * -(-n // 2):(dp + 1) * -(-n // 2)] for t, n in zip(flat.split(per_param), per_param)]
-            partition = torch.cat([torch.nn.functional.pad(p, (0, -(-n // 2) - p.numel())) for p, n in zip(parts, per_param)])
+            partition = torch.cat([torch.nn.functional.pad(p, (0, -(-n // 2) - p.numel()))
+                                   for p, n in zip(parts, per_param)])
             optim = {C.OPTIMIZER_STATE_DICT: {"state": {0: {"exp_avg": partition * 10, "exp_avg_sq": partition}},
                                               C.PARAM_GROUPS: [{"lr": 0.1}]},
                      C.FP32_FLAT_GROUPS: [partition], C.ZERO_STAGE: 3}
@@ -144,11 +145,13 @@ def _stage1(tmp_path: Path) -> Path:
                     mappings[name] = stand_in("deepspeed.utils.tensor_fragment.fragment_address",
                                               start=start - lo, numel=end - start)
                 offset += t.numel()
-            optim = {C.ZERO_STAGE: 1, C.PARAM_SLICE_MAPPINGS: [mappings], C.SINGLE_PARTITION_OF_FP32_GROUPS: [partition],
+            optim = {C.ZERO_STAGE: 1, C.PARAM_SLICE_MAPPINGS: [mappings],
+                     C.SINGLE_PARTITION_OF_FP32_GROUPS: [partition],
                      C.BASE_OPTIMIZER_STATE: {"state": {0: {"exp_avg": partition * 10, "exp_avg_sq": partition,
                                                             "step": torch.tensor(3.)}},
                                               C.PARAM_GROUPS: [{"lr": 0.1, "params": [0]}]}}
-            save_deepspeed_file({C.OPTIMIZER_STATE_DICT: optim}, folder / f"zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.pt")
+            save_deepspeed_file({C.OPTIMIZER_STATE_DICT: optim},
+                                folder / f"zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.pt")
     return folder
 
 
@@ -157,7 +160,8 @@ def test_a_zero1_autotp_checkpoint_converts(tmp_path: Path) -> None:
     main(SimpleNamespace(input_folder=str(_stage1(tmp_path)), output_folder=str(out), strict=True,
                          keep_temp_folder=False))
     zero = out / "zero"
-    fc, proj = load_deepspeed_file(zero / "fc.weight" / "exp_avg.pt"), load_deepspeed_file(zero / "proj.weight" / "fp32.pt")
+    fc = load_deepspeed_file(zero / "fc.weight" / "exp_avg.pt")
+    proj = load_deepspeed_file(zero / "proj.weight" / "fp32.pt")
     assert fc[C.CAT_DIM] == 0 and torch.equal(fc[C.PARAM], torch.arange(20.).view(5, 4) * 10)
     assert proj[C.CAT_DIM] == 1 and torch.equal(proj[C.PARAM], torch.arange(20.).view(4, 5) + 100)
     assert torch.equal(load_deepspeed_file(zero / "ln.weight" / "fp32.pt")[C.PARAM], torch.tensor([1., 2., 3.]))
@@ -173,7 +177,8 @@ def test_a_zero1_autotp_checkpoint_converts(tmp_path: Path) -> None:
 def test_load_hp_checkpoint_state_fills_a_parameters_fragment(tmp_path: Path) -> None:
     param = with_meta((5, 3), META)
     hp = torch.zeros(6)  # this data-parallel rank's fragment: elements 6..11 of the rank-0 slice
-    param._hp_mapping = SimpleNamespace(lp_fragment_address=SimpleNamespace(start=6, numel=6),  # type: ignore[attr-defined]
+    address = SimpleNamespace(start=6, numel=6)
+    param._hp_mapping = SimpleNamespace(lp_fragment_address=address,  # type: ignore[attr-defined]
                                         get_hp_fragment=lambda: hp, optim_fragment=None)
     for state, scale in (("fp32", 1), ("exp_avg", 2)):
         torch.save({C.PARAM: FULL * scale}, tmp_path / f"{state}.pt")
@@ -191,7 +196,8 @@ def test_optimizer_wrappers_keep_the_universal_info_of_their_parameters() -> Non
     optimizer.bf16_groups = [[param]]  # type: ignore[attr-defined]
     optimizer._enable_universal_checkpoint()  # type: ignore[attr-defined]
     delattr(param, C.UNIVERSAL_CHECKPOINT_INFO)
-    assert optimizer._get_universal_checkpoint_info() == {"k": 1} and hasattr(param, "load_hp_checkpoint_state")  # type: ignore[attr-defined]
+    assert optimizer._get_universal_checkpoint_info() == {"k": 1}  # type: ignore[attr-defined]
+    assert hasattr(param, "load_hp_checkpoint_state")
 
 
 def test_autotp_shard_sizes() -> None:
@@ -204,7 +210,8 @@ def test_autotp_shard_sizes() -> None:
 def test_expert_parameters_are_cut_per_expert_parallel_rank(tmp_path: Path) -> None:
     param = torch.nn.Parameter(torch.zeros(2, 3))  # 2 of 4 experts, each a row
     hp = torch.zeros(6)
-    param._hp_mapping = SimpleNamespace(lp_fragment_address=SimpleNamespace(start=0, numel=6),  # type: ignore[attr-defined]
+    address = SimpleNamespace(start=0, numel=6)
+    param._hp_mapping = SimpleNamespace(lp_fragment_address=address,  # type: ignore[attr-defined]
                                         get_hp_fragment=lambda: hp, optim_fragment=None)
     torch.save({C.PARAM: torch.arange(12.).view(4, 3), "is_expert_param": True, "ep_num_experts": 4},
                tmp_path / "fp32.pt")

@@ -14,7 +14,8 @@ from typing import Any, Optional
 import torch
 
 from .deepspeed_format.tp_layout import SubparamShape
-from .deepspeed_format.tp_restore import autotp_slice, enable_universal_checkpoint, load_hp_checkpoint_state, restore_meta
+from .deepspeed_format.tp_restore import (autotp_slice, enable_universal_checkpoint, load_hp_checkpoint_state,
+                                          restore_meta)
 
 __all__ = ["SubparamShape", "load_hp_checkpoint_state", "enable_universal_checkpoint"]
 

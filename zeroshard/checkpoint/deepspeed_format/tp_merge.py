@@ -20,8 +20,8 @@ __all__ = ["join_slices", "merge_tp_slices", "STATES"]
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
 
-def _fused_sizes(fused: SubparamShape, slices: Sequence[torch.Tensor], tp_degree: int,
-                 rules: TpMergeRules, pattern: str, name: str) -> tuple[tuple[int, ...], SubparamShape, list[list[int]]]:
+def _fused_sizes(fused: SubparamShape, slices: Sequence[torch.Tensor], tp_degree: int, rules: TpMergeRules,
+                 pattern: str, name: str) -> tuple[tuple[int, ...], SubparamShape, list[list[int]]]:
     """The sub-parameters' sizes, the description written with them (sizes, never a count) and each one's
     width on each rank."""
     dim = fused.partition_dim

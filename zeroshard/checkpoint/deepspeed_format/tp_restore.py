@@ -31,7 +31,8 @@ from ..format import CheckpointError
 from .tp_layout import TpLayoutError, even_or_recorded_widths
 from .unpickle import load_deepspeed_file
 
-__all__ = ["restore_meta", "autotp_slice", "load_hp_checkpoint_state", "enable_universal_checkpoint", "UniversalInfoCache"]
+__all__ = ["restore_meta", "autotp_slice", "load_hp_checkpoint_state", "enable_universal_checkpoint",
+           "UniversalInfoCache"]
 
 
 def restore_meta(param: Any) -> Optional[dict[str, Any]]:

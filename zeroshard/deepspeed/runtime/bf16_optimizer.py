@@ -1,8 +1,8 @@
 """``deepspeed.runtime.bf16_optimizer``: DeepSpeed's bf16 optimizer wrapper class, refused by name.
 
-DeepSpeed wraps the optimizer in ``BF16_Optimizer`` in some of its bf16 configurations; zeroshard keeps bf16 training's fp32 masters in its
-engine's updater at every stage, so no engine's optimizer is an instance of this class.  Code that
-imports it loads; building one raises.  Its universal-checkpoint methods, which need no construction,
+DeepSpeed wraps the optimizer in ``BF16_Optimizer`` in some of its bf16 configurations; zeroshard keeps
+bf16 training's fp32 masters in its engine's updater at every stage, so no engine's optimizer is an
+instance of this class.  Code that imports it loads; building one raises.  Its universal-checkpoint methods, which need no construction,
 work on ``bf16_groups`` (checkpoint/deepspeed_format/tp_restore.py).
 """
 
