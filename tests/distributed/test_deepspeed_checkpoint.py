@@ -3,8 +3,9 @@
 The fixtures (tests/fixtures/deepspeed/, written by make_fixtures.py under real DeepSpeed on CPU at
 world 2; the suite never imports DeepSpeed) are a tiny model (a frozen layer, a buffer) trained 3 AdamW
 steps under WarmupLR at ZeRO 0-3, fp32 and bf16, saved with client state, and DeepSpeed's own next 2
-steps. Each case loads one into a zeroshard engine with ``engine.load_checkpoint(dir)``: every
-parameter's fp32 master and Adam moments equal what DeepSpeed saved bitwise (as its partitions hold
+steps, and a language model whose output layer's weight is its embedding's (``TiedNet``; ZeRO 2 and 3,
+fp32), which DeepSpeed keeps once and names twice (``shared_params``). Each case loads one into a
+zeroshard engine with ``engine.load_checkpoint(dir)``: every parameter's fp32 master and Adam moments equal what DeepSpeed saved bitwise (as its partitions hold
 them, unpadded), the counters, the LR schedule, the Adam step and the client state equal DeepSpeed's,
 and the next 2 steps on the same batches (through the frozen layer and the buffer, which zeroshard's
 model starts from other values of) give DeepSpeed's losses and final fp32 weights to float rounding (at
@@ -18,7 +19,8 @@ back bitwise. DeepSpeed's pipeline fixture (make_pipe_fixture.py: 2 stages, ZeRO
 ``PipelineModule`` of the same layers and its MoE fixture (make_moe_fixture.py: 2 experts at ep_size 2,
 ZeRO 1) into zeroshard's ``MoE``, with the same checks.
 
-The default suite loads each fixture at world 2 and its own stage, one at another stage, the crafted
+The default suite loads each fixture at world 2 and its own stage, one at another stage, the tied ones
+at each other's stage (the weight still tied in the engine), the crafted
 file, a converted checkpoint, the pipeline fixture at ZeRO 1 and 3 and the MoE fixture at ep_size 2 and
 1, in one world; the extended tests load the pipeline fixture at 2 stages x 2 data-parallel ranks and the
 MoE fixture at world 4 (each expert on 2 ranks) in one world, and
@@ -77,7 +79,8 @@ def load_and_continue(rank: int, world: int, case: str, stage: int, source: str 
     config = dict(meta["config"], zero_optimization={"stage": stage})
     per_rank = make_fixtures.PER_RANK_BATCH * meta["world_size"] // world
     config["train_micro_batch_size_per_gpu"] = per_rank
-    engine = zeroshard.initialize(model=make_fixtures.TinyNet(), config=config)[0]
+    tied = case.startswith("tied_")
+    engine = zeroshard.initialize(model=make_fixtures.TiedNet() if tied else make_fixtures.TinyNet(), config=config)[0]
     path, client = engine.load_checkpoint(source or str(FIXTURES / case / "checkpoint"))
     loaded = {name: {"param": safe_get_full_fp32_param(p).clone(),
                      **{k: safe_get_full_optimizer_state(p, k).clone() for k in ("exp_avg", "exp_avg_sq")}}
@@ -91,12 +94,16 @@ def load_and_continue(rank: int, world: int, case: str, stage: int, source: str 
     for step in range(meta["saved_steps"], meta["saved_steps"] + meta["next_steps"]):
         x, y = global_batch(cont["inputs"], step, meta["world_size"])
         mine = slice(rank * per_rank, (rank + 1) * per_rank)
-        loss = torch.nn.functional.mse_loss(engine(x[mine].to(dtype)).float(), y[mine])
+        if tied:
+            loss = make_fixtures.tied_loss(engine, x[mine], y[mine])
+        else:
+            loss = torch.nn.functional.mse_loss(engine(x[mine].to(dtype)).float(), y[mine])
         engine.backward(loss)
         engine.step()
         out["losses"].append(float(loss.detach()))
     out["weights"] = {name: safe_get_full_fp32_param(p).clone() for name, p in engine.module.named_parameters()
                       if p.requires_grad}
+    out["tied"] = not tied or engine.module.head.weight is engine.module.embed.weight
     engine.close()
     return out
 
@@ -114,6 +121,7 @@ def check_load_and_continue(results: list[dict[str, Any]], case: str, stage: int
         assert (got["global_steps"], got["global_samples"]) == (3, 18)
         assert got["scheduler"] == {"last_batch_iteration": 2}
         assert got["client"] == meta["client_state"]
+        assert got["tied"], f"rank {rank}: the output layer's weight is no longer the embedding's"
     ranks_losses = torch.tensor([r["losses"] for r in results], dtype=torch.float64)  # [rank, step]
     mean_loss = ranks_losses.mean(0)
     expected = cont["losses"].mean(1)  # DeepSpeed's ranks' mean per step
@@ -322,6 +330,7 @@ MOE_CASE = "moe_ep2_zero1_fp32"
 def test_deepspeed_checkpoints_at_world_2() -> None:
     family = [("load", {"case": case, "stage": int(case[4])}) for case in CASES]
     family.append(("load", {"case": "zero3_fp32", "stage": 1}))
+    family += [("load", {"case": "tied_zero3_fp32", "stage": 2}), ("load", {"case": "tied_zero2_fp32", "stage": 3})]
     family += [("pipe_load", {"case": PIPE_CASE, "stage": stage}) for stage in (1, 3)]
     family += [("moe_load", {"case": MOE_CASE, "stage": stage, "ep_size": ep}) for stage, ep in ((1, 2), (2, 1))]
     with tempfile.TemporaryDirectory() as tmp:

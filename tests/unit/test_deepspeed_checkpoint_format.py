@@ -183,3 +183,31 @@ def test_a_step_kept_per_group_is_read(tmp_path: Path) -> None:
     ds = DeepSpeedReader(directory)
     assert ds.whole.scalars == [{"step": torch.tensor(3.0)}]
     assert "step" not in ds.data["optimizer"]["param_groups"][0]
+
+
+@pytest.mark.parametrize("case", ["tied_zero2_fp32", "tied_zero3_fp32"])
+def test_a_tied_weight_is_read_once_under_both_names(case: str, tmp_path: Path) -> None:
+    """DeepSpeed's fixtures of a model whose output layer's weight is its embedding's: its partitions hold
+    the weight once (``embed.weight``) and ``shared_params`` names ``head.weight``; the state dict has it
+    under both names (stage 2: as the module DeepSpeed saved), and so does a consolidation of the
+    converted checkpoint."""
+    from safetensors.torch import load_file
+
+    from zeroshard.checkpoint import consolidate
+    from zeroshard.checkpoint.deepspeed_format.convert import convert_deepspeed
+
+    ds = reader(case)
+    assert ds.param_names() == ["embed.weight", "fc.weight", "fc.bias", "norm.weight", "norm.bias"]
+    description = ds.model_description()
+    assert description["trainable_of"]["head.weight"] == "embed.weight" and "head.weight" in description["state_dict_keys"]
+    assert ds.extra() == {}
+    state = ds.full_state_dict()
+    assert list(state) == ["embed.weight", "fc.weight", "fc.bias", "norm.weight", "norm.bias", "head.weight"]
+    assert torch.equal(state["head.weight"], state["embed.weight"])
+    if ds.stage < 3:
+        module = ds.model["module"]
+        assert all(torch.equal(state[k], module[k]) for k in module)
+    convert_deepspeed(FIXTURES / case / "checkpoint", tmp_path / "zs")
+    consolidate(tmp_path / "zs", tmp_path / "model.safetensors")
+    weights = load_file(tmp_path / "model.safetensors")
+    assert sorted(weights) == sorted(state) and all(torch.equal(weights[k], state[k]) for k in state)

@@ -15,6 +15,19 @@ parameters' step; the hyperparameters are the saved ones, but for ``fused`` and 
 name an implementation and are left for the loading optimizer to choose.  ``clip_grad`` is written
 only where known (an engine's save, a DeepSpeed checkpoint's config): DeepSpeed's stages 1-2 take it
 from the file over their config.
+
+[Note: tied weights in DeepSpeed's layout]
+A weight a model holds under two names (an output layer tied to its embedding) is one parameter to
+the optimizer, so DeepSpeed's partitions, ``param_shapes`` and Adam state hold it once, under the name
+``named_parameters()`` lists first; the model file's ``shared_params`` maps every further name to that
+one (``zero_to_fp32.py`` copies the weight under those names), and its ``module`` lists every name,
+one tensor behind them.  zeroshard's manifest records the same mapping (``trainable_of``: each
+state-dict key's trained parameter, named as ``named_parameters()`` names it), so the groups are cut
+from the distinct trained parameters and ``shared_params`` is the other keys (at stage 3 in rank 0's
+model file only: DeepSpeed's other ranks record none, and ``zero_to_fp32.py`` reads rank 0's).  A
+frozen weight tied under two names is written under each of them, as zeroshard saves it (DeepSpeed
+would list the second name in ``shared_params`` instead; either way it loads and consolidates to the
+same weights).
 """
 
 from __future__ import annotations
@@ -121,11 +134,18 @@ class _Target:
         module: dict[str, torch.Tensor] = OrderedDict()
         keys = model.get("state_dict_keys") or [*extra, *reader.param_names()]
         fragments: dict[str, torch.Tensor] = OrderedDict()
+        trained: dict[str, torch.Tensor] = {}  # one tensor per trained parameter, under each of its names
         for key in keys:
             if key in buffer_names:
                 module[key] = extra[key]
-            elif key in trainable_of or key in frozen:
-                value = reader.tensor(trainable_of[key]) if key in trainable_of else extra[key]
+            elif key in trainable_of:
+                name = trainable_of[key]
+                if name not in trained:
+                    value = reader.tensor(name)
+                    trained[name] = value.new_empty(0, dtype=self.dtype) if self.stage == 3 else value.to(self.dtype)
+                module[key] = trained[name]
+            elif key in frozen:
+                value = extra[key]
                 module[key] = value.new_empty(0, dtype=self.dtype) if self.stage == 3 else value.to(self.dtype)
         for name in frozen:
             value = extra[name].to(self.dtype)
@@ -139,7 +159,8 @@ class _Target:
             "param_shapes": [OrderedDict((n, torch.Size(reader.shape(n))) for n in g) for g in self.groups],
             # DeepSpeed records frozen parameters apart where it partitions gradients (stages 2-3)
             "frozen_param_shapes": OrderedDict((n, extra[n].shape) for n in frozen) if self.stage > 1 else None,
-            "shared_params": {k: v for k, v in trainable_of.items() if k != v},
+            # see [Note: tied weights in DeepSpeed's layout]
+            "shared_params": {k: v for k, v in trainable_of.items() if k != v} if rank == 0 else {},
             "frozen_param_fragments": fragments if self.stage > 1 else None,
             "lr_scheduler": data.get("lr_scheduler"), "data_sampler": None, "random_ltd": None,
             "skipped_steps": int(engine.get("skipped_steps", 0)), "global_steps": int(engine.get("global_steps", 0)),
