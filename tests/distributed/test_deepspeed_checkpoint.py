@@ -13,18 +13,18 @@ world 2 the sums are DeepSpeed's, bf16 included; at world 3 a bf16 gradient is s
 A crafted model file naming a foreign global is refused on every rank by name, with nothing executed and
 the engine unchanged. A ``zeroshard convert`` of a fixture loads and continues the same, and so does a
 fixture rewritten in DeepSpeed's layout for another world size and stage (``convert --to deepspeed``) or
-as DeepSpeed's universal folder (``ds_to_universal``); an
-engine's save in DeepSpeed's layout (``checkpoint.format``) writes DeepSpeed's files for its world and loads
-back bitwise. DeepSpeed's pipeline fixture (make_pipe_fixture.py: 2 stages, ZeRO 1) loads into zeroshard's
+as DeepSpeed's universal folder (``ds_to_universal``); an engine's save in DeepSpeed's layout
+(``checkpoint.format``) writes DeepSpeed's files for its world and loads back bitwise. DeepSpeed's
+pipeline fixtures (make_pipe_fixture.py: 2 stages, ZeRO 1, fp32 and bf16) load into zeroshard's
 ``PipelineModule`` of the same layers and its MoE fixture (make_moe_fixture.py: 2 experts at ep_size 2,
 ZeRO 1) into zeroshard's ``MoE``, with the same checks.
 
 The default suite loads each fixture at world 2 and its own stage, one at another stage, the tied ones
-at each other's stage (the weight still tied in the engine), the crafted
-file, a converted checkpoint, the pipeline fixture at ZeRO 1 and 3 and the MoE fixture at ep_size 2 and
+at each other's stage (the weight still tied in the engine), the crafted file, a converted checkpoint,
+the fp32 pipeline fixture at ZeRO 1 and 3, the bf16 one at ZeRO 1, and the MoE fixture at ep_size 2 and
 1, in one world; the extended tests load the pipeline fixture at 2 stages x 2 data-parallel ranks and the
-MoE fixture at world 4 (each expert on 2 ranks) in one world, and
-the others at world 3 and other stages (the same global batch of 6, 2 per rank) and in one process.
+MoE fixture at world 4 (each expert on 2 ranks) in one world, and the others at world 3 and other stages
+(the same global batch of 6, 2 per rank) and in one process.
 """
 
 from __future__ import annotations
@@ -222,7 +222,8 @@ def pipe_load_and_continue(rank: int, world: int, case: str, stage: int) -> dict
     dp = world // meta["stages"]
     config = dict(meta["config"], zero_optimization={"stage": stage},
                   gradient_accumulation_steps=make_pipe_fixture.MICRO_BATCHES // dp)
-    module = PipelineModule(layers=make_pipe_fixture.layers(LayerSpec), loss_fn=torch.nn.MSELoss(),
+    module = PipelineModule(layers=make_pipe_fixture.layers(LayerSpec),
+                            loss_fn=make_pipe_fixture.loss_fn if meta["bf16"] else torch.nn.MSELoss(),
                             num_stages=meta["stages"], partition_method="uniform")
     engine = zeroshard.initialize(model=module, model_parameters=module.parameters(), config=config)[0]
     path, client = engine.load_checkpoint(str(FIXTURES / case / "checkpoint"))
@@ -236,7 +237,8 @@ def pipe_load_and_continue(rank: int, world: int, case: str, stage: int) -> dict
                            "client": {k: client[k] for k in meta["client_state"]}, "losses": []}
     micro = list(range(make_pipe_fixture.MICRO_BATCHES))[rank % dp::dp]
     for step in range(meta["saved_steps"], meta["saved_steps"] + meta["next_steps"]):
-        batches = iter([(cont["inputs"][f"x.{step}.{m}"], cont["inputs"][f"y.{step}.{m}"]) for m in micro])
+        dtype = torch.bfloat16 if meta["bf16"] else torch.float32
+        batches = iter([(cont["inputs"][f"x.{step}.{m}"].to(dtype), cont["inputs"][f"y.{step}.{m}"]) for m in micro])
         out["losses"].append(float(engine.train_batch(batches)))
     out["weights"] = {k: v["param"] for k, v in full(("param",)).items()}
     engine.close()
@@ -324,6 +326,7 @@ WORKERS = {"load": load_and_continue, "moe_load": moe_load_and_continue, "pipe_l
 CHECKS = {"load": check_load_and_continue, "moe_load": check_moe_load_and_continue, "pipe_load": check_pipe_load_and_continue, "crafted": check_crafted, "as_deepspeed": check_saved_as_deepspeed}
 CASES = tuple(f"zero{stage}_{precision}" for precision in ("fp32", "bf16") for stage in range(4))
 PIPE_CASE = "pipe2_zero1_fp32"
+PIPE_BF16_CASE = "pipe2_zero1_bf16"
 MOE_CASE = "moe_ep2_zero1_fp32"
 
 
@@ -332,6 +335,7 @@ def test_deepspeed_checkpoints_at_world_2() -> None:
     family.append(("load", {"case": "zero3_fp32", "stage": 1}))
     family += [("load", {"case": "tied_zero3_fp32", "stage": 2}), ("load", {"case": "tied_zero2_fp32", "stage": 3})]
     family += [("pipe_load", {"case": PIPE_CASE, "stage": stage}) for stage in (1, 3)]
+    family.append(("pipe_load", {"case": PIPE_BF16_CASE, "stage": 1}))
     family += [("moe_load", {"case": MOE_CASE, "stage": stage, "ep_size": ep}) for stage, ep in ((1, 2), (2, 1))]
     with tempfile.TemporaryDirectory() as tmp:
         crafted = Path(tmp) / "crafted"

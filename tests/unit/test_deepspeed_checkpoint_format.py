@@ -145,17 +145,20 @@ def test_layouts_not_read_are_refused_by_name(tmp_path: Path, what: str) -> None
 
 
 @pytest.mark.parametrize("case, odd", [("pipe2_zero1_fp32", "layer_01-model_01-model_states.pt"),
+                                       ("pipe2_zero1_bf16", "layer_01-model_01-model_states.pt"),
                                        ("moe_ep2_zero1_fp32", "expert_1_mp_rank_00_model_states.pt")])
 def test_pipeline_and_moe_checkpoints_read_whole(tmp_path: Path, case: str, odd: str) -> None:
-    """DeepSpeed's pipeline (2 stages) and MoE (2 experts at ep_size 2) fixtures read as one model under
-    global names: in fp32 each master equals the weight DeepSpeed's layer or expert file holds, the
-    moments are whole, each stage or expert-parallel position has its own group; a tensor-parallel layer
-    file or an expert file of another naming is refused by name."""
+    """DeepSpeed's pipeline (2 stages, fp32 and bf16) and MoE (2 experts at ep_size 2) fixtures read as one
+    model under global names: each master equals (in bf16: rounds to) the weight DeepSpeed's layer or
+    expert file holds, the moments are whole, each stage or expert-parallel position has its own group; a
+    tensor-parallel layer file or an expert file of another naming is refused by name."""
     ds = DeepSpeedReader(deepspeed_directory(FIXTURES / case / "checkpoint", None))
     files = ds.layers or {**ds.model["module"], **ds.experts}
     assert sorted(ds.param_names()) == sorted(files) and ds.stage == 1 and ds.world_size == (1 if ds.layers else 2)
+    assert ds.bf16 == case.endswith("bf16")
     for name in ds.param_names():
-        assert torch.equal(ds.tensor(name), files[name]), name
+        assert ds.tensor(name).dtype == torch.float32
+        assert torch.equal(ds.tensor(name).to(files[name].dtype), files[name]), name
         assert ds.read(name, "optim.exp_avg_sq").numel() == files[name].numel()
     groups = {ds.bucket_of(n) for n in ds.param_names()}
     assert groups == set(range(len(ds.whole.scalars))) and len(groups) == (2 if ds.layers else 3)
