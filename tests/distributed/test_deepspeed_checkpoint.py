@@ -4,23 +4,24 @@ The fixtures (tests/fixtures/deepspeed/, written by make_fixtures.py under real 
 world 2; the suite never imports DeepSpeed) are a tiny model (a frozen layer, a buffer) trained 3 AdamW
 steps under WarmupLR at ZeRO 0-3, fp32 and bf16, saved with client state, and DeepSpeed's own next 2
 steps, and a language model whose output layer's weight is its embedding's (``TiedNet``; ZeRO 2 and 3,
-fp32), which DeepSpeed keeps once and names twice (``shared_params``). Each case loads one into a
-zeroshard engine with ``engine.load_checkpoint(dir)``: every parameter's fp32 master and Adam moments equal what DeepSpeed saved bitwise (as its partitions hold
-them, unpadded), the counters, the LR schedule, the Adam step and the client state equal DeepSpeed's,
-and the next 2 steps on the same batches (through the frozen layer and the buffer, which zeroshard's
-model starts from other values of) give DeepSpeed's losses and final fp32 weights to float rounding (at
-world 2 the sums are DeepSpeed's, bf16 included; at world 3 a bf16 gradient is summed in another order).
-A crafted model file naming a foreign global is refused on every rank by name, with nothing executed and
-the engine unchanged. A ``zeroshard convert`` of a fixture loads and continues the same, and so does a
-fixture rewritten in DeepSpeed's layout for another world size and stage (``convert --to deepspeed``) or
-as DeepSpeed's universal folder (``ds_to_universal``); an engine's save in DeepSpeed's layout
-(``checkpoint.format``) writes DeepSpeed's files for its world and loads back bitwise. DeepSpeed's
-pipeline fixtures (make_pipe_fixture.py: 2 stages, ZeRO 1, fp32 and bf16) load into zeroshard's
-``PipelineModule`` of the same layers and its MoE fixture (make_moe_fixture.py: 2 experts at ep_size 2,
-ZeRO 1) into zeroshard's ``MoE``, with the same checks.
+fp32; and at ZeRO 3 with that weight frozen), which DeepSpeed keeps once and names twice
+(``shared_params``). Each case loads one into a zeroshard engine with ``engine.load_checkpoint(dir)``:
+every parameter's fp32 master and Adam moments equal what DeepSpeed saved bitwise (as its partitions
+hold them, unpadded), the counters, the LR schedule, the Adam step and the client state equal
+DeepSpeed's, and the next 2 steps on the same batches (through the frozen layer and the buffer, which
+zeroshard's model starts from other values of) give DeepSpeed's losses and final fp32 weights to float
+rounding (at world 2 the sums are DeepSpeed's, bf16 included; at world 3 a bf16 gradient is summed in
+another order). A crafted model file naming a foreign global is refused on every rank by name, with
+nothing executed and the engine unchanged. A ``zeroshard convert`` of a fixture loads and continues the
+same, and so does a fixture rewritten in DeepSpeed's layout for another world size and stage
+(``convert --to deepspeed``) or as DeepSpeed's universal folder (``ds_to_universal``); an engine's save in
+DeepSpeed's layout (``checkpoint.format``) writes DeepSpeed's files for its world and loads back
+bitwise. DeepSpeed's pipeline fixtures (make_pipe_fixture.py: 2 stages, ZeRO 1, fp32 and bf16) load into
+zeroshard's ``PipelineModule`` of the same layers and its MoE fixture (make_moe_fixture.py: 2 experts at
+ep_size 2, ZeRO 1) into zeroshard's ``MoE``, with the same checks.
 
 The default suite loads each fixture at world 2 and its own stage, one at another stage, the tied ones
-at each other's stage (the weight still tied in the engine), the crafted file, a converted checkpoint,
+at another stage (the weight still tied in the engine), the crafted file, a converted checkpoint,
 the fp32 pipeline fixture at ZeRO 1 and 3, the bf16 one at ZeRO 1, and the MoE fixture at ep_size 2 and
 1, in one world; the extended tests load the pipeline fixture at 2 stages x 2 data-parallel ranks and the
 MoE fixture at world 4 (each expert on 2 ranks) in one world, and the others at world 3 and other stages
@@ -80,7 +81,10 @@ def load_and_continue(rank: int, world: int, case: str, stage: int, source: str 
     per_rank = make_fixtures.PER_RANK_BATCH * meta["world_size"] // world
     config["train_micro_batch_size_per_gpu"] = per_rank
     tied = case.startswith("tied_")
-    engine = zeroshard.initialize(model=make_fixtures.TiedNet() if tied else make_fixtures.TinyNet(), config=config)[0]
+    model = make_fixtures.TiedNet() if tied else make_fixtures.TinyNet()
+    if case.startswith("tied_frozen_"):
+        model.embed.weight.requires_grad_(False)
+    engine = zeroshard.initialize(model=model, config=config)[0]
     path, client = engine.load_checkpoint(source or str(FIXTURES / case / "checkpoint"))
     loaded = {name: {"param": safe_get_full_fp32_param(p).clone(),
                      **{k: safe_get_full_optimizer_state(p, k).clone() for k in ("exp_avg", "exp_avg_sq")}}
@@ -333,7 +337,8 @@ MOE_CASE = "moe_ep2_zero1_fp32"
 def test_deepspeed_checkpoints_at_world_2() -> None:
     family = [("load", {"case": case, "stage": int(case[4])}) for case in CASES]
     family.append(("load", {"case": "zero3_fp32", "stage": 1}))
-    family += [("load", {"case": "tied_zero3_fp32", "stage": 2}), ("load", {"case": "tied_zero2_fp32", "stage": 3})]
+    family += [("load", {"case": "tied_zero3_fp32", "stage": 2}), ("load", {"case": "tied_zero2_fp32", "stage": 3}),
+               ("load", {"case": "tied_frozen_zero3_fp32", "stage": 2})]
     family += [("pipe_load", {"case": PIPE_CASE, "stage": stage}) for stage in (1, 3)]
     family.append(("pipe_load", {"case": PIPE_BF16_CASE, "stage": 1}))
     family += [("moe_load", {"case": MOE_CASE, "stage": stage, "ep_size": ep}) for stage, ep in ((1, 2), (2, 1))]

@@ -214,3 +214,24 @@ def test_a_tied_weight_is_read_once_under_both_names(case: str, tmp_path: Path) 
     consolidate(tmp_path / "zs", tmp_path / "model.safetensors")
     weights = load_file(tmp_path / "model.safetensors")
     assert sorted(weights) == sorted(state) and all(torch.equal(weights[k], state[k]) for k in state)
+
+
+def test_a_tied_frozen_weight_is_read_under_both_names(tmp_path: Path) -> None:
+    """The tied weight frozen (DeepSpeed's ZeRO-3 fixture): one frozen parameter in DeepSpeed's fragments,
+    given under both names as ``zero_to_fp32.py`` gives it; rewritten in DeepSpeed's layout, the files
+    hold DeepSpeed's own entries (the second name in ``shared_params`` only)."""
+    from zeroshard.checkpoint.deepspeed_format.convert import convert_to_deepspeed
+
+    ds = reader("tied_frozen_zero3_fp32")
+    assert ds.param_names() == ["fc.weight", "fc.bias", "norm.weight", "norm.bias"]
+    extra = ds.extra()
+    assert sorted(extra) == ["embed.weight", "head.weight"] and torch.equal(extra["head.weight"], extra["embed.weight"])
+    state = ds.full_state_dict()
+    assert list(state) == ["embed.weight", "fc.weight", "fc.bias", "norm.weight", "norm.bias", "head.weight"]
+    target = convert_to_deepspeed(FIXTURES / "tied_frozen_zero3_fp32" / "checkpoint", tmp_path, 2, 3)
+    for rank in range(2):
+        name = f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+        mine, own = load_deepspeed_file(target / name), load_deepspeed_file(ds.directory / name)
+        for entry in ("shared_params", "param_shapes", "frozen_param_shapes"):
+            assert mine[entry] == own[entry], (name, entry)
+        assert list(mine["module"]) == list(own["module"]) and list(mine["frozen_param_fragments"]) == ["embed.weight"]

@@ -48,7 +48,7 @@ def stage3_valid(shapes: list[torch.Size], world: int, rank: int) -> torch.Tenso
     return torch.tensor(keep)
 
 
-@pytest.mark.parametrize("case", ["zero1_fp32", "zero2_bf16", "zero3_fp32", "zero3_bf16", "tied_zero2_fp32", "tied_zero3_fp32"])
+@pytest.mark.parametrize("case", ["zero1_fp32", "zero2_bf16", "zero3_fp32", "zero3_bf16", "tied_zero2_fp32", "tied_zero3_fp32", "tied_frozen_zero3_fp32"])
 def test_files_hold_what_deepspeeds_own_hold(case: str, tmp_path: Path) -> None:
     """The fixture rewritten at its own world size and stage: every file DeepSpeed wrote is written,
     with the same tensors (flat partitions, their padding, moments, steps, module, frozen fragments)."""
@@ -125,7 +125,8 @@ def test_real_deepspeed_loaded_what_zeroshard_wrote() -> None:
     """The outcome of check_written.py under real DeepSpeed (see its docstring)."""
     record = json.loads((FIXTURES / "written_by_zeroshard.json").read_text())
     assert record["deepspeed"] == "0.19.8" and record["world_size"] == 2
-    tied = ["tied_zero1_fp32", "tied_zero2_fp32", "tied_zero3_fp32", "tied_zero2_bf16"]
+    tied = ["tied_zero1_fp32", "tied_zero2_fp32", "tied_zero3_fp32", "tied_zero2_bf16", "tied_frozen_zero2_fp32",
+            "tied_frozen_zero3_fp32"]
     assert sorted(record["cases"]) == sorted([f"zero{s}_{p}" for s in (1, 2, 3) for p in ("fp32", "bf16")] + tied)
     for case, got in record["cases"].items():
         as_saved = got["model_file_as_deepspeed_saves"]  # DeepSpeed's own save of what it loaded
@@ -147,10 +148,31 @@ def test_real_deepspeed_loaded_what_zeroshard_wrote() -> None:
     resharded = record["resharded"]  # DeepSpeed's own world-2 fixtures as zeroshard rewrote them for world 3
     assert resharded["world_size"] == 3
     assert sorted(resharded["cases"]) == sorted([c for c in record["cases"] if c not in tied]
-                                                + ["tied_zero2_fp32", "tied_zero3_fp32"])
+                                                + ["tied_zero2_fp32", "tied_zero3_fp32", "tied_frozen_zero3_fp32"])
     for case, got in resharded["cases"].items():
         assert got["loaded_tag"] == "step3" and got["masters_bitwise"] and got["zero_to_fp32_bitwise"], case
         assert got["counters"] == [5, 30, 0] and got["client_state_equal"], case  # after its 2 steps
         bf16 = case.endswith("bf16")  # 3 ranks sum in another order than 2
         assert got["mean_loss_max_rel_diff_vs_deepspeed_world_2"] <= (5e-3 if bf16 else 1e-6), case
         assert got["weights_max_abs_diff_vs_deepspeed_world_2"] <= (1e-3 if bf16 else 1e-6), case
+
+
+def test_a_frozen_weight_under_two_names_is_described_once() -> None:
+    """A frozen embedding that is also the output layer: the manifest maps the second name to the first
+    (``frozen_tied_to``), which DeepSpeed's layout records in ``shared_params``."""
+    import importlib.util
+
+    from zeroshard.checkpoint.module_state import ModuleState
+
+    spec = importlib.util.spec_from_file_location("ds_make_fixtures", FIXTURES / "make_fixtures.py")
+    assert spec is not None and spec.loader is not None
+    make_fixtures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_fixtures)
+    model = make_fixtures.TiedNet()
+    every = list(model.named_parameters())  # the tied weight once
+    assert ModuleState(model, [p for _, p in every], [n for n, _ in every]).describe().get("frozen_tied_to") is None
+    model.embed.weight.requires_grad_(False)
+    trained = every[1:]
+    described = ModuleState(model, [p for _, p in trained], [n for n, _ in trained]).describe()
+    assert described["frozen_tied_to"] == {"head.weight": "embed.weight"}
+    assert "head.weight" not in described["trainable_of"]
