@@ -3,26 +3,29 @@
 The fixtures (tests/fixtures/deepspeed/, written by make_fixtures.py under real DeepSpeed on CPU at
 world 2; the suite never imports DeepSpeed) are a tiny model (a frozen layer, a buffer) trained 3 AdamW
 steps under WarmupLR at ZeRO 0-3, fp32 and bf16, saved with client state, and DeepSpeed's own next 2
-steps. Each case loads one into a zeroshard engine with ``engine.load_checkpoint(dir)``: every
-parameter's fp32 master and Adam moments equal what DeepSpeed saved bitwise (as its partitions hold
-them, unpadded), the counters, the LR schedule, the Adam step and the client state equal DeepSpeed's,
-and the next 2 steps on the same batches (through the frozen layer and the buffer, which zeroshard's
-model starts from other values of) give DeepSpeed's losses and final fp32 weights to float rounding (at
-world 2 the sums are DeepSpeed's, bf16 included; at world 3 a bf16 gradient is summed in another order).
-A crafted model file naming a foreign global is refused on every rank by name, with nothing executed and
-the engine unchanged. A ``zeroshard convert`` of a fixture loads and continues the same, and so does a
-fixture rewritten in DeepSpeed's layout for another world size and stage (``convert --to deepspeed``) or
-as DeepSpeed's universal folder (``ds_to_universal``); an
-engine's save in DeepSpeed's layout (``checkpoint.format``) writes DeepSpeed's files for its world and loads
-back bitwise. DeepSpeed's pipeline fixture (make_pipe_fixture.py: 2 stages, ZeRO 1) loads into zeroshard's
-``PipelineModule`` of the same layers and its MoE fixture (make_moe_fixture.py: 2 experts at ep_size 2,
-ZeRO 1) into zeroshard's ``MoE``, with the same checks.
+steps, and a language model whose output layer's weight is its embedding's (``TiedNet``; ZeRO 2 and 3,
+fp32; and at ZeRO 3 with that weight frozen), which DeepSpeed keeps once and names twice
+(``shared_params``). Each case loads one into a zeroshard engine with ``engine.load_checkpoint(dir)``:
+every parameter's fp32 master and Adam moments equal what DeepSpeed saved bitwise (as its partitions
+hold them, unpadded), the counters, the LR schedule, the Adam step and the client state equal
+DeepSpeed's, and the next 2 steps on the same batches (through the frozen layer and the buffer, which
+zeroshard's model starts from other values of) give DeepSpeed's losses and final fp32 weights to float
+rounding (at world 2 the sums are DeepSpeed's, bf16 included; at world 3 a bf16 gradient is summed in
+another order). A crafted model file naming a foreign global is refused on every rank by name, with
+nothing executed and the engine unchanged. A ``zeroshard convert`` of a fixture loads and continues the
+same, and so does a fixture rewritten in DeepSpeed's layout for another world size and stage
+(``convert --to deepspeed``) or as DeepSpeed's universal folder (``ds_to_universal``); an engine's save in
+DeepSpeed's layout (``checkpoint.format``) writes DeepSpeed's files for its world and loads back
+bitwise. DeepSpeed's pipeline fixtures (make_pipe_fixture.py: 2 stages, ZeRO 1, fp32 and bf16) load into
+zeroshard's ``PipelineModule`` of the same layers and its MoE fixture (make_moe_fixture.py: 2 experts at
+ep_size 2, ZeRO 1) into zeroshard's ``MoE``, with the same checks.
 
-The default suite loads each fixture at world 2 and its own stage, one at another stage, the crafted
-file, a converted checkpoint, the pipeline fixture at ZeRO 1 and 3 and the MoE fixture at ep_size 2 and
+The default suite loads each fixture at world 2 and its own stage, one at another stage, the tied ones
+at another stage (the weight still tied in the engine), the crafted file, a converted checkpoint,
+the fp32 pipeline fixture at ZeRO 1 and 3, the bf16 one at ZeRO 1, and the MoE fixture at ep_size 2 and
 1, in one world; the extended tests load the pipeline fixture at 2 stages x 2 data-parallel ranks and the
-MoE fixture at world 4 (each expert on 2 ranks) in one world, and
-the others at world 3 and other stages (the same global batch of 6, 2 per rank) and in one process.
+MoE fixture at world 4 (each expert on 2 ranks) in one world, and the others at world 3 and other stages
+(the same global batch of 6, 2 per rank) and in one process.
 """
 
 from __future__ import annotations
@@ -77,7 +80,11 @@ def load_and_continue(rank: int, world: int, case: str, stage: int, source: str 
     config = dict(meta["config"], zero_optimization={"stage": stage})
     per_rank = make_fixtures.PER_RANK_BATCH * meta["world_size"] // world
     config["train_micro_batch_size_per_gpu"] = per_rank
-    engine = zeroshard.initialize(model=make_fixtures.TinyNet(), config=config)[0]
+    tied = case.startswith("tied_")
+    model = make_fixtures.TiedNet() if tied else make_fixtures.TinyNet()
+    if case.startswith("tied_frozen_"):
+        model.embed.weight.requires_grad_(False)
+    engine = zeroshard.initialize(model=model, config=config)[0]
     path, client = engine.load_checkpoint(source or str(FIXTURES / case / "checkpoint"))
     loaded = {name: {"param": safe_get_full_fp32_param(p).clone(),
                      **{k: safe_get_full_optimizer_state(p, k).clone() for k in ("exp_avg", "exp_avg_sq")}}
@@ -91,12 +98,16 @@ def load_and_continue(rank: int, world: int, case: str, stage: int, source: str 
     for step in range(meta["saved_steps"], meta["saved_steps"] + meta["next_steps"]):
         x, y = global_batch(cont["inputs"], step, meta["world_size"])
         mine = slice(rank * per_rank, (rank + 1) * per_rank)
-        loss = torch.nn.functional.mse_loss(engine(x[mine].to(dtype)).float(), y[mine])
+        if tied:
+            loss = make_fixtures.tied_loss(engine, x[mine], y[mine])
+        else:
+            loss = torch.nn.functional.mse_loss(engine(x[mine].to(dtype)).float(), y[mine])
         engine.backward(loss)
         engine.step()
         out["losses"].append(float(loss.detach()))
     out["weights"] = {name: safe_get_full_fp32_param(p).clone() for name, p in engine.module.named_parameters()
                       if p.requires_grad}
+    out["tied"] = not tied or engine.module.head.weight is engine.module.embed.weight
     engine.close()
     return out
 
@@ -114,6 +125,7 @@ def check_load_and_continue(results: list[dict[str, Any]], case: str, stage: int
         assert (got["global_steps"], got["global_samples"]) == (3, 18)
         assert got["scheduler"] == {"last_batch_iteration": 2}
         assert got["client"] == meta["client_state"]
+        assert got["tied"], f"rank {rank}: the output layer's weight is no longer the embedding's"
     ranks_losses = torch.tensor([r["losses"] for r in results], dtype=torch.float64)  # [rank, step]
     mean_loss = ranks_losses.mean(0)
     expected = cont["losses"].mean(1)  # DeepSpeed's ranks' mean per step
@@ -214,7 +226,8 @@ def pipe_load_and_continue(rank: int, world: int, case: str, stage: int) -> dict
     dp = world // meta["stages"]
     config = dict(meta["config"], zero_optimization={"stage": stage},
                   gradient_accumulation_steps=make_pipe_fixture.MICRO_BATCHES // dp)
-    module = PipelineModule(layers=make_pipe_fixture.layers(LayerSpec), loss_fn=torch.nn.MSELoss(),
+    module = PipelineModule(layers=make_pipe_fixture.layers(LayerSpec),
+                            loss_fn=make_pipe_fixture.loss_fn if meta["bf16"] else torch.nn.MSELoss(),
                             num_stages=meta["stages"], partition_method="uniform")
     engine = zeroshard.initialize(model=module, model_parameters=module.parameters(), config=config)[0]
     path, client = engine.load_checkpoint(str(FIXTURES / case / "checkpoint"))
@@ -228,7 +241,8 @@ def pipe_load_and_continue(rank: int, world: int, case: str, stage: int) -> dict
                            "client": {k: client[k] for k in meta["client_state"]}, "losses": []}
     micro = list(range(make_pipe_fixture.MICRO_BATCHES))[rank % dp::dp]
     for step in range(meta["saved_steps"], meta["saved_steps"] + meta["next_steps"]):
-        batches = iter([(cont["inputs"][f"x.{step}.{m}"], cont["inputs"][f"y.{step}.{m}"]) for m in micro])
+        dtype = torch.bfloat16 if meta["bf16"] else torch.float32
+        batches = iter([(cont["inputs"][f"x.{step}.{m}"].to(dtype), cont["inputs"][f"y.{step}.{m}"]) for m in micro])
         out["losses"].append(float(engine.train_batch(batches)))
     out["weights"] = {k: v["param"] for k, v in full(("param",)).items()}
     engine.close()
@@ -316,13 +330,17 @@ WORKERS = {"load": load_and_continue, "moe_load": moe_load_and_continue, "pipe_l
 CHECKS = {"load": check_load_and_continue, "moe_load": check_moe_load_and_continue, "pipe_load": check_pipe_load_and_continue, "crafted": check_crafted, "as_deepspeed": check_saved_as_deepspeed}
 CASES = tuple(f"zero{stage}_{precision}" for precision in ("fp32", "bf16") for stage in range(4))
 PIPE_CASE = "pipe2_zero1_fp32"
+PIPE_BF16_CASE = "pipe2_zero1_bf16"
 MOE_CASE = "moe_ep2_zero1_fp32"
 
 
 def test_deepspeed_checkpoints_at_world_2() -> None:
     family = [("load", {"case": case, "stage": int(case[4])}) for case in CASES]
     family.append(("load", {"case": "zero3_fp32", "stage": 1}))
+    family += [("load", {"case": "tied_zero3_fp32", "stage": 2}), ("load", {"case": "tied_zero2_fp32", "stage": 3}),
+               ("load", {"case": "tied_frozen_zero3_fp32", "stage": 2})]
     family += [("pipe_load", {"case": PIPE_CASE, "stage": stage}) for stage in (1, 3)]
+    family.append(("pipe_load", {"case": PIPE_BF16_CASE, "stage": 1}))
     family += [("moe_load", {"case": MOE_CASE, "stage": stage, "ep_size": ep}) for stage, ep in ((1, 2), (2, 1))]
     with tempfile.TemporaryDirectory() as tmp:
         crafted = Path(tmp) / "crafted"

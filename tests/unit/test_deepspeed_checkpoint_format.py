@@ -145,17 +145,20 @@ def test_layouts_not_read_are_refused_by_name(tmp_path: Path, what: str) -> None
 
 
 @pytest.mark.parametrize("case, odd", [("pipe2_zero1_fp32", "layer_01-model_01-model_states.pt"),
+                                       ("pipe2_zero1_bf16", "layer_01-model_01-model_states.pt"),
                                        ("moe_ep2_zero1_fp32", "expert_1_mp_rank_00_model_states.pt")])
 def test_pipeline_and_moe_checkpoints_read_whole(tmp_path: Path, case: str, odd: str) -> None:
-    """DeepSpeed's pipeline (2 stages) and MoE (2 experts at ep_size 2) fixtures read as one model under
-    global names: in fp32 each master equals the weight DeepSpeed's layer or expert file holds, the
-    moments are whole, each stage or expert-parallel position has its own group; a tensor-parallel layer
-    file or an expert file of another naming is refused by name."""
+    """DeepSpeed's pipeline (2 stages, fp32 and bf16) and MoE (2 experts at ep_size 2) fixtures read as one
+    model under global names: each master equals (in bf16: rounds to) the weight DeepSpeed's layer or
+    expert file holds, the moments are whole, each stage or expert-parallel position has its own group; a
+    tensor-parallel layer file or an expert file of another naming is refused by name."""
     ds = DeepSpeedReader(deepspeed_directory(FIXTURES / case / "checkpoint", None))
     files = ds.layers or {**ds.model["module"], **ds.experts}
     assert sorted(ds.param_names()) == sorted(files) and ds.stage == 1 and ds.world_size == (1 if ds.layers else 2)
+    assert ds.bf16 == case.endswith("bf16")
     for name in ds.param_names():
-        assert torch.equal(ds.tensor(name), files[name]), name
+        assert ds.tensor(name).dtype == torch.float32
+        assert torch.equal(ds.tensor(name).to(files[name].dtype), files[name]), name
         assert ds.read(name, "optim.exp_avg_sq").numel() == files[name].numel()
     groups = {ds.bucket_of(n) for n in ds.param_names()}
     assert groups == set(range(len(ds.whole.scalars))) and len(groups) == (2 if ds.layers else 3)
@@ -183,3 +186,52 @@ def test_a_step_kept_per_group_is_read(tmp_path: Path) -> None:
     ds = DeepSpeedReader(directory)
     assert ds.whole.scalars == [{"step": torch.tensor(3.0)}]
     assert "step" not in ds.data["optimizer"]["param_groups"][0]
+
+
+@pytest.mark.parametrize("case", ["tied_zero2_fp32", "tied_zero3_fp32"])
+def test_a_tied_weight_is_read_once_under_both_names(case: str, tmp_path: Path) -> None:
+    """DeepSpeed's fixtures of a model whose output layer's weight is its embedding's: its partitions hold
+    the weight once (``embed.weight``) and ``shared_params`` names ``head.weight``; the state dict has it
+    under both names (stage 2: as the module DeepSpeed saved), and so does a consolidation of the
+    converted checkpoint."""
+    from safetensors.torch import load_file
+
+    from zeroshard.checkpoint import consolidate
+    from zeroshard.checkpoint.deepspeed_format.convert import convert_deepspeed
+
+    ds = reader(case)
+    assert ds.param_names() == ["embed.weight", "fc.weight", "fc.bias", "norm.weight", "norm.bias"]
+    description = ds.model_description()
+    assert description["trainable_of"]["head.weight"] == "embed.weight" and "head.weight" in description["state_dict_keys"]
+    assert ds.extra() == {}
+    state = ds.full_state_dict()
+    assert list(state) == ["embed.weight", "fc.weight", "fc.bias", "norm.weight", "norm.bias", "head.weight"]
+    assert torch.equal(state["head.weight"], state["embed.weight"])
+    if ds.stage < 3:
+        module = ds.model["module"]
+        assert all(torch.equal(state[k], module[k]) for k in module)
+    convert_deepspeed(FIXTURES / case / "checkpoint", tmp_path / "zs")
+    consolidate(tmp_path / "zs", tmp_path / "model.safetensors")
+    weights = load_file(tmp_path / "model.safetensors")
+    assert sorted(weights) == sorted(state) and all(torch.equal(weights[k], state[k]) for k in state)
+
+
+def test_a_tied_frozen_weight_is_read_under_both_names(tmp_path: Path) -> None:
+    """The tied weight frozen (DeepSpeed's ZeRO-3 fixture): one frozen parameter in DeepSpeed's fragments,
+    given under both names as ``zero_to_fp32.py`` gives it; rewritten in DeepSpeed's layout, the files
+    hold DeepSpeed's own entries (the second name in ``shared_params`` only)."""
+    from zeroshard.checkpoint.deepspeed_format.convert import convert_to_deepspeed
+
+    ds = reader("tied_frozen_zero3_fp32")
+    assert ds.param_names() == ["fc.weight", "fc.bias", "norm.weight", "norm.bias"]
+    extra = ds.extra()
+    assert sorted(extra) == ["embed.weight", "head.weight"] and torch.equal(extra["head.weight"], extra["embed.weight"])
+    state = ds.full_state_dict()
+    assert list(state) == ["embed.weight", "fc.weight", "fc.bias", "norm.weight", "norm.bias", "head.weight"]
+    target = convert_to_deepspeed(FIXTURES / "tied_frozen_zero3_fp32" / "checkpoint", tmp_path, 2, 3)
+    for rank in range(2):
+        name = f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+        mine, own = load_deepspeed_file(target / name), load_deepspeed_file(ds.directory / name)
+        for entry in ("shared_params", "param_shapes", "frozen_param_shapes"):
+            assert mine[entry] == own[entry], (name, entry)
+        assert list(mine["module"]) == list(own["module"]) and list(mine["frozen_param_fragments"]) == ["embed.weight"]

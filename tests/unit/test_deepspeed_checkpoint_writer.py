@@ -4,7 +4,9 @@ Written from DeepSpeed's own fixtures (tests/fixtures/deepspeed/) at the world s
 saved them, the files hold what DeepSpeed's own hold, tensor for tensor.  zeroshard -> DeepSpeed's layout ->
 zeroshard is bitwise at other world sizes and stages.  The files name only DeepSpeed's own globals.  What
 real DeepSpeed 0.19.8 did with such files (tests/fixtures/deepspeed/check_written.py: at world 2, and its own
-world-2 fixtures rewritten for world 3) is recorded in written_by_zeroshard.json, checked here.
+world-2 fixtures rewritten for world 3), including a model whose output layer's weight is its embedding's
+(written once, named twice in ``shared_params``, as DeepSpeed's own save of it), is recorded in
+written_by_zeroshard.json, checked here.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def stage3_valid(shapes: list[torch.Size], world: int, rank: int) -> torch.Tenso
     return torch.tensor(keep)
 
 
-@pytest.mark.parametrize("case", ["zero1_fp32", "zero2_bf16", "zero3_fp32", "zero3_bf16"])
+@pytest.mark.parametrize("case", ["zero1_fp32", "zero2_bf16", "zero3_fp32", "zero3_bf16", "tied_zero2_fp32", "tied_zero3_fp32", "tied_frozen_zero3_fp32"])
 def test_files_hold_what_deepspeeds_own_hold(case: str, tmp_path: Path) -> None:
     """The fixture rewritten at its own world size and stage: every file DeepSpeed wrote is written,
     with the same tensors (flat partitions, their padding, moments, steps, module, frozen fragments)."""
@@ -61,6 +63,10 @@ def test_files_hold_what_deepspeeds_own_hold(case: str, tmp_path: Path) -> None:
     for path in theirs.iterdir():
         mine_file, own_file = load_deepspeed_file(target / path.name), load_deepspeed_file(path)
         assert sorted(mine_file) == sorted(own_file), path.name
+        for entry in ("shared_params", "param_shapes", "frozen_param_shapes", "buffer_names"):  # tied weights: once
+            assert mine_file.get(entry) == own_file.get(entry), f"{path.name}: {entry}"
+        if "module" in own_file:
+            assert list(mine_file["module"]) == list(own_file["module"]), path.name
         inner = "optimizer_state_dict"
         if inner in own_file:
             assert sorted(mine_file[inner]) == sorted(own_file[inner]), path.name
@@ -119,8 +125,19 @@ def test_real_deepspeed_loaded_what_zeroshard_wrote() -> None:
     """The outcome of check_written.py under real DeepSpeed (see its docstring)."""
     record = json.loads((FIXTURES / "written_by_zeroshard.json").read_text())
     assert record["deepspeed"] == "0.19.8" and record["world_size"] == 2
-    assert sorted(record["cases"]) == sorted(f"zero{s}_{p}" for s in (1, 2, 3) for p in ("fp32", "bf16"))
+    tied = ["tied_zero1_fp32", "tied_zero2_fp32", "tied_zero3_fp32", "tied_zero2_bf16", "tied_frozen_zero2_fp32",
+            "tied_frozen_zero3_fp32"]
+    assert sorted(record["cases"]) == sorted([f"zero{s}_{p}" for s in (1, 2, 3) for p in ("fp32", "bf16")] + tied)
     for case, got in record["cases"].items():
+        as_saved = got["model_file_as_deepspeed_saves"]  # DeepSpeed's own save of what it loaded
+        assert all(as_saved["entries_equal"].values()) and as_saved["module_keys_equal"], case
+        assert not as_saved["module_differing"], case
+        if case in tied:  # the output layer's weight once in the partitions, under both names everywhere else
+            assert as_saved["shared_params"] == {"head.weight": "embed.weight"}, case
+            assert got["tied"] == {"still_tied_in_deepspeed": True, "zero_to_fp32_head_is_embedding": True}, case
+            assert "head.weight" in got["zero_to_fp32_keys"], case
+        if case == "tied_zero2_bf16":  # from the fp32 fixture: no DeepSpeed continuation of its own in bf16
+            got = dict(got, losses_max_rel_diff_vs_deepspeed_own=0.0, weights_max_abs_diff_vs_deepspeed_own=0.0)
         assert got["loaded_tag"] == "written", case
         assert got["masters_bitwise"] and got["optimizer_state_as_written"] and not got["differing"], case
         assert got["counters"] == [3, 18, 0] and got["lr_scheduler"] == {"last_batch_iteration": 2}, case
@@ -129,10 +146,33 @@ def test_real_deepspeed_loaded_what_zeroshard_wrote() -> None:
         assert got["losses_max_rel_diff_vs_deepspeed_own"] <= 1e-6, case
         assert got["weights_max_abs_diff_vs_deepspeed_own"] <= 1e-6, case
     resharded = record["resharded"]  # DeepSpeed's own world-2 fixtures as zeroshard rewrote them for world 3
-    assert resharded["world_size"] == 3 and sorted(resharded["cases"]) == sorted(record["cases"])
+    assert resharded["world_size"] == 3
+    assert sorted(resharded["cases"]) == sorted([c for c in record["cases"] if c not in tied]
+                                                + ["tied_zero2_fp32", "tied_zero3_fp32", "tied_frozen_zero3_fp32"])
     for case, got in resharded["cases"].items():
         assert got["loaded_tag"] == "step3" and got["masters_bitwise"] and got["zero_to_fp32_bitwise"], case
         assert got["counters"] == [5, 30, 0] and got["client_state_equal"], case  # after its 2 steps
         bf16 = case.endswith("bf16")  # 3 ranks sum in another order than 2
         assert got["mean_loss_max_rel_diff_vs_deepspeed_world_2"] <= (5e-3 if bf16 else 1e-6), case
         assert got["weights_max_abs_diff_vs_deepspeed_world_2"] <= (1e-3 if bf16 else 1e-6), case
+
+
+def test_a_frozen_weight_under_two_names_is_described_once() -> None:
+    """A frozen embedding that is also the output layer: the manifest maps the second name to the first
+    (``frozen_tied_to``), which DeepSpeed's layout records in ``shared_params``."""
+    import importlib.util
+
+    from zeroshard.checkpoint.module_state import ModuleState
+
+    spec = importlib.util.spec_from_file_location("ds_make_fixtures", FIXTURES / "make_fixtures.py")
+    assert spec is not None and spec.loader is not None
+    make_fixtures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_fixtures)
+    model = make_fixtures.TiedNet()
+    every = list(model.named_parameters())  # the tied weight once
+    assert ModuleState(model, [p for _, p in every], [n for n, _ in every]).describe().get("frozen_tied_to") is None
+    model.embed.weight.requires_grad_(False)
+    trained = every[1:]
+    described = ModuleState(model, [p for _, p in trained], [n for n, _ in trained]).describe()
+    assert described["frozen_tied_to"] == {"head.weight": "embed.weight"}
+    assert "head.weight" not in described["trainable_of"]

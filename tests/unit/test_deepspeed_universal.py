@@ -104,9 +104,10 @@ def test_real_deepspeed_wrote_the_same_universal_files() -> None:
     """The outcome of check_universal.py under real DeepSpeed (see its docstring)."""
     record = json.loads((FIXTURES / "universal_by_zeroshard.json").read_text())
     assert record["deepspeed"] == "0.19.8"
-    assert sorted(record["cases"]) == sorted(f"zero{s}_{p}" for s in (1, 2, 3) for p in ("fp32", "bf16"))
+    tied = ["tied_zero2_fp32", "tied_zero3_fp32", "tied_frozen_zero3_fp32"]  # a weight under two names
+    assert sorted(record["cases"]) == sorted([f"zero{s}_{p}" for s in (1, 2, 3) for p in ("fp32", "bf16")] + tied)
     for case, got in record["cases"].items():
-        assert got["same_files"] and got["files"] > 20 and not got["differing"], case
+        assert got["same_files"] and got["files"] > (15 if case in tied else 20) and not got["differing"], case
 
 
 def test_deepspeeds_pickled_classes_resolve_under_its_face() -> None:

@@ -102,9 +102,12 @@ class JobNamedModule:
 
     def describe(self) -> dict[str, Any]:
         model = self.inner.describe()
-        return {**model, "state_dict_keys": [self.rename(k) for k in model["state_dict_keys"]],
-                "trainable_of": {self.rename(k): self.rename(v) for k, v in model["trainable_of"].items()},
-                "buffer_names": [self.rename(k) for k in model.get("buffer_names", [])]}
+        renamed = {**model, "state_dict_keys": [self.rename(k) for k in model["state_dict_keys"]],
+                   "trainable_of": {self.rename(k): self.rename(v) for k, v in model["trainable_of"].items()},
+                   "buffer_names": [self.rename(k) for k in model.get("buffer_names", [])]}
+        if "frozen_tied_to" in model:
+            renamed["frozen_tied_to"] = {self.rename(k): self.rename(v) for k, v in model["frozen_tied_to"].items()}
+        return renamed
 
     def extra_tensors(self, trainable_keys: set[str], keep: bool = True,
                       exclude_frozen: bool = False) -> dict[str, torch.Tensor]:

@@ -2,7 +2,8 @@
 
 Trainable parameters are saved as chunks (``optim/sharded_state.py``); what is not trainable (frozen
 parameters, buffers) is saved whole, by state-dict name.  Tied weights appear under every name they
-have, mapped to the one trainable parameter.
+have, mapped to the one trainable parameter; a frozen weight under several names is saved under each,
+and ``frozen_tied_to`` maps each further name to its first.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ class ModuleState:
         and a Hugging Face config as a dict when the model has one."""
         index_of = {id(p): i for i, p in enumerate(self.params)}
         keys, trainable_of = [], {}
+        frozen_first: dict[Any, str] = {}  # a frozen parameter (its stage-3 name, or the tensor) -> its first key
+        frozen_tied_to: dict[str, str] = {}
         for name, tensor in self.module.state_dict(keep_vars=True).items():
             keys.append(name)
             i = index_of.get(id(tensor))
@@ -75,11 +78,20 @@ class ModuleState:
                 trainable_of[name] = self.names[i]
             elif (home := HOMES.home_of(tensor)) is not None and home.name in self._trainable_names:
                 trainable_of[name] = home.name  # a released stage-3 parameter's placeholder
+            elif isinstance(tensor, nn.Parameter) or self._sharded_frozen_name(tensor) is not None:
+                frozen = self._sharded_frozen_name(tensor) or id(tensor)
+                if frozen in frozen_first:
+                    frozen_tied_to[name] = frozen_first[frozen]
+                else:
+                    frozen_first[frozen] = name
         config = getattr(self.module, "config", None)
         hf_config = config.to_dict() if config is not None and hasattr(config, "to_dict") else None
-        return {"state_dict_keys": keys, "trainable_of": trainable_of,
-                "buffer_names": [name for name, _ in self.module.named_buffers()], "hf_config": hf_config or None,
-                "class": type(self.module).__name__, "peft_config": _peft_config(self.module)}
+        described = {"state_dict_keys": keys, "trainable_of": trainable_of,
+                     "buffer_names": [name for name, _ in self.module.named_buffers()], "hf_config": hf_config or None,
+                     "class": type(self.module).__name__, "peft_config": _peft_config(self.module)}
+        if frozen_tied_to:  # a frozen weight under several names (what DeepSpeed's layout records of it)
+            described["frozen_tied_to"] = frozen_tied_to
+        return described
 
     def extra_tensors(self, trainable_keys: set[str], keep: bool = True,
                       exclude_frozen: bool = False) -> dict[str, torch.Tensor]:

@@ -19,7 +19,10 @@ files, experts in a pipeline) is refused by name.
 At stages 0-2 DeepSpeed's model file holds the whole module: its buffers, its frozen parameters and
 (replaced here by the fp32 masters) its trained ones.  At stage 3 it holds the buffers, and each rank's
 model file its piece of every frozen parameter (``frozen_param_fragments``, padded like a trained one),
-which are joined in rank order and cut to ``frozen_param_shapes``, as ``zero_to_fp32.py`` does.
+which are joined in rank order and cut to ``frozen_param_shapes``, as ``zero_to_fp32.py`` does.  A
+frozen weight tied under two names (a frozen embedding that is also the output layer, as in LoRA
+fine-tuning of a tied model) is stored under the first and named again in ``shared_params``, like a
+trained one; it is given under every name.
 """
 
 from __future__ import annotations
@@ -199,9 +202,13 @@ class DeepSpeedReader:
         each key is (tied weights under every name), and its buffers."""
         module = self.model.get("module") or {}
         trainable_of = {k: k for k in self.param_names()}
-        trainable_of.update({k: v for k, v in (self.model.get("shared_params") or {}).items() if v in trainable_of})
+        shared = self.model.get("shared_params") or {}
+        trainable_of.update({k: v for k, v in shared.items() if v in trainable_of})
         keys = (list(module) + list(self.experts)) or list(self.layers) or list(trainable_of)
         return {"state_dict_keys": keys, "trainable_of": trainable_of,
+                # frozen weights tied under other names (see [Note: tied weights in DeepSpeed's layout] in
+                # checkpoint/deepspeed_format/writer.py)
+                "frozen_tied_to": {k: v for k, v in shared.items() if v not in trainable_of},
                 "buffer_names": list(self._buffer_names), "hf_config": None,
                 "class": "DeepSpeed checkpoint", "peft_config": None}
 
@@ -261,7 +268,14 @@ class DeepSpeedReader:
 
     def extra(self) -> dict[str, torch.Tensor]:
         """The model's buffers and frozen parameters, by state-dict name (see [Note: frozen parameters
-        in a DeepSpeed checkpoint])."""
+        in a DeepSpeed checkpoint]); a frozen weight tied under other names under each of them."""
+        out = self._stored_extra()
+        for alias, holder in (self.model.get("shared_params") or {}).items():
+            if holder in out and alias not in out:
+                out[alias] = out[holder]
+        return out
+
+    def _stored_extra(self) -> dict[str, torch.Tensor]:
         module = self.model.get("module") or {}
         shared = set(self.model.get("shared_params") or {})
         if self.layers:

@@ -15,6 +15,22 @@ parameters' step; the hyperparameters are the saved ones, but for ``fused`` and 
 name an implementation and are left for the loading optimizer to choose.  ``clip_grad`` is written
 only where known (an engine's save, a DeepSpeed checkpoint's config): DeepSpeed's stages 1-2 take it
 from the file over their config.
+
+[Note: tied weights in DeepSpeed's layout]
+A weight a model holds under two names (an output layer tied to its embedding) is one parameter to
+the optimizer, so DeepSpeed's partitions, ``param_shapes`` and Adam state hold it once, under the name
+``named_parameters()`` lists first; the model file's ``shared_params`` maps every further name to that
+one (``zero_to_fp32.py`` copies the weight under those names), and its ``module`` lists every name,
+one tensor behind them.  zeroshard's manifest records the same mapping (``trainable_of``: each
+state-dict key's trained parameter, named as ``named_parameters()`` names it), so the groups are cut
+from the distinct trained parameters and ``shared_params`` is the other keys (at stage 3 in rank 0's
+model file only: DeepSpeed's other ranks record none, and ``zero_to_fp32.py`` reads rank 0's).  A
+frozen weight tied under two names (a frozen embedding that is the output layer, as in LoRA fine-tuning)
+is one frozen parameter to DeepSpeed in the same way: one entry of ``frozen_param_shapes`` and of the
+fragments, the second name in ``shared_params``.  Where the description records such ties
+(``frozen_tied_to``: a DeepSpeed checkpoint's, and a ``zeroshard convert`` of one) they are written so;
+zeroshard's own manifest does not record them, and such a weight is written under each of its names
+(DeepSpeed loads it and ``zero_to_fp32.py`` consolidates it to the same weights).
 """
 
 from __future__ import annotations
@@ -117,16 +133,21 @@ class _Target:
         trainable_of = model.get("trainable_of") or {n: n for n in reader.param_names()}
         extra = self.extra
         buffer_names = [n for n in model.get("buffer_names", list(extra)) if n in extra]
-        frozen = [n for n in extra if n not in buffer_names]
+        tied_to = {k: v for k, v in (model.get("frozen_tied_to") or {}).items() if k in extra and v in extra}
+        frozen = [n for n in extra if n not in buffer_names and n not in tied_to]
         module: dict[str, torch.Tensor] = OrderedDict()
         keys = model.get("state_dict_keys") or [*extra, *reader.param_names()]
         fragments: dict[str, torch.Tensor] = OrderedDict()
+        one: dict[str, torch.Tensor] = {}  # one tensor per parameter, under each of its names
         for key in keys:
             if key in buffer_names:
                 module[key] = extra[key]
-            elif key in trainable_of or key in frozen:
-                value = reader.tensor(trainable_of[key]) if key in trainable_of else extra[key]
-                module[key] = value.new_empty(0, dtype=self.dtype) if self.stage == 3 else value.to(self.dtype)
+            elif key in trainable_of or key in frozen or key in tied_to:
+                name = trainable_of.get(key) or tied_to.get(key, key)
+                if name not in one:
+                    value = reader.tensor(name) if key in trainable_of else extra[name]
+                    one[name] = value.new_empty(0, dtype=self.dtype) if self.stage == 3 else value.to(self.dtype)
+                module[key] = one[name]
         for name in frozen:
             value = extra[name].to(self.dtype)
             if self.stage == 3:
@@ -139,7 +160,9 @@ class _Target:
             "param_shapes": [OrderedDict((n, torch.Size(reader.shape(n))) for n in g) for g in self.groups],
             # DeepSpeed records frozen parameters apart where it partitions gradients (stages 2-3)
             "frozen_param_shapes": OrderedDict((n, extra[n].shape) for n in frozen) if self.stage > 1 else None,
-            "shared_params": {k: v for k, v in trainable_of.items() if k != v},
+            # see [Note: tied weights in DeepSpeed's layout]
+            "shared_params": {k: trainable_of.get(k) or tied_to[k] for k in keys
+                              if trainable_of.get(k, k) != k or k in tied_to} if rank == 0 else {},
             "frozen_param_fragments": fragments if self.stage > 1 else None,
             "lr_scheduler": data.get("lr_scheduler"), "data_sampler": None, "random_ltd": None,
             "skipped_steps": int(engine.get("skipped_steps", 0)), "global_steps": int(engine.get("global_steps", 0)),
