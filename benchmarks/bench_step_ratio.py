@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_step_ratio.py                       # 91m fp32 and 23m bf16, stages 0-3
     .venv/bin/python benchmarks/bench_step_ratio.py --precision bf16      # 23m bf16 only (--size to choose)
+    .venv/bin/python benchmarks/bench_step_ratio.py --world-per-stage     # less memory per rank (see below)
     .venv/bin/python benchmarks/bench_step_ratio.py --configs 91m:fp32 --stages 0 1 2 3 --rounds 8 --warmup 2
     .venv/bin/python benchmarks/bench_step_ratio.py --configs tiny:fp32 tiny:bf16 --rounds 3 --warmup 1 --profile
     .venv/bin/python benchmarks/bench_step_ratio.py --configs 91m:fp32 --stages 2 2_overlap   # overlap_param_gather
@@ -38,8 +39,12 @@ over the ranks, which depends far less on the machine's load than the wall time 
 phases timed (benchmarks/step_phases.py: forward, backward compute, the waits on each kind of
 collective, the copies into and out of buckets, the optimizer, host reads, the consistency check,
 stage 3's gather rounds, ...), CPU (training thread) and wall milliseconds per step, written as a
-table per configuration and into the JSON.  Sizes: ``tiny`` (1.9M) for a smoke test in seconds; the
-memory of every implementation at once is needed in each rank (91M: about 1.5 GB per implementation).
+table per configuration and into the JSON.  Sizes: ``tiny`` (1.9M) for a smoke test in seconds.
+
+Memory: each rank holds every implementation of its world at once; at 91M fp32 DDP and stage 0 hold
+about 1.8 GB each (parameters, gradients, AdamW's two moments, buckets), the others 0.5-1.2 GB, about
+9 GB per rank for all seven.  Where two ranks of that do not fit, ``--world-per-stage`` runs each stage
+in a world of its own with the baselines beside it (every ratio still measured in one world).
 """
 
 from __future__ import annotations
@@ -245,6 +250,8 @@ def main() -> None:
     parser.add_argument("--stages", nargs="+", default=["0", "1", "2", "3"],
                         help="stages, or bench_memory.py's variants of one: 1_overlap, 2_overlap, 3_trim, ...")
     parser.add_argument("--baselines", nargs="*", default=list(BASELINES), choices=BASELINES)
+    parser.add_argument("--world-per-stage", action="store_true",
+                        help="each stage in a world of its own, with the baselines beside it")
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--rounds", "--pairs", type=int, default=8, help="measured rounds (one step of each implementation)")
     parser.add_argument("--warmup", type=int, default=2)
@@ -255,23 +262,29 @@ def main() -> None:
     if args.size or args.precision:
         precision = args.precision or "fp32"
         args.configs = [f"{args.size or DEFAULT_SIZE[precision]}:{precision}"]
-    impls = list(args.baselines) + [f"zeroshard_{s}" for s in args.stages]
+    stages = [f"zeroshard_{s}" for s in args.stages]
+    # one world for everything, or one per stage with the baselines beside it (memory: see the docstring)
+    worlds = [list(args.baselines) + [stage] for stage in stages] if args.world_per_stage \
+        else [list(args.baselines) + stages]
     report: dict[str, Any] = {"args": vars(args), "configs": {}}
     for config in args.configs:
         size, precision = config.split(":")
         cfg = SIZES[size]
-        ranks = run_world(worker, 2, args=(impls, cfg, args.micro_batch, precision, args.rounds, args.warmup,
-                                           args.profile_rounds if args.profile else 0),
-                          timeout=3600, env={"OMP_NUM_THREADS": "1"})
-        results = summarise(impls, ranks, args.rounds)
-        entry: dict[str, Any] = {"model": {**cfg, "params": GPTConfig(**cfg).num_params()}, "results": results}
-        print(f"\nGPT {size} ({GPTConfig(**cfg).num_params():,} parameters), {precision}, world 2, micro batch "
-              f"{args.micro_batch}, {args.rounds} rounds after {args.warmup}, order rotating\n")
-        print_table(results)
-        if args.profile:
-            entry["phases"] = merge_phases(ranks)
-            print_phases(entry["phases"])
-        report["configs"][config] = entry
+        entries = []
+        for impls in worlds:
+            ranks = run_world(worker, 2, args=(impls, cfg, args.micro_batch, precision, args.rounds, args.warmup,
+                                               args.profile_rounds if args.profile else 0),
+                              timeout=3600, env={"OMP_NUM_THREADS": "1"})
+            results = summarise(impls, ranks, args.rounds)
+            entry: dict[str, Any] = {"model": {**cfg, "params": GPTConfig(**cfg).num_params()}, "results": results}
+            print(f"\nGPT {size} ({GPTConfig(**cfg).num_params():,} parameters), {precision}, world 2, micro batch "
+                  f"{args.micro_batch}, {args.rounds} rounds after {args.warmup}, order rotating\n")
+            print_table(results)
+            if args.profile:
+                entry["phases"] = merge_phases(ranks)
+                print_phases(entry["phases"])
+            entries.append(entry)
+        report["configs"][config] = entries[0] if len(entries) == 1 else {"worlds": entries}
     out = Path(args.out or f"benchmarks/out/step_ratio_{'_'.join(c.replace(':', '_') for c in args.configs)}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
