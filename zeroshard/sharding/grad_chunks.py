@@ -54,6 +54,11 @@ class GradientChunks(ABC):
         """Zero what nothing was stored in (``arrived``: the parameters that were); return where the
         reduce-scatter sums this rank's chunk (None: its own chunk of ``full``)."""
 
+    def reduce_into(self, full: torch.Tensor, bucket: BucketLayout) -> Optional[torch.Tensor]:
+        """Where a reduce-scatter of ``full`` may write this rank's summed chunk, apart from ``full``
+        (None: in ``full``'s own chunk); :meth:`take_reduced` finds the sum there."""
+        return None
+
     @abstractmethod
     def take_reduced(self, full: torch.Tensor, bucket: BucketLayout) -> None:
         """``full``'s reduction has finished: this rank's averaged part of it joins the bucket's chunk."""
@@ -219,6 +224,17 @@ class KeptChunkBuffers(ReducedInBucket):
     pages go leaves no hole in the heap that the activations would have to fill.  Stage 2 keeps its
     chunks whole instead ([Note: stage 2's own chunk is reduced in place]): its peak is in backward,
     where the chunks are live anyway.
+
+    [Note: stage 3's first reduction lands in its chunk]
+    A bucket's first reduction of a step writes its sum straight into the chunk's buffer, which it takes
+    at launch (:meth:`reduce_into`): the reduce-scatter's output is the buffer instead of the bucket's
+    own chunk, so no chunk is copied out of a reduced bucket.  The ring computes the same additions
+    into another place, so the sum has the same bits.  Taking the buffer at launch rather than after the
+    reduction costs nothing that the heap would give: its pages come from the engine's buffer memory,
+    not from the activations freed meanwhile (what :class:`ReducedInBucket` waits for), and a bucket is
+    in flight for at most ``StageTraits.max_buckets_in_flight`` buckets' backward.  Later micro steps'
+    reductions, and a communication dtype other than the chunk's, still reduce in the bucket and are
+    added or copied in (rounded) by :meth:`take_reduced`.
     """
 
     def __init__(self, precision: PrecisionPolicy, divisor: int, ranks: ShardRanks, device: torch.device,
@@ -226,6 +242,24 @@ class KeptChunkBuffers(ReducedInBucket):
         super().__init__(precision, divisor, ranks, device)
         #: one buffer per bucket, whose memory comes and goes through the engine's ``memory`` (see the Note)
         self.buffers = KeptBuffers(device, memory)
+        #: bucket index -> the chunk its reduction in flight writes into (see [Note: stage 3's first
+        #: reduction lands in its chunk])
+        self._reducing: dict[int, torch.Tensor] = {}
+
+    def reduce_into(self, full: torch.Tensor, bucket: BucketLayout) -> Optional[torch.Tensor]:
+        """The chunk's buffer, at the bucket's first reduction of a step in the chunk's dtype (see the Note)."""
+        if bucket.index in self._held or full.dtype != self.dtype:
+            return None
+        chunk = self._reducing[bucket.index] = self._new_chunk(bucket)
+        return chunk
+
+    def take_reduced(self, full: torch.Tensor, bucket: BucketLayout) -> None:
+        chunk = self._reducing.pop(bucket.index, None)
+        if chunk is None:
+            super().take_reduced(full, bucket)
+            return
+        self.precision.after_reduction(chunk, self.divisor)
+        self._held[bucket.index] = chunk
 
     def _new_chunk(self, bucket: BucketLayout) -> torch.Tensor:
         return self.buffers.take(bucket.index, bucket.shard_numel, self.dtype)

@@ -77,7 +77,10 @@ class ShardedGradientStrategy(ShardingStrategy):
         full = self._bucket_buffer(bucket)
         with torch.no_grad():
             own = self.grad_chunks.ready_to_reduce(full, bucket, self._progress[bucket.index].arrived)
-        return self.reduce_to_owner(bucket, full, async_op, own=own)
+        into = None
+        if own is None and self.zero.reduce_scatter and (self.quantised_reduction is None or bucket.experts):
+            into = self.grad_chunks.reduce_into(full, bucket)  # a plain reduce-scatter may write elsewhere
+        return self.reduce_to_owner(bucket, full, async_op, own=own, into=into)
 
     def complete(self, bucket: BucketLayout) -> None:
         full = self._buffers.pop(bucket.index)

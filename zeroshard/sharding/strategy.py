@@ -399,7 +399,7 @@ class ShardingStrategy(ABC):
         """Called once the bucket's collective has finished."""
 
     def reduce_to_owner(self, bucket: BucketLayout, full: torch.Tensor, async_op: bool,
-                        own: Optional[torch.Tensor] = None) -> PendingCollective:
+                        own: Optional[torch.Tensor] = None, into: Optional[torch.Tensor] = None) -> PendingCollective:
         """Sum ``full`` (the whole bucket, already divided: ``PrecisionPolicy.before_reduction``) over
         the ranks so that this rank's chunk of it holds its averaged chunk (stages 1-3); the rest of
         ``full`` is then garbage.
@@ -411,6 +411,8 @@ class ShardingStrategy(ABC):
 
         ``own``: this rank's chunk kept outside ``full``, holding its own share of the input; the sum
         accumulates there instead (stage 2: [Note: stage 2's own chunk is reduced in place] in
+        sharding/grad_chunks.py).  ``into``: where this rank's summed chunk is written instead, a plain
+        reduce-scatter only (stage 3: [Note: stage 3's first reduction lands in its chunk] in
         sharding/grad_chunks.py).
         """
         label = f"grad_bucket{bucket.index}"
@@ -422,7 +424,7 @@ class ShardingStrategy(ABC):
             assert own is None, "a chunk kept outside the bucket needs a reduce-scatter"
             return comm.all_reduce(full, label, async_op=async_op)
         start, end = bucket.shard_range(self.ranks.of(bucket))
-        output = full[start:end] if own is None else own
+        output = own if own is not None else full[start:end] if into is None else into
         return comm.reduce_scatter(output, full, label, async_op=async_op, own_input=own)
 
     @abstractmethod
