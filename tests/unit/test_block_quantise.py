@@ -87,6 +87,8 @@ def test_tiles_give_the_whole_tensors_bytes(bits: int, numel: int, block: int, t
             assert torch.equal(unpack(packed, numel, fmt, torch.empty(numel, dtype=dtype)), exact.to(dtype))
         base = torch.randn(numel)
         assert torch.equal(unpack(packed, numel, fmt, base.clone(), accumulate=True), base + exact)
+        strided = torch.zeros(numel, 2)[:, 0]  # a destination that is not contiguous
+        assert torch.equal(unpack(packed, numel, fmt, strided, accumulate=True), exact)
 
 
 def _whole_tensor_values(payload: torch.Tensor, scales: torch.Tensor, numel: int, fmt: BlockFormat) -> torch.Tensor:

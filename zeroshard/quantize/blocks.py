@@ -179,6 +179,10 @@ def dequantise(payload: torch.Tensor, scales: torch.Tensor, numel: int, fmt: Blo
     if out is None:
         assert not accumulate, "accumulating needs an ``out``"
         out = torch.empty(numel, dtype=torch.float32, device=payload.device)
+    if not out.is_contiguous():  # written through a contiguous copy
+        flat = out.contiguous()
+        _dequantise_into(payload, scales, numel, fmt, flat.view(-1), accumulate)
+        return out.copy_(flat.view(out.shape))
     _dequantise_into(payload, scales, numel, fmt, out.view(-1), accumulate)
     return out
 
