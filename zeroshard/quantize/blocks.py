@@ -48,7 +48,7 @@ assert sys.byteorder == "little", "the 4-bit pairing reads two bytes as a little
 
 
 class _Scratch(threading.local):
-    """Each thread's kept CPU scratch buffers, one per dtype (a caller holds each dtype's once at a time),
+    """Each thread's kept CPU scratch buffers, one per dtype (no caller takes one dtype's twice at once),
     grown to the largest tile asked for: about 1.6 MiB at ``TILE`` with blocks of at most ``TILE``."""
 
     def __init__(self) -> None:
