@@ -98,3 +98,16 @@ def _whole_tensor_values(payload: torch.Tensor, scales: torch.Tensor, numel: int
         q = torch.stack([payload & 0xF, payload >> 4], dim=1).reshape(-1).float()[:numel] - 8
     q = torch.cat([q, q.new_zeros(scales.numel() * fmt.block - numel)])
     return (q.view(-1, fmt.block) * scales[:, None]).reshape(-1)[:numel]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("block", [7, 64])
+def test_rows_of_a_wider_tensor_are_read_in_place(bits: int, block: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 2D view whose rows are contiguous but not adjacent (qgZ's chunks for one peer) packs as its flat
+    copy would, tiles straddling its rows."""
+    monkeypatch.setattr(blocks, "TILE", 64)
+    holder = torch.randn(3, 2, 1001, generator=torch.Generator().manual_seed(block)).to(torch.bfloat16)
+    rows = holder[:, 1, :]
+    assert not rows.is_contiguous() and rows.stride(1) == 1
+    fmt = BlockFormat(bits, block)
+    assert torch.equal(pack(rows, fmt), whole_tensor_pack(rows.reshape(-1), fmt))

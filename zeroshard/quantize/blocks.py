@@ -75,9 +75,34 @@ def _rows_per_tile(fmt: BlockFormat, blocks: int, device: torch.device) -> int:
     return rows + 1 if rows * fmt.block % 2 else rows
 
 
+def _read_flat(values: torch.Tensor) -> torch.Tensor:
+    """``values`` as :func:`_quantise_into` reads them: a 1D view where one exists, as they are where they
+    are rows that are each contiguous (a bucket's chunks for one peer: read row by row, not copied), else
+    a flat copy."""
+    if values.is_contiguous():
+        return values.view(-1)
+    if values.dim() == 2 and values.stride(1) == 1:
+        return values
+    return values.reshape(-1)
+
+
+def _copy_range(values: torch.Tensor, start: int, end: int, into: torch.Tensor) -> None:
+    """Copy the elements ``start:end`` of ``values`` read flat (1D, or 2D rows) into ``into``."""
+    if values.dim() == 1:
+        into.copy_(values[start:end])
+        return
+    width, at = values.shape[1], start
+    while at < end:
+        row, column = divmod(at, width)
+        take = min(end - at, width - column)
+        into[at - start:at - start + take].copy_(values[row, column:column + take])
+        at += take
+
+
 def _quantise_into(flat: torch.Tensor, fmt: BlockFormat, payload: torch.Tensor, scales: torch.Tensor) -> None:
-    """Quantise ``flat`` (1D) into ``payload`` (uint8, ``fmt.payload_bytes``) and ``scales`` (fp32, one per
-    block), a tile of whole blocks at a time (see [Note: quantising in tiles of a kept scratch])."""
+    """Quantise ``flat`` (read by :func:`_read_flat`) into ``payload`` (uint8, ``fmt.payload_bytes``) and
+    ``scales`` (fp32, one per block), a tile of whole blocks at a time (see [Note: quantising in tiles of a
+    kept scratch])."""
     numel, block, qmax = flat.numel(), fmt.block, fmt.qmax
     blocks = fmt.blocks(numel)
     rows_per_tile = _rows_per_tile(fmt, blocks, flat.device)
@@ -86,10 +111,10 @@ def _quantise_into(flat: torch.Tensor, fmt: BlockFormat, payload: torch.Tensor, 
         rows = min(rows_per_tile, blocks - first)
         start, end = first * block, min(numel, (first + rows) * block)
         grid = tile[:rows * block].view(rows, block)
-        if flat.dtype == torch.float32 and end - start == rows * block:
+        if flat.dtype == torch.float32 and flat.dim() == 1 and end - start == rows * block:
             source = flat[start:end].view(rows, block)  # already fp32: read in place
         else:
-            tile[:end - start].copy_(flat[start:end])
+            _copy_range(flat, start, end, tile[:end - start])
             tile[end - start:rows * block].zero_()  # the last block's padding
             source = grid
         amax = torch.maximum(source.amax(dim=1).abs_(), source.amin(dim=1).abs_())
@@ -165,7 +190,7 @@ def _dequantise_into(payload: torch.Tensor, scales: torch.Tensor, numel: int, fm
 def quantise(values: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """``values`` (any shape, read flat) as (payload: uint8, ``fmt.payload_bytes`` of them; scales: fp32,
     one per block); see [Note: symmetric blocks of any size]."""
-    flat = values.reshape(-1)
+    flat = _read_flat(values)
     payload = torch.empty(fmt.payload_bytes(flat.numel()), dtype=torch.uint8, device=flat.device)
     scales = torch.empty(fmt.blocks(flat.numel()), dtype=SCALE, device=flat.device)
     _quantise_into(flat, fmt, payload, scales)
@@ -190,7 +215,7 @@ def dequantise(payload: torch.Tensor, scales: torch.Tensor, numel: int, fmt: Blo
 def pack(values: torch.Tensor, fmt: BlockFormat, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``values`` quantised into one uint8 buffer of ``packed_bytes(values.numel())``: payload, then the
     scales' bytes (written into ``out`` when given)."""
-    flat = values.reshape(-1)
+    flat = _read_flat(values)
     size, split = packed_bytes(flat.numel(), fmt), fmt.payload_bytes(flat.numel())
     buffer = out if out is not None else torch.empty(size, dtype=torch.uint8, device=flat.device)
     scales = torch.empty(fmt.blocks(flat.numel()), dtype=SCALE, device=flat.device)

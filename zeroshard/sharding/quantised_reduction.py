@@ -114,7 +114,7 @@ class _TwoHops:
         send = torch.empty(local * size, dtype=torch.uint8, device=self.full.device)
         for peer in range(local):
             if peer != me:
-                pack(chunks[:, peer, :].reshape(-1), plan.format, send[peer * size:(peer + 1) * size])
+                pack(chunks[:, peer, :], plan.format, send[peer * size:(peer + 1) * size])  # M rows, read flat
         received = torch.empty_like(send)
         plan.inside.exchange(received, send)
         for peer in range(local):
