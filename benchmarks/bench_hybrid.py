@@ -216,8 +216,9 @@ def predicted(rows: list[dict], config: Config, mbit: int) -> tuple[float, float
     whole = [n for i, n in enumerate(row["padded_buckets"]) if i in persistent]
     stage, mics, hpz = config.zero["stage"], config.zero.get("mics_shard_size"), config.zero.get("zero_hpz_partition_size")
     p, g, quant = row["param_bytes"], row["grad_bytes"], quantisation(config)
+    reuse = config.zero.get("stage3_max_reuse_distance", 10**9)  # the default keeps every unit through backward
     traffics = [traffic_per_step(stage, sharded or whole, WORLD, PER_NODE, ACCUM, p, g, mics_shard_size=mics,
-                                 hpz_partition_size=hpz, quantisation=quant)]
+                                 hpz_partition_size=hpz, quantisation=quant, max_reuse_distance=reuse)]
     if stage == 3 and whole and sharded:  # persistent buckets: reduce-scatter (qgZ's too) each micro step,
         # all-gathered once after the step (never quantised), as stage 2 does
         traffics.append(traffic_per_step(2, whole, WORLD, PER_NODE, ACCUM, p, g, mics_shard_size=mics,

@@ -26,12 +26,14 @@ from zs_common import make_model, rank_micro_batches, single_process_reference, 
 import zeroshard
 from zeroshard.checkpoint.consolidate import full_state_dict
 from zeroshard.distributed.collectives import CallRecord, CommKind, CommScope
+from zeroshard.config import ZeroConfig
 from zeroshard.planning import model_state_bytes
 from zeroshard.planning.scale_model import traffic_per_step
 from zeroshard.tools.testing import Case, case, case_directory, check_family, run_family, run_world
 
 WORLD, PER_NODE, STEPS, MICRO, ACCUM = 4, 2, 3, 2, 2
 FP32 = 4
+REUSE = ZeroConfig().stage3_max_reuse_distance  # the default: every unit kept from forward to backward
 HYBRID = {"mics": {"mics_shard_size": PER_NODE}, "hpz": {"zero_hpz_partition_size": PER_NODE}}
 
 def config(stage: int, hybrid: str | None, **zero: Any) -> dict:
@@ -49,13 +51,16 @@ def train(engine: Any, first: int, last: int) -> None:
 def train_and_log(rank: int, world: int, directory: str, stage: int, hybrid: str) -> dict:
     engine, _, _, _ = zeroshard.initialize(model=make_model(), config=config(stage, hybrid))
     log = engine.comm.ledger.start_log()
-    train(engine, 0, STEPS)
+    step_scopes = []  # the bytes by scope after each step
+    for step in range(STEPS):
+        train(engine, step, step + 1)
+        step_scopes.append(engine.comm.bytes_sent_by_scope())
     layout = engine.strategy.layout  # the trainable buckets; stage 3 also shards the model's frozen layer
     persistent = sorted(engine.strategy.plan.persistent_buckets) if stage == 3 else []
     out = {"log": list(log), "by_scope": engine.comm.bytes_sent_by_scope(), "memory": engine.memory_breakdown(),
            "buckets": [(b.padded_numel, b.shard_numel, b.numel) for b in layout.buckets], "persistent": persistent,
            "frozen": [b.padded_numel for b in engine.storage.layout.buckets if b.frozen],
-           "shard_rank": engine.strategy.world.rank}
+           "shard_rank": engine.strategy.world.rank, "step_scopes": step_scopes}
     out["state"] = engine.full_state_dict()
     if hybrid == "hpz":  # the same job without hpZ: the same gathers, only from elsewhere
         engine.close()
@@ -75,7 +80,9 @@ def across(log: list[CallRecord]) -> int:
 
 def predicted(stage: int, result: dict, hybrid: str) -> dict[str, int]:
     """The scale model's bytes per step (``zeroshard estimate``) for this run's padded buckets: stage 3's
-    persistent buckets travel as at stage 2 (reduce-scattered each micro step, gathered after the step)."""
+    persistent buckets travel as at stage 2 (reduce-scattered each micro step, gathered after the step);
+    stage 3 keeps its units gathered from forward to backward (``stage3_max_reuse_distance`` at its
+    default)."""
     knobs = {"mics": {"mics_shard_size": PER_NODE}, "hpz": {"hpz_partition_size": PER_NODE}}[hybrid]
     persistent = set(result["persistent"])
     sharded = [b[0] for i, b in enumerate(result["buckets"]) if i not in persistent]
@@ -85,7 +92,7 @@ def predicted(stage: int, result: dict, hybrid: str) -> dict[str, int]:
     for part_stage, numels in parts:
         knob = knobs if part_stage == 3 or hybrid == "mics" else {}
         for scope, sent in traffic_per_step(part_stage, numels, WORLD, PER_NODE, ACCUM, FP32, FP32,
-                                            **knob).by_scope().items():
+                                            max_reuse_distance=REUSE, **knob).by_scope().items():
             out[scope] += sent
     return out
 
@@ -117,12 +124,20 @@ def check_mics_trains_as_one_process_and_only_the_replica_all_reduce_crosses_nod
                                               for _, shard, real in result["buckets"])
         # zeroshard estimate's scale model predicts the bytes across nodes to the byte
         assert STEPS * predicted(stage, result, "mics")["across_nodes"] == result["by_scope"]["across_nodes"]
+    grad_norm = 2 * (PER_NODE - 1) * 8 // PER_NODE  # one float64 all-reduce over the shard group
     if stage < 3:  # inside the node: the reduce-scatters (one per micro step at stage 2) and the gathers
         k = ACCUM if stage == 2 else 1
         inside = sum((k + 1) * (PER_NODE - 1) * padded * FP32 // PER_NODE for padded, _, _ in results[0]["buckets"])
-        grad_norm = 2 * (PER_NODE - 1) * 8 // PER_NODE  # one float64 all-reduce over the shard group
         assert results[0]["by_scope"]["inside_node"] == STEPS * (inside + grad_norm)
         assert predicted(stage, results[0], "mics")["inside_node"] == inside
+        return
+    # stage 3, once the first pass has recorded the order: each unit gathered for forward and kept for
+    # backward; the scale model's bytes inside the node to the byte, plus the frozen layer's gathers
+    for result in results:
+        last, before = result["step_scopes"][-1], result["step_scopes"][-2]
+        frozen = sum(ACCUM * (PER_NODE - 1) * padded * FP32 // PER_NODE for padded in result["frozen"])
+        assert (last["inside_node"] - before["inside_node"]
+                == predicted(3, result, "mics")["inside_node"] + frozen + grad_norm)
 
 
 def check_hpz_trains_as_one_process_and_gathers_inside_the_node_after_the_first(

@@ -68,9 +68,13 @@ def run(quantised: Optional[str], hybrid: bool, stage: int = 3, **zero: Any) -> 
 
 
 def quantised_and_plain(rank: int, world: int, directory: str, quantised: str, hybrid: bool,
-                        qgz: bool = False) -> dict:
-    """``qgz``: the quantised run reduces its gradients with qgZ too (hpZ + qwZ + qgZ: all of ZeRO++)."""
-    return {"quantised": run(quantised, hybrid, 3, **(qgz_keys(4) if qgz else {})), "plain": run(None, hybrid)}
+                        qgz: bool = False, offload: bool = False) -> dict:
+    """``qgz``: the quantised run reduces its gradients with qgZ too (hpZ + qwZ + qgZ: all of ZeRO++);
+    ``offload``: both runs keep the parameters' shards and the optimizer in host memory (``offload_param``,
+    which needs ``offload_optimizer``)."""
+    place = {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}} if offload else {}
+    return {"quantised": run(quantised, hybrid, 3, **(qgz_keys(4) if qgz else {}), **place),
+            "plain": run(None, hybrid, 3, **place)}
 
 
 def qgz_keys(bits: int) -> dict:
@@ -162,7 +166,8 @@ def compute_gathers(log: list[CallRecord]) -> list[CallRecord]:
 
 
 def check_qwz_gathers_move_int8_blocks_and_train_as_unquantised(results: list[dict], directory: Path,
-                                                               quantised: str, hybrid: bool, qgz: bool = False) -> None:
+                                                               quantised: str, hybrid: bool, qgz: bool = False,
+                                                               offload: bool = False) -> None:
     fmt, world = BlockFormat(8, BLOCK), len(results)
     for result in results:
         q, p = result["quantised"], result["plain"]
@@ -197,6 +202,8 @@ def check_qwz_gathers_move_int8_blocks_and_train_as_unquantised(results: list[di
         for name, value in q["state"].items():
             assert torch.isfinite(value).all(), name
         assert q["memory"]["qwz_gather_buffers"] > 0 and "qwz_gather_buffers" not in p["memory"]
+        if offload:  # the parameters' shards live in host memory
+            assert q["memory"]["on_host"] == p["memory"]["on_host"] > q["memory"]["params"] > 0
 
 
 def resume_without(rank: int, world: int, directory: str) -> dict:
@@ -246,7 +253,8 @@ CHECKS: dict[str, Callable[..., None]] = {QWZ: check_qwz_gathers_move_int8_block
                                           QGZ: check_qgz_reduces_in_two_quantised_hops_and_trains_as_unquantised,
                                           EACH: check_qwz_and_qgz_each_against_the_same_plain_run}
 #: on two nodes of two (run in test_hybrid.py's worlds): qwZ and qgZ at stage 3 and the refusals by default;
-#: all of ZeRO++ with hpZ, qwZ for frozen parameters only, the save, and qgZ at stages 1-2 extended
+#: all of ZeRO++ with hpZ, qwZ for frozen parameters only, qwZ + qgZ with the parameters offloaded to the
+#: host, the save, and qgZ at stages 1-2 extended
 DEFAULT_CASES: list[Case] = [
     (EACH, {}),
     (REFUSED, {"stage": 2, "zero": {"zero_quantized_weights": True},
@@ -255,6 +263,7 @@ DEFAULT_CASES: list[Case] = [
                "words": "zero_quantized_block_size"}),
 ]
 EXTENDED_CASES: list[Case] = [(QWZ, {"quantised": "all", "hybrid": True, "qgz": True}), (QWZ, {"quantised": "frozen", "hybrid": False}),
+                              (QWZ, {"quantised": "all", "hybrid": False, "qgz": True, "offload": True}),
                               (RESUME, {}), (QGZ, {"stage": 1, "bits": 4}), (QGZ, {"stage": 2, "bits": 8})]
 
 

@@ -87,6 +87,19 @@ def test_rounding_follows_the_engine_per_call() -> None:
     assert calls == {"param_gather_forward": 4, "param_gather_backward": 4, "grad_reduce_scatter": 4}
 
 
+def test_units_kept_from_forward_to_backward_are_not_gathered_again() -> None:
+    """``stage3_max_reuse_distance``: a bucket (backward's order) is kept while twice the elements of the
+    buckets before it are under the limit; kept, its backward gather (or hpZ's) does not run."""
+    def calls(reuse: int | None, **knobs: int) -> dict[str, int]:
+        traffic = traffic_per_step(3, [1000, 1000, 1000], 4, 2, 2, 2, 2, max_reuse_distance=reuse, **knobs)
+        return {c.name: c.calls for c in traffic.by_collective}
+    assert calls(None) == calls(0) == {"param_gather_forward": 6, "param_gather_backward": 6, "grad_reduce_scatter": 6}
+    assert calls(2500) == {"param_gather_forward": 6, "param_gather_backward": 2, "grad_reduce_scatter": 6}
+    assert calls(10**9) == {"param_gather_forward": 6, "grad_reduce_scatter": 6}  # the default keeps all three
+    hpz = calls(10**9, hpz_partition_size=2)
+    assert "param_gather_backward_hpz" not in hpz and hpz["param_gather_forward_hpz"] == 3
+
+
 def test_groups_that_straddle_nodes_count_across_nodes() -> None:
     # 6 ranks on 2 nodes of 3: shard groups {0,1} {2,3} {4,5}; {2,3} spans nodes, so the reported rank does too
     t = traffic_per_step(3, 600, 6, 3, 1, 2, 2, mics_shard_size=2)

@@ -19,9 +19,10 @@ all-gathers in the compute dtype (p bytes) and gradient collectives in the commu
 - stage 0: one all-reduce of the gradients at the boundary, 2(N-1)/N Ψg;
 - stage 1: a reduce-scatter at the boundary, (N-1)/N Ψg, and the all-gather of the updated
   parameters after the step, (N-1)/N Ψp; stage 2 reduce-scatters every micro step: K(N-1)/N Ψg;
-- stage 3: per micro step a forward all-gather, a backward all-gather and a reduce-scatter; inside a
-  pipeline (by default) one all-gather per step before the first pass, held through the batch, and
-  the K reduce-scatters;
+- stage 3: per micro step a forward all-gather, a backward all-gather (none for a unit kept gathered
+  from forward to backward: [Note: units kept from forward to backward] in planning/gather_reuse.py)
+  and a reduce-scatter; inside a pipeline (by default) one all-gather per step before the first pass,
+  held through the batch, and the K reduce-scatters;
 - MiCS S: the stage's collectives over the S ranks of a shard group, plus one all-reduce of each
   rank's gradient shard (Ψ/S elements) across the R = N/S groups at the boundary;
 - hpZ S (stage 3): the first forward gathers over all N ranks, the other 2K-1 gathers of the step
@@ -106,6 +107,7 @@ from .estimate_request import EstimateRequest, data_parallel_size, pipeline_stag
 from .estimator import GB, StageEstimate, estimate_hybrid, state_parts
 from .bandwidth import parse_bandwidth  # noqa: F401  (the scale model's command-line units, also its name here)
 from .quantised_traffic import Quantisation
+from .gather_reuse import kept_through_backward
 
 __all__ = ["Phase", "CollectiveTraffic", "Traffic", "group_placement", "traffic_per_step", "Sharding", "Cluster",
            "StepTime", "ScaleEstimate", "compute_seconds", "bubble_factor", "step_time", "default_shardings",
@@ -249,9 +251,10 @@ def _check(stage: int, dims: ParallelDims, ranks_per_node: int, micro_steps: int
 
 def _bucket_traffic(stage: int, numel: int, groups: _ZeroGroups, k: int, p: int, g: int,
                     mics: Optional[int], hpz: Optional[int], gather_once: bool,
-                    quant: Optional[Quantisation] = None) -> list[CollectiveTraffic]:
+                    quant: Optional[Quantisation] = None, kept: bool = False) -> list[CollectiveTraffic]:
     """The collectives of one bucket of ``numel`` elements (see [Note: what the scale model counts];
-    ``quant``: [Note: quantised bytes in the scale model] in planning/quantised_traffic.py)."""
+    ``quant``: [Note: quantised bytes in the scale model] in planning/quantised_traffic.py; ``kept``: stage
+    3 keeps it gathered from forward to backward)."""
     world, shard = groups.data, groups.shard
     out: list[CollectiveTraffic] = []
 
@@ -284,7 +287,7 @@ def _bucket_traffic(stage: int, numel: int, groups: _ZeroGroups, k: int, p: int,
         first = quant.gather_full_bytes(numel, world.size) if quant is not None and qwz else params
         add("param_gather_first_forward", "all_gather", Phase.FIRST_FORWARD, 1, world, first)
         add("param_gather_forward_hpz", "all_gather", Phase.LATER_FORWARDS, k - 1, groups.secondary, params)
-        add("param_gather_backward_hpz", "all_gather", Phase.BACKWARD, k, groups.secondary, params)
+        add("param_gather_backward_hpz", "all_gather", Phase.BACKWARD, 0 if kept else k, groups.secondary, params)
         reduce(Phase.BACKWARD, k, world)
     elif gather_once:
         add("param_gather_per_step", "all_gather", Phase.AFTER_STEP, 1, shard, params)
@@ -292,7 +295,7 @@ def _bucket_traffic(stage: int, numel: int, groups: _ZeroGroups, k: int, p: int,
     else:
         gathered = quant.gather_full_bytes(numel, shard.size) if quant is not None and qwz else params
         add("param_gather_forward", "all_gather", Phase.FORWARD, k, shard, gathered)
-        add("param_gather_backward", "all_gather", Phase.BACKWARD, k, shard, gathered)
+        add("param_gather_backward", "all_gather", Phase.BACKWARD, 0 if kept else k, shard, gathered)
         reduce(Phase.BACKWARD, k, shard)
     if mics is not None and groups.replicas is not None:
         if numel % mics:
@@ -306,7 +309,8 @@ def traffic_per_step(stage: int, numel: Union[int, Sequence[int]], world_size: i
                      micro_steps: int, param_bytes: int, grad_bytes: int, mics_shard_size: Optional[int] = None,
                      hpz_partition_size: Optional[int] = None, tensor_parallel: int = 1,
                      pipeline_stages: int = 1, gather_once_per_step: bool = False,
-                     quantisation: Optional[Quantisation] = None) -> Traffic:
+                     quantisation: Optional[Quantisation] = None,
+                     max_reuse_distance: Optional[int] = None) -> Traffic:
     """Bytes one rank sends in one optimizer step for ZeRO (see [Note: what the scale model counts]).
 
     ``world_size`` is the number of ranks ZeRO shards over: the data-parallel size, which is the whole
@@ -320,8 +324,10 @@ def traffic_per_step(stage: int, numel: Union[int, Sequence[int]], world_size: i
     or -1 and ``hpz_partition_size`` None or 1 are off, as in the config.  ``gather_once_per_step``
     (stage 3 inside a pipeline, zeroshard's default): each unit is gathered once before the batch's
     first pass and held, one exposed all-gather instead of two per micro step.  ``quantisation``: ZeRO++'s
-    qwZ and qgZ ([Note: quantised bytes in the scale model] in planning/quantised_traffic.py).  Raises
-    ValueError for a size that does not divide ``world_size``.
+    qwZ and qgZ ([Note: quantised bytes in the scale model] in planning/quantised_traffic.py).
+    ``max_reuse_distance``: stage 3's ``stage3_max_reuse_distance``, which keeps units gathered from
+    forward to backward (None: no unit is kept; [Note: units kept from forward to backward] in
+    planning/gather_reuse.py).  Raises ValueError for a size that does not divide ``world_size``.
     """
     mics = mics_shard_size if mics_shard_size is not None and mics_shard_size > 0 else None
     hpz = hpz_partition_size if hpz_partition_size is not None and hpz_partition_size > 1 else None
@@ -332,9 +338,9 @@ def traffic_per_step(stage: int, numel: Union[int, Sequence[int]], world_size: i
     groups = _zero_groups(dims, min(ranks_per_node, dims.world_size), mics, hpz)
     buckets = [numel] if isinstance(numel, int) else list(numel)
     merged: dict[str, CollectiveTraffic] = {}
-    for bucket in buckets:
+    for bucket, kept in zip(buckets, kept_through_backward(buckets, max_reuse_distance)):
         for c in _bucket_traffic(stage, int(bucket), groups, micro_steps, param_bytes, grad_bytes, mics, hpz,
-                                 gather_once_per_step, quantisation):
+                                 gather_once_per_step, quantisation, kept):
             seen = merged.get(c.name)
             merged[c.name] = c if seen is None else dataclasses.replace(
                 seen, calls=seen.calls + c.calls, bytes_sent=seen.bytes_sent + c.bytes_sent)

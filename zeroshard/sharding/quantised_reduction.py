@@ -114,12 +114,13 @@ class _TwoHops:
         send = torch.empty(local * size, dtype=torch.uint8, device=self.full.device)
         for peer in range(local):
             if peer != me:
-                pack(chunks[:, peer, :].reshape(-1), plan.format, send[peer * size:(peer + 1) * size])
+                pack(chunks[:, peer, :], plan.format, send[peer * size:(peer + 1) * size])  # M rows, read flat
         received = torch.empty_like(send)
         plan.inside.exchange(received, send)
         for peer in range(local):
             if peer != me:
-                sums += unpack(received[peer * size:(peer + 1) * size], nodes * shard, plan.format).view(nodes, shard)
+                unpack(received[peer * size:(peer + 1) * size], nodes * shard, plan.format, sums.view(-1),
+                       accumulate=True)
         return sums
 
     def _across(self, sums: torch.Tensor, node: int) -> torch.Tensor:
@@ -134,10 +135,10 @@ class _TwoHops:
                 pack(sums[other], plan.format, send[other * size:(other + 1) * size])
         received = torch.empty_like(send)
         plan.across.exchange(received, send)
-        total = sums[node].clone()
+        total = sums[node]  # summed in place: the other nodes' sums were packed above
         for other in range(plan.nodes):
             if other != node:
-                total += unpack(received[other * size:(other + 1) * size], shard, plan.format)
+                unpack(received[other * size:(other + 1) * size], shard, plan.format, total, accumulate=True)
         return total
 
 

@@ -8,8 +8,9 @@ before it packs, unlike FP8's agreed per-tensor scale; the chunks are all the sa
 padded to a multiple of the ranks), so every rank's packed chunk is ``payload + scales`` bytes and the
 all-gather moves exactly those.  Blocks run over the chunk, across parameter boundaries and into the
 padding: a block's error is bounded by half a step of its own amax whatever it holds.  When the gather
-is waited for, each rank dequantises every chunk, its own included, into the bucket's full buffer, so
-all ranks compute with the same weights (see [Note: one seam for compressed gathers] in
+is waited for, each rank dequantises the other ranks' chunks into the bucket's full buffer, and its own
+chunk too, from what it packed, as soon as that is packed (the gather runs meanwhile), so all ranks
+compute with the same weights (see [Note: one seam for compressed gathers] in
 sharding/stage3/compressed_gathers.py for what that asks of the storage).  Masters, optimizer state
 and the stored chunks never see the quantisation: the optimizer steps the exact chunk, and gathers for
 anything but compute (saves, ``GatheredParameters``, ``full_state_dict``) are exact.  With hpZ the
@@ -58,14 +59,18 @@ class QuantisedGathers:
                into: Optional[torch.Tensor]) -> tuple[PendingCollective, Callable[[], None]]:
         bucket = self.buckets[index]
         shard = bucket.shard_numel
-        with torch.no_grad():
-            packed = pack(own, self.format)  # 1D uint8: payload, then scales
 
         def unpack_chunk(other: int, chunk: torch.Tensor) -> None:
             assert into is not None
-            unpack(chunk, shard, self.format, into[other * shard:(other + 1) * shard])
-        return packed_all_gather(comm, packed, bucket.world_size, f"{label}.qwz",
-                                 unpack_chunk if into is not None else None)
+            if other != rank:  # this rank's own slot is written as soon as the gather is launched
+                unpack(chunk, shard, self.format, into[other * shard:(other + 1) * shard])
+        with torch.no_grad():
+            packed = pack(own, self.format)  # 1D uint8: payload, then scales
+            pending, finish = packed_all_gather(comm, packed, bucket.world_size, f"{label}.qwz",
+                                                unpack_chunk if into is not None else None)
+            if into is not None:
+                unpack(packed, shard, self.format, into[rank * shard:(rank + 1) * shard])
+        return pending, finish
 
 
 def qwz_gathers(layout: FlatLayout, persistent: Collection[int], zero: ZeroConfig) -> Optional[QuantisedGathers]:

@@ -312,14 +312,15 @@ class ShardedParameters:
         bucket, full = self.layout.buckets[index], self.full[index]
         self._fill(index, lend=False)
         start, end = bucket.shard_range(self.ranks.of(bucket))
-        own = self.store.view(bucket)
+        own, slot = self.store.view(bucket), full[start:end]
         with torch.no_grad():
             if own is None or own.device != full.device:
-                self.store.read_into(bucket, full[start:end])
-            else:
-                full[start:end].copy_(own)
+                self.store.read_into(bucket, slot)
+                own = slot
+            elif not gathers.rewrites_own_slot:  # the slot keeps the exact chunk; else packed from the store
+                own = slot.copy_(own)
         self._pending[index], self._dequantise[index] = gathers.gather(
-            self.comm_of(bucket), index, self.ranks.of(bucket), full[start:end], label, full)
+            self.comm_of(bucket), index, self.ranks.of(bucket), own, label, full)
         self._gathered_compressed.add(index)
         self._primary_pending.add(index)  # hpZ: the secondary partition is cut from what it gathers
         self.state[index] = GatherState.GATHERING
