@@ -17,9 +17,10 @@ import argparse
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .deepspeed_format.layout_metadata import aggregate_autoep_zero12_metadata as _aggregate_autoep_zero12_metadata
 from .deepspeed_format.universal import write_universal
 
-__all__ = ["parse_arguments", "main"]
+__all__ = ["parse_arguments", "main", "_aggregate_autoep_zero12_metadata"]
 
 
 def parse_arguments(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
