@@ -86,6 +86,10 @@ def test_the_layout_is_read_from_the_model_files(tmp_path: Path, monkeypatch: py
     write_layout(bad, [{"pp_degree": 1, "tp_degree": 2}, {"pp_degree": 1, "tp_degree": 1}])
     with pytest.raises(CheckpointError, match="disagrees across model-state files"):
         ZeROCheckpoint(str(bad))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CheckpointError, match="without model files"):
+        get_model_3d_descriptor(str(empty))
 
 
 def test_the_model_files_metadata_is_checked(tmp_path: Path) -> None:

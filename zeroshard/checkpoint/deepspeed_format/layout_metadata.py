@@ -58,9 +58,9 @@ class CheckpointFiles:
     layer_files: list[str]
 
 
-def list_checkpoint_files(dir: str) -> CheckpointFiles:  # noqa: A002 - DeepSpeed's name
-    """The files of the DeepSpeed checkpoint folder ``dir``, by role."""
-    folder = Path(dir)
+def list_checkpoint_files(directory: str) -> CheckpointFiles:
+    """The files of the DeepSpeed checkpoint folder ``directory`` (not its subfolders), by role."""
+    folder = Path(directory)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a DeepSpeed checkpoint folder")
     files = sorted(str(p) for p in folder.iterdir() if p.is_file())
@@ -138,6 +138,8 @@ def _recorded_degrees(file: str, dims: Any) -> tuple[int, int]:
 def descriptor_from_metadata(file_list: Sequence[str], zero_files: Sequence[str],
                              metadata: Sequence[FileMetadata]) -> model_3d_desc:
     """The layout of a checkpoint (see [Note: a checkpoint's layout from its files])."""
+    if not metadata:
+        raise CheckpointError("a DeepSpeed checkpoint without model files (mp_rank_*_model_states.pt) has no layout")
     recorded = {file: m.get(CHECKPOINT_PARALLEL_DIMS) for file, m in metadata}
     missing = [file for file, dims in recorded.items() if dims is None]
     if len(missing) == len(recorded):
