@@ -111,3 +111,23 @@ def test_rows_of_a_wider_tensor_are_read_in_place(bits: int, block: int, monkeyp
     assert not rows.is_contiguous() and rows.stride(1) == 1
     fmt = BlockFormat(bits, block)
     assert torch.equal(pack(rows, fmt), whole_tensor_pack(rows.reshape(-1), fmt))
+def test_equal_groups_and_deepspeeds_quantizer() -> None:
+    from zeroshard.deepspeed.runtime.zero.partition_parameters import CUDAQuantizer
+    from zeroshard.quantize import dequantise_groups, group_count, quantise_groups
+
+    assert (group_count(4096), group_count(16_002), group_count(8009)) == (1, 3, 8009)  # 8009 is prime
+    values = torch.randn(12, 20, generator=torch.Generator().manual_seed(3))
+    q, scales = quantise_groups(values, groups=6)
+    assert q.dtype == torch.int8 and q.numel() == 240 and scales.numel() == 6
+    back = dequantise_groups(q, scales, torch.bfloat16)
+    assert back.dtype == torch.bfloat16
+    step = scales.repeat_interleave(40)
+    assert torch.all((dequantise_groups(q, scales) - values.reshape(-1)).abs() <= step / 2 * (1 + 1e-6))
+    with pytest.raises(QuantisationError, match="equal groups"):
+        quantise_groups(values, groups=7)
+    quantizer = CUDAQuantizer()  # no DeepSpeed op: zeroshard's own quantiser, in the dtype asked for
+    q, scales = quantizer.quantize(values.bfloat16())
+    assert q.dtype == torch.int8 and scales.numel() == 1
+    again = quantizer.dequantize(q, scales, dtype=torch.bfloat16)
+    assert again.dtype == torch.bfloat16 and torch.equal(again, dequantise_groups(q, scales, torch.bfloat16))
+    assert quantizer.dequantize(q, scales).dtype == torch.half

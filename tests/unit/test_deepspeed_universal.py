@@ -75,7 +75,7 @@ def test_deepspeed_checkpoint_describes_the_files() -> None:
     assert [Path(f).name for f in ckpt.zero_files] == [f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
                                                        for r in range(2)]
     assert [Path(f).name for f in ckpt.mp_rank_files] == ["mp_rank_00_model_states.pt"] and not ckpt.layer_files
-    state = ckpt.get_zero_checkpoint_state(pp_index=0, tp_index=0, dp_index=1)
+    state = ckpt.get_zero_checkpoint_state(pp_index=0, tp_index=0, dp_index=1, strip_tensor_paddings=False)
     assert state[constants.OPTIMIZER_STATE_DICT][constants.GROUP_PADDINGS] == [2]
     assert ckpt.global_state[constants.PARAM_SHAPES][0]["fc1.weight"] == torch.Size([13, 9])
     with pytest.raises(CheckpointError, match="tensor degree 2"):

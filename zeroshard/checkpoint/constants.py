@@ -68,8 +68,14 @@ AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS = "autotp_unsupported_parameter_patterns"
 SUB_PARAM_SHARD_WIDTHS = "sub_param_shard_widths"
 DS_AUTOTP_UC_META = "ds_autotp_universal_checkpoint_meta"
 
-# the AutoEP entries DeepSpeed's zero_to_fp32.py imports (zeroshard writes no AutoEP checkpoints)
+# the AutoEP entries DeepSpeed's zero_to_fp32.py and universal conversion read (zeroshard writes no AutoEP checkpoints)
 AUTOEP_LAYERS_KEY = "ds_autoep_layers"
 AUTOEP_LAYERS_KEY_LEGACY = "autoep_layers"
 AUTOEP_ZERO3_EXPERT_STATE_FORMAT_KEY = "checkpoint_format"
 AUTOEP_ZERO3_PARTITIONED_EXPERT_STATE_FORMAT = "zero3_partitioned"
+# an AutoEP layer's record in a model file: the entries a stage 1-2 universal conversion requires of it
+AUTOEP_EXPERT_KEY_PREFIX = "expert_key_prefix"
+AUTOEP_NUM_EXPERTS = "num_experts"
+AUTOEP_NUM_LOCAL_EXPERTS = "num_local_experts"
+AUTOEP_EP_SIZE = "ep_size"
+AUTOEP_ZERO12_REQUIRED_FIELDS = (AUTOEP_EXPERT_KEY_PREFIX, AUTOEP_NUM_EXPERTS, AUTOEP_NUM_LOCAL_EXPERTS, AUTOEP_EP_SIZE)

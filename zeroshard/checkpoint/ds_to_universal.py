@@ -30,6 +30,7 @@ from .constants import OPTIMIZER_STATE_DICT, UNIVERSAL_CHECKPOINT_INFO, UNIVERSA
 from .deepspeed_format.ds_checkpoint import DeepSpeedCheckpoint
 from .deepspeed_format.fragments import group_per_tp_shapes as _group_per_tp_shapes
 from .deepspeed_format.fragments import merge_zero_shards as _merge_zero_shards
+from .deepspeed_format.layout_metadata import aggregate_autoep_zero12_metadata as _aggregate_autoep_zero12_metadata
 from .deepspeed_format.tp_layout import check_conversion_support as _validate_autotp_conversion_support
 from .deepspeed_format.tp_merge import merge_tp_slices
 from .deepspeed_format.universal import write_universal
@@ -38,7 +39,7 @@ from .deepspeed_format.unpickle import load_deepspeed_file
 
 #: with DeepSpeed's private names, which its tools and tests import from this module
 __all__ = ["parse_arguments", "main", "merge_tp_slices", "DeepSpeedCheckpoint", "_group_per_tp_shapes",
-           "_merge_zero_shards", "_validate_autotp_conversion_support"]
+           "_merge_zero_shards", "_validate_autotp_conversion_support", "_aggregate_autoep_zero12_metadata"]
 
 
 def _files(folder: str, suffix: str) -> list[str]:

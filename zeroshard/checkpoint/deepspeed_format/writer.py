@@ -43,6 +43,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..format import LATEST, CheckpointError, write_text_atomic
+from .layout_metadata import checkpoint_parallel_metadata
 from .partitions import MOMENTS
 from .pickler import save_deepspeed_file, stand_in
 from .reader import MODEL_FILE, optimizer_file, stage3_model_file
@@ -167,7 +168,7 @@ class _Target:
             "lr_scheduler": data.get("lr_scheduler"), "data_sampler": None, "random_ltd": None,
             "skipped_steps": int(engine.get("skipped_steps", 0)), "global_steps": int(engine.get("global_steps", 0)),
             "global_samples": int(engine.get("global_samples", 0)), "dp_world_size": self.world, "mp_world_size": 1,
-            "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+            **checkpoint_parallel_metadata(None),
             "ds_config": self.ds_config, "ds_version": DEEPSPEED_LAYOUT_VERSION,
         }
 

@@ -1,5 +1,6 @@
 """``deepspeed.runtime.zero.partition_parameters`` (and ``deepspeed.zero``): ``Init``,
-``GatheredParameters``, ``ZeroParamStatus``, external parameters, the tensor-constructor wrapper.
+``GatheredParameters``, ``ZeroParamStatus``, external parameters, the tensor-constructor wrapper,
+``CUDAQuantizer`` (ZeRO++'s int8 quantiser under DeepSpeed's name).
 
 The machinery is zeroshard's own (:mod:`zeroshard.sharding.stage3.init_context`,
 :mod:`zeroshard.sharding.stage3.gathered`, :mod:`zeroshard.sharding.stage3.units`); this module only
@@ -22,10 +23,12 @@ from ...accelerator import get_accelerator
 from ....sharding.stage3.gathered import GatheredParameters
 from ....sharding.stage3.init_context import Init as _Init
 from ....sharding.stage3.param_status import ZeroParamStatus
+from ....quantize import dequantise_groups, group_count, quantise_groups
 from ....sharding.stage3.units import register_external_parameter, unregister_external_parameter
 
 __all__ = ["Init", "GatheredParameters", "ZeroParamStatus", "register_external_parameter",
-           "unregister_external_parameter", "zero_wrapper_for_fp_tensor_constructor", "get_accelerator"]
+           "unregister_external_parameter", "zero_wrapper_for_fp_tensor_constructor", "get_accelerator",
+           "CUDAQuantizer"]
 
 # The floating-point tensor constructors Init(dtype=...) wraps, and torch's originals.
 _orig_torch_empty = torch.empty
@@ -110,3 +113,37 @@ class Init(_Init):
             setattr(torch, name, previous)
         self._replaced.clear()
         super().__exit__(*exc)
+
+
+class CUDAQuantizer:
+    """DeepSpeed's ZeRO++ weight quantiser: a tensor as int8 values with one fp32 scale per group, and
+    back in the dtype asked for.
+
+    zeroshard builds no DeepSpeed ops, so by default it quantises with its own block quantiser
+    (``zeroshard.quantize.quantise_groups``: symmetric, equal groups, on any device; [Note: equal groups]
+    in quantize/groups.py).  Where ``quantizer_cuda_module`` is set to DeepSpeed's compiled quantizer op,
+    that op is used with its convention: it reads fp16 and writes fp16, so the values are handed to it in
+    fp16 and come back in the dtype asked for, never reinterpreted.
+    """
+
+    #: DeepSpeed's compiled quantizer op (``quantize`` / ``dequantize`` / ``Symmetric``), or None
+    quantizer_cuda_module: Any = None
+
+    def quantize(self, param: torch.Tensor, groups: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int8 values, fp32 scales: one per group; ``groups`` None: groups of at most 8000 elements)."""
+        op = type(self).quantizer_cuda_module
+        if op is None:
+            return quantise_groups(param, groups)
+        values = param.to(dtype=torch.half)
+        count = group_count(values.numel()) if groups is None else groups
+        result: tuple[torch.Tensor, torch.Tensor] = op.quantize(values, count, 8, op.Symmetric)
+        return result
+
+    def dequantize(self, quantized_param: torch.Tensor, scale: torch.Tensor,
+                   dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The values back (flat), in ``dtype`` (None: fp16, as DeepSpeed's op writes)."""
+        op = type(self).quantizer_cuda_module
+        if op is None:
+            return dequantise_groups(quantized_param, scale, dtype or torch.half)
+        values: torch.Tensor = op.dequantize(quantized_param, scale, scale.numel(), 8, op.Symmetric)
+        return values if dtype is None else values.to(dtype)
