@@ -137,17 +137,21 @@ def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
 Step = Callable[[torch.Tensor, torch.Tensor, Callable[[str], None]], None]
 
 
-def build(impl: str, model: GPT, micro: int, dtype: str) -> tuple[Step, Callable[[], dict[str, float]]]:
-    """The step function (marking forward/backward/step) and a function giving the model-state bytes."""
+def build(impl: str, model: GPT, micro: int, dtype: str,
+          extra_config: Optional[dict[str, Any]] = None) -> tuple[Step, Callable[[], dict[str, float]]]:
+    """The step function (marking forward/backward/step) and a function giving the model-state bytes.
+    The torch implementations train where ``model`` is; ``extra_config``: top-level keys for the engines."""
     if impl.startswith(("zeroshard", "deepspeed")):
-        return build_engine(impl, model, micro, dtype == "bf16")
+        return build_engine(impl, model, micro, dtype == "bf16", extra_config)
     return build_torch(impl, model, dtype == "bf16")
 
 
-def build_engine(impl: str, model: GPT, micro: int, bf16: bool) -> tuple[Step, Callable[[], dict[str, float]]]:
+def build_engine(impl: str, model: GPT, micro: int, bf16: bool,
+                 extra_config: Optional[dict[str, Any]] = None) -> tuple[Step, Callable[[], dict[str, float]]]:
     """zeroshard (or DeepSpeed) with DeepSpeed's default zero_optimization values."""
     stage = int(impl.split("_")[1])
-    config: dict[str, Any] = {"train_micro_batch_size_per_gpu": micro, "steps_per_print": 10**9,
+    config: dict[str, Any] = {**(extra_config or {}),
+                              "train_micro_batch_size_per_gpu": micro, "steps_per_print": 10**9,
                               "zero_optimization": {"stage": stage, **DEEPSPEED_DEFAULTS},
                               **({"bf16": {"enabled": True}} if bf16 else {}),
                               **({"host_memory_release": True} if impl.endswith("_release") else {}),
@@ -184,7 +188,8 @@ def build_engine(impl: str, model: GPT, micro: int, bf16: bool) -> tuple[Step, C
 
 
 def build_torch(impl: str, model: GPT, bf16: bool) -> tuple[Step, Callable[[], dict[str, float]]]:
-    """DDP or FSDP2 with torch's fused AdamW."""
+    """DDP or FSDP2 with torch's fused AdamW, on the model's device."""
+    device = next(model.parameters()).device
     if impl == "fsdp2":
         from zeroshard.tools.selftest.throughput import fsdp2_per_block
 
@@ -192,12 +197,12 @@ def build_torch(impl: str, model: GPT, bf16: bool) -> tuple[Step, Callable[[], d
     else:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        wrapped = DDP(model, bucket_cap_mb=25)
+        wrapped = DDP(model, bucket_cap_mb=25, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(model.parameters(), fused=True, **ADAMW)
 
     def step(x: torch.Tensor, y: torch.Tensor, mark: Callable[[str], None]) -> None:
         mark("forward")
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16 and impl == "ddp"):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16 and impl == "ddp"):
             loss = wrapped(x, y)
         mark("backward")
         loss.backward()

@@ -6,6 +6,8 @@
     .venv/bin/python benchmarks/bench_step_ratio.py --configs 91m:fp32 --stages 0 1 2 3 --rounds 8 --warmup 2
     .venv/bin/python benchmarks/bench_step_ratio.py --configs tiny:fp32 tiny:bf16 --rounds 3 --warmup 1 --profile
     .venv/bin/python benchmarks/bench_step_ratio.py --configs 91m:fp32 --stages 2 2_overlap   # overlap_param_gather
+    python benchmarks/bench_step_ratio.py --device cuda --nproc 1 --configs 23m:bf16 --baselines ddp floor \
+        --stages 0 2 --profile                                            # one GPU (scripts/gpu_check.sh)
 
 bench_memory.py runs every implementation in a world of its own, one after the other; on a machine
 whose speed drifts by 10-30% from minute to minute (the 2-core VM of benchmarks/RESULTS.md) a ratio of
@@ -41,6 +43,14 @@ collective, the copies into and out of buckets, the optimizer, host reads, the c
 stage 3's gather rounds, ...), CPU (training thread) and wall milliseconds per step, written as a
 table per configuration and into the JSON.  Sizes: ``tiny`` (1.9M) for a smoke test in seconds.
 
+``--device cuda``: one rank per GPU (``--nproc``, at most the GPUs), NCCL, every implementation on the
+rank's GPU; a world of one still communicates (DDP's all-reduce at one rank, zeroshard's
+``collectives_in_a_world_of_one``, as ``zeroshard selftest --nproc 1``).  A timed step starts and ends
+with the device synchronised (its time is then the device's too, the steps never overlap); a profiled
+step is synchronised at every phase boundary as well (see [Note: phases on a device] in
+benchmarks/step_phases.py).  On a GPU the training thread's CPU time includes autograd's thread for the
+device (which runs backward there), and the process CPU time CUDA's and NCCL's threads.
+
 Memory: each rank holds every implementation of its world at once; at 91M fp32 DDP and stage 0 hold
 about 1.8 GB each (parameters, gradients, AdamW's two moments, buckets), the others 0.5-1.2 GB, about
 9 GB per rank for all seven.  Where two ranks of that do not fit, ``--world-per-stage`` runs each stage
@@ -63,7 +73,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_memory import ADAMW, SIZES, Step, batches, build  # noqa: E402
-from step_phases import Installed, PhaseClock  # noqa: E402
+from step_phases import BOUNDARY_SYNCS, Installed, PhaseClock  # noqa: E402
 from zeroshard.tools.demo.model import GPT, GPTConfig  # noqa: E402
 from zeroshard.tools.testing import run_world  # noqa: E402
 
@@ -80,8 +90,8 @@ def build_floor(model: GPT, rank: int, world: int, bf16: bool) -> Step:
         model.to(torch.bfloat16)
     params = list(model.parameters())
     numel = sum(p.numel() for p in params)
-    flat = torch.empty(numel, dtype=params[0].dtype)  # 1D: every parameter a view
-    grads = torch.zeros(numel, dtype=params[0].dtype)
+    flat = torch.empty(numel, dtype=params[0].dtype, device=params[0].device)  # 1D: every parameter a view
+    grads = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
     offset = 0
     for p in params:
         n = p.numel()
@@ -115,50 +125,72 @@ def build_floor(model: GPT, rank: int, world: int, bf16: bool) -> Step:
     return step
 
 
-def build_impl(impl: str, cfg: GPTConfig, rank: int, world: int, micro: int, precision: str) -> Step:
+def build_impl(impl: str, cfg: GPTConfig, rank: int, world: int, micro: int, precision: str,
+               device: torch.device) -> Step:
     torch.manual_seed(0)
-    model = GPT(cfg)
+    model = GPT(cfg)  # built on the CPU: the same initial weights on every device
+    if device.type != "cpu":
+        model.to(device)
     if impl == "floor":
         return build_floor(model, rank, world, precision == "bf16")
-    step, _ = build(impl.removesuffix("_chunkcopy"), model, micro, precision)
+    # a world of one issues the collectives of a larger one, as DDP does at one rank
+    extra = {"collectives_in_a_world_of_one": True} if world == 1 else None
+    step, _ = build(impl.removesuffix("_chunkcopy"), model, micro, precision, extra)
     if impl.endswith("_chunkcopy"):  # each bucket reduced in the bucket and its chunk copied out
         chunks = step.engine.strategy.grad_chunks  # type: ignore[attr-defined]
         chunks.reduce_into = lambda full, bucket: None
     return step
 
 
+def rank_device(device_type: str) -> torch.device:
+    """The rank's device: its GPU (run_world made it current, LOCAL_RANK's) or the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+
+
+def rank_batch(cfg: GPTConfig, rank: int, micro: int, i: int,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = batches(cfg, rank, micro, i)
+    return (x.to(device), y.to(device)) if device.type != "cpu" else (x, y)
+
+
 def worker(rank: int, world: int, impls: list[str], cfg_dict: dict, micro: int, precision: str, rounds: int,
-           warmup: int, profile_rounds: int) -> dict:
+           warmup: int, profile_rounds: int, device_type: str = "cpu") -> dict:
     torch.set_num_threads(1)
     cfg = GPTConfig(**cfg_dict)
-    steps = {impl: build_impl(impl, cfg, rank, world, micro, precision) for impl in impls}
+    device = rank_device(device_type)
+    on_device = device.type == "cuda"
+    steps = {impl: build_impl(impl, cfg, rank, world, micro, precision, device) for impl in impls}
+    clock = PhaseClock(device)  # its threads' CPU: the training thread's (and on CUDA autograd's device thread's)
     wall: dict[str, list[float]] = {impl: [] for impl in impls}
     cpu: dict[str, list[float]] = {impl: [] for impl in impls}
     thread: dict[str, list[float]] = {impl: [] for impl in impls}
     for i in range(warmup + rounds):
-        x, y = batches(cfg, rank, micro, i)
+        x, y = rank_batch(cfg, rank, micro, i, device)
         for impl in impls[i % len(impls):] + impls[:i % len(impls)]:  # every position in turn
             torch.distributed.barrier()  # the other rank's previous step does not leak into this one
-            cpu0, thread0, start = time.process_time(), time.thread_time(), time.perf_counter()
+            if on_device:  # the device idle when the step starts, and done with it when it is timed
+                torch.cuda.synchronize(device)
+            cpu0, thread0, start = time.process_time(), clock.threads_cpu(), time.perf_counter()
             steps[impl](x, y, lambda phase: None)
+            if on_device:
+                torch.cuda.synchronize(device)
             if i >= warmup:
                 wall[impl].append(time.perf_counter() - start)
                 cpu[impl].append(time.process_time() - cpu0)
-                thread[impl].append(time.thread_time() - thread0)
+                thread[impl].append(clock.threads_cpu() - thread0)
     phases: dict[str, Any] = {}
     if profile_rounds:
-        clock = PhaseClock()
         patches = Installed(clock)
         try:
             for impl in impls:
                 others = 0.0  # CPU of the rank's other threads (gloo's, the rings' progress threads)
                 for i in range(profile_rounds):
-                    x, y = batches(cfg, rank, micro, warmup + rounds + i)
+                    x, y = rank_batch(cfg, rank, micro, warmup + rounds + i, device)
                     torch.distributed.barrier()
-                    process0, thread0 = time.process_time(), time.thread_time()
+                    process0, thread0 = time.process_time(), clock.threads_cpu()
                     steps[impl](x, y, clock.mark)
                     clock.mark("")
-                    others += (time.process_time() - process0) - (time.thread_time() - thread0)
+                    others += (time.process_time() - process0) - (clock.threads_cpu() - thread0)
                 phases[impl] = {p: {k: v / profile_rounds if k != "calls" else v // profile_rounds
                                     for k, v in r.items()} for p, r in clock.take().items()}
                 phases[impl][OTHER_THREADS] = {"cpu_s": others / profile_rounds, "wall_s": 0.0, "calls": 0}
@@ -219,10 +251,17 @@ def merge_phases(ranks: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
 
 def print_phases(phases: dict[str, dict[str, dict[str, float]]]) -> None:
     impls = list(phases)
+    on_device = any(BOUNDARY_SYNCS in phases[i] for i in impls)
+    order = "wall_ms" if on_device else "cpu_ms"  # on a device the wall carries the device's work
     names = sorted({p for impl in impls for p in phases[impl]},
-                   key=lambda p: -max(phases[i].get(p, {}).get("cpu_ms", 0.0) for i in impls))
+                   key=lambda p: -max(phases[i].get(p, {}).get(order, 0.0) for i in impls))
     print("\nPer step, mean of the ranks: CPU ms of the training thread (wall ms) [calls]; each phase exclusive "
-          "of those nested in it; forward / backward / step: what is left of them (compute)\n")
+          "of those nested in it; forward / backward / step: what is left of them (compute)")
+    if on_device:
+        print("On the device: synchronised at every phase boundary, so a phase's wall includes the device work it "
+              "queued (a collective's in its launch); host reads are the step's syncs; the training thread is "
+              "the caller's and autograd's device thread (benchmarks/step_phases.py, [Note: phases on a device])")
+    print()
     print("| phase | " + " | ".join(impls) + " |")
     print("| --- |" + " --- |" * len(impls))
     for p in names:
@@ -257,8 +296,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--profile", action="store_true", help="also time each implementation's phases")
     parser.add_argument("--profile-rounds", type=int, default=2)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the ranks train: cpu (gloo) or cuda (NCCL, one GPU per rank)")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks of each world (on cuda at most the GPUs)")
     parser.add_argument("--out", default=None, help="default benchmarks/out/step_ratio_<configs>.json")
     args = parser.parse_args()
+    if args.device == "cuda" and torch.cuda.device_count() < args.nproc:
+        raise SystemExit(f"--device cuda --nproc {args.nproc}: torch sees {torch.cuda.device_count()} CUDA "
+                         f"device(s); one rank per GPU")
     if args.size or args.precision:
         precision = args.precision or "fp32"
         args.configs = [f"{args.size or DEFAULT_SIZE[precision]}:{precision}"]
@@ -272,13 +317,16 @@ def main() -> None:
         cfg = SIZES[size]
         entries = []
         for impls in worlds:
-            ranks = run_world(worker, 2, args=(impls, cfg, args.micro_batch, precision, args.rounds, args.warmup,
-                                               args.profile_rounds if args.profile else 0),
-                              timeout=3600, env={"OMP_NUM_THREADS": "1"})
+            ranks = run_world(worker, args.nproc, args=(impls, cfg, args.micro_batch, precision, args.rounds,
+                                                         args.warmup, args.profile_rounds if args.profile else 0,
+                                                         args.device),
+                              timeout=3600, env={"OMP_NUM_THREADS": "1"},
+                              backend="nccl" if args.device == "cuda" else "gloo")
             results = summarise(impls, ranks, args.rounds)
             entry: dict[str, Any] = {"model": {**cfg, "params": GPTConfig(**cfg).num_params()}, "results": results}
-            print(f"\nGPT {size} ({GPTConfig(**cfg).num_params():,} parameters), {precision}, world 2, micro batch "
-                  f"{args.micro_batch}, {args.rounds} rounds after {args.warmup}, order rotating\n")
+            on = f" on {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
+            print(f"\nGPT {size} ({GPTConfig(**cfg).num_params():,} parameters), {precision}, world {args.nproc}{on}, "
+                  f"micro batch {args.micro_batch}, {args.rounds} rounds after {args.warmup}, order rotating\n")
             print_table(results)
             if args.profile:
                 entry["phases"] = merge_phases(ranks)

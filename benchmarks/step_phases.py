@@ -15,6 +15,31 @@ bench_step_ratio.py records for every step.
 
 The wrappers are installed on classes (every engine in the process is timed) only for the profiled
 steps and removed after: the timed steps run unwrapped.
+
+[Note: phases on a device]
+A CPU timer does not see a GPU's work: a kernel is queued in microseconds and runs later, so without
+more a device's time lands in whichever phase happens to wait for it (a host read, the next
+collective).  In the profiled steps only, the clock synchronises the device at every phase boundary
+(``torch.cuda.synchronize``: every stream, NCCL's included) before it reads the wall clock, so that a
+phase's wall time is the time until the device has done what the phase queued.  CUDA events would
+keep the step's overlap of host and device, but they time one stream's timeline, not the work on
+NCCL's and the copies' own streams, and they cannot tell what the host waited for; a breakdown whose
+phases add up to the step needs the device idle at each boundary.  What that costs in honesty:
+
+- the step is serialised (no host work runs ahead of the device), so its phases add up to more than
+  an unprofiled step, which is why the timed steps run without the clock (they synchronise only before
+  and after each step);
+- an NCCL collective's transfer is counted to the phase that launched it (``collective launch``), and
+  its ``wait`` shows only what was left, nothing;
+- ``host reads`` are the step's own synchronisations (reads of a device tensor's value, and
+  ``torch.cuda.synchronize``); its calls are the syncs per step and its wall the reads alone, as the
+  device had caught up at the boundary before each;
+- the CPU the training threads spin away inside the boundary syncs is left out of every phase and
+  shown as a row of its own, so that the phases still add up to the threads' CPU.
+
+On CUDA, backward runs on autograd's thread for the device, not on the thread that called
+``backward()``, and the gradient hooks with it: the clock counts that thread's CPU with the training
+thread's (the caller waits while it runs) and times phases on either thread.
 """
 
 from __future__ import annotations
@@ -64,23 +89,68 @@ TARGETS: list[tuple[str, Optional[str], str, Optional[str]]] = [
 ]
 #: reads of a tensor's value on the host (each one waits for a device; here each costs a call)
 HOST_READS = ("item", "tolist", "__float__", "__bool__", "__int__")
+#: on a device only: the step's own synchronisations (counted as host reads: see [Note: phases on a device])
+DEVICE_SYNCS: list[tuple[str, Optional[str], str, Optional[str]]] = [
+    ("torch.cuda", None, "synchronize", "host reads"),
+    ("torch.cuda", "Event", "synchronize", "host reads"),
+    ("torch.cuda", "Stream", "synchronize", "host reads"),
+]
+#: on a device only: the training threads' CPU inside the clock's own boundary syncs
+BOUNDARY_SYNCS = "device syncs at phase boundaries (profiling only)"
+
+
+def autograd_thread(device: torch.device) -> int:
+    """The thread that runs backward for ``device`` (autograd keeps one per device, for the process's life)."""
+    seen: list[int] = []
+    leaf = torch.zeros(1, device=device, requires_grad=True)
+    leaf.register_hook(lambda grad: seen.append(threading.get_ident()))
+    (leaf * 2).sum().backward()
+    return seen[0]
 
 
 class PhaseClock:
-    """Exclusive CPU (thread) and wall seconds per phase, on the thread that created it."""
+    """Exclusive CPU (thread) and wall seconds per phase, on the thread that created it; on a CUDA
+    ``device`` also on autograd's thread for it, the device synchronised at every boundary (see
+    [Note: phases on a device])."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: Optional[torch.device] = None) -> None:
         self.thread = threading.get_ident()
+        self.threads = {self.thread}  # the threads whose phases are timed
         self.cpu: dict[str, float] = defaultdict(float)
         self.wall: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self._stack: list[list[Any]] = []  # [phase, cpu0, wall0, cpu of children, wall of children]
+        self.on_device = device is not None and device.type == "cuda"
+        self._synchronize: Optional[Callable[[], None]] = None
+        self._sync_cpu, self._syncs = 0.0, 0
+        if device is not None and self.on_device:
+            # the function itself, taken before Installed wraps it (its calls from the step are host reads)
+            self._synchronize = functools.partial(torch.cuda.synchronize, device)
+            self.threads.add(autograd_thread(device))
+            self._clocks = [time.pthread_getcpuclockid(t) for t in sorted(self.threads)]
+
+    def threads_cpu(self) -> float:
+        """CPU seconds of the timed threads so far (the training thread's alone off a device)."""
+        if not self.on_device:
+            return time.thread_time()
+        return sum(time.clock_gettime(c) for c in self._clocks)
+
+    def _now(self) -> tuple[float, float]:
+        """(CPU of the timed threads less the boundary syncs', wall), the device idle on a device."""
+        if self._synchronize is None:
+            return time.thread_time(), time.perf_counter()
+        before = self.threads_cpu()
+        self._synchronize()
+        after = self.threads_cpu()
+        self._sync_cpu += after - before
+        self._syncs += 1
+        return after - self._sync_cpu, time.perf_counter()
 
     def push(self, phase: str) -> None:
-        self._stack.append([phase, time.thread_time(), time.perf_counter(), 0.0, 0.0])
+        self._stack.append([phase, *self._now(), 0.0, 0.0])
 
     def pop(self) -> None:
-        cpu_now, wall_now = time.thread_time(), time.perf_counter()
+        cpu_now, wall_now = self._now()
         phase, cpu0, wall0, child_cpu, child_wall = self._stack.pop()
         cpu, wall = cpu_now - cpu0, wall_now - wall0
         self.cpu[phase] += cpu - child_cpu
@@ -100,14 +170,21 @@ class PhaseClock:
     def take(self) -> dict[str, dict[str, float]]:
         self.mark("")
         out = {p: {"cpu_s": self.cpu[p], "wall_s": self.wall[p], "calls": self.calls[p]} for p in self.cpu}
+        if self.on_device:
+            out[BOUNDARY_SYNCS] = {"cpu_s": self._sync_cpu, "wall_s": 0.0, "calls": self._syncs}
         self.cpu, self.wall, self.calls = defaultdict(float), defaultdict(float), defaultdict(int)
+        self._sync_cpu, self._syncs = 0.0, 0
         return out
 
 
-def _wrap(clock: PhaseClock, fn: Callable[..., Any], phase: Optional[str]) -> Callable[..., Any]:
+def _wrap(clock: PhaseClock, fn: Callable[..., Any], phase: Optional[str],
+          device_tensors_only: bool = False) -> Callable[..., Any]:
+    """``fn`` timed as ``phase`` when called on a timed thread inside a step; ``device_tensors_only``:
+    only when its first argument is a device tensor (a read of a CPU tensor syncs nothing)."""
     @functools.wraps(fn)
     def timed(*args: Any, **kwargs: Any) -> Any:
-        if threading.get_ident() != clock.thread or not clock._stack:
+        if threading.get_ident() not in clock.threads or not clock._stack \
+                or (device_tensors_only and args[0].device.type == "cpu"):
             return fn(*args, **kwargs)
         name = phase or "wait " + re.sub(r"\d+", "", getattr(args[0], "label", "collective"))
         clock.push(name)
@@ -125,7 +202,7 @@ class Installed:
         import importlib
 
         self._undo: list[tuple[Any, str, Any]] = []
-        for module_path, cls_name, attr, phase in TARGETS:
+        for module_path, cls_name, attr, phase in TARGETS + (DEVICE_SYNCS if clock.on_device else []):
             try:
                 module = importlib.import_module(module_path)
             except ImportError:
@@ -141,7 +218,7 @@ class Installed:
         for attr in HOST_READS:
             original: Callable[..., Any] = getattr(torch.Tensor, attr)
             self._undo.append((torch.Tensor, attr, original))
-            setattr(torch.Tensor, attr, _wrap(clock, original, "host reads"))
+            setattr(torch.Tensor, attr, _wrap(clock, original, "host reads", device_tensors_only=clock.on_device))
 
     def _patch_importers(self, module_path: str, attr: str, original: Any, clock: PhaseClock,
                          phase: Optional[str]) -> None:

@@ -29,16 +29,21 @@ part() {  # part NAME SECONDS COMMAND...: run it under a time limit, log it, kee
 
 : >"$OUT/summary.txt"
 nvidia-smi >"$OUT/nvidia-smi.log" 2>&1 || true
-part env 30 "$PY" -m zeroshard.tools.cli env
+part env 20 "$PY" -m zeroshard.tools.cli env
 # the main job on one GPU: batches, held-out set and the sample's prompt on the engine's device
-part demo 90 "$PY" -m zeroshard.tools.cli demo --nproc 1 --out "$OUT/demo"
+part demo 75 "$PY" -m zeroshard.tools.cli demo --nproc 1 --out "$OUT/demo"
 part selftest 180 "$PY" -m zeroshard.tools.cli selftest --device cuda --nproc 1 --size 350m \
     --json "$OUT/selftest.json"
+# a step's phases on this GPU (forward, backward, each collective, bucket copies, optimizer, host reads), DDP
+# and the floor beside stages 0 and 2 (benchmarks/step_phases.py): the table in the log, the numbers in the JSON
+part step_phases 50 "$PY" benchmarks/bench_step_ratio.py --device cuda --nproc 1 --configs 23m:bf16 \
+    --baselines ddp floor --stages 0 2 --rounds 5 --warmup 2 --profile --profile-rounds 3 \
+    --out "$OUT/step_phases.json"
 # FP8 layers against bf16 on this GPU: tokens/s and loss (skipped, exit 0, without torchao or FP8 GEMMs)
-part fp8 90 "$PY" scripts/fp8_gpu_check.py --json "$OUT/fp8.json"
+part fp8 75 "$PY" scripts/fp8_gpu_check.py --json "$OUT/fp8.json"
 # the tests that need a GPU (marked `cuda`; they run their ranks with the GPU visible)
 if "$PY" -m pytest --markers -p no:cacheprovider 2>/dev/null | grep -q "^@pytest.mark.cuda"; then
-    part pytest_cuda 100 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests
+    part pytest_cuda 90 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests
 else
     echo "pytest_cuda: skipped (no cuda marker)" | tee -a "$OUT/summary.txt"
 fi

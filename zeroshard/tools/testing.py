@@ -1,6 +1,7 @@
 """Run a function in a real world of N gloo processes on CPU: the harness behind zeroshard's tests.
 
     results = run_world(my_worker, world_size=3, args=(stage,))
+    results = run_world(my_worker, world_size=1, backend="nccl")   # one rank per GPU (benchmarks on a GPU)
 
 One world serves a family of cases.  ``run_family`` runs named cases in turn in one world (each
 from the same seed, named in anything it raises), and ``check_family`` checks each case's results
@@ -18,7 +19,9 @@ forked from a server that has imported torch and zeroshard (see [Note: ranks for
 server]), joins a gloo process group on a free localhost port, runs it with one
 intra-op thread, and sends back its return value (or its traceback).  A port clash is retried with a
 new port; a world that outlives ``timeout`` is killed and reported, so a hang fails a test instead of
-stalling the suite.
+stalling the suite.  ``backend="nccl"``: rank r trains on GPU ``LOCAL_RANK`` (r), set as its current device
+before the group is made, and is started by ``spawn`` (a rank forked from a process that has touched
+CUDA cannot use it).
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ def free_port() -> int:
 
 
 def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: Sequence[Any],
-           results: Any, pg_timeout_s: float, env: dict[str, str], ranks_per_node: Optional[int]) -> None:
+           results: Any, pg_timeout_s: float, env: dict[str, str], ranks_per_node: Optional[int],
+           backend: str = "gloo") -> None:
     # A forked rank starts with the fork server's environment: give it the caller's as it is now.
     os.environ.clear()
     os.environ.update(env)
@@ -63,7 +67,9 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size,
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
         try:
             value = fn(rank, world_size, *args)
@@ -79,7 +85,7 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
 PRELOADED = ["torch", "torch.distributed", "zeroshard"]
 
 
-def _context(start_time_env: bool) -> Any:
+def _context(spawn: bool) -> Any:
     """How ranks are started: forked from a server that has imported torch and zeroshard once.
 
     [Note: ranks forked from a preloaded server]
@@ -88,9 +94,9 @@ def _context(start_time_env: bool) -> Any:
     single-threaded process, never the test process itself) imports torch and zeroshard once and
     forks every rank from there.  Variables that the C runtime reads when a process starts
     (``MALLOC_*``, ``OMP_*``) cannot reach a forked rank, so a world given such an ``env`` is started
-    with ``spawn`` instead.
+    with ``spawn`` instead, and so is a world on GPUs (CUDA does not survive a fork).
     """
-    if start_time_env:
+    if spawn:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOADED)
@@ -109,7 +115,7 @@ def _drain(results: Any, collected: dict[int, tuple[str, Any]], seconds: float) 
 
 def run_world(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), timeout: float = 300.0,
               pg_timeout_s: float = 120.0, retries: int = 3, env: dict[str, str] | None = None,
-              ranks_per_node: Optional[int] = None) -> list[Any]:
+              ranks_per_node: Optional[int] = None, backend: str = "gloo") -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return the values by rank.
 
     ``ranks_per_node``: each process is told (as torchrun tells it) that it is on node
@@ -118,7 +124,7 @@ def run_world(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
     last_error = ""
     for _ in range(retries):
         try:
-            return _run_once(fn, world_size, args, timeout, pg_timeout_s, env or {}, ranks_per_node)
+            return _run_once(fn, world_size, args, timeout, pg_timeout_s, env or {}, ranks_per_node, backend)
         except WorldFailed as failure:
             last_error = str(failure)
             if not any(marker in last_error for marker in PORT_CLASH_MARKERS):
@@ -127,13 +133,14 @@ def run_world(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
 
 
 def _run_once(fn: Callable[..., Any], world_size: int, args: Sequence[Any], timeout: float,
-              pg_timeout_s: float, env: dict[str, str], ranks_per_node: Optional[int] = None) -> list[Any]:
-    ctx = _context(start_time_env=bool(env))
+              pg_timeout_s: float, env: dict[str, str], ranks_per_node: Optional[int] = None,
+              backend: str = "gloo") -> list[Any]:
+    ctx = _context(spawn=bool(env) or backend != "gloo")
     results = ctx.Queue()
     port = free_port()
     child_env = {**os.environ, **env}
     procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, results, pg_timeout_s, child_env,
-                                              ranks_per_node),
+                                              ranks_per_node, backend),
                          daemon=True) for r in range(world_size)]
     # Variables read at process start (MALLOC_*, OMP_*) must be in the environment the children are
     # started with, not set after: put them in ours while starting them.
