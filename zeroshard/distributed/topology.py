@@ -101,6 +101,9 @@ class ShardGroups:
     #: reduced in two quantised hops] in sharding/quantised_reduction.py)
     grads_inside_node: Optional[Collectives] = None
     grads_across_nodes: Optional[Collectives] = None
+    #: the same two for experts' buckets, cut from the ranks holding the same experts (``expert_data``)
+    expert_grads_inside_node: Optional[Collectives] = None
+    expert_grads_across_nodes: Optional[Collectives] = None
 
     @property
     def data_parallel_size(self) -> int:
@@ -109,7 +112,8 @@ class ShardGroups:
     def _side(self) -> list[Collectives]:
         return [c for c in (self.shard, self.replicas, self.secondary, self.grads, self.rounds,
                             self.expert_parallel, self.expert_data, self.expert_grads, self.sequence,
-                            self.grads_inside_node, self.grads_across_nodes)
+                            self.grads_inside_node, self.grads_across_nodes, self.expert_grads_inside_node,
+                            self.expert_grads_across_nodes)
                 if c is not None and c.world.group is not None]
 
     def release(self) -> None:
@@ -154,7 +158,8 @@ def build_shard_groups(comm: Collectives, topology: Topology, axes: ParallelDims
     partitions (``axes.hpz`` > 1), the expert groups (``axes.ep`` > 1) and the sequence groups
     (``axes.sp`` > 1), each from
     :meth:`ParallelDims.positions`.  ``gathers_in_passes`` (stage 3): with the groups its gather rounds
-    need; ``quantised_gradients`` (qgZ): with the groups of its two all-to-alls."""
+    need; ``quantised_gradients`` (qgZ): with the groups of its two all-to-alls, for the shard group and
+    for the experts' groups."""
     n = comm.world.world_size
     if n != axes.zero_size:
         raise ValueError(f"the engine's world has {n} ranks, but the axes {axes.describe()} shard over "
@@ -171,6 +176,10 @@ def build_shard_groups(comm: Collectives, topology: Topology, axes: ParallelDims
         inside, across = node_partitions(axes.positions("shard"), topology)
         groups.grads_inside_node = _own_group(comm, topology, inside)
         groups.grads_across_nodes = _own_group(comm, topology, across) if across else None
+    if quantised_gradients and groups.expert_data is not None and groups.expert_data.world.world_size > 1:
+        inside, across = node_partitions(axes.positions("expert_data"), topology)
+        groups.expert_grads_inside_node = _own_group(comm, topology, inside)
+        groups.expert_grads_across_nodes = _own_group(comm, topology, across) if across else None
     if gathers_in_passes and comm.world.is_distributed:
         groups.grads = _own_group(comm, topology, axes.positions("shard"))
         rounds = new_side_group(comm.world, backend="gloo")
