@@ -1,15 +1,17 @@
 """ZeRO++'s quantised communication without a world: the config's keys and refusals, how a shard group
-is cut into nodes for qgZ's two hops, and the scale model's quantised bytes."""
+is cut into nodes for qgZ's two hops, the scale model's quantised bytes, and what becomes of an inf or a
+NaN in a block (an fp16 overflow must reach the gradient norm through the hops)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from zeroshard.config import ConfigError, load_config
 from zeroshard.distributed.topology import Topology, node_partitions
 from zeroshard.planning.quantised_traffic import Quantisation
 from zeroshard.planning.scale_model import traffic_per_step
-from zeroshard.quantize import BlockFormat, packed_bytes
+from zeroshard.quantize import BlockFormat, pack, packed_bytes, unpack
 
 
 def zero(**keys: object) -> dict:
@@ -82,3 +84,15 @@ def test_the_scale_model_counts_the_quantised_bytes() -> None:
                                                quantisation=quant).by_collective}
     assert hpz["param_gather_first_forward"].bytes_sent == gather
     assert hpz["param_gather_backward_hpz"].bytes_sent == 2 * 7 * shard * 2 * 2
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_non_finite_value_leaves_its_block_non_finite(bad: float, bits: int) -> None:
+    """Its block's scale is inf or NaN, so the whole block dequantises to non-finite values (an overflow is
+    then seen by the step's norm, which skips the step); the other blocks come back finite."""
+    fmt = BlockFormat(bits, 4)
+    values = torch.linspace(-1, 1, 10)
+    values[5] = bad
+    back = unpack(pack(values, fmt), 10, fmt)
+    assert not torch.isfinite(back[4:8]).any() and torch.isfinite(back[:4]).all() and torch.isfinite(back[8:]).all()
