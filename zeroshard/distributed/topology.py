@@ -173,11 +173,11 @@ def build_shard_groups(comm: Collectives, topology: Topology, axes: ParallelDims
         if gathers_in_passes:  # a second copy of the experts' groups, for their gradients alone
             groups.expert_grads = _own_group(comm, topology, axes.positions("expert_data"))
     if quantised_gradients and comm.world.is_distributed and groups.shard.world.world_size > 1:
-        inside, across = node_partitions(axes.positions("shard"), topology)
+        inside, across = _agreed_node_partitions(comm, axes.positions("shard"), topology)
         groups.grads_inside_node = _own_group(comm, topology, inside)
         groups.grads_across_nodes = _own_group(comm, topology, across) if across else None
     if quantised_gradients and groups.expert_data is not None and groups.expert_data.world.world_size > 1:
-        inside, across = node_partitions(axes.positions("expert_data"), topology)
+        inside, across = _agreed_node_partitions(comm, axes.positions("expert_data"), topology)
         groups.expert_grads_inside_node = _own_group(comm, topology, inside)
         groups.expert_grads_across_nodes = _own_group(comm, topology, across) if across else None
     if gathers_in_passes and comm.world.is_distributed:
@@ -212,6 +212,21 @@ def node_partitions(shard_groups: Sequence[Sequence[int]],
         inside.extend(blocks)
         across.extend([block[local] for block in blocks] for local in range(len(blocks[0])))
     return inside, across
+
+
+def _agreed_node_partitions(comm: Collectives, groups: Sequence[Sequence[int]],
+                            topology: Topology) -> tuple[list[list[int]], list[list[int]]]:
+    """:func:`node_partitions` of ``groups``, the same in every part of a partial world: a part's groups are
+    created by every rank with the same positions in each part ([Note: side groups of a partial world] in
+    distributed/world.py), so where the parts' nodes are not cut alike (a pipeline stage inside a node
+    beside one across two) every part reduces in one hop.  Every rank of the job enters it, at the same
+    point of its engine's construction, as it does ``dist.new_group``."""
+    inside, across = node_partitions(groups, topology)
+    if not comm.world.parts:
+        return inside, across
+    cuts: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(cuts, (inside, across))
+    return (inside, across) if all(cut == cuts[0] for cut in cuts) else ([list(g) for g in groups], [])
 
 
 def _sharding_groups(comm: Collectives, topology: Topology, axes: ParallelDims) -> ShardGroups:
