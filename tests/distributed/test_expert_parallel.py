@@ -1,14 +1,14 @@
 """Expert parallelism: MoE layers with ``ep_size`` > 1 train like one process holding every expert.
 
 One world of four ranks, told they are two nodes of two, runs every case: ep 2 x data 2 and ep 4 x data
-1, ZeRO stages 0-3, top-1 and top-2, with and without token dropping.  The oracle is one process with ``ep_size=1`` (all four experts)
-that routes each rank's batch itself (routing, capacity and l_aux are per rank) and averages the four
-losses (fp32, 1e-5 relative).  Each expert starts from values of its own (set by its global index), so
-an expert mixed up with another is caught.  Beside the values: each rank's ``l_aux`` and ``exp_counts``
-equal the oracle's, every expert bucket's reduction and gather run over the ranks holding the same
-experts only (the collectives' log), and the experts' state is split over those ranks only.  In bf16
-(stage 2, ep 2) the distance to the fp32 oracle is bf16's own, as large as with every expert on every
-rank.
+1, ZeRO stages 0-3, top-1 and top-2, with and without token dropping. The oracle is one process with
+``ep_size=1`` (all four experts) that routes each rank's batch itself (routing, capacity and l_aux are
+per rank) and averages the four losses (fp32, 1e-5 relative). Each expert starts from values of its own
+(set by its global index), so an expert mixed up with another is caught. Beside the values: each rank's
+``l_aux`` and ``exp_counts`` equal the oracle's, every expert bucket's reduction and gather run over the
+ranks holding the same experts only (the collectives' log), and the experts' state is split over those
+ranks only. In bf16 (stage 2, ep 2) the distance to the fp32 oracle is bf16's own, as large as with every
+expert on every rank.
 
 With ZeRO++ (ep 2: stage 3 with qwZ and 4-bit qgZ, stage 2 with 8-bit qgZ) each experts' bucket is
 gathered and reduced over the two ranks holding its experts (one on each node: the hop across nodes only),
@@ -148,7 +148,8 @@ def trained(rank: int, stage: int, ep: int, k: int, drop_tokens: bool,
     fragments_equal = extra is not None or all(torch.equal(v, state[n]) for n, v in fragments.items())
     owned = engine.strategy.owned_real_numel()
     shards = {b.index: b.shard_numel for b in engine.strategy.layout.buckets}
-    quantised = [(r.kind.name, r.label, r.group_size, r.scope.name, r.sent) for r in log if r.label.endswith((".qgz", ".qwz"))]
+    quantised = [(r.kind.name, r.label, r.group_size, r.scope.name, r.sent) for r in log
+                 if r.label.endswith((".qgz", ".qwz"))]
     engine.close()
     return {"state": state, "seen": seen, "experts": experts, "dense": dense, "grads": sorted(grads),
             "owned": owned, "accessors": accessors, "memory": memory, "fragments_equal": fragments_equal,
@@ -163,7 +164,8 @@ def relative(ours: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -
 BLOCK = 16
 #: ZeRO++ at ep 2 x data 2 (top-2, dropping): (stage, zero_optimization keys); the unquantised run is CASES[3]
 ZEROPP = [(3, {"zero_quantized_weights": True, "zero_quantized_gradients": True, "zero_quantized_block_size": BLOCK}),
-          (2, {"zero_quantized_gradients": True, "zero_quantized_gradients_bits": 8, "zero_quantized_block_size": BLOCK})]
+          (2, {"zero_quantized_gradients": True, "zero_quantized_gradients_bits": 8,
+               "zero_quantized_block_size": BLOCK})]
 
 
 def moved_off(ours: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
@@ -185,7 +187,8 @@ def check_zeropp(result: dict[str, Any], zero: dict[str, Any], plain_losses: lis
         else:  # qwZ: each rank's int8 chunk and its scales, over the bucket's own group
             experts = label.startswith("gather[moe.deepspeed_moe.experts")
             shard = next(result["shards"][i] for i in (result["experts"] if experts else result["dense"]))
-            assert size == (WORLD // 2 if experts else WORLD) and sent == (size - 1) * packed_bytes(shard, BlockFormat(8, BLOCK))
+            assert size == (WORLD // 2 if experts else WORLD)
+            assert sent == (size - 1) * packed_bytes(shard, BlockFormat(8, BLOCK))
     assert bool(hops) == zero.get("zero_quantized_gradients", False)
     fmt = BlockFormat(zero.get("zero_quantized_gradients_bits", 4), BLOCK)
     for index, shard in result["shards"].items():
@@ -249,7 +252,8 @@ def worker(rank: int, world: int, directory: str) -> list[dict[str, Any]]:
             ours = trained(rank, stage, ep, k, drop)
             worst = max(float((ours["state"][name] - v).abs().max()) / (float(v.abs().max()) or 1.0)
                         for name, v in expected.items() if name in ours["state"])
-            out.append({"worst": worst, "seen": ours["seen"], "losses": ours["losses"], "expected_seen": [seen[s * WORLD + rank] for s in range(STEPS)],
+            out.append({"worst": worst, "seen": ours["seen"], "losses": ours["losses"],
+                        "expected_seen": [seen[s * WORLD + rank] for s in range(STEPS)],
                         "experts": ours["experts"], "dense": ours["dense"], "grads": ours["grads"],
                         "owned": ours["owned"], "accessors": ours["accessors"], "memory": ours["memory"],
                         "fragments_equal": ours["fragments_equal"]})

@@ -152,4 +152,5 @@ def quantised_reduction(groups: ShardGroups, zero: ZeroConfig, experts: bool = F
     across = groups.expert_grads_across_nodes if experts else groups.grads_across_nodes
     if not zero.zero_quantized_gradients or inside is None:
         return None
-    return QuantisedReduction(inside, across, BlockFormat(zero.zero_quantized_gradients_bits, zero.zero_quantized_block_size))
+    fmt = BlockFormat(zero.zero_quantized_gradients_bits, zero.zero_quantized_block_size)
+    return QuantisedReduction(inside, across, fmt)
