@@ -1,14 +1,19 @@
 """Expert parallelism: MoE layers with ``ep_size`` > 1 train like one process holding every expert.
 
-One world of four ranks runs every case: ep 2 x data 2 and ep 4 x data 1, ZeRO stages 0-3, top-1 and
-top-2, with and without token dropping.  The oracle is one process with ``ep_size=1`` (all four experts)
-that routes each rank's batch itself (routing, capacity and l_aux are per rank) and averages the four
-losses (fp32, 1e-5 relative).  Each expert starts from values of its own (set by its global index), so
-an expert mixed up with another is caught.  Beside the values: each rank's ``l_aux`` and ``exp_counts``
-equal the oracle's, every expert bucket's reduction and gather run over the ranks holding the same
-experts only (the collectives' log), and the experts' state is split over those ranks only.  In bf16
-(stage 2, ep 2) the distance to the fp32 oracle is bf16's own, as large as with every expert on every
-rank.
+One world of four ranks, told they are two nodes of two, runs every case: ep 2 x data 2 and ep 4 x data
+1, ZeRO stages 0-3, top-1 and top-2, with and without token dropping. The oracle is one process with
+``ep_size=1`` (all four experts) that routes each rank's batch itself (routing, capacity and l_aux are
+per rank) and averages the four losses (fp32, 1e-5 relative). Each expert starts from values of its own
+(set by its global index), so an expert mixed up with another is caught. Beside the values: each rank's
+``l_aux`` and ``exp_counts`` equal the oracle's, every expert bucket's reduction and gather run over the
+ranks holding the same experts only (the collectives' log), and the experts' state is split over those
+ranks only. In bf16 (stage 2, ep 2) the distance to the fp32 oracle is bf16's own, as large as with every
+expert on every rank.
+
+With ZeRO++ (ep 2: stage 3 with qwZ and 4-bit qgZ, stage 2 with 8-bit qgZ) each experts' bucket is
+gathered and reduced over the two ranks holding its experts (one on each node: the hop across nodes only),
+each collective moving exactly its blocks' payload and scales; the weights stay finite and within half
+of the distance training moved them from the oracle's, each loss within 3% of the unquantised run's.
 
 The same world then saves a checkpoint at ep 2 x data 2, ZeRO-2, and loads it at ep 1 x data 4 ZeRO-3,
 ep 4 ZeRO-1 and ep 2 ZeRO-0: the loaded weights equal the saved ones bitwise (under the global names of
@@ -30,9 +35,10 @@ from zeroshard.deepspeed.utils import groups as ds_groups
 from zeroshard.deepspeed.utils.tensor_fragment import safe_get_full_fp32_param
 from zeroshard.experts.groups import ExpertParallelError
 from zeroshard.moe.utils import split_params_into_different_moe_groups_for_optimizer
+from zeroshard.quantize import BlockFormat, packed_bytes
 from zeroshard.tools.testing import CaseFailures, case, run_world
 
-VOCAB, WIDTH, ROWS, STEPS, LR, AUX, EXPERTS, WORLD = 16, 8, 12, 5, 1e-2, 0.01, 4, 4
+VOCAB, WIDTH, ROWS, STEPS, LR, AUX, EXPERTS, WORLD, PER_NODE = 16, 8, 12, 5, 1e-2, 0.01, 4, 4, 2
 EXPERT_PREFIX = "moe.deepspeed_moe.experts.deepspeed_experts."
 
 # (stage, ep_size, k, drop_tokens)
@@ -100,7 +106,7 @@ def reference(k: int, drop_tokens: bool, steps: int = STEPS) -> tuple[dict[str, 
 
 
 def engine_for(rank: int, stage: int, ep: int, k: int, drop_tokens: bool,
-               extra: Optional[dict[str, Any]] = None) -> tuple[Any, MoEModel]:
+               extra: Optional[dict[str, Any]] = None, zero: Optional[dict[str, Any]] = None) -> tuple[Any, MoEModel]:
     local = EXPERTS // ep
     ep_rank = rank % ep
     model = MoEModel(ep, k, drop_tokens)
@@ -109,19 +115,22 @@ def engine_for(rank: int, stage: int, ep: int, k: int, drop_tokens: bool,
     engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=groups(model), config={
         "train_micro_batch_size_per_gpu": ROWS,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 100, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 100, "stage3_param_persistence_threshold": 0,
+                              **(zero or {})},
         "collective_timeout": 60, **(extra or {})})
     return engine, model
 
 
 def trained(rank: int, stage: int, ep: int, k: int, drop_tokens: bool,
-            extra: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    engine, model = engine_for(rank, stage, ep, k, drop_tokens, extra)
+            extra: Optional[dict[str, Any]] = None, zero: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    engine, model = engine_for(rank, stage, ep, k, drop_tokens, extra, zero)
     log = engine.comm.ledger.start_log()
-    seen = []
+    seen, losses = [], []
     for step in range(STEPS):
-        engine.backward(engine(*batch(step, rank)))
+        loss = engine(*batch(step, rank))
+        engine.backward(loss)
         seen.append(model.seen)
+        losses.append(float(loss.detach()))
         engine.step()
     name = f"ep_size_{ep}"
     accessors = () if ep == 1 else (ds_groups._get_expert_parallel_world_size(name), ds_groups._get_expert_parallel_rank(name),
@@ -138,14 +147,56 @@ def trained(rank: int, stage: int, ep: int, k: int, drop_tokens: bool,
                  for n, p in model.named_parameters() if p.requires_grad}
     fragments_equal = extra is not None or all(torch.equal(v, state[n]) for n, v in fragments.items())
     owned = engine.strategy.owned_real_numel()
+    shards = {b.index: b.shard_numel for b in engine.strategy.layout.buckets}
+    quantised = [(r.kind.name, r.label, r.group_size, r.scope.name, r.sent) for r in log
+                 if r.label.endswith((".qgz", ".qwz"))]
     engine.close()
     return {"state": state, "seen": seen, "experts": experts, "dense": dense, "grads": sorted(grads),
-            "owned": owned, "accessors": accessors, "memory": memory, "fragments_equal": fragments_equal}
+            "owned": owned, "accessors": accessors, "memory": memory, "fragments_equal": fragments_equal,
+            "losses": losses, "shards": shards, "quantised": quantised}
 
 
 def relative(ours: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
     assert set(ours) == set(expected), sorted(set(ours) ^ set(expected))
     return max(float((ours[name] - v).abs().max()) / (float(v.abs().max()) or 1.0) for name, v in expected.items())
+
+
+BLOCK = 16
+#: ZeRO++ at ep 2 x data 2 (top-2, dropping): (stage, zero_optimization keys); the unquantised run is CASES[3]
+ZEROPP = [(3, {"zero_quantized_weights": True, "zero_quantized_gradients": True, "zero_quantized_block_size": BLOCK}),
+          (2, {"zero_quantized_gradients": True, "zero_quantized_gradients_bits": 8,
+               "zero_quantized_block_size": BLOCK})]
+
+
+def moved_off(ours: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
+    """How far ``ours`` is from ``expected`` as a fraction of how far training moved ``expected`` (Adam moves
+    an element by about lr whatever the size of its gradient, so a relative distance says little)."""
+    start = reference_model(2, True).state_dict()
+    off = sum(float((ours[n].float() - v).pow(2).sum()) for n, v in expected.items())
+    return (off / sum(float((v - start[n]).pow(2).sum()) for n, v in expected.items())) ** 0.5
+
+
+def check_zeropp(result: dict[str, Any], zero: dict[str, Any], plain_losses: list[float]) -> None:
+    """qwZ's gathers and qgZ's hops over the right group each, with quantised bytes; close to unquantised."""
+    assert result["fragments_equal"] and result["off"] <= 0.5, result["off"]
+    assert all(abs(q - p) <= 0.03 * p for q, p in zip(result["losses"], plain_losses)), result["losses"]
+    hops: dict[str, list[tuple[str, int, int]]] = {}
+    for kind, label, size, scope, sent in result["quantised"]:
+        if kind == "ALL_TO_ALL":
+            hops.setdefault(label, []).append((scope, size, sent))
+        else:  # qwZ: each rank's int8 chunk and its scales, over the bucket's own group
+            experts = label.startswith("gather[moe.deepspeed_moe.experts")
+            shard = next(result["shards"][i] for i in (result["experts"] if experts else result["dense"]))
+            assert size == (WORLD // 2 if experts else WORLD)
+            assert sent == (size - 1) * packed_bytes(shard, BlockFormat(8, BLOCK))
+    assert bool(hops) == zero.get("zero_quantized_gradients", False)
+    fmt = BlockFormat(zero.get("zero_quantized_gradients_bits", 4), BLOCK)
+    for index, shard in result["shards"].items():
+        if index in result["experts"]:  # ranks 0 and 2 (1 and 3) hold the same experts, one on each node
+            expected = [("ACROSS_NODES", 2, packed_bytes(shard, fmt))]
+        else:  # two nodes of two: inside, then across
+            expected = [("INSIDE_NODE", 2, packed_bytes(2 * shard, fmt)), ("ACROSS_NODES", 2, packed_bytes(shard, fmt))]
+        assert hops[f"grad_bucket{index}.qgz"] == expected * (len(hops[f"grad_bucket{index}.qgz"]) // len(expected))
 
 
 # saved at (stage, ep); loaded at each of LOADS
@@ -201,7 +252,8 @@ def worker(rank: int, world: int, directory: str) -> list[dict[str, Any]]:
             ours = trained(rank, stage, ep, k, drop)
             worst = max(float((ours["state"][name] - v).abs().max()) / (float(v.abs().max()) or 1.0)
                         for name, v in expected.items() if name in ours["state"])
-            out.append({"worst": worst, "seen": ours["seen"], "expected_seen": [seen[s * WORLD + rank] for s in range(STEPS)],
+            out.append({"worst": worst, "seen": ours["seen"], "losses": ours["losses"],
+                        "expected_seen": [seen[s * WORLD + rank] for s in range(STEPS)],
                         "experts": ours["experts"], "dense": ours["dense"], "grads": ours["grads"],
                         "owned": ours["owned"], "accessors": ours["accessors"], "memory": ours["memory"],
                         "fragments_equal": ours["fragments_equal"]})
@@ -210,20 +262,31 @@ def worker(rank: int, world: int, directory: str) -> list[dict[str, Any]]:
         worst = [relative({n: v.float() for n, v in trained(rank, 2, ep, 2, True, {"bf16": {"enabled": True}})
                            ["state"].items()}, expected) for ep in (1, 2)]
         out.append({"bf16": worst})
-    return [out, reshapes(rank, directory)]
+    zeropp = []
+    for stage, zero in ZEROPP:
+        with case(stage=stage, ep=2, zeropp=zero, rank=rank):
+            ours = trained(rank, stage, 2, 2, True, zero=zero)
+            assert all(torch.isfinite(v).all() for v in ours["state"].values())
+            zeropp.append({**ours, "state": None, "off": moved_off(ours["state"], references[(2, True)][0])})
+    return [out, reshapes(rank, directory), zeropp]
 
 
 def test_expert_parallel_trains_like_one_process(tmp_path: Any) -> None:
-    by_rank = run_world(worker, WORLD, args=(str(tmp_path / "ckpt"),), timeout=600)
+    by_rank = run_world(worker, WORLD, args=(str(tmp_path / "ckpt"),), timeout=600, ranks_per_node=PER_NODE)
     failures = CaseFailures()
     for i, (stage, ep, k, drop) in enumerate(CASES):
         with failures.case(stage=stage, ep=ep, k=k, drop_tokens=drop, memory="summed over ranks"):
             # every expert's state is held once per data-parallel replica of it, the dense state once per
             # rank: summed over the ranks the holdings are N times each part's per-rank formula
-            memory = [results[i]["memory"] for results, _ in by_rank]
+            memory = [results[i]["memory"] for results, *_ in by_rank]
             for held, formula in (("model_states", "formula"), ("expert_model_states", "expert_formula")):
                 assert sum(m[held] for m in memory) == pytest.approx(WORLD * memory[0][formula], rel=0, abs=1e-6)
-    for rank, (results, loads) in enumerate(by_rank):
+    for rank, (results, loads, zeropp) in enumerate(by_rank):
+        for i, (stage, zero) in enumerate(ZEROPP):
+            with failures.case(stage=stage, ep=2, zeropp=zero, rank=rank):
+                check_zeropp(zeropp[i], zero, results[CASES.index((3, 2, 2, True))]["losses"])
+                first, last = (sum(by_rank[r][2][i]["losses"][s] for r in range(WORLD)) for s in (0, STEPS - 1))
+                assert last < 0.95 * first, "the ranks' mean loss does not fall"
         with failures.case(stage=2, ep=2, precision="bf16", rank=rank):
             # bf16's own rounding, as large with every expert on every rank: expert parallelism adds none
             data_parallel, spread = results[-1]["bf16"]

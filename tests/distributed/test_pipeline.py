@@ -6,7 +6,10 @@ One world of 4 ranks runs every case: pipeline 2 x data 2 at ZeRO stages 0-3 wit
 overflow on one rank that every rank skips, CPU offload, ``initialize(resume_from=...)`` and
 ``checkpoint.auto_resume`` (a fresh start, then a resume with the engine's loader), ZeRO-3 with every
 parameter sharded and each batch's all-gathers counted (a stage's units gathered once per batch, or once
-per micro-batch and pass with ``pipeline.stage3_gather_per_micro_batch``), and the refused inputs.  The
+per micro-batch and pass with ``pipeline.stage3_gather_per_micro_batch``), ZeRO++ at stage 3 (qwZ's int8
+gathers and qgZ's quantised reductions over each stage's data-parallel pair, each moving one chunk's
+blocks; every loss within 0.5% of the one process's, each parameter within 10% of its norm), and the
+refused inputs.  The
 model has a tied embedding (first and last stage), tuples of tensors of two dtypes between stages, and a
 sequence length that changes from one micro-batch to the next.
 """
@@ -290,6 +293,43 @@ def check_gathers(by_rank: list[dict[str, Any]], schedule: str, per_micro_batch:
         assert out["pinned_after"] == [] and out["gathered_after"] == 0, (rank, out)  # released by the step
         busy, idle, recv = out["timing"]
         assert busy > 0 and 0 <= recv <= idle, (rank, out["timing"])
+
+
+#: ZeRO++ in the zeropp case: qgZ (4 bits) at its stage, and qwZ at stage 3, in blocks of ZEROPP_BLOCK
+ZEROPP_BLOCK = 16
+
+
+def zeropp_worker(rank: int, world: int, stage: int) -> dict[str, Any]:
+    """Pipeline 2 x data 2 with ZeRO++: each stage's buckets reduced by qgZ over its data-parallel pair
+    (one node: one all-to-all), and at stage 3 its units gathered as int8 blocks."""
+    zero = {"stage": stage, "zero_quantized_gradients": True, "zero_quantized_block_size": ZEROPP_BLOCK,
+            "zero_quantized_weights": stage == 3, "stage3_param_persistence_threshold": 0}
+    engine, module = build(2, stage, "1f1b", zero_optimization=zero)
+    log = engine.comm.ledger.start_log()
+    reference = Reference()
+    losses, expected = [], []
+    for step in range(STEPS):
+        losses.append(float(engine.train_batch(data(step, rank % 2))))
+        expected.append(reference.train_step(step, 2))
+    errors = stage_param_errors(module, reference)
+    shards = {b.shard_numel for b in engine.storage.layout.buckets}
+    quantised = [(r.kind.name, r.group_size, r.sent) for r in log if r.label.endswith((".qgz", ".qwz"))]
+    engine.close()
+    return {"losses": losses, "expected": expected, "errors": errors, "shards": shards, "quantised": quantised}
+
+
+def check_zeropp(by_rank: list[dict[str, Any]], stage: int) -> None:
+    from zeroshard.quantize import BlockFormat, packed_bytes
+    sizes = {"ALL_TO_ALL": BlockFormat(4, ZEROPP_BLOCK), "ALL_GATHER": BlockFormat(8, ZEROPP_BLOCK)}
+    for rank, out in enumerate(by_rank):
+        kinds = {kind for kind, _, _ in out["quantised"]}
+        assert kinds == ({"ALL_TO_ALL", "ALL_GATHER"} if stage == 3 else {"ALL_TO_ALL"}), (rank, kinds)
+        for kind, size, sent in out["quantised"]:  # over the stage's data-parallel pair: one chunk's blocks
+            assert size == 2 and sent in {packed_bytes(n, sizes[kind]) for n in out["shards"]}, (rank, kind, sent)
+        for got, want in zip(out["losses"], out["expected"]):
+            assert abs(got - want) <= 0.005 * abs(want), (rank, out["losses"], out["expected"])
+        # each parameter against the one process's, relative to its own norm
+        assert out["errors"] and max(out["errors"]) <= 0.1, (rank, out["errors"])
 
 
 def refusals_worker(rank: int, world: int) -> list[str]:
@@ -741,10 +781,10 @@ def check_initialize_resume(by_rank: list[dict[str, Any]], root: str) -> None:
 
 WORKERS = {"train": train_worker, "refusals": refusals_worker, "resume": resume_worker, "bf16": bf16_worker,
            "loader": loader_worker, "fp16": fp16_worker, "overflow": overflow_worker, "periodic": periodic_worker,
-           "initialize_resume": initialize_resume_worker, "gathers": gathers_worker}
+           "initialize_resume": initialize_resume_worker, "gathers": gathers_worker, "zeropp": zeropp_worker}
 CHECKS = {"train": check_train, "refusals": check_refusals, "resume": check_resume, "bf16": check_bf16,
           "loader": check_loader, "fp16": check_fp16, "overflow": check_overflow, "periodic": check_periodic,
-          "initialize_resume": check_initialize_resume, "gathers": check_gathers}
+          "initialize_resume": check_initialize_resume, "gathers": check_gathers, "zeropp": check_zeropp}
 
 
 def test_pipeline_matches_one_process(tmp_path: Path) -> None:
@@ -771,5 +811,6 @@ def test_pipeline_matches_one_process(tmp_path: Path) -> None:
               # ZeRO-3 with every parameter sharded: a stage's units gathered once per batch, or per micro-batch
               *[("gathers", {"schedule": schedule, "per_micro_batch": per_micro_batch})
                 for schedule in ("1f1b", "gpipe") for per_micro_batch in (False, True)],
-              ("initialize_resume", {"root": str(tmp_path / "initialize_resume")})]
+              ("initialize_resume", {"root": str(tmp_path / "initialize_resume")}),
+              ("zeropp", {"stage": 3})]
     check_family(cases, run_family(4, cases, WORKERS), CHECKS, world=4)

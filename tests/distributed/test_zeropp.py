@@ -1,7 +1,10 @@
 """ZeRO++'s quantised communication on four ranks that zeroshard is told are two nodes of two: qwZ
 (``zero_quantized_weights``: stage 3's gathers for compute move int8 blocks and their scales) alone,
 with hpZ, for frozen parameters only (``zero_quantized_nontrainable_weights``), a checkpoint saved with
-it loaded without it, and the refusals of what it does not serve.
+it loaded without it, and the refusals of what it does not serve; qgZ (``zero_quantized_gradients``) at
+stages 1-3; and fp16 with both, where one rank's gradients overflow: every rank's reduced chunks are
+non-finite (the inf reaches the other ranks' chunks through the quantised hops), every rank skips that
+step with its masters untouched, the loss scale halves, and training goes on with finite weights.
 
 Each training case runs the same job twice, without and with quantisation, from the same seed: the
 gathers must be the same calls in the same order, each quantised one moving exactly ``payload +
@@ -227,6 +230,51 @@ def check_a_save_with_qwz_loads_without_it(results: list[dict], directory: Path)
     assert all(r["equal"] and r["state"] and r["accessors"] for r in results)
 
 
+#: the step of ``fp16_overflow`` at which rank 1's gradients overflow
+POISONED = 1
+
+
+def fp16_overflow(rank: int, world: int, directory: str) -> dict:
+    """fp16 with qwZ and 4-bit qgZ at stage 3; at step ``POISONED`` rank 1's loss is finite but every gradient
+    it computes overflows fp16.  Every other rank owns chunks that only the quantised hops bring it the inf
+    in (a block whose amax is inf or NaN has a non-finite scale, and dequantises to NaN)."""
+    cfg = config("all", False, 3, **qgz_keys(4))
+    del cfg["bf16"]
+    cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
+    engine, _, _, _ = zeroshard.initialize(model=make_model(), config=cfg)
+    out: dict[str, Any] = {"firsts": [], "scales": []}
+    for step in range(STEPS + 1):
+        before = engine.strategy.masters.data.clone()
+        for micro, (x, y) in enumerate(rank_micro_batches(0, rank, world, MICRO, ACCUM)):
+            loss = engine(x, y)
+            if micro == 0:
+                out["firsts"].append(float(loss.detach()))
+            if step == POISONED and rank == 1 and micro == 0:
+                loss = loss.float() * 1e30  # finite in fp32; its gradients overflow fp16
+            engine.backward(loss)
+            if step == POISONED and micro == ACCUM - 1:  # this rank's reduced chunks, before the step
+                out["owned_finite"] = all(bool(torch.isfinite(engine.strategy.owned_grad(b)).all())
+                                          for b in engine.strategy.layout.buckets)
+            engine.step()
+        if step == POISONED:
+            out["untouched"] = torch.equal(before, engine.strategy.masters.data)
+        out["scales"].append(engine.loss_scaler.scale)
+    out["skipped"] = engine.skipped_steps
+    out["finite"] = all(bool(torch.isfinite(v).all()) for v in engine.full_state_dict(rank0_only=False).values())
+    engine.close()
+    return out
+
+
+def check_fp16_overflow_skips_the_step_through_quantised_hops(results: list[dict], directory: Path) -> None:
+    for rank, result in enumerate(results):
+        assert result["owned_finite"] is False, f"rank {rank}'s reduced gradients hide the overflow"
+        assert result["skipped"] == 1 and result["untouched"] and result["finite"], result
+        scales = result["scales"]
+        assert scales[POISONED] == scales[POISONED - 1] / 2 and scales[-1] == scales[POISONED], scales
+        firsts = result["firsts"]  # the same batch every step: the skipped step leaves the loss as it was
+        assert firsts[POISONED + 1] == firsts[POISONED] and firsts[-1] < 0.99 * firsts[0], firsts
+
+
 def build_with(rank: int, world: int, directory: str, stage: int, zero: dict, words: str) -> str:
     cfg = zero_config(stage, 1, 1, **zero)
     try:
@@ -244,17 +292,20 @@ QWZ = "qwz_gathers_move_int8_blocks_and_train_as_unquantised"
 QGZ = "qgz_reduces_in_two_quantised_hops_and_trains_as_unquantised"
 EACH = "qwz_and_qgz_each_against_the_same_plain_run"
 RESUME = "a_save_with_qwz_loads_without_it"
+FP16 = "fp16_overflow_skips_the_step_through_quantised_hops"
 REFUSED = "refused_on_every_rank"
 WORKERS: dict[str, Callable[..., Any]] = {QWZ: quantised_and_plain, RESUME: resume_without, REFUSED: build_with,
-                                          QGZ: gradients_quantised_and_plain, EACH: each_and_plain}
+                                          QGZ: gradients_quantised_and_plain, EACH: each_and_plain,
+                                          FP16: fp16_overflow}
 CHECKS: dict[str, Callable[..., None]] = {QWZ: check_qwz_gathers_move_int8_blocks_and_train_as_unquantised,
                                           RESUME: check_a_save_with_qwz_loads_without_it,
                                           REFUSED: check_refused_on_every_rank,
                                           QGZ: check_qgz_reduces_in_two_quantised_hops_and_trains_as_unquantised,
-                                          EACH: check_qwz_and_qgz_each_against_the_same_plain_run}
+                                          EACH: check_qwz_and_qgz_each_against_the_same_plain_run,
+                                          FP16: check_fp16_overflow_skips_the_step_through_quantised_hops}
 #: on two nodes of two (run in test_hybrid.py's worlds): qwZ and qgZ at stage 3 and the refusals by default;
 #: all of ZeRO++ with hpZ, qwZ for frozen parameters only, qwZ + qgZ with the parameters offloaded to the
-#: host, the save, and qgZ at stages 1-2 extended
+#: host, the save, qgZ at stages 1-2 and an fp16 overflow through qwZ and qgZ extended
 DEFAULT_CASES: list[Case] = [
     (EACH, {}),
     (REFUSED, {"stage": 2, "zero": {"zero_quantized_weights": True},
@@ -264,7 +315,8 @@ DEFAULT_CASES: list[Case] = [
 ]
 EXTENDED_CASES: list[Case] = [(QWZ, {"quantised": "all", "hybrid": True, "qgz": True}), (QWZ, {"quantised": "frozen", "hybrid": False}),
                               (QWZ, {"quantised": "all", "hybrid": False, "qgz": True, "offload": True}),
-                              (RESUME, {}), (QGZ, {"stage": 1, "bits": 4}), (QGZ, {"stage": 2, "bits": 8})]
+                              (RESUME, {}), (QGZ, {"stage": 1, "bits": 4}), (QGZ, {"stage": 2, "bits": 8}),
+                              (FP16, {})]
 
 
 #: one node of three: every chunk and block size odd, qgZ in one hop
@@ -272,7 +324,7 @@ ODD_CASES: list[Case] = [(EACH, {})]
 
 
 def labels(name: str, world: int, arguments: dict[str, Any]) -> dict[str, Any]:
-    return {"check": name, "stage": 3, "world": world, "precision": "bf16", **arguments}
+    return {"check": name, "stage": 3, "world": world, "precision": "fp16" if name == FP16 else "bf16", **arguments}
 
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)

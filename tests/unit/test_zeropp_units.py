@@ -1,15 +1,17 @@
 """ZeRO++'s quantised communication without a world: the config's keys and refusals, how a shard group
-is cut into nodes for qgZ's two hops, and the scale model's quantised bytes."""
+is cut into nodes for qgZ's two hops, the scale model's quantised bytes, and what becomes of an inf or a
+NaN in a block (an fp16 overflow must reach the gradient norm through the hops)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from zeroshard.config import ConfigError, load_config
 from zeroshard.distributed.topology import Topology, node_partitions
 from zeroshard.planning.quantised_traffic import Quantisation
 from zeroshard.planning.scale_model import traffic_per_step
-from zeroshard.quantize import BlockFormat, packed_bytes
+from zeroshard.quantize import BlockFormat, pack, packed_bytes, unpack
 
 
 def zero(**keys: object) -> dict:
@@ -58,6 +60,29 @@ def test_a_shard_group_is_cut_into_nodes() -> None:
     assert node_partitions([[0, 1, 2]], one_per_node) == ([[0], [1], [2]], [[0, 1, 2]])
 
 
+@pytest.mark.parametrize("stage_nodes,expected", [
+    # pipeline 3 x data 2 on two nodes of three: stage 1's pair spans the nodes, the others' do not
+    ([("a", "a"), ("a", "b"), ("b", "b")], ([[0, 1]], [])),
+    # every stage's pair across two nodes: each cut alike, so two groups (only the hop across runs)
+    ([("a", "b"), ("c", "d")], ([[0], [1]], [[0, 1]])),
+])
+def test_pipeline_stages_agree_on_one_cut_into_nodes(monkeypatch: pytest.MonkeyPatch, stage_nodes: list,
+                                                     expected: tuple) -> None:
+    """Each stage's qgZ groups are created by every rank of the job with the same positions, so every stage
+    must take the same cut: where the stages' own cuts differ, every stage reduces in one hop."""
+    from types import SimpleNamespace
+
+    from zeroshard.distributed import topology
+
+    parts = tuple((2 * i, 2 * i + 1) for i in range(len(stage_nodes)))
+    cuts = [node_partitions([[0, 1]], Topology(nodes)) for nodes in stage_nodes for _ in range(2)]
+    monkeypatch.setattr(topology.dist, "get_world_size", lambda: len(cuts))
+    monkeypatch.setattr(topology.dist, "all_gather_object", lambda out, mine: out.__setitem__(slice(None), cuts))
+    comm = SimpleNamespace(world=SimpleNamespace(parts=parts))
+    for nodes in stage_nodes:  # every stage, whatever its own nodes, ends with the same cut
+        assert topology._agreed_node_partitions(comm, [[0, 1]], Topology(nodes)) == expected
+
+
 def test_the_scale_model_counts_the_quantised_bytes() -> None:
     """Stage 3 on 2 nodes of 8 (bf16): qwZ's gathers move int8 + scales, about half of bf16's; qgZ's hop
     across nodes moves one 4-bit chunk (+ scales) where the ring moves fifteen of bf16."""
@@ -82,3 +107,15 @@ def test_the_scale_model_counts_the_quantised_bytes() -> None:
                                                quantisation=quant).by_collective}
     assert hpz["param_gather_first_forward"].bytes_sent == gather
     assert hpz["param_gather_backward_hpz"].bytes_sent == 2 * 7 * shard * 2 * 2
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_non_finite_value_leaves_its_block_non_finite(bad: float, bits: int) -> None:
+    """Its block's scale is inf or NaN, so the whole block dequantises to non-finite values (an overflow is
+    then seen by the step's norm, which skips the step); the other blocks come back finite."""
+    fmt = BlockFormat(bits, 4)
+    values = torch.linspace(-1, 1, 10)
+    values[5] = bad
+    back = unpack(pack(values, fmt), 10, fmt)
+    assert not torch.isfinite(back[4:8]).any() and torch.isfinite(back[:4]).all() and torch.isfinite(back[8:]).all()

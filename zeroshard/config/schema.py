@@ -386,7 +386,8 @@ class ZeroConfig:
         False, "ZeRO++ qgZ (stages 1-3): each gradient bucket is reduced by two all-to-alls of block-quantised "
         "values (`zero_quantized_gradients_bits`), inside the node then across nodes, dequantised and summed in "
         "fp32 between them, instead of a reduce-scatter; within one node one all-to-all. A rank's own part of its "
-        "chunk is never quantised. Experts' buckets reduce as without it (docs/MULTI_NODE.md, \"ZeRO++\").")
+        "chunk is never quantised. Experts' buckets reduce the same way over the ranks holding the same experts "
+        "(docs/MULTI_NODE.md, \"ZeRO++\").")
     zero_quantized_gradients_bits: int = key(
         4, "zeroshard's own key: bits per gradient element of `zero_quantized_gradients` (4, packed two to a "
         "byte, or 8).", lambda v: None if v in (4, 8) else "4 or 8")

@@ -101,6 +101,9 @@ class ShardGroups:
     #: reduced in two quantised hops] in sharding/quantised_reduction.py)
     grads_inside_node: Optional[Collectives] = None
     grads_across_nodes: Optional[Collectives] = None
+    #: the same two for experts' buckets, cut from the ranks holding the same experts (``expert_data``)
+    expert_grads_inside_node: Optional[Collectives] = None
+    expert_grads_across_nodes: Optional[Collectives] = None
 
     @property
     def data_parallel_size(self) -> int:
@@ -109,7 +112,8 @@ class ShardGroups:
     def _side(self) -> list[Collectives]:
         return [c for c in (self.shard, self.replicas, self.secondary, self.grads, self.rounds,
                             self.expert_parallel, self.expert_data, self.expert_grads, self.sequence,
-                            self.grads_inside_node, self.grads_across_nodes)
+                            self.grads_inside_node, self.grads_across_nodes, self.expert_grads_inside_node,
+                            self.expert_grads_across_nodes)
                 if c is not None and c.world.group is not None]
 
     def release(self) -> None:
@@ -154,7 +158,8 @@ def build_shard_groups(comm: Collectives, topology: Topology, axes: ParallelDims
     partitions (``axes.hpz`` > 1), the expert groups (``axes.ep`` > 1) and the sequence groups
     (``axes.sp`` > 1), each from
     :meth:`ParallelDims.positions`.  ``gathers_in_passes`` (stage 3): with the groups its gather rounds
-    need; ``quantised_gradients`` (qgZ): with the groups of its two all-to-alls."""
+    need; ``quantised_gradients`` (qgZ): with the groups of its two all-to-alls, for the shard group and
+    for the experts' groups."""
     n = comm.world.world_size
     if n != axes.zero_size:
         raise ValueError(f"the engine's world has {n} ranks, but the axes {axes.describe()} shard over "
@@ -168,9 +173,13 @@ def build_shard_groups(comm: Collectives, topology: Topology, axes: ParallelDims
         if gathers_in_passes:  # a second copy of the experts' groups, for their gradients alone
             groups.expert_grads = _own_group(comm, topology, axes.positions("expert_data"))
     if quantised_gradients and comm.world.is_distributed and groups.shard.world.world_size > 1:
-        inside, across = node_partitions(axes.positions("shard"), topology)
+        inside, across = _agreed_node_partitions(comm, axes.positions("shard"), topology)
         groups.grads_inside_node = _own_group(comm, topology, inside)
         groups.grads_across_nodes = _own_group(comm, topology, across) if across else None
+    if quantised_gradients and groups.expert_data is not None and groups.expert_data.world.world_size > 1:
+        inside, across = _agreed_node_partitions(comm, axes.positions("expert_data"), topology)
+        groups.expert_grads_inside_node = _own_group(comm, topology, inside)
+        groups.expert_grads_across_nodes = _own_group(comm, topology, across) if across else None
     if gathers_in_passes and comm.world.is_distributed:
         groups.grads = _own_group(comm, topology, axes.positions("shard"))
         rounds = new_side_group(comm.world, backend="gloo")
@@ -203,6 +212,21 @@ def node_partitions(shard_groups: Sequence[Sequence[int]],
         inside.extend(blocks)
         across.extend([block[local] for block in blocks] for local in range(len(blocks[0])))
     return inside, across
+
+
+def _agreed_node_partitions(comm: Collectives, groups: Sequence[Sequence[int]],
+                            topology: Topology) -> tuple[list[list[int]], list[list[int]]]:
+    """:func:`node_partitions` of ``groups``, the same in every part of a partial world: a part's groups are
+    created by every rank with the same positions in each part ([Note: side groups of a partial world] in
+    distributed/world.py), so where the parts' nodes are not cut alike (a pipeline stage inside a node
+    beside one across two) every part reduces in one hop.  Every rank of the job enters it, at the same
+    point of its engine's construction, as it does ``dist.new_group``."""
+    inside, across = node_partitions(groups, topology)
+    if not comm.world.parts:
+        return inside, across
+    cuts: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(cuts, (inside, across))
+    return (inside, across) if all(cut == cuts[0] for cut in cuts) else ([list(g) for g in groups], [])
 
 
 def _sharding_groups(comm: Collectives, topology: Topology, axes: ParallelDims) -> ShardGroups:

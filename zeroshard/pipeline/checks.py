@@ -55,10 +55,6 @@ def check_pipeline_config(config: ZeroshardConfig, module: PipelineModule) -> No
         "zero_optimization.offload_param.device: nvme (cpu is supported)": zero.offload_param.device == "nvme",
         "zero_optimization.mics_shard_size": zero.mics_shard_size > 0,
         "zero_optimization.zero_hpz_partition_size": zero.zero_hpz_partition_size > 1,
-        # ZeRO++ quantises the gathers for a pass and the reductions of the shard group; neither is tried here
-        "zero_optimization.zero_quantized_weights": zero.zero_quantized_weights,
-        "zero_optimization.zero_quantized_nontrainable_weights": zero.zero_quantized_nontrainable_weights,
-        "zero_optimization.zero_quantized_gradients": zero.zero_quantized_gradients,
         "checkpoint.writer.decoupled": config.checkpoint.writer.decoupled,
         "checkpoint.use_node_local_storage": config.checkpoint.use_node_local_storage,
     }

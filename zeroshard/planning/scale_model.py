@@ -516,7 +516,9 @@ def sharding_estimate(req: EstimateRequest, cluster: Cluster, sharding: Sharding
     multiple = sharding.padding_multiple or dp
     numel = math.ceil(sum(psi for psi, _ in state_parts(req)) / multiple) * multiple
     held = req.pipeline is not None and req.pipeline.holds_gathered_parameters(sharding.stage)
-    quant = req.quantisation  # the engine refuses qgZ beside MiCS, and ZeRO++ inside a pipeline
+    # the engine refuses qgZ beside MiCS; inside a pipeline ZeRO++'s bytes are not modelled (a stage's
+    # data-parallel group is cut into nodes by the job's rank order, which this model does not follow)
+    quant = req.quantisation
     if quant is not None and (sharding.mics_shard_size is not None or pp > 1):
         quant = dataclasses.replace(quant, gradient_bits=None, weights=quant.weights and pp == 1)
     zero = traffic_per_step(sharding.stage, numel, dp, cluster.gpus_per_node, micro_steps, elem, elem,

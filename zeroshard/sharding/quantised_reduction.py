@@ -22,7 +22,11 @@ The two hops and the arithmetic between them run on a progress thread of their o
 ([Note: rings progress on their own thread] in distributed/ring_progress.py): a rank blocked in a hop
 would otherwise wait for a peer whose training thread is in a stage-3 gather round that waits for it.
 Their bytes are counted when the bucket is launched, on the training thread, so the ledger's order is
-the launch order on every rank.  Experts' buckets (sharded over their own group) reduce as without qgZ.
+the launch order on every rank.  Experts' buckets are sharded over the ranks holding the same experts
+([Note: experts sharded over the ranks that hold them] in experts/groups.py), so they reduce the same way
+over that group, cut into its nodes as the shard group is (its own two groups, ``expert_grads_*``): where
+each of its ranks is on a node of its own (expert-parallel blocks of a whole node) only the hop across
+nodes runs.  A group of one rank has nothing to reduce.
 """
 
 from __future__ import annotations
@@ -142,9 +146,12 @@ class _TwoHops:
         return total
 
 
-def quantised_reduction(groups: ShardGroups, zero: ZeroConfig) -> Optional[QuantisedReduction]:
-    """The qgZ reduction the config asks for over ``groups``' qgZ groups (None: off, or nothing to reduce)."""
-    if not zero.zero_quantized_gradients or groups.grads_inside_node is None:
+def quantised_reduction(groups: ShardGroups, zero: ZeroConfig, experts: bool = False) -> Optional[QuantisedReduction]:
+    """The qgZ reduction the config asks for over ``groups``' qgZ groups (None: off, or nothing to reduce);
+    ``experts``: the one of the experts' buckets, over the ranks holding the same experts."""
+    inside = groups.expert_grads_inside_node if experts else groups.grads_inside_node
+    across = groups.expert_grads_across_nodes if experts else groups.grads_across_nodes
+    if not zero.zero_quantized_gradients or inside is None:
         return None
     fmt = BlockFormat(zero.zero_quantized_gradients_bits, zero.zero_quantized_block_size)
-    return QuantisedReduction(groups.grads_inside_node, groups.grads_across_nodes, fmt)
+    return QuantisedReduction(inside, across, fmt)

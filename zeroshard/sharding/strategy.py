@@ -36,7 +36,7 @@ from ..precision import PrecisionPolicy
 from .flat_params import FlatParameters
 from .layout import BUCKETS_PER_MODEL, capped_bucket_numel, BucketLayout, FlatLayout, ParamSlot, ShardRanks, plan_buckets
 from .master_weights import MasterWeights, owned_spans
-from .quantised_reduction import quantised_reduction
+from .quantised_reduction import QuantisedReduction, quantised_reduction
 from .storage import InitialValues, ParameterStorage
 
 if TYPE_CHECKING:
@@ -151,6 +151,8 @@ class ShardingStrategy(ABC):
         self.zero = zero
         #: ZeRO++'s qgZ (``zero_quantized_gradients``): the buckets' reductions as two quantised all-to-alls
         self.quantised_reduction = quantised_reduction(groups, zero)
+        #: qgZ for experts' buckets, over the ranks holding the same experts (None: off, or a group of one)
+        self.experts_quantised_reduction = quantised_reduction(groups, zero, experts=True)
         self.sync_gradients = True  # set by the engine before each backward
         self._slot_of = self.layout.slot_of()
         self._progress = [BucketProgress() for _ in self.layout.buckets]
@@ -379,11 +381,15 @@ class ShardingStrategy(ABC):
 
     def extra_memory(self) -> dict[str, Any]:
         """Stage-specific entries of the memory breakdown."""
-        if self.quantised_reduction is None:
-            return {}
+        reductions = [(b, self.quantised_reduction_of(b)) for b in self.layout.buckets]
         # transient: each bucket in flight holds its two hops' packed buffers and fp32 sums while it reduces
-        largest = max(self.quantised_reduction.buffer_bytes(b.shard_numel) for b in self.layout.buckets)
-        return {"qgz_buffers": self.traits.max_buckets_in_flight * largest}
+        largest = max((q.buffer_bytes(b.shard_numel) for b, q in reductions if q is not None), default=None)
+        return {} if largest is None else {"qgz_buffers": self.traits.max_buckets_in_flight * largest}
+
+    def quantised_reduction_of(self, bucket: BucketLayout) -> Optional[QuantisedReduction]:
+        """ZeRO++'s qgZ for ``bucket``: over the shard group's qgZ groups, or the experts' (None: reduced
+        without it)."""
+        return self.experts_quantised_reduction if bucket.experts else self.quantised_reduction
 
     # ------------------------------------------------------------------ stage-specific
     @abstractmethod
@@ -417,9 +423,10 @@ class ShardingStrategy(ABC):
         """
         label = f"grad_bucket{bucket.index}"
         comm = self.comm_of(bucket)
-        if self.quantised_reduction is not None and not bucket.experts:  # ZeRO++'s qgZ
+        quantised = self.quantised_reduction_of(bucket)
+        if quantised is not None:  # ZeRO++'s qgZ
             start, end = bucket.shard_range(self.ranks.of(bucket))
-            return self.quantised_reduction.reduce(full, full[start:end] if own is None else own, own, label)
+            return quantised.reduce(full, full[start:end] if own is None else own, own, label)
         if not self.zero.reduce_scatter:
             assert own is None, "a chunk kept outside the bucket needs a reduce-scatter"
             return comm.all_reduce(full, label, async_op=async_op)
