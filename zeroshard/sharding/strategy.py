@@ -166,6 +166,8 @@ class ShardingStrategy(ABC):
         self._gather_numel = 0
         #: whether the gathers may outlive step() (see [Note: the parameter gather runs into the next forward])
         self._deferred = False
+        #: ``ignore_unused_parameters: false``: the parameters the last backward gave no gradient
+        self.unused: tuple[str, ...] = ()
 
     @property
     def stage(self) -> int:
@@ -288,8 +290,15 @@ class ShardingStrategy(ABC):
             self._retire(keep_in_flight=0)
             self._after_reduction()
             self._tell_listeners(wait=True)
+        if not self.zero.ignore_unused_parameters:
+            self.unused = self._unused_names()
         self._progress = [BucketProgress() for _ in self.layout.buckets]
         self._next_launch = 0
+
+    def _unused_names(self) -> tuple[str, ...]:
+        """The trainable parameters that got no gradient in this backward."""
+        return tuple(slot.name for bucket in self.layout.buckets for slot in bucket.slots
+                     if slot.index not in self._progress[bucket.index].arrived)
 
     def reduce_across_replicas(self, bucket: BucketLayout) -> Optional["ReplicaSum"]:
         """MiCS: launch the sum of this rank's averaged shard of ``bucket`` with the ranks that hold the
