@@ -256,8 +256,9 @@ class OffloadParamConfig:
     """``zero_optimization.offload_param``: where stage 3 keeps this rank's parameter shards."""
 
     device: Literal["none", "cpu", "nvme"] = key(
-        "none", "Stage 3, with `offload_optimizer`: `cpu` (host memory) or `nvme` (files under `nvme_path`) keeps "
-        "this rank's parameter shards off the device.")
+        "none", "Stage 3: `cpu` (host memory) or `nvme` (files under `nvme_path`, with `offload_optimizer`) keeps "
+        "this rank's parameter shards off the device. `cpu` without `offload_optimizer` (ZeRO-Inference, also "
+        "with an optimizer): fp32 masters and optimizer state on the device, updates written into the shards.")
     nvme_path: Optional[str] = key(
         "/local_nvme", "Directory of the parameter swap files when `device` is `nvme` (null: unset, as Hugging "
         "Face writes it).")

@@ -355,10 +355,11 @@ class ShardingStrategy(ABC):
     def make_masters(cls, layout: FlatLayout, ranks: ShardRanks, precision: PrecisionPolicy, offload: OffloadPolicies,
                      device: torch.device, comm: Collectives) -> Optional[MasterWeights]:
         """fp32 master weights over what this stage's optimizer owns: with mixed precision, or whenever
-        the optimizer is offloaded (also for fp32 training); where the policy places them (the
-        device, host memory, or straight into swap files); otherwise None."""
+        the optimizer or the parameter shards are offloaded (also for fp32 training: with the shards
+        alone in host memory, the optimizer steps device copies and publishes into the shards); where the
+        policy places them (the device, host memory, or straight into swap files); otherwise None."""
         policy: OffloadPolicy = offload.optimizer
-        if not (precision.mixed or policy.needs_masters):
+        if not (precision.mixed or policy.needs_masters or offload.params.place is not Place.DEVICE):
             return None
         whole_buckets = cls.traits.owns_whole_buckets
         spans = owned_spans(layout, ranks, whole_buckets)
