@@ -2,9 +2,10 @@
 
 Covered: optimizer offload to host memory and to NVMe at stages 1-3, worlds 1-3, with sub-groups
 smaller than a bucket (odd sizes) and gradient accumulation; stage-3 parameter offload (cpu, nvme,
-and nvme beyond ``max_in_cpu``); AdamW with amsgrad under NVMe offload against torch's; checkpoints
-that resume exactly into another offload setting; swap files removed or a full disk (clear errors);
-the pre-flight checks; and the breakdown by place.
+and nvme beyond ``max_in_cpu``; cpu without optimizer offload, with and without an optimizer); AdamW
+with amsgrad under NVMe offload against torch's; checkpoints that resume exactly into another offload
+setting; swap files removed or a full disk (clear errors); the pre-flight checks; and the breakdown by
+place.
 
 One world per world size runs its cases in turn (``run_family``), each from the same seed, in a
 directory of its own, with engines it closes; the test then checks every case, and a failure names
