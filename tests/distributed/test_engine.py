@@ -21,6 +21,7 @@ import zeroshard
 from zeroshard.distributed.collectives import Collectives, CollectiveError
 from zeroshard.distributed.world import init_distributed
 from zeroshard.planning.estimator import EstimateRequest, estimate_stage
+from zeroshard.sharding.unused_params import UnusedParameterError
 from zeroshard.tools.testing import CaseFailures, WorldFailed, case, run_world
 
 WORLD_TIMEOUT_S = 600  # a world runs several families of cases, slower still on a crowded machine
@@ -109,8 +110,31 @@ def unused_case(rank: int, world: int, stage: int) -> float:
     return diff
 
 
+def refused_unused_case(rank: int, world: int, stage: int) -> dict[str, str]:
+    """``ignore_unused_parameters: false``: every rank raises, whether one rank or all left a parameter
+    without a gradient; the message of each case, by case."""
+    out = {}
+    for where in ("one_rank", "every_rank"):
+        torch.manual_seed(0)
+        model = Branchy()
+        model.never.requires_grad_(where == "every_rank")
+        engine, _, _, _ = zeroshard.initialize(model=model, config={
+            "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 60, "ignore_unused_parameters": False}})
+        x = torch.randn(2, 7, generator=torch.Generator().manual_seed(rank))
+        try:
+            engine.backward(engine(x, rank == 0 or where == "every_rank"))
+            out[where] = "did not raise"
+        except UnusedParameterError as err:
+            assert isinstance(err, AssertionError)
+            out[where] = str(err)
+        engine.close()
+    return out
+
+
 FAMILIES: dict[str, Callable[..., Any]] = {
     "accumulation": accumulation_case, "comm": comm_case, "memory": memory_case, "unused": unused_case,
+    "refused_unused": refused_unused_case,
 }
 
 Case = tuple[str, dict[str, Any]]
@@ -144,7 +168,7 @@ def memory_cases(world: int, memory: list[tuple[int, int]]) -> list[Case]:
 DEFAULT_CASES: dict[int, list[Case]] = {3: COMM_CASES + memory_cases(3, MEMORY)}
 EXTENDED_CASES: dict[int, list[Case]] = {
     2: [(family, {"stage": stage}) for family in ("accumulation", "unused") for stage in (0, 1, 2)]
-    + memory_cases(2, EXTENDED_MEMORY),
+    + [("refused_unused", {"stage": stage}) for stage in (0, 1, 2, 3)] + memory_cases(2, EXTENDED_MEMORY),
     4: memory_cases(4, EXTENDED_MEMORY),
 }
 
@@ -262,6 +286,17 @@ def test_memory_breakdown_matches_the_zero_formulas_at_worlds_2_and_4(extended_w
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
 def test_unused_parameters_neither_hang_nor_get_wrong_gradients(extended_world_2) -> None:
     check_per_stage(extended_world_2, "unused", 2, 1e-6)
+
+
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
+def test_ignore_unused_parameters_false_raises_on_every_rank(extended_world_2) -> None:
+    for stage in (0, 1, 2, 3):
+        one, every = ([r[key("refused_unused", stage=stage)][w] for r in extended_world_2]
+                      for w in ("one_rank", "every_rank"))
+        # rank 1 alone skipped rank0_only; both ranks raise, naming it and the key
+        assert all("rank 1: rank0_only.bias, rank0_only.weight" in m and "rank 0:" not in m for m in one), (stage, one)
+        assert all("ignore_unused_parameters" in m for m in one + every), (stage, one, every)
+        assert all("rank 0: never.bias, never.weight; rank 1: never.bias, never.weight" in m for m in every), (stage, every)
 
 
 def desync_worker(rank: int, world: int, timeout_s: float = 1800.0) -> str:

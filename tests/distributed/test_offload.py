@@ -2,9 +2,10 @@
 
 Covered: optimizer offload to host memory and to NVMe at stages 1-3, worlds 1-3, with sub-groups
 smaller than a bucket (odd sizes) and gradient accumulation; stage-3 parameter offload (cpu, nvme,
-and nvme beyond ``max_in_cpu``); AdamW with amsgrad under NVMe offload against torch's; checkpoints
-that resume exactly into another offload setting; swap files removed or a full disk (clear errors);
-the pre-flight checks; and the breakdown by place.
+and nvme beyond ``max_in_cpu``; cpu without optimizer offload, with and without an optimizer); AdamW
+with amsgrad under NVMe offload against torch's; checkpoints that resume exactly into another offload
+setting; swap files removed or a full disk (clear errors); the pre-flight checks; and the breakdown by
+place.
 
 One world per world size runs its cases in turn (``run_family``), each from the same seed, in a
 directory of its own, with engines it closes; the test then checks every case, and a failure names
@@ -20,7 +21,8 @@ from typing import Any, Callable, Iterator
 import pytest
 import torch
 import zeroshard
-from zs_common import clone, make_model, max_rel_diff, rank_micro_batches, train_ddp, zero_config
+from zs_common import (clone, make_model, max_rel_diff, rank_micro_batches, single_process_reference, train_ddp,
+                       zero_config)
 
 from zeroshard.planning.estimator import EstimateRequest, estimate_stage
 from zeroshard.offload import OffloadIOError, OffloadPreflightError
@@ -78,6 +80,47 @@ def parity_worker(rank: int, world: int, nvme: str, stage: int, host_page_reuse:
         }
         engine.close()
     return out
+
+
+def params_alone_worker(rank: int, world: int, nvme: str, stage: int) -> dict:
+    """``offload_param: cpu`` without ``offload_optimizer`` (ZeRO-Inference): an engine without an
+    optimizer built under ``Init``, and one that trains (masters and optimizer state on the device)."""
+    x, _ = rank_micro_batches(0, rank, world, 1, 2)[0]
+    with torch.no_grad():
+        expected = make_model()(x)
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+        "stage": stage, "stage3_param_persistence_threshold": 20, "offload_param": {"device": "cpu"}}}
+    with zeroshard.Init(config=config):
+        model = make_model()
+    engine, _, _, _ = zeroshard.initialize(model=model, config=config)
+    with torch.no_grad():
+        logits = engine(x)
+    engine.close()
+    model = make_model()
+    engine, _, _, _ = zeroshard.initialize(model=model, config=offload_config(stage, nvme, "none", "cpu"))
+    train(engine, rank, world, range(3))
+    mb = engine.memory_breakdown()
+    out = {"logits": logits, "expected": expected, "params": full_params(model),
+           "mb": {k: mb[k] for k in ("optimizer", "params", "grads", "model_states", "formula", "on_device", "on_host",
+                                     "on_nvme")}}
+    engine.close()
+    return out
+
+
+def check_parameters_alone_offloaded_compute_and_train_as_one_process(results: list[dict], directory: Path,
+                                                                       stage: int) -> None:
+    """Forwards with the shards in host memory equal the plain model's; training equals one process on
+    the global batch, the shards in host memory and the optimizer's masters and state on the device."""
+    reference = single_process_reference(3, len(results), 1, 2)
+    # fp32 masters (4 bytes) beside Adam's moments: the formula with 12 bytes of optimizer state
+    assert sum(r["mb"]["model_states"] for r in results) == pytest.approx(len(results) * results[0]["mb"]["formula"])
+    for r in results:
+        torch.testing.assert_close(r["logits"], r["expected"], rtol=0, atol=0)
+        for name, value in r["params"].items():
+            torch.testing.assert_close(value, reference[name], rtol=1e-5, atol=1e-6, msg=name)
+        mb = r["mb"]
+        assert mb["on_nvme"] == 0 and 0 < mb["on_host"] < mb["params"], mb  # persistent buckets stay on the device
+        assert mb["on_device"] == mb["optimizer"] + mb["grads"] + mb["params"] - mb["on_host"], mb
 
 
 def check_offloaded_runs_equal_non_offloaded_bitwise(results: list[dict], directory: Path, stage: int,
@@ -376,6 +419,7 @@ WORKERS: dict[str, Callable[..., Any]] = {
     "preflight_failure_on_one_rank_stops_every_rank": preflight_worker,
     "breakdown_by_place_agrees_with_estimate": estimate_worker,
     "modified_parameters_reach_the_masters_and_only_they": modify_worker,
+    "parameters_alone_offloaded_compute_and_train_as_one_process": params_alone_worker,
 }
 CHECKS: dict[str, Callable[..., None]] = {
     "offloaded_runs_equal_non_offloaded_bitwise": check_offloaded_runs_equal_non_offloaded_bitwise,
@@ -388,6 +432,8 @@ CHECKS: dict[str, Callable[..., None]] = {
     "preflight_failure_on_one_rank_stops_every_rank": check_preflight_failure_on_one_rank_stops_every_rank,
     "breakdown_by_place_agrees_with_estimate": check_breakdown_by_place_agrees_with_estimate,
     "modified_parameters_reach_the_masters_and_only_they": check_modified_parameters_reach_the_masters_and_only_they,
+    "parameters_alone_offloaded_compute_and_train_as_one_process":
+        check_parameters_alone_offloaded_compute_and_train_as_one_process,
 }
 #: stage and precision of the checks whose arguments do not say them
 SETTINGS: dict[str, dict[str, Any]] = {
@@ -410,6 +456,7 @@ DEFAULT_CASES: dict[int, list[Case]] = {
     1: PARITY,
     2: PARITY + [("offloaded_runs_equal_non_offloaded_bitwise", {"stage": 3, **DEVICE_PATH}),
                  ("breakdown_by_place_agrees_with_estimate", {}),
+                 ("parameters_alone_offloaded_compute_and_train_as_one_process", {"stage": 3}),
                  ("preflight_failure_on_one_rank_stops_every_rank", {"problem": "room_rank1"}),
                  ("swap_io_errors_are_clear_and_stop_every_rank", {"damage": "removed"}),
                  ("swap_io_errors_are_clear_and_stop_every_rank", {"damage": "full"})],

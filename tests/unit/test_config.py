@@ -150,8 +150,9 @@ def test_offload_keys() -> None:
             zero.offload_param.max_in_cpu, zero.sub_group_size) == ("nvme", 4, 100_000_000, 1_000_000_000, 1000)
     assert "'zero_optimization.offload_param' needs ZeRO stage 3" in err(
         {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}})
-    assert "'zero_optimization.offload_param' needs 'zero_optimization.offload_optimizer' too" in err(
+    assert "'zero_optimization.offload_param.device' nvme needs 'zero_optimization.offload_optimizer' too" in err(
         {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})
+    assert load_config({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}).stage == 3
     assert "'zero_optimization.offload_optimizer' needs ZeRO stage 1, 2 or 3" in err(
         {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})
     assert "'zero_optimization.offload_optimizer.device' = \"gpu\" is not one of none, cpu, nvme" in err(

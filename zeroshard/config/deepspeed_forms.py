@@ -27,7 +27,6 @@ DEFAULTS_THAT_MATCH: dict[str, dict[str, Any]] = {
     "zero_optimization": {
         "round_robin_gradients": False, "load_from_fp32_weights": True,
         "cpu_offload": False, "cpu_offload_param": False, "cpu_offload_use_pin_memory": False,
-        "ignore_unused_parameters": True,
         "use_multi_rank_bucket_allreduce": True, "stage3_use_all_reduce_for_fetch_params": False,
         "pipeline_loading_checkpoint": False,
     },

@@ -223,9 +223,10 @@ def _check_offload(config: ZeroshardConfig) -> None:
             raise ConfigError(f"'zero_optimization.offload_param' needs ZeRO stage 3 (only stage 3 shards the "
                               f"parameters); the config says stage {zero.stage}: set 'zero_optimization.stage' to "
                               f"3 or remove offload_param")
-        if zero.offload_optimizer.device == "none":
-            raise ConfigError("'zero_optimization.offload_param' needs 'zero_optimization.offload_optimizer' too "
-                              "(the optimizer updates fp32 masters off the device); set its device to cpu or nvme")
+        if zero.offload_param.device == "nvme" and zero.offload_optimizer.device == "none":
+            raise ConfigError("'zero_optimization.offload_param.device' nvme needs 'zero_optimization.offload_optimizer' "
+                              "too (parameter shards swapped to files are updated by an optimizer off the device); set "
+                              "its device to cpu or nvme, or offload the parameters to cpu")
 
 
 def _check_checkpointing(config: ZeroshardConfig) -> None:

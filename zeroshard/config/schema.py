@@ -256,8 +256,9 @@ class OffloadParamConfig:
     """``zero_optimization.offload_param``: where stage 3 keeps this rank's parameter shards."""
 
     device: Literal["none", "cpu", "nvme"] = key(
-        "none", "Stage 3, with `offload_optimizer`: `cpu` (host memory) or `nvme` (files under `nvme_path`) keeps "
-        "this rank's parameter shards off the device.")
+        "none", "Stage 3: `cpu` (host memory) or `nvme` (files under `nvme_path`, with `offload_optimizer`) keeps "
+        "this rank's parameter shards off the device. `cpu` without `offload_optimizer` (ZeRO-Inference, also "
+        "with an optimizer): fp32 masters and optimizer state on the device, updates written into the shards.")
     nvme_path: Optional[str] = key(
         "/local_nvme", "Directory of the parameter swap files when `device` is `nvme` (null: unset, as Hugging "
         "Face writes it).")
@@ -323,6 +324,10 @@ class ZeroConfig:
         "directly between `step()` and the next forward (an EMA, a comparison after the loop) may then be stale, "
         "which is why it is off by default: `step()` then returns with every parameter current, as DeepSpeed's "
         "does.")
+    ignore_unused_parameters: bool = key(
+        True, "A trainable parameter that gets no gradient in a backward counts as a zero gradient (true); false: "
+        "every rank raises `UnusedParameterError` (an `AssertionError`) naming it, after one small all-reduce of a "
+        "flag per backward that keeps the ranks together.")
     contiguous_gradients: bool = key(
         True, "Always on: gradients are copied into contiguous buckets (only `true` is accepted).",
         lambda v: None if v is True else "true (zeroshard always copies gradients into contiguous buckets)",
@@ -557,7 +562,7 @@ NOT_SUPPORTED_YET: dict[str, tuple[str, ...]] = {
     ),
     "zero_optimization": (
         "round_robin_gradients",
-        "load_from_fp32_weights", "ignore_unused_parameters", "pipeline_loading_checkpoint",
+        "load_from_fp32_weights", "pipeline_loading_checkpoint",
         "use_multi_rank_bucket_allreduce",
         "stage3_use_all_reduce_for_fetch_params",
     ),

@@ -55,6 +55,7 @@ from ..optim.updaters import build_updater
 from ..offload.policy import OffloadPolicies
 from ..host.buffer_memory import BufferMemory, DeviceMemory
 from ..sharding.storage import InitialValues
+from ..sharding.unused_params import refuse_unused_parameters
 from ..sequence.groups import register_sequence_groups
 from ..sequence.inputs import check_sequence_inputs
 from ..precision import LossScaler, PrecisionPolicy
@@ -378,6 +379,8 @@ class Engine(EngineAccessors):
         self.strategy.expect_gradients(scaled)
         scaled.backward(retain_graph=retain_graph)
         self.strategy.finish_backward()
+        if not self.config.zero_optimization.ignore_unused_parameters:  # every rank, after the backward's collectives
+            refuse_unused_parameters(self.comm, self.strategy.unused)
         self._last_loss = loss.detach()
         self.optimizer_step.saw_loss(self._last_loss)
         self.metrics.timers.add("backward", started)

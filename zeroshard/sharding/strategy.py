@@ -168,6 +168,8 @@ class ShardingStrategy(ABC):
         self._gather_numel = 0
         #: whether the gathers may outlive step() (see [Note: the parameter gather runs into the next forward])
         self._deferred = False
+        #: ``ignore_unused_parameters: false``: the parameters the last backward gave no gradient
+        self.unused: tuple[str, ...] = ()
 
     @property
     def stage(self) -> int:
@@ -290,8 +292,15 @@ class ShardingStrategy(ABC):
             self._retire(keep_in_flight=0)
             self._after_reduction()
             self._tell_listeners(wait=True)
+        if not self.zero.ignore_unused_parameters:
+            self.unused = self._unused_names()
         self._progress = [BucketProgress() for _ in self.layout.buckets]
         self._next_launch = 0
+
+    def _unused_names(self) -> tuple[str, ...]:
+        """The trainable parameters that got no gradient in this backward."""
+        return tuple(slot.name for bucket in self.layout.buckets for slot in bucket.slots
+                     if slot.index not in self._progress[bucket.index].arrived)
 
     def reduce_across_replicas(self, bucket: BucketLayout) -> Optional["ReplicaSum"]:
         """MiCS: launch the sum of this rank's averaged shard of ``bucket`` with the ranks that hold the
@@ -348,10 +357,11 @@ class ShardingStrategy(ABC):
     def make_masters(cls, layout: FlatLayout, ranks: ShardRanks, precision: PrecisionPolicy, offload: OffloadPolicies,
                      device: torch.device, comm: Collectives) -> Optional[MasterWeights]:
         """fp32 master weights over what this stage's optimizer owns: with mixed precision, or whenever
-        the optimizer is offloaded (also for fp32 training); where the policy places them (the
-        device, host memory, or straight into swap files); otherwise None."""
+        the optimizer or the parameter shards are offloaded (also for fp32 training: with the shards
+        alone in host memory, the optimizer steps device copies and publishes into the shards); where the
+        policy places them (the device, host memory, or straight into swap files); otherwise None."""
         policy: OffloadPolicy = offload.optimizer
-        if not (precision.mixed or policy.needs_masters):
+        if not (precision.mixed or policy.needs_masters or offload.params.place is not Place.DEVICE):
             return None
         whole_buckets = cls.traits.owns_whole_buckets
         spans = owned_spans(layout, ranks, whole_buckets)
