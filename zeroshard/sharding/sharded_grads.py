@@ -78,7 +78,7 @@ class ShardedGradientStrategy(ShardingStrategy):
         with torch.no_grad():
             own = self.grad_chunks.ready_to_reduce(full, bucket, self._progress[bucket.index].arrived)
         into = None
-        if own is None and self.zero.reduce_scatter and (self.quantised_reduction is None or bucket.experts):
+        if own is None and self.zero.reduce_scatter and self.quantised_reduction_of(bucket) is None:
             into = self.grad_chunks.reduce_into(full, bucket)  # a plain reduce-scatter may write elsewhere
         return self.reduce_to_owner(bucket, full, async_op, own=own, into=into)
 
