@@ -9,8 +9,6 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.zeroshard-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ]; then
-  # --no-compile: pip would byte-compile every module of every package (torch's thousands) up front; Python
-  # compiles the few the suite imports on first use instead, which takes a fraction of that time
-  .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-compile -c constraints.txt -e ".[test]"
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test]"
   touch "$stamp"
 fi
