@@ -78,7 +78,7 @@ def check(results: list[dict], world: int, cases: list[tuple[int, str]]) -> None
     failures.raise_any()
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])  # world 4: extended (CI)
 def test_every_stage_matches_ddp_adamw(world: int) -> None:
     cases = DEFAULT_CASES + (AT_ONE_CASES if world == 1 else [])
     check(run_world(parity_worker, world, args=(cases,), timeout=600), world, cases)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent("""
     import ctypes, sys, torch, zeroshard
     from torch import nn
@@ -41,6 +43,7 @@ def run(setting: str) -> list[int]:
     return [int(v) for v in out.stdout.split()]
 
 
+@pytest.mark.slow  # extended: runs in CI (see conftest.py)
 def test_host_memory_release_maps_blocks_of_a_mib_or_more() -> None:
     assert run("off") == [0, 0, 0]  # glibc's default: served from the heap, kept when freed
     assert run("on") == [0, 1, 0]  # from initialize() on: a 2 MiB block is its own mapping; 256 KiB is not
