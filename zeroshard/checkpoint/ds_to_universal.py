@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import re
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from .constants import OPTIMIZER_STATE_DICT, UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY, \
     UNIVERSAL_CHECKPOINT_VERSION_VALUE, ZERO_STAGE
@@ -36,6 +36,7 @@ from .deepspeed_format.tp_merge import merge_tp_slices
 from .deepspeed_format.universal import write_universal
 from .deepspeed_format.universal_tp import rank_grid, write_universal_tp_stage3, write_universal_tp_stage12
 from .deepspeed_format.unpickle import load_deepspeed_file
+from .utils import rank_order
 
 #: with DeepSpeed's private names, which its tools and tests import from this module
 __all__ = ["parse_arguments", "main", "merge_tp_slices", "DeepSpeedCheckpoint", "_group_per_tp_shapes",
@@ -43,10 +44,8 @@ __all__ = ["parse_arguments", "main", "merge_tp_slices", "DeepSpeedCheckpoint", 
 
 
 def _files(folder: str, suffix: str) -> list[str]:
-    """``folder``'s files ending in ``suffix``, in natural order (rank 10 after rank 9)."""
-    def key(path: Path) -> list[Any]:
-        return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path.name)]
-    return [str(p) for p in sorted(Path(folder).glob(f"*{suffix}"), key=key)]
+    """``folder``'s files ending in ``suffix``, in rank order (rank 10 after rank 9)."""
+    return [str(p) for p in sorted(Path(folder).glob(f"*{suffix}"), key=lambda p: rank_order(p.name))]
 
 
 def _get_optim_files(checkpoint_dir: str) -> list[str]:

@@ -7,6 +7,7 @@ format.py); and ``make_executable``, for a script kept beside checkpoints."""
 from __future__ import annotations
 
 import os
+import re
 import stat
 from typing import Any
 
@@ -54,3 +55,9 @@ def get_layer_ckpt_name_for_rank(base_folder: str | os.PathLike[str], layer_id: 
     """``<base_folder>/<layer_id>-model_<tp_rank, two digits>_model_states.pt``: a pipeline layer's file of
     a tensor-parallel rank in DeepSpeed's format (``layer_id`` as DeepSpeed names it, e.g. ``layer_01``)."""
     return os.path.join(os.fspath(base_folder), f"{layer_id}-model_{tp_rank:02d}_model_states.pt")
+
+
+def rank_order(name: str) -> list[Any]:
+    """A sort key for a checkpoint's file names: digits compared as numbers, so rank 10's file sorts after
+    rank 2's (a plain sort puts it between 1 and 2, and the ranks' shards would be joined out of order)."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import glob
 import os
-import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -19,6 +18,7 @@ import torch
 from torch import nn
 
 from ...checkpoint.consolidate import consolidate, full_state_dict
+from ...checkpoint.utils import rank_order
 from ...checkpoint.deepspeed_format import DeepSpeedReader, deepspeed_directory
 
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint",
@@ -26,16 +26,10 @@ __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zer
            "get_model_state_files"]
 
 
-def _natural_key(path: str) -> list[Any]:
-    """Digits compared as numbers, so rank 10's file sorts after rank 2's (a plain sort puts it
-    between 1 and 2, and the ranks' shards would be joined out of order)."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path)]
-
-
 def get_checkpoint_files(checkpoint_dir: str | os.PathLike[str], glob_pattern: str) -> list[str]:
     """The files of ``checkpoint_dir`` matching ``glob_pattern``, in rank order; none is a
     ``FileNotFoundError`` naming the pattern and the directory."""
-    files = sorted(glob.glob(os.path.join(os.fspath(checkpoint_dir), glob_pattern)), key=_natural_key)
+    files = sorted(glob.glob(os.path.join(os.fspath(checkpoint_dir), glob_pattern)), key=rank_order)
     if not files:
         raise FileNotFoundError(f"no {glob_pattern} files in {os.fspath(checkpoint_dir)!r}")
     return files
