@@ -26,6 +26,11 @@ The implementations:
   one flat buffer the parameters are views of), with no communication at all (so the replicas drift
   apart: the floor is timed, not trained).  ``bf16``: bf16 parameters and gradients, the slice's fp32
   masters stepped and rounded back, as zeroshard's bf16 does;
+* ``floor_comm``: the floor plus the only collectives a sharded data-parallel step cannot do without,
+  neither overlapped nor bucketed: the flat gradients reduce-scattered into the rank's slice after
+  backward, and the updated slice all-gathered back in place (DDP's all-reduce moves the same bytes).
+  What it costs beyond the floor is the transport's own price for those bytes on this machine: with
+  one core per rank nothing can hide it, so an implementation at ``floor_comm`` adds nothing of its own;
 * ``fsdp2``: ``fully_shard`` per block, then the root (bench_memory.py's);
 * ``zeroshard_<s>`` for every ``--stages`` entry (or bench_memory.py's variants: ``2_overlap``, ...);
   ``3_chunkcopy``: stage 3 with every reduction in the bucket and the chunk copied out of it (without
@@ -77,21 +82,29 @@ from step_phases import BOUNDARY_SYNCS, Installed, PhaseClock  # noqa: E402
 from zeroshard.tools.demo.model import GPT, GPTConfig  # noqa: E402
 from zeroshard.tools.testing import run_world  # noqa: E402
 
-BASELINES = ("ddp", "floor", "fsdp2")
+# torch 2.13 names the flat reduce-scatter reduce_scatter_single; earlier versions reduce_scatter_tensor
+reduce_scatter = getattr(torch.distributed, "reduce_scatter_single", None) or torch.distributed.reduce_scatter_tensor
+BASELINES = ("ddp", "floor", "floor_comm", "fsdp2")
 DEFAULT_SIZE = {"fp32": "91m", "bf16": "23m"}
 OTHER_THREADS = "other threads of the rank (CPU only)"
 TARGETS = {"zeroshard_0": ("ddp", 1.00), "zeroshard_1": ("floor", 1.05), "zeroshard_2": ("floor", 1.05),
            "zeroshard_3": ("floor", 1.05)}
 
 
-def build_floor(model: GPT, rank: int, world: int, bf16: bool) -> Step:
-    """Forward, backward and fused AdamW over this rank's 1/N of the parameters; no communication."""
+def build_floor(model: GPT, rank: int, world: int, bf16: bool, communicate: bool = False) -> Step:
+    """Forward, backward and fused AdamW over this rank's 1/N of the parameters; no communication.
+
+    ``communicate`` (``floor_comm``): the same, plus the only collectives a sharded data-parallel step
+    cannot do without: the gradients reduce-scattered into the rank's slice after backward (one flat
+    buffer, nothing overlapped) and the updated slice all-gathered back into every replica."""
     if bf16:
         model.to(torch.bfloat16)
     params = list(model.parameters())
     numel = sum(p.numel() for p in params)
-    flat = torch.empty(numel, dtype=params[0].dtype, device=params[0].device)  # 1D: every parameter a view
-    grads = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
+    shard = -(-numel // world)
+    padded = shard * world  # every rank's slice the same length, as a reduce-scatter needs
+    flat = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)  # 1D: every parameter a view
+    grads = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
     offset = 0
     for p in params:
         n = p.numel()
@@ -99,14 +112,14 @@ def build_floor(model: GPT, rank: int, world: int, bf16: bool) -> Step:
         p.data = flat[offset: offset + n].view_as(p)
         p.grad = grads[offset: offset + n].view_as(p)  # autograd accumulates into it in place
         offset += n
-    shard = -(-numel // world)
-    start, end = min(rank * shard, numel), min((rank + 1) * shard, numel)
+    start, end = rank * shard, (rank + 1) * shard
+    reduced = torch.empty(shard, dtype=grads.dtype, device=grads.device) if communicate else grads[start:end]
     if bf16:  # fp32 masters of the slice, rounded back into the bf16 parameters after the update
         owned = torch.nn.Parameter(flat[start:end].float())
         owned.grad = torch.empty_like(owned)
     else:
         owned = torch.nn.Parameter(flat[start:end])  # shares flat's storage: updated in place
-        owned.grad = grads[start:end]
+        owned.grad = reduced
     opt = torch.optim.AdamW([owned], fused=True, **ADAMW)
 
     def step(x: torch.Tensor, y: torch.Tensor, mark: Callable[[str], None]) -> None:
@@ -114,13 +127,20 @@ def build_floor(model: GPT, rank: int, world: int, bf16: bool) -> Step:
         loss = model(x, y)
         mark("backward")
         loss.backward()
+        if communicate:
+            mark("reduce-scatter")
+            reduce_scatter(reduced, grads)
+            reduced.div_(world)
         mark("step")
         if bf16:
             assert owned.grad is not None
-            owned.grad.copy_(grads[start:end])
+            owned.grad.copy_(reduced)
         opt.step()
         if bf16:
             flat[start:end].copy_(owned.detach())
+        if communicate:
+            mark("all-gather")
+            torch.distributed.all_gather_into_tensor(flat, flat[start:end])  # in place: the slice is flat's own
         grads.zero_()  # as DDP's zero_grad(set_to_none=False)
     return step
 
@@ -131,8 +151,8 @@ def build_impl(impl: str, cfg: GPTConfig, rank: int, world: int, micro: int, pre
     model = GPT(cfg)  # built on the CPU: the same initial weights on every device
     if device.type != "cpu":
         model.to(device)
-    if impl == "floor":
-        return build_floor(model, rank, world, precision == "bf16")
+    if impl in ("floor", "floor_comm"):
+        return build_floor(model, rank, world, precision == "bf16", communicate=impl == "floor_comm")
     # a world of one issues the collectives of a larger one, as DDP does at one rank
     extra = {"collectives_in_a_world_of_one": True} if world == 1 else None
     step, _ = build(impl.removesuffix("_chunkcopy"), model, micro, precision, extra)
@@ -208,7 +228,7 @@ def summarise(impls: list[str], ranks: list[dict], rounds: int) -> dict[str, dic
         entry: dict[str, Any] = {"median_s": statistics.median(wall[impl]), "steps_s": wall[impl],
                                  "cpu_median_s": statistics.median(cpu[impl]), "cpu_s": cpu[impl],
                                  "thread_cpu_median_s": statistics.median(thread[impl]), "thread_cpu_s": thread[impl]}
-        for base in ("ddp", "floor"):
+        for base in ("ddp", "floor", "floor_comm"):
             if base in wall:
                 ratios = [m / d for m, d in zip(wall[impl], wall[base])]
                 cpu_ratios = [m / d for m, d in zip(cpu[impl], cpu[base])]
@@ -219,22 +239,24 @@ def summarise(impls: list[str], ranks: list[dict], rounds: int) -> dict[str, dic
 
 
 def print_table(results: dict[str, dict]) -> None:
-    print("| implementation | median step s | / DDP (min-max) | / floor (min-max) | CPU s/step | CPU / DDP | "
-          "CPU / floor | training thread CPU s | target |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    bases = [b for b in ("ddp", "floor", "floor_comm") if b in results]
+    names = {"ddp": "DDP", "floor": "floor", "floor_comm": "floor + comm"}
+    print("| implementation | median step s | " + " | ".join(f"/ {names[b]} (min-max)" for b in bases)
+          + " | CPU s/step | " + " | ".join(f"CPU / {names[b]}" for b in bases) + " | training thread CPU s | target |")
+    print("| --- |" + " --- |" * (2 * len(bases) + 4))
     for impl, r in results.items():
         cells = []
-        for base in ("ddp", "floor"):
+        for base in bases:
             v = r.get(f"vs_{base}")
             cells.append(f"{v['median']:.3f} ({v['min']:.3f}-{v['max']:.3f})" if v else "-")
-        cpu_cells = [f"{r[f'vs_{b}']['cpu_median']:.3f}" if f"vs_{b}" in r else "-" for b in ("ddp", "floor")]
+        cpu_cells = [f"{r[f'vs_{b}']['cpu_median']:.3f}" if f"vs_{b}" in r else "-" for b in bases]
         target = TARGETS.get(impl)
         verdict = ""
         if target and f"vs_{target[0]}" in r:
             verdict = f"<= {target[1]:.2f} x {target[0]}: " + ("met" if r[f"vs_{target[0]}"]["median"] <= target[1]
                                                              else "not met")
-        print(f"| {impl} | {r['median_s']:.3f} | {cells[0]} | {cells[1]} | {r['cpu_median_s']:.3f} | "
-              f"{cpu_cells[0]} | {cpu_cells[1]} | {r['thread_cpu_median_s']:.3f} | {verdict} |")
+        print(f"| {impl} | {r['median_s']:.3f} | " + " | ".join(cells) + f" | {r['cpu_median_s']:.3f} | "
+              + " | ".join(cpu_cells) + f" | {r['thread_cpu_median_s']:.3f} | {verdict} |")
 
 
 def merge_phases(ranks: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
