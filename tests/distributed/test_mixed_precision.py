@@ -305,13 +305,12 @@ def load_cases(world: int) -> list[Case]:
 #: the minimum-scale case ends its engine with an error: it goes last
 DEFAULT_CASES: dict[int, list[Case]] = {
     2: FOLLOW_CASES + OVERFLOW_CASES + [("scaler_checkpoint", {}), ("min_scale", {})],
-    3: FOLLOW_CASES + GRADIENT_DTYPE_CASES,
 }
-#: world 2 saves the checkpoint the others load
+#: world 2 saves the checkpoint the others load; world 3 (one world for all its cases) follows DDP too
 EXTENDED_CASES: dict[int, list[Case]] = {
     1: load_cases(1),
     2: memory_cases(2) + [("save_mixed", {})] + load_cases(2),
-    3: VARIANT_CASES + memory_cases(3) + load_cases(3),
+    3: FOLLOW_CASES + GRADIENT_DTYPE_CASES + VARIANT_CASES + memory_cases(3) + load_cases(3),
 }
 
 
@@ -322,11 +321,6 @@ def run_cases(world: int, cases: list[Case], directory) -> list[dict]:
 @pytest.fixture(scope="module")
 def default_world_2(tmp_path_factory) -> list[dict]:
     return run_cases(2, DEFAULT_CASES[2], tmp_path_factory.mktemp("default_world_2"))
-
-
-@pytest.fixture(scope="module")
-def default_world_3(tmp_path_factory) -> list[dict]:
-    return run_cases(3, DEFAULT_CASES[3], tmp_path_factory.mktemp("default_world_3"))
 
 
 @pytest.fixture(scope="module")
@@ -365,7 +359,8 @@ def check_follow(results: list[dict], world: int, cases: list[Case]) -> None:
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # world 3: extended (CI)
 def test_bf16_and_fp16_follow_fp32_ddp(world: int, request) -> None:
-    check_follow(request.getfixturevalue(f"default_world_{world}"), world, FOLLOW_CASES)
+    check_follow(request.getfixturevalue("default_world_2" if world == 2 else "extended_world_3"), world,
+                 FOLLOW_CASES)
 
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
@@ -441,13 +436,13 @@ def test_mixed_precision_memory_is_the_seed_formula(extended_world_2, extended_w
 
 
 @pytest.mark.slow  # extended (world 3): runs in CI (see conftest.py)
-def test_bf16_holds_bf16_gradients_without_accumulation_and_updates_as_fp32_ones(default_world_3) -> None:
+def test_bf16_holds_bf16_gradients_without_accumulation_and_updates_as_fp32_ones(extended_world_3) -> None:
     """With one micro step per optimizer step and a bf16 reduction, bf16 gradients hold exactly what fp32
     ones would (autograd's gradients are bf16, and so is what the ranks sum): the default keeps them in
     bf16, half the bytes, and three clipped steps at world 3 (padded chunks) end bitwise where fp32
     gradients end, at stages 1-3."""
     failures = CaseFailures()
-    for rank, rank_results in enumerate(default_world_3):
+    for rank, rank_results in enumerate(extended_world_3):
         for family, labels in GRADIENT_DTYPE_CASES:
             with failures.case(**labels, world=3, precision="bf16", rank=rank):
                 r = rank_results[key(family, **labels)]

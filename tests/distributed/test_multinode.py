@@ -70,13 +70,20 @@ def reference(steps: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
-def test_two_agents_as_two_nodes_train_as_one_process(tmp_path: Path) -> None:
+def test_two_agents_as_two_nodes_train_as_one_process_and_resume_from_node_local_checkpoints(tmp_path: Path) -> None:
     """Stage 3 (whose gathers cross the nodes too), the agents in two network namespaces joined by a veth
-    pair where namespaces can be made (root, `ip`), else both on the loopback interface."""
+    pair where namespaces can be made (root, `ip`), else both on the loopback interface.  The run saves
+    with checkpoint.use_node_local_storage before its last step, each "node" into a directory only it
+    uses; a new job resumes from them, each rank reading its own node's files, bitwise equal to the
+    uninterrupted run."""
     with two_namespaces(required=False) as nodes:
-        check_two_node_run(tmp_path, 3, run_two_agents(tmp_path, 3, nodes))
-    placements = [json.loads((tmp_path / f"placement{r}.json").read_text()) for r in range(4)]
-    assert all(p["sent"]["inside_node"] == 0 < p["sent"]["across_nodes"] for p in placements)  # groups span both
+        check_two_node_run(tmp_path, 3, run_two_agents(tmp_path, 3, nodes, mode="node_local_save"),
+                           mode="node_local_save")
+        placements = [json.loads((tmp_path / f"placement{r}.json").read_text()) for r in range(4)]
+        assert all(p["sent"]["inside_node"] == 0 < p["sent"]["across_nodes"] for p in placements)  # groups span both
+        for node, agent in enumerate(run_two_agents(tmp_path, 3, nodes, mode="node_local_resume")):
+            assert agent.returncode == 0, f"node_local_resume, agent {node}:\n{agent.stdout[-4000:]}"
+    check_node_local_checkpoints(tmp_path, 3)
 
 
 @pytest.mark.slow  # extended: runs in CI (see conftest.py)
@@ -135,9 +142,10 @@ def two_namespaces(required: bool = True) -> Iterator[Optional[list[Namespace]]]
             subprocess.run(["ip", "netns", "del", node.name], capture_output=True)
 
 
-def check_two_node_run(tmp_path: Path, stage: int, agents: list[subprocess.CompletedProcess]) -> None:
+def check_two_node_run(tmp_path: Path, stage: int, agents: list[subprocess.CompletedProcess],
+                       mode: str = "shared") -> None:
     for node, agent in enumerate(agents):
-        assert agent.returncode == 0, f"agent {node}:\n{agent.stdout[-4000:]}"
+        assert agent.returncode == 0, f"{mode}, agent {node}:\n{agent.stdout[-4000:]}"
     placements = [json.loads((tmp_path / f"placement{r}.json").read_text()) for r in range(4)]
     assert [p["world_size"] for p in placements] == [4] * 4
     assert sorted((p["group_rank"], p["local_rank"]) for p in placements) == [("0", 0), ("0", 1), ("1", 0), ("1", 1)]
@@ -147,23 +155,18 @@ def check_two_node_run(tmp_path: Path, stage: int, agents: list[subprocess.Compl
     logs = "".join(agent.stdout for agent in agents)
     assert sum(f"step {s + 1}: loss" in line for line in logs.splitlines() for s in range(STEPS)) == STEPS
     expected = reference(STEPS)
-    got = torch.load(tmp_path / "final_shared.pt")
+    got = torch.load(tmp_path / f"final_{mode}.pt")
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
-    saved = full_state_dict(tmp_path / "ckpt")
-    for name, value in got.items():
-        assert torch.equal(saved[name], value), name
+    if mode == "shared":
+        saved = full_state_dict(tmp_path / "ckpt")
+        for name, value in got.items():
+            assert torch.equal(saved[name], value), name
 
 
-@pytest.mark.slow  # extended: runs in CI (see conftest.py)
-@pytest.mark.parametrize("stage", [3])
-def test_node_local_checkpoints_resume_exactly_with_each_node_reading_only_its_own(stage: int,
-                                                                                  tmp_path: Path) -> None:
-    """checkpoint.use_node_local_storage: each "node" saves into a directory only it uses; a new job
-    resumes from them, each rank reading its own node's files, bitwise equal to the uninterrupted run."""
-    for mode in ("node_local_save", "node_local_resume"):
-        for node, agent in enumerate(run_two_agents(tmp_path, stage, mode=mode)):
-            assert agent.returncode == 0, f"{mode}, agent {node}:\n{agent.stdout[-4000:]}"
+def check_node_local_checkpoints(tmp_path: Path, stage: int) -> None:
+    """Each node's directory holds its own ranks' files and the same manifest; the resumed job's weights
+    are bitwise the uninterrupted run's; another world refuses the files by name."""
     tag = f"global_step{STEPS - 1}"
     held = [sorted(p.name for p in (tmp_path / f"node{n}" / tag).iterdir()) for n in range(2)]
     assert held[0] == ["manifest.json", "model_extra.safetensors", "rank00000.safetensors", "rank00001.safetensors"]

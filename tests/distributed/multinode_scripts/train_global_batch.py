@@ -40,7 +40,6 @@ def train(first: int, last: int) -> None:
             engine.step()
 
 
-sent: dict = {}
 if mode == "shared":
     train(0, steps)
     sent = engine.comm.bytes_sent_by_scope()  # the training steps' traffic
@@ -49,9 +48,11 @@ elif mode == "node_local_save":
     train(0, steps - 1)
     engine.save_checkpoint(node_dir)
     train(steps - 1, steps)
+    sent = engine.comm.bytes_sent_by_scope()  # the training steps' traffic and the save's agreement
 else:
     engine.load_checkpoint(node_dir)
     train(steps - 1, steps)
+    sent = engine.comm.bytes_sent_by_scope()
 layout = [[b.padded_numel, b.shard_numel] for b in engine.strategy.layout.buckets]  # trainable
 state = engine.full_state_dict()
 placement = {"rank": world.rank, "local_rank": world.local_rank, "local_world_size": os.environ["LOCAL_WORLD_SIZE"],
