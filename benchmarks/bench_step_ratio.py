@@ -79,11 +79,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_memory import ADAMW, SIZES, Step, batches, build  # noqa: E402
 from step_phases import BOUNDARY_SYNCS, Installed, PhaseClock  # noqa: E402
+from zeroshard.distributed.collectives import all_gather_1d, reduce_scatter_1d  # noqa: E402
 from zeroshard.tools.demo.model import GPT, GPTConfig  # noqa: E402
 from zeroshard.tools.testing import run_world  # noqa: E402
 
-# torch 2.13 names the flat reduce-scatter reduce_scatter_single; earlier versions reduce_scatter_tensor
-reduce_scatter = getattr(torch.distributed, "reduce_scatter_single", None) or torch.distributed.reduce_scatter_tensor
 BASELINES = ("ddp", "floor", "floor_comm", "fsdp2")
 DEFAULT_SIZE = {"fp32": "91m", "bf16": "23m"}
 OTHER_THREADS = "other threads of the rank (CPU only)"
@@ -129,7 +128,7 @@ def build_floor(model: GPT, rank: int, world: int, bf16: bool, communicate: bool
         loss.backward()
         if communicate:
             mark("reduce-scatter")
-            reduce_scatter(reduced, grads)
+            reduce_scatter_1d(reduced, grads)
             reduced.div_(world)
         mark("step")
         if bf16:
@@ -140,7 +139,7 @@ def build_floor(model: GPT, rank: int, world: int, bf16: bool, communicate: bool
             flat[start:end].copy_(owned.detach())
         if communicate:
             mark("all-gather")
-            torch.distributed.all_gather_into_tensor(flat, flat[start:end])  # in place: the slice is flat's own
+            all_gather_1d(flat, flat[start:end])  # in place: the slice is flat's own
         grads.zero_()  # as DDP's zero_grad(set_to_none=False)
     return step
 

@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from ..distributed.collectives import all_gather_1d, reduce_scatter_1d
 from ..distributed.launch_env import DEFAULT_PORT
 from ..distributed.world import DEFAULT_TIMEOUT_S, World
 from ..distributed.world import init_distributed as _join
@@ -94,7 +95,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any
 def all_gather_into_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, group: Any = None,
                            async_op: bool = False) -> Any:
     if is_initialized():
-        return dist.all_gather_into_tensor(output_tensor, tensor, group=group, async_op=async_op)
+        return all_gather_1d(output_tensor, tensor, group=group, async_op=async_op)
     output_tensor.copy_(tensor.reshape(output_tensor.shape))
     return None
 
@@ -102,7 +103,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, gr
 def reduce_scatter_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, op: Any = ReduceOp.SUM,
                           group: Any = None, async_op: bool = False) -> Any:
     if is_initialized():
-        return dist.reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op)
+        return reduce_scatter_1d(output_tensor, tensor, op=op, group=group, async_op=async_op)
     output_tensor.copy_(tensor.reshape(output_tensor.shape))
     return None
 

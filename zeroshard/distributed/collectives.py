@@ -41,8 +41,8 @@ from .world import World
 
 
 # torch 2.13 renamed the tensor forms of these collectives; keep working on the older releases too.
-_reduce_scatter_1d = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather_1d = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_1d = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_1d = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class CommScope(str, Enum):
@@ -291,7 +291,7 @@ class Collectives:
             chunk = full.numel() // self.world.world_size
             full[self.world.rank * chunk: (self.world.rank + 1) * chunk].copy_(own_input)
         return self._run(CommKind.REDUCE_SCATTER, label, counter,
-                         lambda: _reduce_scatter_1d(output, full, group=self.world.group, async_op=True),
+                         lambda: reduce_scatter_1d(output, full, group=self.world.group, async_op=True),
                          async_op, full)
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, label: str,
@@ -306,7 +306,7 @@ class Collectives:
                              lambda: self._driven(RingAllGather(self.world, full, shard, PIECE_BYTES)), async_op,
                              full)
         return self._run(CommKind.ALL_GATHER, label, counter,
-                         lambda: _all_gather_1d(full, shard, group=self.world.group, async_op=True),
+                         lambda: all_gather_1d(full, shard, group=self.world.group, async_op=True),
                          async_op, full)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, label: str) -> None:
@@ -386,7 +386,7 @@ class Collectives:
         if not self.world.is_distributed:
             full.copy_(row)
         return self._run(CommKind.ALL_GATHER, label, counter,
-                         lambda: _all_gather_1d(full, row, group=self.world.group, async_op=True), async_op, full)
+                         lambda: all_gather_1d(full, row, group=self.world.group, async_op=True), async_op, full)
 
     def _driven(self, ring: Ring) -> DrivenRing:
         """A launched ring, carried forward on the progress thread (see [Note: rings progress on their
