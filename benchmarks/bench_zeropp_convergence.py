@@ -70,6 +70,8 @@ def worker(key: str, steps: int, out: str, size: str) -> None:
             engine.step()
             total += float(loss.detach()) / ACCUM
         losses.append(total)
+        if rank == 0 and (step + 1) % 25 == 0:  # how far a long run is, while it runs
+            Path(out).with_suffix(".progress").write_text(f"step {step + 1} of {steps}: loss {total:.4f}\n")
     seconds = time.perf_counter() - start
     every: list[list[float]] = [[] for _ in range(world)]
     dist.all_gather_object(every, losses)
@@ -98,7 +100,8 @@ def main() -> None:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         for key in args.configs:
             runs[CONFIGS[key].name] = run_agents(Path(__file__), ["--worker", key, "--steps", str(args.steps),
-                                                                  "--size", args.size], nodes, tmp)
+                                                                  "--size", args.size], nodes, tmp,
+                                                       timeout=24 * 3600)  # a long run's agents are not stuck
             print(CONFIGS[key].name, f"{runs[CONFIGS[key].name]['seconds']:.0f} s", flush=True)
     names = list(runs)
     base = names[0]
