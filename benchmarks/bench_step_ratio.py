@@ -26,11 +26,12 @@ The implementations:
   one flat buffer the parameters are views of), with no communication at all (so the replicas drift
   apart: the floor is timed, not trained).  ``bf16``: bf16 parameters and gradients, the slice's fp32
   masters stepped and rounded back, as zeroshard's bf16 does;
-* ``floor_comm``: the floor plus the only collectives a sharded data-parallel step cannot do without,
-  neither overlapped nor bucketed: the flat gradients reduce-scattered into the rank's slice after
-  backward, and the updated slice all-gathered back in place (DDP's all-reduce moves the same bytes).
-  What it costs beyond the floor is the transport's own price for those bytes on this machine: with
-  one core per rank nothing can hide it, so an implementation at ``floor_comm`` adds nothing of its own;
+* ``floor_comm``: the floor plus the bytes a sharded data-parallel step cannot avoid moving (its
+  reduce-scatter and all-gather together: one all-reduce of the gradients, in ring arithmetic), moved by
+  gloo's fastest collective, its all-reduce, in DDP's 25 MB buckets after backward, nothing overlapped
+  (gloo's own reduce-scatter and all-gather of one flat buffer cost about three times its CPU: [Note:
+  gloo's collectives as rings] in zeroshard/distributed/ring.py).  With one core per rank nothing hides
+  the transport's CPU, so what ``floor_comm`` adds to the floor is its price on this machine;
 * ``fsdp2``: ``fully_shard`` per block, then the root (bench_memory.py's);
 * ``zeroshard_<s>`` for every ``--stages`` entry (or bench_memory.py's variants: ``2_overlap``, ...);
   ``3_chunkcopy``: stage 3 with every reduction in the bucket and the chunk copied out of it (without
@@ -79,10 +80,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_memory import ADAMW, SIZES, Step, batches, build  # noqa: E402
 from step_phases import BOUNDARY_SYNCS, Installed, PhaseClock  # noqa: E402
-from zeroshard.distributed.collectives import all_gather_1d, reduce_scatter_1d  # noqa: E402
 from zeroshard.tools.demo.model import GPT, GPTConfig  # noqa: E402
 from zeroshard.tools.testing import run_world  # noqa: E402
 
+DDP_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb default
 BASELINES = ("ddp", "floor", "floor_comm", "fsdp2")
 DEFAULT_SIZE = {"fp32": "91m", "bf16": "23m"}
 OTHER_THREADS = "other threads of the rank (CPU only)"
@@ -93,9 +94,8 @@ TARGETS = {"zeroshard_0": ("ddp", 1.00), "zeroshard_1": ("floor", 1.05), "zerosh
 def build_floor(model: GPT, rank: int, world: int, bf16: bool, communicate: bool = False) -> Step:
     """Forward, backward and fused AdamW over this rank's 1/N of the parameters; no communication.
 
-    ``communicate`` (``floor_comm``): the same, plus the only collectives a sharded data-parallel step
-    cannot do without: the gradients reduce-scattered into the rank's slice after backward (one flat
-    buffer, nothing overlapped) and the updated slice all-gathered back into every replica."""
+    ``communicate`` (``floor_comm``): the same, plus the gradients all-reduced after backward in DDP's
+    25 MB buckets, the bytes of a reduce-scatter and an all-gather together (see the module's docstring)."""
     if bf16:
         model.to(torch.bfloat16)
     params = list(model.parameters())
@@ -112,13 +112,13 @@ def build_floor(model: GPT, rank: int, world: int, bf16: bool, communicate: bool
         p.grad = grads[offset: offset + n].view_as(p)  # autograd accumulates into it in place
         offset += n
     start, end = rank * shard, (rank + 1) * shard
-    reduced = torch.empty(shard, dtype=grads.dtype, device=grads.device) if communicate else grads[start:end]
+    bucket = DDP_BUCKET_BYTES // grads.element_size()
     if bf16:  # fp32 masters of the slice, rounded back into the bf16 parameters after the update
         owned = torch.nn.Parameter(flat[start:end].float())
         owned.grad = torch.empty_like(owned)
     else:
         owned = torch.nn.Parameter(flat[start:end])  # shares flat's storage: updated in place
-        owned.grad = reduced
+        owned.grad = grads[start:end]
     opt = torch.optim.AdamW([owned], fused=True, **ADAMW)
 
     def step(x: torch.Tensor, y: torch.Tensor, mark: Callable[[str], None]) -> None:
@@ -127,19 +127,17 @@ def build_floor(model: GPT, rank: int, world: int, bf16: bool, communicate: bool
         mark("backward")
         loss.backward()
         if communicate:
-            mark("reduce-scatter")
-            reduce_scatter_1d(reduced, grads)
-            reduced.div_(world)
+            mark("all-reduce")
+            for first in range(0, padded, bucket):
+                torch.distributed.all_reduce(grads[first: first + bucket])
+            grads[start:end].div_(world)
         mark("step")
         if bf16:
             assert owned.grad is not None
-            owned.grad.copy_(reduced)
+            owned.grad.copy_(grads[start:end])
         opt.step()
         if bf16:
             flat[start:end].copy_(owned.detach())
-        if communicate:
-            mark("all-gather")
-            all_gather_1d(flat, flat[start:end])  # in place: the slice is flat's own
         grads.zero_()  # as DDP's zero_grad(set_to_none=False)
     return step
 
